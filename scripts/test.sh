@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Installs what is needed (scripts/setup.sh), builds everything, and runs the whole test suite.
+# This is the README's test command and what CI runs (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${1:-build}
+bash scripts/setup.sh "$build_dir"
+export CCACHE_DIR=${CCACHE_DIR:-$HOME/.ccache}
+ninja -C "$build_dir"
+meson test -C "$build_dir" --print-errorlogs --num-processes 2

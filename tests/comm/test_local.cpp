@@ -1,0 +1,20 @@
+#include <loom/comm/local.hpp>
+
+TEST_CASE("LocalCommunicator: collectives are the identity and check their tensors") {
+  loom::LocalCommunicator comm;
+  CHECK(comm.rank() == 0);
+  CHECK(comm.world_size() == 1);
+  auto t = torch::tensor({1.5, -2.0});
+  comm.all_reduce(t, loom::ReduceOp::avg);
+  CHECK(t[0].item<double>() == 1.5);
+  CHECK(t[1].item<double>() == -2.0);
+  auto g = comm.all_gather(t);
+  REQUIRE(g.size() == 1);
+  CHECK(torch::equal(g[0], t));
+  auto nc = torch::zeros({3, 4}).t();
+  CHECK_THROWS_AS(comm.all_reduce(nc, loom::ReduceOp::sum), loom::InvalidArgument);
+  auto b = torch::zeros({2}, torch::kBool);
+  CHECK_THROWS_WITH_AS(comm.all_reduce(b, loom::ReduceOp::sum),
+                       doctest::Contains("unsupported dtype Bool"), loom::InvalidArgument);
+  CHECK_THROWS_AS(comm.broadcast(t, 1), loom::InvalidArgument);
+}
