@@ -1,0 +1,37 @@
+// loom/collate/batch.hpp — Batch: what a collator emits and a training step consumes.
+//
+// Example:
+//   loom::Batch b = ...;                      // from a collator or the scheduler
+//   auto out  = model->forward(b.data);       // b.data: N x C x H x W (images) or N x L (tokens)
+//   auto loss = torch::nn::functional::cross_entropy(out, b.targets,
+//                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+//   accumulator.add(b.num_samples);           // weight by real samples, not batches
+//
+// Shape: `data` is N x (sample shape); for padded buckets the sample shape is the bucket's padded
+//        shape and `mask` (same shape as `data`, dtype bool, true = real element) says which
+//        elements are real. `targets` is N x (target shape) (int64 class ids: shape N), or
+//        undefined when the samples have no target. `indices` has N entries: the dataset index of
+//        each row of `data`, in row order. `num_samples` == N == indices.size().
+// Weight: `weight` is 1 for an ordinary batch and 0 for a batch a distributed batch sampler
+//        repeated only so every rank runs the same number of steps (its samples were already
+//        counted elsewhere; multiply the loss by it, or skip it in metrics).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace loom {
+
+/// A collated batch of N samples. See the file comment for shapes and dtypes.
+struct Batch {
+  at::Tensor data;                ///< N x (sample shape); dtype of the samples
+  at::Tensor targets;             ///< N x (target shape), or undefined
+  at::Tensor mask;                ///< like data, bool, true = real element; undefined unless padded
+  std::vector<int64_t> indices;   ///< dataset index of each row, in row order (size N)
+  int64_t num_samples = 0;        ///< N, in samples
+  double weight = 1.0;            ///< 1 = counts; 0 = a repeated (padding) batch that must not count
+};
+
+}  // namespace loom
