@@ -1,0 +1,673 @@
+// loom/comm/nccl.hpp — NcclCommunicator: the GPU process group (NCCL), a model of
+// loom::AsyncCommunicator.
+//
+// One NcclCommunicator per process and GPU. Ranks meet through a c10d::Store (the TCPStore the
+// Gloo path uses, or any other): rank 0 creates the ncclUniqueId and publishes it, the others
+// read it, and every rank calls ncclCommInitRankConfig. Collectives run on one CUDA stream per
+// communicator (its own, or the caller's), ordered after the work that produced their input,
+// and complete through CUDA events; wait() polls the event and ncclCommGetAsyncError until the
+// timeout, then aborts the communicator (ncclCommAbort) and throws loom::TimeoutError naming the
+// collective and the rank, so a dead peer never hangs the process.
+//
+// Example:
+//   auto env = loom::Environment::from_env();                        // RANK, WORLD_SIZE, ...
+//   c10d::TCPStore store(env.master_addr, {...});                     // or loom's rendezvous
+//   loom::NcclCommunicator comm(store, env.rank, env.world_size,
+//                               {.device = env.local_rank, .timeout = std::chrono::seconds(60)});
+//   comm.all_reduce(grad, loom::ReduceOp::avg);                       // grad: a CUDA tensor
+//   // without a CUDA LibTorch: raw device pointers, count, dtype and the producing stream
+//   comm.all_reduce(ptr, n, at::kFloat, loom::ReduceOp::sum, my_stream);
+//
+// Shape: collectives take dense contiguous tensors (or buffers) of float32, float64, bfloat16,
+//        float16, int32 or int64 on the communicator's device; all_gather returns world_size()
+//        tensors of the input's shape.
+// Units: counts are elements (not bytes); timeouts are std::chrono::milliseconds.
+// Throws: loom::InvalidArgument (CPU tensor or a tensor on another GPU, naming its device;
+//         bad dtype, rank, root); loom::NcclError (a CommError) naming the NCCL call, file:line,
+//         the code's text, ncclGetLastError, the NCCL version, rank and world size;
+//         loom::CudaError from CUDA calls; loom::TimeoutError from init, waits and finalize.
+// Source: the ncclUniqueId-through-a-store rendezvous, stream/event completion, non-blocking
+//         init and abort-on-timeout of torch.distributed's ProcessGroupNCCL (NCCLUtils.hpp),
+//         written on NCCL's public API (docs.nvidia.com/deeplearning/nccl, "Fault tolerance").
+#pragma once
+
+#include <loom/config.hpp>
+
+#if !LOOM_HAS_NCCL
+#error "loom/comm/nccl.hpp needs NCCL and the CUDA runtime, but this build has LOOM_HAS_NCCL=0: install NCCL (nccl.h and libnccl under the CUDA toolkit, or pass -Dnccl_dir=<root>) and reconfigure; for CPU training use loom/comm/gloo.hpp or loom/comm/local.hpp."
+#endif
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <nccl.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <loom/comm/communicator.hpp>
+#include <loom/cuda/buffer.hpp>
+#include <loom/cuda/device.hpp>
+#include <loom/cuda/error.hpp>
+#include <loom/cuda/stream.hpp>
+
+#if LOOM_TORCH_HAS_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace loom {
+
+/// An NCCL call failed. `code()` is its ncclResult_t; `what()` says which call, where, and why.
+class NcclError : public CommError {
+ public:
+  NcclError(ncclResult_t code, const std::string& message) : CommError(message), code_(code) {}
+  [[nodiscard]] ncclResult_t code() const noexcept { return code_; }
+
+ private:
+  ncclResult_t code_;
+};
+
+/// Options of an NcclCommunicator; an aggregate used with designated initializers.
+///
+/// Example: `loom::NcclOptions{.device = local_rank, .timeout = std::chrono::seconds(60)}`
+struct NcclOptions {
+  /// CUDA device ordinal of this rank; -1: the calling thread's current device.
+  int device = -1;
+  /// Bound on init, every wait(), finalize() and the unique-id exchange.
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+  /// Stream the collectives run on; nullptr: the communicator creates its own non-blocking
+  /// stream. A caller's stream must live on `device` and outlive the communicator.
+  cudaStream_t stream = nullptr;
+  /// Non-blocking NCCL communicator (ncclConfig_t::blocking = 0): init, enqueue and finalize
+  /// return at once and are polled, so each of them can time out. true: NCCL's blocking mode
+  /// (init and connection setup cannot be interrupted).
+  bool nonblocking = true;
+  /// Store key prefix of the unique id; communicators created in the same order on every rank
+  /// get distinct keys "<prefix>/<n>/unique_id" (n counts communicators in this process).
+  std::string store_prefix = "loom/nccl";
+  /// Name shown in NCCL's logs (ncclConfig_t::commName); empty: none.
+  std::string name;
+  /// Sleep between polls once a wait has spun for a while.
+  std::chrono::microseconds poll_interval{50};
+};
+
+namespace detail {
+
+/// Where an NCCL call ran, for messages (-1: unknown).
+struct NcclSite {
+  int rank = -1;
+  int world_size = -1;
+  int device = -1;
+};
+
+/// "ncclInvalidUsage" etc.: the enumerator's name of an ncclResult_t.
+constexpr std::string_view nccl_result_name(ncclResult_t r) noexcept {
+  switch (r) {
+    case ncclSuccess: return "ncclSuccess";
+    case ncclUnhandledCudaError: return "ncclUnhandledCudaError";
+    case ncclSystemError: return "ncclSystemError";
+    case ncclInternalError: return "ncclInternalError";
+    case ncclInvalidArgument: return "ncclInvalidArgument";
+    case ncclInvalidUsage: return "ncclInvalidUsage";
+    case ncclRemoteError: return "ncclRemoteError";
+    case ncclInProgress: return "ncclInProgress";
+    default: return "ncclResult?";
+  }
+}
+
+/// "2.28.9" from an NCCL version code (ncclGetVersion / NCCL_VERSION_CODE); both encodings.
+inline std::string nccl_version_text(int code) {
+  if (code >= 10000) return fmt::format("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100);
+  return fmt::format("{}.{}.{}", code / 1000, (code % 1000) / 100, code % 100);
+}
+
+/// The NCCL library's version ("2.28.9"), or the header's when the library cannot say.
+inline std::string nccl_runtime_version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess || v == 0) v = NCCL_VERSION_CODE;
+  return nccl_version_text(v);
+}
+
+/// The message of a failed NCCL call. Pure (testable without a GPU): `last_error` is what
+/// ncclGetLastError said, `version` the NCCL version text.
+inline std::string format_nccl_error(ncclResult_t code, std::string_view call, std::string_view file, int line,
+                                     std::string_view last_error, std::string_view version, const NcclSite& site) {
+  std::string msg = fmt::format("NCCL call {} failed at {}:{}: {} ({})", call, cuda::detail::short_file(file), line,
+                                nccl_result_name(code), ncclGetErrorString(code));
+  if (!last_error.empty()) msg += fmt::format("; NCCL says: {}", last_error);
+  msg += fmt::format("; NCCL {}", version);
+  if (site.rank >= 0) msg += fmt::format(", rank {} of {}", site.rank, site.world_size);
+  if (site.device >= 0) msg += fmt::format(", device {}", site.device);
+  if (code == ncclUnhandledCudaError || code == ncclSystemError || code == ncclInternalError)
+    msg += "; run with NCCL_DEBUG=WARN (or INFO) for NCCL's own log";
+  return msg;
+}
+
+/// Throws loom::NcclError for `code` with the live NCCL state (last error of `comm`, version).
+[[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file, int line,
+                                          ncclComm_t comm, const NcclSite& site) {
+  const char* last = ncclGetLastError(comm);
+  throw NcclError(code, format_nccl_error(code, call, file, line, last != nullptr ? last : "", nccl_runtime_version(), site));
+}
+
+/// The NCCL data type of a loom-supported dtype. Throws loom::InvalidArgument for the others.
+inline ncclDataType_t to_nccl_dtype(c10::ScalarType dtype, std::string_view collective) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return ncclFloat32;
+    case c10::ScalarType::Double: return ncclFloat64;
+    case c10::ScalarType::BFloat16: return ncclBfloat16;
+    case c10::ScalarType::Half: return ncclFloat16;
+    case c10::ScalarType::Int: return ncclInt32;
+    case c10::ScalarType::Long: return ncclInt64;
+    default:
+      throw InvalidArgument(fmt::format("{}: unsupported dtype {} for NCCL (supported: float32, float64, bfloat16, float16, int32, int64)",
+                                        collective, c10::toString(dtype)));
+  }
+}
+
+/// The NCCL reduction of a loom ReduceOp (avg is ncclAvg: sum / world size, on the GPU).
+constexpr ncclRedOp_t to_nccl_op(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::min: return ncclMin;
+    case ReduceOp::max: return ncclMax;
+  }
+  return ncclSum;
+}
+
+/// The unique id as store bytes (NCCL_UNIQUE_ID_BYTES of them).
+inline std::vector<uint8_t> unique_id_bytes(const ncclUniqueId& id) {
+  const auto* p = reinterpret_cast<const uint8_t*>(id.internal);
+  return {p, p + NCCL_UNIQUE_ID_BYTES};
+}
+
+/// The unique id from store bytes; loom::CommError naming `key` if the size is wrong.
+inline ncclUniqueId unique_id_from_bytes(const std::vector<uint8_t>& bytes, std::string_view key) {
+  if (bytes.size() != NCCL_UNIQUE_ID_BYTES)
+    throw CommError(fmt::format("NCCL unique id at store key '{}' has {} bytes, expected {} (is another program using this key?)",
+                                key, bytes.size(), NCCL_UNIQUE_ID_BYTES));
+  ncclUniqueId id{};
+  std::copy(bytes.begin(), bytes.end(), reinterpret_cast<uint8_t*>(id.internal));
+  return id;
+}
+
+/// Rank 0 publishes `id` at `key`.
+inline void publish_unique_id(c10d::Store& store, const std::string& key, const ncclUniqueId& id) {
+  store.set(key, unique_id_bytes(id));
+}
+
+/// Waits up to `timeout` for `key` and reads the unique id. loom::TimeoutError ("nccl_unique_id",
+/// naming the key and rank) when rank 0 never published it.
+inline ncclUniqueId fetch_unique_id(c10d::Store& store, const std::string& key, int rank, std::chrono::milliseconds timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    store.wait({key}, timeout);
+  } catch (const std::exception& e) {
+    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+    throw TimeoutError("nccl_unique_id", rank, waited.count(),
+                       fmt::format("rank 0 did not publish store key '{}' (store says: {})", key, e.what()));
+  }
+  return unique_id_from_bytes(store.get(key), key);
+}
+
+/// Per-process count of NcclCommunicators created, so that the n-th communicator uses the same
+/// store key on every rank (ranks create communicators in the same order).
+inline std::atomic<std::uint64_t>& nccl_comm_sequence() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n;
+}
+
+/// Shared state of a communicator and its work handles (a handle may outlive the communicator
+/// object; the NCCL communicator lives until the last of them is gone).
+struct NcclState {
+  ncclComm_t comm = nullptr;
+  NcclSite site;
+  std::chrono::milliseconds timeout{};
+  std::chrono::microseconds poll_interval{};
+  std::optional<cuda::Stream> stream;
+  std::optional<cuda::Event> ready;       // re-recorded on the producer stream before each collective
+  std::optional<cuda::DeviceBuffer> barrier_word;
+  std::string name;                       // kept alive for ncclConfig_t::commName
+  enum class Phase { live, finalized, destroyed, aborted } phase = Phase::live;
+  std::string abort_reason;
+
+  NcclState() = default;
+  NcclState(const NcclState&) = delete;
+  NcclState& operator=(const NcclState&) = delete;
+
+  /// Throws loom::NcclError for a failed call; for ncclInProgress (non-blocking communicator)
+  /// polls ncclCommGetAsyncError until the call completed, failed, or `deadline` passed (then
+  /// aborts and throws loom::TimeoutError naming `what`).
+  void check(ncclResult_t rc, const char* call, const char* file, int line, std::string_view what,
+             std::chrono::steady_clock::time_point start) {
+    if (rc == ncclSuccess) return;
+    if (rc != ncclInProgress) fail(rc, call, file, line);
+    const auto deadline = start + timeout;
+    for (int spins = 0;; ++spins) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+      if (q != ncclSuccess) fail(q, "ncclCommGetAsyncError(comm, &state)", file, line);
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) fail(state, call, file, line);
+      if (std::chrono::steady_clock::now() > deadline) time_out(what, start, fmt::format("{} still in progress", call));
+      pause(spins);
+    }
+  }
+
+  /// Aborts (if still possible) and throws NcclError for `rc`.
+  [[noreturn]] void fail(ncclResult_t rc, const char* call, const char* file, int line) {
+    const char* last = comm != nullptr ? ncclGetLastError(comm) : nullptr;
+    std::string message = format_nccl_error(rc, call, file, line, last != nullptr ? last : "", nccl_runtime_version(), site);
+    abort(message);
+    throw NcclError(rc, message + "; the communicator was aborted");
+  }
+
+  /// Aborts and throws TimeoutError for `what` started at `start`.
+  [[noreturn]] void time_out(std::string_view what, std::chrono::steady_clock::time_point start, const std::string& detail) {
+    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+    std::string d = fmt::format("{}; timeout {} ms, world size {}, device {}; the NCCL communicator was aborted (create a new one to continue)",
+                                detail, timeout.count(), site.world_size, site.device);
+    abort(fmt::format("{} timed out after {:.3f} s", what, waited.count()));
+    throw TimeoutError(std::string(what), site.rank, waited.count(), d);
+  }
+
+  /// Polls `done` until it completes; between polls checks the communicator's async error and
+  /// the deadline `start + timeout`.
+  void wait_event(const cuda::Event& done, std::string_view what, std::chrono::steady_clock::time_point start) {
+    const auto deadline = start + timeout;
+    for (int spins = 0;; ++spins) {
+      if (done.query()) return;
+      if (phase == Phase::aborted)
+        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted while this collective was pending ({})",
+                                    what, site.rank, abort_reason));
+      if (comm != nullptr && phase == Phase::live) {
+        ncclResult_t state = ncclSuccess;
+        const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+        if (q != ncclSuccess) fail(q, "ncclCommGetAsyncError(comm, &state)", __FILE__, __LINE__);
+        if (state != ncclSuccess && state != ncclInProgress)
+          fail(state, "<asynchronous error of the communicator>", __FILE__, __LINE__);
+      }
+      if (std::chrono::steady_clock::now() > deadline) time_out(what, start, "its CUDA event did not complete");
+      pause(spins);
+    }
+  }
+
+  void pause(int spins) const {
+    if (spins < 64) std::this_thread::yield();
+    else std::this_thread::sleep_for(poll_interval);
+  }
+
+  /// Throws loom::CommError when the communicator can no longer run collectives.
+  void ensure_live(std::string_view what) const {
+    switch (phase) {
+      case Phase::live: return;
+      case Phase::aborted:
+        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted earlier ({})", what, site.rank, abort_reason));
+      case Phase::finalized:
+      case Phase::destroyed:
+        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was finalized/destroyed", what, site.rank));
+    }
+  }
+
+  /// ncclCommAbort: stops outstanding work, frees resources, never blocks on peers.
+  void abort(std::string reason) noexcept {
+    if (comm != nullptr && phase != Phase::destroyed) (void)ncclCommAbort(comm);
+    comm = nullptr;
+    phase = Phase::aborted;
+    abort_reason = std::move(reason);
+  }
+
+  /// ncclCommFinalize, polled up to the timeout (then abort + TimeoutError "nccl_finalize").
+  void finalize() {
+    if (phase == Phase::finalized) return;
+    ensure_live("finalize");
+    const auto start = std::chrono::steady_clock::now();
+    cuda::DeviceGuard on(site.device);
+    check(ncclCommFinalize(comm), "ncclCommFinalize(comm)", __FILE__, __LINE__, "nccl_finalize", start);
+    phase = Phase::finalized;
+  }
+
+  /// ncclCommDestroy after finalize() (so destroy never waits on peers without a bound).
+  void destroy() {
+    if (phase == Phase::destroyed || (phase == Phase::aborted && comm == nullptr)) return;
+    finalize();
+    cuda::DeviceGuard on(site.device);
+    const ncclResult_t rc = ncclCommDestroy(comm);
+    comm = nullptr;
+    phase = Phase::destroyed;
+    if (rc != ncclSuccess) throw_nccl_error(rc, "ncclCommDestroy(comm)", __FILE__, __LINE__, nullptr, site);
+  }
+
+  ~NcclState() {
+    if (comm == nullptr) return;
+    if (std::uncaught_exceptions() > 0) {  // unwinding from a failure: peers may be gone
+      abort("destroyed during exception unwinding");
+      return;
+    }
+    try {
+      destroy();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "loom: warning: NcclCommunicator teardown on rank %d failed (%s); aborted instead\n", site.rank, e.what());
+      abort(e.what());
+    }
+  }
+};
+
+}  // namespace detail
+
+/// The handle of an asynchronous NCCL collective; models loom::WorkHandle. Move-only.
+///
+/// Example:
+///   auto work = comm.all_reduce_async(bucket, loom::ReduceOp::sum);
+///   ...                       // more backward work on the compute stream
+///   work.wait();              // host waits (bounded by comm.timeout())
+///
+/// Throws (wait): loom::TimeoutError naming the collective, rank and seconds waited (the
+/// communicator is aborted first); loom::NcclError for an asynchronous NCCL failure.
+class NcclWork {
+ public:
+  NcclWork(std::shared_ptr<detail::NcclState> state, cuda::Event done, std::string_view collective,
+           std::chrono::steady_clock::time_point start, at::Tensor keep_alive = {})
+      : state_(std::move(state)), done_(std::move(done)), collective_(collective), start_(start), keep_(std::move(keep_alive)) {}
+  /// Moves leave the source empty: it may only be destroyed or assigned to.
+  NcclWork(NcclWork&&) noexcept = default;
+  NcclWork& operator=(NcclWork&&) noexcept = default;
+  NcclWork(const NcclWork&) = delete;
+  NcclWork& operator=(const NcclWork&) = delete;
+
+  /// Blocks the host until the collective finished, at most the communicator's timeout after it
+  /// was issued; then aborts the communicator and throws loom::TimeoutError.
+  void wait() {
+    if (finished_) return;
+    state_->wait_event(done_, collective_, start_);
+    finished_ = true;
+    keep_ = at::Tensor();
+  }
+  /// Whether the collective has finished (no blocking).
+  [[nodiscard]] bool is_completed() const { return finished_ || done_.query(); }
+  /// Makes `stream` wait for the collective on the GPU; the host does not block (no timeout:
+  /// call wait() or is_completed() somewhere to notice a hang).
+  void block(cudaStream_t stream) const { done_.block(stream); }
+  /// Name of the collective ("all_reduce", ...).
+  [[nodiscard]] std::string_view collective() const noexcept { return collective_; }
+  /// The completion event (recorded on the communicator's stream).
+  [[nodiscard]] const cuda::Event& event() const noexcept { return done_; }
+
+ private:
+  std::shared_ptr<detail::NcclState> state_;
+  cuda::Event done_;
+  std::string collective_;
+  std::chrono::steady_clock::time_point start_;
+  at::Tensor keep_;  // the buffer the collective reads/writes, alive until it finished
+  bool finished_ = false;
+};
+
+/// A process group of one GPU per rank over NCCL. Models loom::AsyncCommunicator. Move-only.
+///
+/// Lifecycle: usable after construction; abort() stops it at once (outstanding collectives are
+/// cancelled, peers see an error); finalize() waits (bounded) for outstanding collectives;
+/// destroy() finalizes then frees the NCCL communicator. The destructor does destroy() (abort()
+/// when an exception is in flight or destroy fails) and never throws.
+///
+/// Example: see the file comment.
+/// Throws: see the file comment.
+class NcclCommunicator {
+ public:
+  /// Joins the group `rank` of `world_size` through `store` (the unique id is exchanged there).
+  NcclCommunicator(c10d::Store& store, int rank, int world_size, NcclOptions options = {})
+      : NcclCommunicator(exchange_id(store, rank, world_size, options), rank, world_size, options) {}
+
+  /// Joins the group with a unique id the caller distributed itself (e.g. over MPI).
+  NcclCommunicator(const ncclUniqueId& id, int rank, int world_size, NcclOptions options = {})
+      : state_(std::make_shared<detail::NcclState>()) {
+    check_rank(rank, world_size);
+    auto& s = *state_;
+    s.site = {rank, world_size, options.device >= 0 ? options.device : cuda::current_device()};
+    s.timeout = options.timeout;
+    s.poll_interval = options.poll_interval;
+    s.name = options.name;
+    cuda::DeviceGuard on(s.site.device);
+    s.stream = options.stream != nullptr ? cuda::Stream::borrow(options.stream, s.site.device)
+                                         : cuda::Stream::create(s.site.device);
+    s.ready.emplace(s.site.device);
+
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = options.nonblocking ? 0 : 1;
+    if (!s.name.empty()) config.commName = s.name.c_str();
+    const auto start = std::chrono::steady_clock::now();
+    const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, world_size, id, rank, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress && s.comm == nullptr)
+      detail::throw_nccl_error(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, nullptr, s.site);
+    s.check(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, "nccl_init", start);
+  }
+
+  NcclCommunicator(NcclCommunicator&&) noexcept = default;
+  NcclCommunicator& operator=(NcclCommunicator&&) noexcept = default;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+  ~NcclCommunicator() = default;  // NcclState's destructor tears the communicator down
+
+  [[nodiscard]] int rank() const noexcept { return state_->site.rank; }
+  [[nodiscard]] int world_size() const noexcept { return state_->site.world_size; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return state_->timeout; }
+  /// The CUDA device of this rank.
+  [[nodiscard]] int device() const noexcept { return state_->site.device; }
+  /// The stream the collectives run on.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return state_->stream->get(); }
+  /// The raw NCCL communicator (nullptr after abort/destroy), for calls loom does not wrap.
+  [[nodiscard]] ncclComm_t native_handle() const noexcept { return state_->comm; }
+  /// True after abort() or after a timeout/failure aborted the communicator.
+  [[nodiscard]] bool aborted() const noexcept { return state_->phase == detail::NcclState::Phase::aborted; }
+
+  // ---- tensors (CUDA tensors of a LibTorch built with CUDA) ---------------------------------
+
+  /// In place; blocks until done (bounded by timeout()).
+  void all_reduce(at::Tensor& t, ReduceOp op) { all_reduce_async(t, op).wait(); }
+
+  /// Starts an in-place all-reduce of `t` after the work queued so far on LibTorch's current
+  /// stream of t's device; `t` must stay alive and unmodified until wait() returned.
+  NcclWork all_reduce_async(at::Tensor& t, ReduceOp op) {
+    check_tensor(t, "all_reduce");
+    NcclWork w = all_reduce_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), op, producer_stream(t), t);
+    record_use(t);
+    return w;
+  }
+
+  /// In place: every rank ends with root's `t`. Blocks until done.
+  void broadcast(at::Tensor& t, int root) {
+    check_tensor(t, "broadcast");
+    detail::check_root(root, world_size(), "broadcast");
+    NcclWork w = broadcast_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), root, producer_stream(t), t);
+    record_use(t);
+    w.wait();
+  }
+
+  /// world_size() tensors, entry r = rank r's `t`; views into one new buffer. Blocks until done.
+  [[nodiscard]] std::vector<at::Tensor> all_gather(const at::Tensor& t) {
+    check_tensor(t, "all_gather");
+    const int64_t n = t.numel();
+    at::Tensor flat = at::empty({world_size() * n}, t.options());
+    NcclWork w = all_gather_async(t.data_ptr(), flat.data_ptr(), static_cast<std::size_t>(n), t.scalar_type(), producer_stream(t), flat);
+    record_use(t);
+    record_use(flat);
+    w.wait();
+    std::vector<at::Tensor> out;
+    out.reserve(static_cast<std::size_t>(world_size()));
+    for (int r = 0; r < world_size(); ++r) out.push_back(flat.narrow(0, r * n, n).view(t.sizes()));
+    return out;
+  }
+
+  /// Returns once every rank entered it (an all-reduce of one int32 on the device), bounded by
+  /// timeout().
+  void barrier() {
+    auto& s = *state_;
+    s.ensure_live("barrier");
+    if (!s.barrier_word) s.barrier_word.emplace(s.site.device, sizeof(int32_t));
+    all_reduce_async(s.barrier_word->get(), 1, c10::ScalarType::Int, ReduceOp::sum, stream(), {}, "barrier").wait();
+  }
+
+  // ---- raw device pointers (any LibTorch) ----------------------------------------------------
+
+  /// In place all-reduce of `count` elements of `dtype` at device pointer `data`, ordered after
+  /// the work queued so far on `after` (the stream that produced the data; nullptr is the legacy
+  /// default stream). Blocks until done.
+  void all_reduce(void* data, std::size_t count, c10::ScalarType dtype, ReduceOp op, cudaStream_t after) {
+    all_reduce_async(data, count, dtype, op, after).wait();
+  }
+
+  /// Starts the all-reduce above; the buffer must stay valid until wait() returned.
+  /// `keep_alive` (optional) is held by the handle until the collective finished.
+  NcclWork all_reduce_async(void* data, std::size_t count, c10::ScalarType dtype, ReduceOp op, cudaStream_t after,
+                            at::Tensor keep_alive = {}, std::string_view collective = "all_reduce") {
+    auto& s = *state_;
+    const ncclDataType_t type = detail::to_nccl_dtype(dtype, collective);
+    check_pointer(data, count, collective);
+    cuda::DeviceGuard on(s.site.device);
+    auto start = begin(collective, after);
+    s.check(ncclAllReduce(data, data, count, type, detail::to_nccl_op(op), s.comm, stream()),
+            "ncclAllReduce(data, data, count, dtype, op, comm, stream)", __FILE__, __LINE__, collective, start);
+    return finish(collective, start, std::move(keep_alive));
+  }
+
+  /// Broadcast of `count` elements at `data` from `root`, in place, after `after`. Blocks.
+  void broadcast(void* data, std::size_t count, c10::ScalarType dtype, int root, cudaStream_t after) {
+    detail::check_root(root, world_size(), "broadcast");
+    broadcast_async(data, count, dtype, root, after).wait();
+  }
+
+  /// Starts the broadcast above.
+  NcclWork broadcast_async(void* data, std::size_t count, c10::ScalarType dtype, int root, cudaStream_t after,
+                           at::Tensor keep_alive = {}) {
+    auto& s = *state_;
+    const ncclDataType_t type = detail::to_nccl_dtype(dtype, "broadcast");
+    detail::check_root(root, world_size(), "broadcast");
+    check_pointer(data, count, "broadcast");
+    cuda::DeviceGuard on(s.site.device);
+    auto start = begin("broadcast", after);
+    s.check(ncclBroadcast(data, data, count, type, root, s.comm, stream()),
+            "ncclBroadcast(data, data, count, dtype, root, comm, stream)", __FILE__, __LINE__, "broadcast", start);
+    return finish("broadcast", start, std::move(keep_alive));
+  }
+
+  /// Gathers `count` elements at `send` from every rank into `recv` (world_size() * count
+  /// elements, rank r's at offset r * count), after `after`. Blocks.
+  void all_gather(const void* send, void* recv, std::size_t count, c10::ScalarType dtype, cudaStream_t after) {
+    all_gather_async(send, recv, count, dtype, after).wait();
+  }
+
+  /// Starts the all-gather above.
+  NcclWork all_gather_async(const void* send, void* recv, std::size_t count, c10::ScalarType dtype, cudaStream_t after,
+                            at::Tensor keep_alive = {}) {
+    auto& s = *state_;
+    const ncclDataType_t type = detail::to_nccl_dtype(dtype, "all_gather");
+    check_pointer(send, count, "all_gather");
+    check_pointer(recv, count, "all_gather");
+    cuda::DeviceGuard on(s.site.device);
+    auto start = begin("all_gather", after);
+    s.check(ncclAllGather(send, recv, count, type, s.comm, stream()),
+            "ncclAllGather(send, recv, count, dtype, comm, stream)", __FILE__, __LINE__, "all_gather", start);
+    return finish("all_gather", start, std::move(keep_alive));
+  }
+
+  // ---- lifecycle ------------------------------------------------------------------------------
+
+  /// ncclCommAbort now: outstanding collectives are cancelled; later calls throw CommError.
+  void abort() noexcept { state_->abort("abort() called"); }
+  /// Waits (up to timeout()) for outstanding collectives with ncclCommFinalize; collectives are
+  /// no longer allowed afterwards. Throws loom::TimeoutError (after aborting) or NcclError.
+  void finalize() { state_->finalize(); }
+  /// finalize() if not done yet, then ncclCommDestroy. Throws like finalize().
+  void destroy() { state_->destroy(); }
+
+ private:
+  static void check_rank(int rank, int world_size) {
+    if (world_size < 1) throw InvalidArgument(fmt::format("NcclCommunicator: world_size {} must be >= 1", world_size));
+    if (rank < 0 || rank >= world_size)
+      throw InvalidArgument(fmt::format("NcclCommunicator: rank {} is outside [0, {})", rank, world_size));
+  }
+
+  static ncclUniqueId exchange_id(c10d::Store& store, int rank, int world_size, const NcclOptions& options) {
+    check_rank(rank, world_size);
+    const auto n = detail::nccl_comm_sequence().fetch_add(1);
+    const std::string key = fmt::format("{}/{}/unique_id", options.store_prefix, n);
+    if (rank == 0) {
+      ncclUniqueId id{};
+      const ncclResult_t rc = ncclGetUniqueId(&id);
+      if (rc != ncclSuccess)
+        detail::throw_nccl_error(rc, "ncclGetUniqueId(&id)", __FILE__, __LINE__, nullptr, {rank, world_size, options.device});
+      detail::publish_unique_id(store, key, id);
+      return id;
+    }
+    return detail::fetch_unique_id(store, key, rank, options.timeout);
+  }
+
+  void check_tensor(const at::Tensor& t, std::string_view collective) const {
+    detail::check_collective_tensor(t, collective);
+    if (!t.is_cuda())
+      throw InvalidArgument(fmt::format("{}: NcclCommunicator needs a CUDA tensor on cuda:{}, got one on {}", collective, device(),
+                                        t.device().str()));
+    if (t.device().index() != device())
+      throw InvalidArgument(fmt::format("{}: the tensor is on {}, but this rank's NcclCommunicator uses cuda:{}", collective,
+                                        t.device().str(), device()));
+  }
+
+  static void check_pointer(const void* p, std::size_t count, std::string_view collective) {
+    if (p == nullptr && count > 0)
+      throw InvalidArgument(fmt::format("{}: null device pointer for {} elements", collective, count));
+  }
+
+  /// LibTorch's current stream on t's device (what produced t); without a CUDA LibTorch no CUDA
+  /// tensor exists and check_tensor has thrown before this is reached.
+  [[nodiscard]] cudaStream_t producer_stream([[maybe_unused]] const at::Tensor& t) const {
+#if LOOM_TORCH_HAS_CUDA
+    return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#else
+    return stream();
+#endif
+  }
+
+  /// Tells LibTorch's caching allocator that the communicator's stream uses t's memory.
+  void record_use([[maybe_unused]] const at::Tensor& t) const {
+#if LOOM_TORCH_HAS_CUDA
+    t.record_stream(c10::cuda::getStreamFromExternal(stream(), t.device().index()).unwrap());
+#endif
+  }
+
+  /// Checks the state and orders the communicator's stream after `after` (the caller holds a
+  /// DeviceGuard for the communicator's device).
+  std::chrono::steady_clock::time_point begin(std::string_view collective, cudaStream_t after) {
+    auto& s = *state_;
+    s.ensure_live(collective);
+    if (after != stream()) {
+      s.ready->record(after);
+      s.ready->block(stream());
+    }
+    return std::chrono::steady_clock::now();
+  }
+
+  NcclWork finish(std::string_view collective, std::chrono::steady_clock::time_point start, at::Tensor keep_alive) {
+    cuda::Event done(state_->site.device);
+    done.record(stream());
+    return NcclWork(state_, std::move(done), collective, start, std::move(keep_alive));
+  }
+
+  std::shared_ptr<detail::NcclState> state_;
+};
+
+static_assert(AsyncCommunicator<NcclCommunicator>, "NcclCommunicator must model loom::AsyncCommunicator");
+static_assert(WorkHandle<NcclWork>, "NcclWork must model loom::WorkHandle");
+
+}  // namespace loom
