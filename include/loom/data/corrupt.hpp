@@ -1,0 +1,47 @@
+// loom/data/corrupt.hpp — what a dataset reader does with a file it cannot decode.
+//
+// One sentence: a reader either throws loom::DataError naming the first bad file (the default),
+// or, when the user chose `OnCorrupt::skip`, leaves the file out, reports one warning line per
+// file through a callback and counts it, so nothing is dropped silently.
+//
+// Example:
+//   loom::data::IconFolderOptions opts{.root = "/usr/share/icons/Adwaita",
+//                                      .on_corrupt = loom::data::OnCorrupt::skip,
+//                                      .warn = [](std::string_view m) { std::cerr << m << '\n'; }};
+//   loom::data::IconFolder icons(opts);
+//   fmt::print("skipped {} files\n", icons.skipped().size());
+//
+// Source: the throw-or-skip choice follows torchvision's ImageFolder `is_valid_file` hook and
+// tf.data's `ignore_errors()`, but loom always reports what it skipped.
+#pragma once
+
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <string_view>
+
+namespace loom::data {
+
+/// What a reader does with a file that exists but cannot be decoded (corrupt or truncated).
+/// A *missing* folder or file is always an error: there is nothing to skip.
+enum class OnCorrupt {
+  throw_error,  ///< throw loom::DataError naming the file (default)
+  skip,         ///< leave the file out, call `warn` with one line naming it, count it in `skipped()`
+};
+
+/// Receives one human-readable warning line per skipped file (no trailing newline).
+using WarningSink = std::function<void(std::string_view)>;
+
+/// The default WarningSink: writes the line to stderr.
+inline void warn_to_stderr(std::string_view line) {
+  std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+}
+
+/// A file a reader left out under OnCorrupt::skip, and why.
+struct SkippedFile {
+  std::filesystem::path path;  ///< the file that could not be decoded
+  std::string reason;          ///< the decoder's message
+};
+
+}  // namespace loom::data
