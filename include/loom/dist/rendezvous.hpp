@@ -1,0 +1,158 @@
+// loom/dist/rendezvous.hpp — meet the other ranks at a c10d TCPStore (the key-value store every
+// communicator uses to exchange addresses).
+//
+// One sentence: `loom::rendezvous(env)` returns a store shared by all ranks of the job once every
+// rank has connected, or throws loom::TimeoutError("rendezvous", ...) naming who waited how long.
+//
+// Example:
+//   auto env = loom::Environment::from_env();
+//   auto store = loom::rendezvous(env, {.timeout = std::chrono::seconds(30)});
+//   loom::GlooCommunicator comm(store, env.rank, env.world_size);
+//
+// Two modes, chosen from the environment:
+//   - default: rank 0 hosts a TCPStore on MASTER_ADDR:MASTER_PORT (listening on every interface);
+//     the other ranks connect to it as clients.
+//   - torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True, torchrun's default rendezvous):
+//     the torchrun agent already hosts the store at MASTER_ADDR:MASTER_PORT, so every rank, rank 0
+//     included, is a client; keys live under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", the
+//     prefix torchrun's own workers use, so each restart attempt starts from fresh keys.
+// Then every rank checks in ("loom/rdzv/<n>/..." keys, n counting the rendezvous of this process),
+// so the call returns on all ranks only when all have arrived.
+//
+// Throws: loom::TimeoutError (collective "rendezvous") when rank 0's store cannot be reached or a rank
+//         does not arrive within `timeout`; loom::CommError when rank 0 cannot listen on the port
+//         (e.g. already in use); loom::InvalidArgument for a bad Environment.
+// Source: c10d's TCPStore and torch.distributed's env:// init method; torchrun's agent-store protocol
+//         (torch/distributed/elastic/agent/server/local_elastic_agent.py).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <fmt/format.h>
+
+#include <loom/comm/communicator.hpp>
+#include <loom/dist/environment.hpp>
+#include <loom/error.hpp>
+
+namespace loom {
+
+/// Options of rendezvous().
+///
+/// Units: `timeout` is the wall-clock bound on connecting and on waiting for every rank.
+struct RendezvousOptions {
+  std::chrono::milliseconds timeout = kDefaultTimeout;  ///< bound on connect + check-in
+};
+
+namespace detail {
+
+/// The text of an exception without LibTorch's C++ backtrace (c10::Error::what() carries one).
+inline std::string exception_text(const std::exception& e) {
+  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
+
+inline std::string exception_text(const std::exception_ptr& p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const std::exception& e) {
+    return exception_text(e);
+  } catch (...) {
+    return "a non-standard exception";
+  }
+}
+
+/// True when a backend message says the operation timed out.
+inline bool mentions_timeout(const std::string& text) {
+  return text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos;
+}
+
+/// Counts rendezvous calls of this process, so that two communicators created in the same order on
+/// every rank use distinct keys.
+inline std::atomic<int>& rendezvous_generation() {
+  static std::atomic<int> gen{0};
+  return gen;
+}
+
+/// Seconds since `start`.
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// Waits until every rank of `world_size` added itself under `prefix`; throws TimeoutError naming
+/// how many arrived.
+inline void store_check_in(c10d::Store& store, const std::string& prefix, int rank, int world_size,
+                           std::chrono::milliseconds timeout, std::chrono::steady_clock::time_point start) {
+  const std::string count_key = prefix + "/arrived";
+  const std::string done_key = prefix + "/all";
+  try {
+    auto arrived = store.add(count_key, 1);
+    if (arrived == world_size) store.set(done_key, std::vector<std::uint8_t>{1});
+    auto left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    if (left < std::chrono::milliseconds(1)) left = std::chrono::milliseconds(1);
+    store.wait({done_key}, left);
+  } catch (const std::exception& e) {
+    std::int64_t arrived = -1;
+    try {
+      arrived = store.add(count_key, 0);
+    } catch (...) {
+    }
+    throw TimeoutError("rendezvous", rank, seconds_since(start),
+                       fmt::format("{} of {} ranks arrived at the store ({})",
+                                   arrived < 0 ? std::string("?") : std::to_string(arrived), world_size, exception_text(e)));
+  }
+}
+
+}  // namespace detail
+
+/// Connects to (rank 0: hosts) the job's TCPStore and waits for all ranks; see the header comment.
+///
+/// Example: `auto store = loom::rendezvous(loom::Environment::from_env());`
+/// Units: `options.timeout` bounds the whole call.
+/// Throws: loom::TimeoutError("rendezvous", rank, seconds) if the store is unreachable or a rank is
+///         missing after the timeout; loom::CommError if rank 0 cannot listen on MASTER_PORT.
+/// Source: torch.distributed env:// (rank 0 is the TCPStore server) and torchrun's agent store.
+inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, RendezvousOptions options = {}) {
+  if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
+    throw InvalidArgument(fmt::format("rendezvous: rank {} is outside [0, world size {})", env.rank, env.world_size));
+  const auto start = std::chrono::steady_clock::now();
+  const bool host = env.rank == 0 && !env.use_agent_store;
+
+  c10d::TCPStoreOptions opts;
+  opts.port = env.master_port;
+  opts.isServer = host;
+  opts.timeout = options.timeout;
+  if (!env.use_agent_store) {
+    opts.numWorkers = static_cast<std::size_t>(env.world_size);
+    opts.waitWorkers = false;  // loom's own check-in below gives the better error message
+  }
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  } catch (const std::exception& e) {
+    std::string text = detail::exception_text(e);
+    if (host && !detail::mentions_timeout(text))
+      throw CommError(fmt::format("rendezvous: rank 0 could not host the store on port {} (MASTER_PORT): {}",
+                                  env.master_port, text));
+    throw TimeoutError("rendezvous", env.rank, detail::seconds_since(start),
+                       fmt::format("could not reach the store at {}:{}{} ({})", env.master_addr, env.master_port,
+                                   env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0", text));
+  }
+  if (env.use_agent_store)
+    store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), store);
+
+  const int gen = detail::rendezvous_generation().fetch_add(1);
+  detail::store_check_in(*store, fmt::format("loom/rdzv/{}", gen), env.rank, env.world_size, options.timeout, start);
+  return store;
+}
+
+}  // namespace loom

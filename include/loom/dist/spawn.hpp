@@ -1,0 +1,422 @@
+// loom/dist/spawn.hpp — run a function as N ranks on this machine, in N forked processes, the way
+// torchrun would start them (tests, examples, single-node jobs).
+//
+// One sentence: `loom::spawn(nprocs, fn)` forks nprocs children with torchrun's variables set, runs
+// `fn(rank)` (or `fn(env)`) in each, waits for all, and if one fails terminates the others and throws
+// loom::SpawnError saying which rank failed and how.
+//
+// Example:
+//   loom::spawn(2, [](const loom::Environment& env) {
+//     loom::GlooCommunicator comm(env);
+//     auto t = torch::full({4}, float(env.rank));
+//     comm.all_reduce(t, loom::ReduceOp::sum);          // [1, 1, 1, 1] on both ranks
+//   });
+//
+// What each child gets (torchrun's names, so Environment::from_env() reads them):
+//   RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, LOCAL_WORLD_SIZE=n, GROUP_RANK=0, GROUP_WORLD_SIZE=1,
+//   MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port spawn picked>, OMP_NUM_THREADS=<threads_per_rank>,
+//   then SpawnOptions::env on top (it may override any of these). TORCHELASTIC_* variables inherited
+//   from the parent are removed (a spawned job is not a torchrun job) unless SpawnOptions::env sets them.
+//
+// Failure handling: a rank fails when fn throws (the exception's type and what() travel to the parent
+// through a pipe), when it exits with a non-zero code (std::exit, abort), or when a signal kills it.
+// The first failure starts a grace period (SpawnOptions::grace) in which the other ranks may finish on
+// their own (typically they see the dead peer and throw loom::TimeoutError, which is reported too);
+// ranks still running after it get SIGTERM, then SIGKILL. spawn then throws loom::SpawnError whose
+// failures() lists every failed rank, the first one first. A child dies with its parent (PR_SET_PDEATHSIG).
+//
+// The fork rule (read this): fork() copies only the calling thread. LibTorch's intra-op pool is
+// OpenMP (libgomp) in Debian's build, and libgomp is not fork-safe: a child that starts a parallel
+// region after the parent has used the pool can hang forever. spawn therefore sets, in every child,
+// at::set_num_threads(threads_per_rank) with threads_per_rank = 1 by default (torchrun also sets
+// OMP_NUM_THREADS=1 for multi-process jobs), which keeps at::parallel_for on the calling thread.
+// Asking for more than one thread per rank is safe only if the parent has not run a parallel ATen op
+// yet (spawn before any tensor work, as examples do); otherwise keep 1. Also: do not call spawn while
+// other threads of the parent hold locks the child needs (a running GlooCommunicator, a logger thread).
+//
+// Throws: loom::InvalidArgument (nprocs < 1), loom::SpawnError (a RemoteError: which rank failed, how),
+//         loom::TimeoutError("spawn", ...) when SpawnOptions::timeout elapsed (all ranks terminated),
+//         loom::Error when fork/pipe/socket fail.
+// Source: torch.multiprocessing.spawn (fork start method; join raises ProcessRaisedException /
+//         ProcessExitedException naming the rank) and torchrun's environment variables.
+#pragma once
+
+#include <arpa/inet.h>
+#include <cxxabi.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <loom/dist/environment.hpp>
+#include <loom/error.hpp>
+
+namespace loom {
+
+/// Options of spawn(); use with designated initializers.
+///
+/// Example: `loom::spawn(3, fn, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(5)})`.
+/// Units: durations are wall-clock; threads_per_rank counts intra-op threads.
+struct SpawnOptions {
+  std::chrono::milliseconds timeout{0};          ///< whole-job limit; 0 = none
+  std::chrono::milliseconds grace{5000};         ///< after the first failure: how long the others may run before SIGTERM
+  std::chrono::milliseconds kill_after{2000};    ///< after SIGTERM: how long before SIGKILL
+  int threads_per_rank = 1;                      ///< at::set_num_threads in each child; 0 = leave unchanged (see fork rule)
+  std::string master_addr = "127.0.0.1";         ///< MASTER_ADDR given to the children
+  std::uint16_t master_port = 0;                 ///< MASTER_PORT; 0 = a free port spawn picks and holds for rank 0
+  std::map<std::string, std::string> env{};      ///< extra variables for every child, set last (may override loom's)
+};
+
+/// How one spawned rank failed.
+struct RankFailure {
+  /// What went wrong.
+  enum class Kind {
+    exception,   ///< fn threw; `message` holds "<type>: <what()>"
+    exit_code,   ///< the process exited with a non-zero `code`
+    signal,      ///< the process was killed by signal `code`
+    terminated,  ///< spawn terminated it because another rank failed or the timeout elapsed
+  };
+  int rank = 0;
+  Kind kind = Kind::exception;
+  int code = 0;           ///< exit code or signal number
+  std::string message{};  ///< exception text (Kind::exception)
+
+  /// One line, e.g. "rank 1 threw loom::TimeoutError: all_reduce timed out ..." or
+  /// "rank 2 was killed by signal SIGSEGV (11)".
+  [[nodiscard]] std::string describe() const {
+    switch (kind) {
+      case Kind::exception: return fmt::format("rank {} threw {}", rank, message);
+      case Kind::exit_code: return fmt::format("rank {} exited with code {}", rank, code);
+      case Kind::signal: {
+        const char* name = sigabbrev_np(code);
+        return fmt::format("rank {} was killed by signal SIG{} ({})", rank, name ? name : "?", code);
+      }
+      case Kind::terminated: return fmt::format("rank {} was terminated by spawn", rank);
+    }
+    return "?";
+  }
+};
+
+/// A spawned rank failed. what() names the first failed rank and how; failures() has the details of
+/// every rank that did not succeed (first failure first, then by rank).
+class SpawnError : public RemoteError {
+ public:
+  SpawnError(int nprocs, std::vector<RankFailure> failures)
+      : RemoteError(make_message(nprocs, failures)), failures_(std::move(failures)) {}
+
+  [[nodiscard]] const std::vector<RankFailure>& failures() const noexcept { return failures_; }
+  /// The rank that failed first (the likely cause).
+  [[nodiscard]] int failed_rank() const noexcept { return failures_.empty() ? -1 : failures_.front().rank; }
+
+ private:
+  static std::string make_message(int nprocs, const std::vector<RankFailure>& f) {
+    if (f.empty()) return fmt::format("spawn: a rank of {} failed", nprocs);
+    std::vector<std::string> rest;
+    for (std::size_t i = 1; i < f.size(); ++i) rest.push_back(f[i].describe());
+    return fmt::format("spawn: {} (of {} ranks){}{}", f.front().describe(), nprocs, rest.empty() ? "" : "; then: ",
+                       fmt::join(rest, "; "));
+  }
+  std::vector<RankFailure> failures_;
+};
+
+/// What spawn can run: a callable taking the rank (int) or the rank's Environment.
+///
+/// Requirements:
+///  1. Invocable as `f(int rank)` or as `f(const Environment& env)`. Reason: simple tests want the
+///     rank; real programs want the full environment (the same one from_env() gives under torchrun).
+///  2. Copy-free use: spawn calls it in the child only, on the forked copy. Reason: fork copies memory.
+/// Not required: a return value (ignored), thread safety, copyability.
+template <class F>
+concept RankFunction = std::invocable<F&, int> || std::invocable<F&, const Environment&>;
+
+namespace detail {
+
+inline std::string demangled_type_name(const std::type_info& ti) {
+  int status = 0;
+  std::unique_ptr<char, void (*)(void*)> p(abi::__cxa_demangle(ti.name(), nullptr, nullptr, &status), std::free);
+  return status == 0 && p ? std::string(p.get()) : std::string(ti.name());
+}
+
+/// Binds a TCP socket to a free port on every interface with SO_REUSEADDR and keeps it bound (not
+/// listening), so no other process's ephemeral port search picks the port before rank 0's store
+/// listens on it. Returns {fd, port}.
+inline std::pair<int, std::uint16_t> reserve_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(fmt::format("spawn: socket() failed: {}", std::strerror(errno)));
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw Error(fmt::format("spawn: could not bind a free port: {}", std::strerror(err)));
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  return {fd, ntohs(addr.sin_port)};
+}
+
+/// Writes all of `text` (at most 16 KiB, well below a pipe's buffer) to `fd`.
+inline void write_all(int fd, std::string text) {
+  if (text.size() > 16384) text.resize(16384);
+  const char* p = text.data();
+  std::size_t left = text.size();
+  while (left > 0) {
+    ssize_t w = ::write(fd, p, left);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;
+    p += w;
+    left -= static_cast<std::size_t>(w);
+  }
+}
+
+inline std::string read_all(int fd) {
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    ssize_t r = ::read(fd, buf, sizeof(buf));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    out.append(buf, static_cast<std::size_t>(r));
+  }
+  return out;
+}
+
+/// Body of a child process; never returns.
+template <class F>
+[[noreturn]] void spawn_child(F& fn, int rank, int nprocs, std::uint16_t port, const SpawnOptions& options,
+                              int message_fd, pid_t parent) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) ::_exit(111);  // the parent died between fork and prctl
+  int code = 0;
+  try {
+    for (const char* v : {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+                          "TORCHELASTIC_MAX_RESTARTS"})
+      ::unsetenv(v);
+    auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
+    set("RANK", std::to_string(rank));
+    set("WORLD_SIZE", std::to_string(nprocs));
+    set("LOCAL_RANK", std::to_string(rank));
+    set("LOCAL_WORLD_SIZE", std::to_string(nprocs));
+    set("GROUP_RANK", "0");
+    set("GROUP_WORLD_SIZE", "1");
+    set("MASTER_ADDR", options.master_addr);
+    set("MASTER_PORT", std::to_string(port));
+    if (options.threads_per_rank > 0) {
+      set("OMP_NUM_THREADS", std::to_string(options.threads_per_rank));
+      at::set_num_threads(options.threads_per_rank);
+    }
+    for (const auto& [k, v] : options.env) set(k, v);
+    if constexpr (std::invocable<F&, int>) {
+      fn(rank);
+    } else {
+      const Environment env = Environment::from_env();
+      fn(env);
+    }
+  } catch (const std::exception& e) {
+    write_all(message_fd, fmt::format("{}: {}", demangled_type_name(typeid(e)), e.what()));
+    code = 1;
+  } catch (...) {
+    auto* t = abi::__cxa_current_exception_type();
+    write_all(message_fd, fmt::format("a non-std exception of type {}", t ? demangled_type_name(*t) : "?"));
+    code = 1;
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  ::close(message_fd);
+  // _exit: the child must not run the parent's atexit handlers and static destructors (test
+  // frameworks, LibTorch's pools), which belong to the parent's state.
+  ::_exit(code);
+}
+
+}  // namespace detail
+
+/// Runs `fn` as ranks 0..nprocs-1 in nprocs forked processes and waits for all of them.
+///
+/// Example: `loom::spawn(2, [](int rank) { ... });`  (see the header comment)
+/// Units: options' durations are wall-clock.
+/// Throws: loom::InvalidArgument (nprocs < 1); loom::SpawnError naming the failed rank(s) and how;
+///         loom::TimeoutError("spawn", ...) when options.timeout elapsed; loom::Error when fork fails.
+/// Source: torch.multiprocessing.spawn (fork start method).
+template <class F>
+void spawn(int nprocs, F&& fn, const SpawnOptions& options = {}) {
+  static_assert(RankFunction<std::remove_cvref_t<F>>,
+                "loom::spawn needs a callable taking (int rank) or (const loom::Environment&)");
+  if (nprocs < 1) throw InvalidArgument(fmt::format("spawn: nprocs = {} (need >= 1)", nprocs));
+  if (options.threads_per_rank < 0)
+    throw InvalidArgument(fmt::format("spawn: threads_per_rank = {} (need >= 0)", options.threads_per_rank));
+
+  int reserved_fd = -1;
+  std::uint16_t port = options.master_port;
+  if (port == 0) std::tie(reserved_fd, port) = detail::reserve_port();
+
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);  // nothing buffered in the parent is printed twice by the children
+
+  const pid_t parent = ::getpid();
+  std::vector<pid_t> pids(static_cast<std::size_t>(nprocs), -1);
+  std::vector<int> fds(static_cast<std::size_t>(nprocs), -1);
+  auto kill_started = [&](int sig) {
+    for (pid_t p : pids)
+      if (p > 0) ::kill(p, sig);
+  };
+  for (int r = 0; r < nprocs; ++r) {
+    int pipefd[2];
+    if (::pipe2(pipefd, O_CLOEXEC) != 0) {
+      kill_started(SIGKILL);
+      for (pid_t p : pids)
+        if (p > 0) ::waitpid(p, nullptr, 0);
+      throw Error(fmt::format("spawn: pipe() failed: {}", std::strerror(errno)));
+    }
+    pid_t pid = ::fork();
+    if (pid < 0) {
+      int err = errno;
+      ::close(pipefd[0]);
+      ::close(pipefd[1]);
+      kill_started(SIGKILL);
+      for (pid_t p : pids)
+        if (p > 0) ::waitpid(p, nullptr, 0);
+      throw Error(fmt::format("spawn: fork() of rank {} failed: {}", r, std::strerror(err)));
+    }
+    if (pid == 0) {
+      ::close(pipefd[0]);
+      for (int fd : fds)
+        if (fd >= 0) ::close(fd);
+      if (reserved_fd >= 0) ::close(reserved_fd);
+      detail::spawn_child(fn, r, nprocs, port, options, pipefd[1], parent);
+    }
+    ::close(pipefd[1]);
+    pids[static_cast<std::size_t>(r)] = pid;
+    fds[static_cast<std::size_t>(r)] = pipefd[0];
+  }
+
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  std::vector<bool> running(static_cast<std::size_t>(nprocs), true);
+  std::vector<RankFailure> failures;
+  int alive = nprocs;
+  clock::time_point first_failure{};
+  clock::time_point term_sent{};
+  bool terminating = false, killed = false, timed_out = false;
+  std::vector<bool> signalled_by_us(static_cast<std::size_t>(nprocs), false);
+
+  auto signal_running = [&](int sig) {
+    for (int r = 0; r < nprocs; ++r)
+      if (running[static_cast<std::size_t>(r)]) {
+        ::kill(pids[static_cast<std::size_t>(r)], sig);
+        signalled_by_us[static_cast<std::size_t>(r)] = true;
+      }
+  };
+
+  while (alive > 0) {
+    bool progressed = false;
+    for (int r = 0; r < nprocs; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      if (!running[i]) continue;
+      int status = 0;
+      pid_t w = ::waitpid(pids[i], &status, WNOHANG);
+      if (w == 0) continue;
+      if (w < 0 && errno == EINTR) continue;
+      running[i] = false;
+      --alive;
+      progressed = true;
+      std::string message = detail::read_all(fds[i]);
+      ::close(fds[i]);
+      fds[i] = -1;
+      RankFailure f{.rank = r};
+      bool failed = true;
+      if (w < 0) {
+        f.kind = RankFailure::Kind::exit_code;
+        f.code = -1;
+      } else if (WIFEXITED(status)) {
+        if (WEXITSTATUS(status) == 0) {
+          failed = false;
+        } else if (!message.empty()) {
+          f.kind = RankFailure::Kind::exception;
+          f.message = std::move(message);
+        } else {
+          f.kind = RankFailure::Kind::exit_code;
+          f.code = WEXITSTATUS(status);
+        }
+      } else if (WIFSIGNALED(status)) {
+        const int sig = WTERMSIG(status);
+        f.kind = (signalled_by_us[i] && (sig == SIGTERM || sig == SIGKILL)) ? RankFailure::Kind::terminated
+                                                                              : RankFailure::Kind::signal;
+        f.code = sig;
+      }
+      if (failed) {
+        failures.push_back(std::move(f));
+        if (first_failure == clock::time_point{}) first_failure = clock::now();
+      }
+    }
+    if (alive == 0) break;
+    const auto now = clock::now();
+    if (!timed_out && options.timeout.count() > 0 && now - start > options.timeout && !terminating) {
+      timed_out = true;
+      terminating = true;
+      term_sent = now;
+      signal_running(SIGTERM);
+    }
+    if (!terminating && first_failure != clock::time_point{} && now - first_failure >= options.grace) {
+      terminating = true;
+      term_sent = now;
+      signal_running(SIGTERM);
+    }
+    if (terminating && !killed && now - term_sent >= options.kill_after) {
+      killed = true;
+      signal_running(SIGKILL);
+    }
+    if (!progressed) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (reserved_fd >= 0) ::close(reserved_fd);
+  for (int fd : fds)
+    if (fd >= 0) ::close(fd);
+
+  // Report the cause first: failures in the order seen, ranks spawn terminated last.
+  std::stable_partition(failures.begin(), failures.end(),
+                        [](const RankFailure& f) { return f.kind != RankFailure::Kind::terminated; });
+  if (timed_out) {
+    std::vector<int> still;
+    for (const auto& f : failures)
+      if (f.kind == RankFailure::Kind::terminated) still.push_back(f.rank);
+    throw TimeoutError("spawn", still.empty() ? 0 : still.front(),
+                       std::chrono::duration<double>(clock::now() - start).count(),
+                       fmt::format("ranks [{}] of {} were still running after the {:.3f} s limit and were terminated{}",
+                                   fmt::join(still, ", "), nprocs, options.timeout.count() / 1000.0,
+                                   failures.size() > still.size() ? std::string("; ") + SpawnError(nprocs, failures).what() : std::string()));
+  }
+  if (!failures.empty()) throw SpawnError(nprocs, std::move(failures));
+}
+
+}  // namespace loom
