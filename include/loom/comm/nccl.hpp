@@ -98,7 +98,7 @@ struct NcclOptions {
   /// get distinct keys "<prefix>/<n>/unique_id" (n counts communicators in this process).
   std::string store_prefix = "loom/nccl";
   /// Name shown in NCCL's logs (ncclConfig_t::commName); empty: none.
-  std::string name;
+  std::string name{};
   /// Sleep between polls once a wait has spun for a while.
   std::chrono::microseconds poll_interval{50};
 };
@@ -150,8 +150,6 @@ inline std::string format_nccl_error(ncclResult_t code, std::string_view call, s
   msg += fmt::format("; NCCL {}", version);
   if (site.rank >= 0) msg += fmt::format(", rank {} of {}", site.rank, site.world_size);
   if (site.device >= 0) msg += fmt::format(", device {}", site.device);
-  if (code == ncclUnhandledCudaError || code == ncclSystemError || code == ncclInternalError)
-    msg += "; run with NCCL_DEBUG=WARN (or INFO) for NCCL's own log";
   return msg;
 }
 
@@ -186,6 +184,18 @@ constexpr ncclRedOp_t to_nccl_op(ReduceOp op) noexcept {
     case ReduceOp::max: return ncclMax;
   }
   return ncclSum;
+}
+
+/// Validates a tensor for a collective on `device`: the checks every communicator makes, then
+/// loom::InvalidArgument naming the tensor's device when it is not a CUDA tensor on `device`.
+inline void check_nccl_tensor(const at::Tensor& t, int device, std::string_view collective) {
+  check_collective_tensor(t, collective);
+  if (!t.is_cuda())
+    throw InvalidArgument(fmt::format("{}: NcclCommunicator needs a CUDA tensor on cuda:{}, got one on {}", collective, device,
+                                      t.device().str()));
+  if (t.device().index() != device)
+    throw InvalidArgument(fmt::format("{}: the tensor is on {}, but this rank's NcclCommunicator uses cuda:{}", collective,
+                                      t.device().str(), device));
 }
 
 /// The unique id as store bytes (NCCL_UNIQUE_ID_BYTES of them).
@@ -614,15 +624,7 @@ class NcclCommunicator {
     return detail::fetch_unique_id(store, key, rank, options.timeout);
   }
 
-  void check_tensor(const at::Tensor& t, std::string_view collective) const {
-    detail::check_collective_tensor(t, collective);
-    if (!t.is_cuda())
-      throw InvalidArgument(fmt::format("{}: NcclCommunicator needs a CUDA tensor on cuda:{}, got one on {}", collective, device(),
-                                        t.device().str()));
-    if (t.device().index() != device())
-      throw InvalidArgument(fmt::format("{}: the tensor is on {}, but this rank's NcclCommunicator uses cuda:{}", collective,
-                                        t.device().str(), device()));
-  }
+  void check_tensor(const at::Tensor& t, std::string_view collective) const { detail::check_nccl_tensor(t, device(), collective); }
 
   static void check_pointer(const void* p, std::size_t count, std::string_view collective) {
     if (p == nullptr && count > 0)

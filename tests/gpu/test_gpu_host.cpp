@@ -1,0 +1,247 @@
+// GPU path, host side: everything about loom/comm/nccl.hpp and loom/cuda/*.hpp that needs no
+// GPU (dtype and op mapping, error messages for forced error codes, the unique-id exchange
+// through a c10d store, tensor checks) runs here on every machine; the behaviour without a device
+// (a clear loom::CudaError, not a crash) is checked where no device exists.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <loom/comm/nccl.hpp>
+#include <loom/cuda/buffer.hpp>
+#include <loom/cuda/pinned.hpp>
+#include <loom/cuda/stream.hpp>
+#include <loom/cuda/transfer.hpp>
+
+namespace {
+ncclUniqueId patterned_id(uint8_t seed) {
+  ncclUniqueId id{};
+  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; ++i) id.internal[i] = static_cast<char>(static_cast<uint8_t>(seed + 3 * i));
+  return id;
+}
+}  // namespace
+
+TEST_CASE("to_nccl_dtype maps every loom dtype to the NCCL type of the same width and kind") {
+  using loom::detail::to_nccl_dtype;
+  CHECK(to_nccl_dtype(at::kFloat, "t") == ncclFloat32);
+  CHECK(to_nccl_dtype(at::kDouble, "t") == ncclFloat64);
+  CHECK(to_nccl_dtype(at::kBFloat16, "t") == ncclBfloat16);
+  CHECK(to_nccl_dtype(at::kHalf, "t") == ncclFloat16);
+  CHECK(to_nccl_dtype(at::kInt, "t") == ncclInt32);
+  CHECK(to_nccl_dtype(at::kLong, "t") == ncclInt64);
+  CHECK_THROWS_WITH_AS(to_nccl_dtype(at::kBool, "all_reduce"), doctest::Contains("all_reduce: unsupported dtype Bool"),
+                       loom::InvalidArgument);
+  CHECK_THROWS_AS(to_nccl_dtype(at::kByte, "t"), loom::InvalidArgument);
+  CHECK_THROWS_AS(to_nccl_dtype(at::kComplexFloat, "t"), loom::InvalidArgument);
+}
+
+TEST_CASE("NCCL supports exactly the dtypes every loom communicator supports") {
+  for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
+    const auto dtype = static_cast<c10::ScalarType>(i);
+    CAPTURE(c10::toString(dtype));
+    bool mapped = true;
+    try {
+      (void)loom::detail::to_nccl_dtype(dtype, "t");
+    } catch (const loom::InvalidArgument&) {
+      mapped = false;
+    }
+    CHECK(mapped == loom::is_supported_dtype(dtype));
+  }
+}
+
+TEST_CASE("to_nccl_op: avg is NCCL's own average, not a sum divided on the host") {
+  CHECK(loom::detail::to_nccl_op(loom::ReduceOp::sum) == ncclSum);
+  CHECK(loom::detail::to_nccl_op(loom::ReduceOp::avg) == ncclAvg);
+  CHECK(loom::detail::to_nccl_op(loom::ReduceOp::min) == ncclMin);
+  CHECK(loom::detail::to_nccl_op(loom::ReduceOp::max) == ncclMax);
+}
+
+TEST_CASE("NCCL version text from both version encodings") {
+  CHECK(loom::detail::nccl_version_text(22809) == "2.28.9");
+  CHECK(loom::detail::nccl_version_text(21903) == "2.19.3");
+  CHECK(loom::detail::nccl_version_text(2708) == "2.7.8");  // before 2.9: major*1000 + minor*100 + patch
+  const std::string v = loom::detail::nccl_runtime_version();
+  CHECK(v.rfind("2.", 0) == 0);
+  CHECK(std::count(v.begin(), v.end(), '.') == 2);
+}
+
+TEST_CASE("format_nccl_error names the call, place, code, NCCL's own words, version, rank and device") {
+  const std::string msg = loom::detail::format_nccl_error(
+      ncclInvalidUsage, "ncclAllReduce(data, data, count, dtype, op, comm, stream)", "/src/loom/include/loom/comm/nccl.hpp", 42,
+      "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0", "2.28.9", {.rank = 1, .world_size = 2, .device = 0});
+  CHECK(std::string_view(ncclGetErrorString(ncclInvalidUsage)).find("invalid usage") != std::string_view::npos);
+  CHECK(msg == fmt::format("NCCL call ncclAllReduce(data, data, count, dtype, op, comm, stream) failed at loom/comm/nccl.hpp:42: "
+                           "ncclInvalidUsage ({}); NCCL says: Duplicate GPU detected : rank 1 and rank 0 both on CUDA "
+                           "device 0; NCCL 2.28.9, rank 1 of 2, device 0",
+                           ncclGetErrorString(ncclInvalidUsage)));
+  // Unknown rank/device and no last error: those parts are left out, not printed as -1.
+  const std::string bare = loom::detail::format_nccl_error(ncclSystemError, "ncclGetUniqueId(&id)", "x/y/z.cpp", 7, "", "2.28.9", {});
+  CHECK(bare == fmt::format("NCCL call ncclGetUniqueId(&id) failed at y/z.cpp:7: ncclSystemError ({}); NCCL 2.28.9",
+                            ncclGetErrorString(ncclSystemError)));
+}
+
+TEST_CASE("throw_nccl_error: a forced error code becomes loom::NcclError carrying the code") {
+  for (ncclResult_t code : {ncclUnhandledCudaError, ncclSystemError, ncclInternalError, ncclInvalidArgument, ncclInvalidUsage,
+                            ncclRemoteError}) {
+    CAPTURE(loom::detail::nccl_result_name(code));
+    bool caught = false;
+    try {
+      loom::detail::throw_nccl_error(code, "ncclBroadcast(a, b)", __FILE__, 1234, nullptr, {.rank = 3, .world_size = 8, .device = 1});
+    } catch (const loom::NcclError& e) {
+      caught = true;
+      const std::string what = e.what();
+      CHECK(e.code() == code);
+      CHECK(what.rfind("loom: NCCL call ncclBroadcast(a, b) failed at gpu/test_gpu_host.cpp:1234: ", 0) == 0);
+      CHECK(what.find(std::string(loom::detail::nccl_result_name(code))) != std::string::npos);
+      CHECK(what.find(ncclGetErrorString(code)) != std::string::npos);
+      CHECK(what.find("NCCL " + loom::detail::nccl_runtime_version() + ", rank 3 of 8, device 1") != std::string::npos);
+    }
+    CHECK(caught);
+  }
+  // NcclError is a CommError, so code that catches communication failures generically sees it.
+  CHECK_THROWS_AS(loom::detail::throw_nccl_error(ncclRemoteError, "x", "f", 1, nullptr, {}), loom::CommError);
+}
+
+TEST_CASE("unique id round trip through a c10d store, byte for byte") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const ncclUniqueId sent = patterned_id(17);
+  CHECK(loom::detail::unique_id_bytes(sent).size() == NCCL_UNIQUE_ID_BYTES);
+  // The reader starts first and waits, as ranks > 0 do.
+  ncclUniqueId received{};
+  std::thread reader([&] { received = loom::detail::fetch_unique_id(*store, "loom/nccl/0/unique_id", 1, std::chrono::seconds(20)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  loom::detail::publish_unique_id(*store, "loom/nccl/0/unique_id", sent);
+  reader.join();
+  CHECK(std::memcmp(sent.internal, received.internal, NCCL_UNIQUE_ID_BYTES) == 0);
+  CHECK(static_cast<uint8_t>(received.internal[5]) == static_cast<uint8_t>(17 + 15));
+
+  // A real id from NCCL (no GPU needed: it holds the bootstrap address of rank 0).
+  ncclUniqueId real{};
+  const ncclResult_t rc = ncclGetUniqueId(&real);
+  if (rc == ncclSuccess) {
+    loom::detail::publish_unique_id(*store, "real", real);
+    const ncclUniqueId back = loom::detail::fetch_unique_id(*store, "real", 1, std::chrono::seconds(5));
+    CHECK(std::memcmp(real.internal, back.internal, NCCL_UNIQUE_ID_BYTES) == 0);
+  } else {
+    MESSAGE("ncclGetUniqueId failed here (" << ncclGetErrorString(rc) << "); real-id round trip not run");
+  }
+}
+
+TEST_CASE("unique id exchange: a missing id times out with loom::TimeoutError; a wrong size is a CommError") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  try {
+    (void)loom::detail::fetch_unique_id(*store, "loom/nccl/9/unique_id", 2, std::chrono::milliseconds(100));
+    FAIL("fetch_unique_id returned without an id");
+  } catch (const loom::TimeoutError& e) {
+    CHECK(e.collective() == "nccl_unique_id");
+    CHECK(e.rank() == 2);
+    CHECK(e.seconds_waited() >= 0.05);
+    CHECK(std::string(e.what()).find("'loom/nccl/9/unique_id'") != std::string::npos);
+  }
+  store->set("short", std::vector<uint8_t>{1, 2, 3, 4, 5});
+  CHECK_THROWS_WITH_AS((void)loom::detail::fetch_unique_id(*store, "short", 1, std::chrono::seconds(1)),
+                       doctest::Contains("'short' has 5 bytes, expected 128"), loom::CommError);
+}
+
+TEST_CASE("NCCL tensor check: a CPU tensor is refused naming its device") {
+  auto t = torch::ones({4});
+  CHECK_THROWS_WITH_AS(loom::detail::check_nccl_tensor(t, 0, "all_reduce"),
+                       doctest::Contains("all_reduce: NcclCommunicator needs a CUDA tensor on cuda:0, got one on cpu"),
+                       loom::InvalidArgument);
+  // The generic checks come first: a non-contiguous CPU tensor is reported as non-contiguous.
+  auto nc = torch::zeros({3, 4}).t();
+  CHECK_THROWS_WITH_AS(loom::detail::check_nccl_tensor(nc, 0, "broadcast"), doctest::Contains("not contiguous"),
+                       loom::InvalidArgument);
+}
+
+TEST_CASE("CUDA error text: a forced code names the call, the place and the code") {
+  CHECK(loom::cuda::detail::short_file("/w/main/include/loom/cuda/pinned.hpp") == "loom/cuda/pinned.hpp");
+  CHECK(loom::cuda::detail::short_file("/w/main/tests/gpu/test_gpu_host.cpp") == "gpu/test_gpu_host.cpp");
+  CHECK(loom::cuda::detail::short_file("plain.cpp") == "plain.cpp");
+  CHECK(loom::cuda::detail::cuda_version_text(12080) == "12.8");
+  CHECK(loom::cuda::detail::format_cuda_error(cudaErrorMemoryAllocation, "cudaMalloc(&p, n)", "/x/include/loom/cuda/buffer.hpp", 7,
+                                              0, 13000, 12080) ==
+        "CUDA call cudaMalloc(&p, n) failed at loom/cuda/buffer.hpp:7: cudaErrorMemoryAllocation (out of memory); "
+        "device 0, CUDA runtime 13.0, driver 12.8");
+
+  int evaluations = 0;
+  auto failing = [&] {
+    ++evaluations;
+    return cudaErrorInvalidValue;
+  };
+  try {
+    LOOM_CUDA_CHECK(failing());
+    FAIL("LOOM_CUDA_CHECK did not throw");
+  } catch (const loom::CudaError& e) {
+    CHECK(e.code() == cudaErrorInvalidValue);
+    CHECK(std::string(e.what()).rfind("loom: CUDA call failing() failed at gpu/test_gpu_host.cpp:", 0) == 0);
+    CHECK(std::string(e.what()).find("cudaErrorInvalidValue (invalid argument)") != std::string::npos);
+  }
+  CHECK(evaluations == 1);
+  CHECK_NOTHROW(LOOM_CUDA_CHECK(cudaSuccess));
+}
+
+TEST_CASE("pinned allocation sizes: bytes of a contiguous tensor; negative sizes refused") {
+  CHECK(loom::cuda::detail::tensor_bytes({2, 3}, at::kFloat) == 24);
+  CHECK(loom::cuda::detail::tensor_bytes({5}, at::kBFloat16) == 10);
+  CHECK(loom::cuda::detail::tensor_bytes({}, at::kDouble) == 8);
+  CHECK(loom::cuda::detail::tensor_bytes({4, 0}, at::kLong) == 0);
+  CHECK_THROWS_WITH_AS(loom::cuda::detail::tensor_bytes({2, -1}, at::kFloat), doctest::Contains("negative size -1 in sizes [2, -1]"),
+                       loom::InvalidArgument);
+}
+
+TEST_CASE("without a CUDA device every entry point fails with a loom::CudaError naming the call") {
+  const auto probe = loom::cuda::probe_devices();
+  if (probe.count > 0) {
+    MESSAGE("a CUDA device is present; the no-device behaviour is not checked here");
+    return;
+  }
+  CHECK(!probe.reason.empty());
+  CHECK(probe.reason.rfind("cudaGetDeviceCount: cuda", 0) == 0);
+  MESSAGE("no device: " << probe.reason);
+
+  CHECK_THROWS_WITH_AS((void)loom::cuda::pinned_empty({16}, at::kFloat), doctest::Contains("cudaHostAlloc(&p, 64 bytes"),
+                       loom::CudaError);
+  loom::cuda::PinnedPool pool;
+  CHECK_THROWS_AS((void)pool.empty({16}, at::kFloat), loom::CudaError);
+  CHECK(pool.stats().host_allocs == 0);
+  // The device is selected first, so that is the call that fails.
+  CHECK_THROWS_WITH_AS(loom::cuda::DeviceBuffer(0, 4096), doctest::Contains("CUDA call cudaGetDevice(&d) failed"), loom::CudaError);
+  CHECK_THROWS_AS((void)loom::cuda::Stream::create(0), loom::CudaError);
+  CHECK_THROWS_AS(loom::cuda::Event(0), loom::CudaError);
+
+  // The communicator: rank 1 never calls NCCL before it needs the device, so a missing id is a
+  // timeout; rank 0 gets the id, then fails on the device with a CudaError (not a hang or crash).
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  try {
+    loom::NcclCommunicator comm(*store, 0, 2, {.timeout = std::chrono::seconds(2)});
+    FAIL("NcclCommunicator constructed without a device");
+  } catch (const loom::CudaError& e) {
+    CHECK(std::string(e.what()).find("cudaGetDevice") != std::string::npos);
+  }
+  CHECK_THROWS_AS(loom::NcclCommunicator(*store, 0, 2, {.device = 0, .timeout = std::chrono::seconds(2)}), loom::CudaError);
+  CHECK_THROWS_WITH_AS(loom::NcclCommunicator(*store, 2, 2), doctest::Contains("rank 2 is outside [0, 2)"), loom::InvalidArgument);
+}
+
+TEST_CASE("NcclOptions is an aggregate with designated initializers and documented defaults") {
+  const loom::NcclOptions defaults;
+  CHECK(defaults.device == -1);
+  CHECK(defaults.timeout == loom::kDefaultTimeout);
+  CHECK(defaults.stream == nullptr);
+  CHECK(defaults.nonblocking);
+  CHECK(defaults.store_prefix == "loom/nccl");
+  const loom::NcclOptions o{.device = 3, .timeout = std::chrono::seconds(5), .nonblocking = false, .name = "dp"};
+  CHECK(o.device == 3);
+  CHECK(o.timeout == std::chrono::milliseconds(5000));
+  CHECK(!o.nonblocking);
+}
+
+// Concepts: the NCCL types model loom's, the CUDA helpers do not pretend to.
+static_assert(loom::AsyncCommunicator<loom::NcclCommunicator>);
+static_assert(loom::WorkHandle<loom::NcclWork>);
+static_assert(!loom::WorkHandle<loom::cuda::Event>, "an Event has no wait(): use NcclWork or BatchTransfer");
+static_assert(!loom::Communicator<loom::cuda::Stream>);
+static_assert(!std::is_copy_constructible_v<loom::NcclCommunicator> && std::is_move_constructible_v<loom::NcclCommunicator>);
+static_assert(!std::is_copy_constructible_v<loom::cuda::Stream> && !std::is_copy_constructible_v<loom::cuda::DeviceBuffer>);
