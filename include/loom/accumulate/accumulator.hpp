@@ -1,0 +1,271 @@
+// loom/accumulate/accumulator.hpp — Accumulator: micro-batch gradient accumulation with exact
+// sample weighting, no communication before the step boundary, and the epoch's remainder flushed.
+//
+// One sentence: open a micro-batch scope with its sample count, run forward and backward with a
+// loss SUMMED over the micro-batch's samples, finish the scope; every K micro-batches (or S samples)
+// the scope's backward reduces the window's gradients across ranks (earlier backward passes only
+// accumulate: DDP's no_sync), and at the end of the epoch end_epoch() makes the remainder step.
+//
+// Example:
+//   loom::Reducer reducer(comm, loom::parameters_of(*model));
+//   loom::Accumulator acc(reducer, {.micro_batches_per_step = 4});
+//   for (const loom::Batch& b : loader) {
+//     auto mb = acc.micro_batch(b);                          // counts b.num_samples
+//     auto loss = loss_fn_sum(model->forward(b.data), b.targets);
+//     mb.scale(loss).backward();                             // scale() = loss scale, or 1
+//     if (loom::Step step = mb.finish()) optimizer.step(), optimizer.zero_grad();
+//   }
+//   while (auto step = acc.end_epoch()) {                    // remainder, and uneven ranks
+//     if (*step) optimizer.step();
+//     optimizer.zero_grad();
+//   }
+// The callable form does the same: `acc.run(n, [&](auto& mb) { mb.scale(loss()).backward(); })`.
+//
+// Weighting: with the reducer's default Average::samples the step's gradient is the gradient of
+//   the mean loss over every sample of the window on every rank (sum of losses / global count),
+//   whatever the micro-batch sizes; padding rows masked out of the loss and not counted change
+//   nothing. Batches a distributed sampler repeated only to even out ranks (Batch::weight == 0)
+//   count 0 samples: multiply their loss by the weight.
+// Boundaries: after every `micro_batches_per_step` micro-batches and/or once the window holds
+//   `samples_per_step` samples, whichever comes first (0 disables a rule). A window never carries
+//   into the next epoch: end_epoch() reduces what is left (fewer than K micro-batches) with its
+//   true sample count.
+// Uneven ranks: ranks may run different numbers of micro-batches and samples. Each rank calls
+//   end_epoch() until it returns std::nullopt; while another rank still has steps, end_epoch()
+//   joins them (contributing zero gradients and zero samples) and returns a Step the caller must
+//   apply like any other, so replicas stay identical. A rank with no sample at all contributes
+//   nothing and divides by the global count: no NaN, no hang.
+// Loss scaling (loss_scaling set): losses are multiplied by scale() (use mb.scale(loss)), the
+//   reduction unscales once per step, then clips (ReducerOptions::max_grad_norm); when any rank
+//   produced inf/NaN every rank skips the step (Step::apply false, gradients zeroed, window
+//   cleared) and the scale backs off once.
+//
+// Units: samples are whatever the loss sums over (rows, tokens).
+// Throws: loom::InvalidArgument (negative sample count, bad options), loom::Error (calls out of
+//         order, use after an abandoned micro-batch), and the reducer's / communicator's errors.
+// Source: DDP's no_sync() accumulation; "exact" weighting as in gradient accumulation with
+//         sum-reduced losses divided by the token/sample count; GradScaler for loss scaling.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <loom/accumulate/loss_scaler.hpp>
+#include <loom/collate/batch.hpp>
+#include <loom/error.hpp>
+#include <loom/reduce/concepts.hpp>
+
+namespace loom {
+
+/// Options of Accumulator; use with designated initializers.
+///
+/// Example: `loom::AccumulatorOptions{.micro_batches_per_step = 0, .samples_per_step = 256}`.
+/// Units: micro-batches; samples.
+struct AccumulatorOptions {
+  std::int64_t micro_batches_per_step = 1;       ///< K: a boundary every K micro-batches (0 = rule off)
+  std::int64_t samples_per_step = 0;             ///< S: a boundary once the window holds >= S samples (0 = off)
+  std::optional<LossScalerOptions> loss_scaling{}; ///< dynamic loss scaling (see LossScaler)
+};
+
+/// The outcome of a micro-batch or a flush. Converts to true when the optimizer should step.
+///
+/// Example: `if (loom::Step s = mb.finish()) optimizer.step();`
+/// Units: samples; grad_norm in gradient units (after averaging and unscaling, before clipping).
+struct Step {
+  bool boundary = false;            ///< this call closed a window: gradients were reduced
+  bool apply = false;               ///< the gradients are the global average: call optimizer.step()
+  bool skipped_non_finite = false;  ///< inf/NaN on some rank: every rank skipped (gradients zeroed)
+  std::int64_t micro_batches = 0;   ///< this rank's micro-batches in the window so far
+  std::int64_t local_samples = 0;   ///< this rank's samples in the window so far
+  std::int64_t global_samples = 0;  ///< all ranks' samples in the window (boundaries only)
+  double loss_scale = 1.0;          ///< the scale the window's losses were multiplied by
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global norm, when clipping computed it
+  double clip_coef = 1.0;           ///< clipping factor applied (1 = none)
+
+  explicit operator bool() const noexcept { return apply; }
+};
+
+/// Gradient accumulation over micro-batches in front of a GradientReducer. See the file comment.
+///
+/// Example: see the file comment.
+/// Throws: see the file comment.
+/// Source: see the file comment.
+template <class R>
+class Accumulator {
+  static_assert(GradientReducer<R>,
+                "loom::Accumulator needs a GradientReducer: a type with prepare_backward(const loom::BackwardPlan&) "
+                "and finish_window(double) -> loom::Reduction (for example loom::Reducer)");
+
+ public:
+  /// A micro-batch in flight: opened by Accumulator::micro_batch, closed by finish().
+  ///
+  /// Example: `auto mb = acc.micro_batch(32); mb.scale(loss).backward(); auto step = mb.finish();`
+  /// Destroying it without finish() (an exception in forward/backward) makes the accumulator refuse
+  /// further use: the ranks may be out of step, so go on only with a fresh reducer.
+  class MicroBatch {
+   public:
+    MicroBatch(MicroBatch&& other) noexcept : acc_(std::exchange(other.acc_, nullptr)), boundary_(other.boundary_) {}
+    MicroBatch& operator=(MicroBatch&&) = delete;
+    MicroBatch(const MicroBatch&) = delete;
+    MicroBatch& operator=(const MicroBatch&) = delete;
+    ~MicroBatch() {
+      if (acc_) acc_->abandon();
+    }
+
+    /// Whether this micro-batch's backward closes the window (its finish() reduces).
+    [[nodiscard]] bool boundary() const noexcept { return boundary_; }
+    /// `loss * loss scale` (the loss itself without loss scaling). Shape: any.
+    [[nodiscard]] at::Tensor scale(const at::Tensor& loss) const {
+      LOOM_ASSERT(acc_ != nullptr, "MicroBatch::scale after finish()");
+      return acc_->scaler_ ? acc_->scaler_->scale(loss) : loss;
+    }
+    /// Call after backward. At a boundary: reduces and returns the step; otherwise a Step with
+    /// boundary == false. Throws: the reducer's errors; loom::Error when called twice.
+    Step finish() {
+      if (!acc_) throw Error("MicroBatch::finish called twice (or on a moved-from micro-batch)");
+      return std::exchange(acc_, nullptr)->finish_micro_batch(boundary_);
+    }
+
+   private:
+    friend class Accumulator;
+    MicroBatch(Accumulator* acc, bool boundary) : acc_(acc), boundary_(boundary) {}
+    Accumulator* acc_;
+    bool boundary_;
+  };
+
+  /// Throws: loom::InvalidArgument for negative K or S, or both 0 with no way to end a window
+  /// other than end_epoch() (allowed: one step per epoch), and for bad loss-scaling options.
+  explicit Accumulator(R& reducer, AccumulatorOptions options = {}) : reducer_(&reducer), options_(std::move(options)) {
+    if (options_.micro_batches_per_step < 0)
+      throw InvalidArgument(fmt::format("Accumulator: micro_batches_per_step = {} (must be >= 0)", options_.micro_batches_per_step));
+    if (options_.samples_per_step < 0)
+      throw InvalidArgument(fmt::format("Accumulator: samples_per_step = {} (must be >= 0)", options_.samples_per_step));
+    if (options_.loss_scaling) scaler_.emplace(*options_.loss_scaling);
+  }
+
+  Accumulator(const Accumulator&) = delete;
+  Accumulator& operator=(const Accumulator&) = delete;
+
+  /// Opens a micro-batch of `num_samples` samples (0 allowed: a rank with nothing still takes part).
+  /// Throws: loom::InvalidArgument (negative count), loom::Error (previous micro-batch still open).
+  [[nodiscard]] MicroBatch micro_batch(std::int64_t num_samples) {
+    check_usable("micro_batch");
+    if (num_samples < 0) throw InvalidArgument(fmt::format("Accumulator::micro_batch: num_samples = {} (must be >= 0)", num_samples));
+    all_final_seen_ = false;
+    ++window_micro_batches_;
+    window_samples_ += num_samples;
+    const bool boundary = (options_.micro_batches_per_step > 0 && window_micro_batches_ >= options_.micro_batches_per_step) ||
+                          (options_.samples_per_step > 0 && window_samples_ >= options_.samples_per_step);
+    open_ = true;
+    reducer_->prepare_backward({.sync = boundary, .window_samples = window_samples_});
+    return MicroBatch(this, boundary);
+  }
+
+  /// Opens a micro-batch for a collated batch: counts batch.num_samples, or 0 when batch.weight == 0.
+  [[nodiscard]] MicroBatch micro_batch(const Batch& batch) { return micro_batch(batch.weight == 0 ? 0 : batch.num_samples); }
+
+  /// Callable form: opens a micro-batch, calls `fn(mb)` (or `fn()`), which runs forward and
+  /// backward, and returns mb.finish().
+  template <class F>
+  Step run(std::int64_t num_samples, F&& fn) {
+    auto mb = micro_batch(num_samples);
+    if constexpr (std::invocable<F&, MicroBatch&>) std::forward<F>(fn)(mb);
+    else std::forward<F>(fn)();
+    return mb.finish();
+  }
+
+  /// End of epoch: reduces this rank's remainder (or zeros) together with every other rank, until
+  /// no rank has anything left. Call it until it returns std::nullopt; apply each returned Step
+  /// like any other (`if (*step) optimizer.step();`).
+  /// Throws: loom::Error (a micro-batch still open), the reducer's errors.
+  std::optional<Step> end_epoch() {
+    check_usable("end_epoch");
+    if (all_final_seen_) {  // every rank saw the last reduction report all ranks final
+      all_final_seen_ = false;
+      return std::nullopt;
+    }
+    reducer_->prepare_backward({.sync = true, .final = true, .window_samples = window_samples_});
+    const Reduction r = reducer_->finish_window(grad_scale());
+    if (!r.reduced) {
+      reset_window();
+      return std::nullopt;
+    }
+    all_final_seen_ = r.all_final;
+    return close_window(r);
+  }
+
+  /// The loss scale the current window's losses must be multiplied by (1 without loss scaling).
+  [[nodiscard]] double loss_scale() const noexcept { return scaler_ ? scaler_->scale() : 1.0; }
+  /// Micro-batches in the open window on this rank.
+  [[nodiscard]] std::int64_t window_micro_batches() const noexcept { return window_micro_batches_; }
+  /// Samples in the open window on this rank.
+  [[nodiscard]] std::int64_t window_samples() const noexcept { return window_samples_; }
+  [[nodiscard]] const AccumulatorOptions& options() const noexcept { return options_; }
+  [[nodiscard]] R& reducer() const noexcept { return *reducer_; }
+
+ private:
+  double grad_scale() const noexcept { return scaler_ ? 1.0 / scaler_->scale() : 1.0; }
+
+  void check_usable(const char* what) const {
+    if (broken_)
+      throw Error(fmt::format("Accumulator::{}: a micro-batch was abandoned (its scope ended without finish(), e.g. by an "
+                              "exception); the ranks may be out of step, so this accumulator refuses further use",
+                              what));
+    if (open_) throw Error(fmt::format("Accumulator::{}: the previous micro-batch was not finished (call finish())", what));
+  }
+
+  Step finish_micro_batch(bool boundary) {
+    open_ = false;
+    if (!boundary) {
+      Step s;
+      s.micro_batches = window_micro_batches_;
+      s.local_samples = window_samples_;
+      s.loss_scale = loss_scale();
+      return s;
+    }
+    return close_window(reducer_->finish_window(grad_scale()));
+  }
+
+  Step close_window(const Reduction& r) {
+    Step s;
+    s.boundary = r.reduced;
+    s.skipped_non_finite = r.non_finite;
+    s.apply = r.reduced && !r.non_finite && !r.no_samples;
+    s.micro_batches = window_micro_batches_;
+    s.local_samples = window_samples_;
+    s.global_samples = r.global_samples;
+    s.loss_scale = loss_scale();
+    s.grad_norm = r.grad_norm;
+    s.clip_coef = r.clip_coef;
+    if (scaler_ && r.reduced && !r.no_samples) scaler_->update(r.non_finite);
+    reset_window();
+    return s;
+  }
+
+  void reset_window() noexcept {
+    window_micro_batches_ = 0;
+    window_samples_ = 0;
+  }
+
+  void abandon() noexcept {
+    open_ = false;
+    broken_ = true;
+  }
+
+  R* reducer_;
+  AccumulatorOptions options_;
+  std::optional<LossScaler> scaler_;
+  std::int64_t window_micro_batches_ = 0;
+  std::int64_t window_samples_ = 0;
+  bool open_ = false;
+  bool broken_ = false;
+  bool all_final_seen_ = false;
+};
+
+}  // namespace loom

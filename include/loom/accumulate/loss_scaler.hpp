@@ -1,0 +1,84 @@
+// loom/accumulate/loss_scaler.hpp — LossScaler: dynamic loss scaling for low-precision training.
+//
+// One sentence: multiply each micro-batch's loss by scale() before backward, unscale the reduced
+// gradient once per step (loom::Accumulator does it inside the reduction), and call
+// update(found_non_finite) once per step: the scale halves after an overflow and doubles after
+// growth_interval clean steps.
+//
+// Example:
+//   loom::LossScaler scaler({.init_scale = 1024});
+//   scaler.scale(loss).backward();           // loss * 1024
+//   scaler.update(/*found_non_finite=*/true); // scale() == 512
+//
+// Units: the scale is a pure factor; growth_interval counts optimizer steps.
+// Throws: loom::InvalidArgument for options outside their ranges (named with the value).
+// Source: torch.cuda.amp.GradScaler (init 2^16, growth 2, backoff 0.5, interval 2000).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <loom/error.hpp>
+
+namespace loom {
+
+/// Options of LossScaler; use with designated initializers.
+///
+/// Example: `loom::LossScalerOptions{.init_scale = 1024, .growth_interval = 100}`.
+/// Units: factors are pure numbers; growth_interval in optimizer steps.
+struct LossScalerOptions {
+  double init_scale = 65536.0;        ///< first scale (> 0)
+  double growth_factor = 2.0;         ///< applied after growth_interval finite steps (>= 1)
+  double backoff_factor = 0.5;        ///< applied once per skipped (non-finite) step, in (0, 1]
+  std::int64_t growth_interval = 2000;///< finite steps between growths (>= 1)
+};
+
+/// Dynamic loss scale. See the file comment.
+///
+/// Example: see the file comment.
+/// Throws: loom::InvalidArgument from the constructor.
+/// Source: torch.cuda.amp.GradScaler.
+class LossScaler {
+ public:
+  explicit LossScaler(LossScalerOptions options = {}) : options_(options), scale_(options.init_scale) {
+    if (!(options_.init_scale > 0) || !std::isfinite(options_.init_scale))
+      throw InvalidArgument(fmt::format("LossScaler: init_scale = {} (must be finite and > 0)", options_.init_scale));
+    if (!(options_.growth_factor >= 1))
+      throw InvalidArgument(fmt::format("LossScaler: growth_factor = {} (must be >= 1)", options_.growth_factor));
+    if (!(options_.backoff_factor > 0 && options_.backoff_factor <= 1))
+      throw InvalidArgument(fmt::format("LossScaler: backoff_factor = {} (must be in (0, 1])", options_.backoff_factor));
+    if (options_.growth_interval < 1)
+      throw InvalidArgument(fmt::format("LossScaler: growth_interval = {} (must be >= 1)", options_.growth_interval));
+  }
+
+  /// The current scale.
+  [[nodiscard]] double scale() const noexcept { return scale_; }
+
+  /// `loss * scale()`. Shape: any; dtype kept.
+  [[nodiscard]] at::Tensor scale(const at::Tensor& loss) const { return loss * scale_; }
+
+  /// Once per optimizer step: back off after a non-finite step, grow after growth_interval finite ones.
+  void update(bool found_non_finite) noexcept {
+    if (found_non_finite) {
+      scale_ *= options_.backoff_factor;
+      good_steps_ = 0;
+    } else if (++good_steps_ >= options_.growth_interval) {
+      scale_ *= options_.growth_factor;
+      good_steps_ = 0;
+    }
+  }
+
+  /// Finite steps since the last growth or backoff.
+  [[nodiscard]] std::int64_t good_steps() const noexcept { return good_steps_; }
+  [[nodiscard]] const LossScalerOptions& options() const noexcept { return options_; }
+
+ private:
+  LossScalerOptions options_;
+  double scale_;
+  std::int64_t good_steps_ = 0;
+};
+
+}  // namespace loom

@@ -1,0 +1,74 @@
+// loom/reduce/concepts.hpp — the GradientReducer concept: what an accumulator needs from the box
+// that turns every rank's local gradients into the same global gradient.
+//
+// One sentence: before each micro-batch's backward the accumulator says whether that backward
+// closes the step window (`prepare_backward`), and after the closing backward it asks for the
+// reduced, averaged gradient (`finish_window`), which every rank receives identically.
+//
+// Example:
+//   loom::Reducer reducer(comm, loom::parameters_of(*model));          // models GradientReducer
+//   reducer.prepare_backward({.sync = true, .window_samples = 32});    // this backward closes the window
+//   loss_sum.backward();                                               // buckets leave while backward runs
+//   loom::Reduction r = reducer.finish_window();                       // p.grad() now = global mean gradient
+//   if (!r.non_finite && !r.no_samples) optimizer.step();
+//
+// Units: samples are counted by the caller (rows of a batch, tokens, whatever the loss sums over).
+// Source: PyTorch DDP's split of Reducer::prepare_for_backward / the autograd hooks /
+//         finalize_backward, and its no_sync() context (a backward that only accumulates).
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <limits>
+
+namespace loom {
+
+/// What the accumulator tells a reducer before a micro-batch's backward.
+///
+/// Example: `reducer.prepare_backward({.sync = false})` (accumulate only: DDP's no_sync);
+///          `reducer.prepare_backward({.sync = true, .window_samples = 10})` (this backward ends the window).
+/// Units: window_samples in samples, this rank's total for the window including this micro-batch.
+struct BackwardPlan {
+  bool sync = false;                ///< this backward closes the window: reduce after it
+  bool final = false;               ///< end-of-epoch flush on this rank (sync only): it has no further
+                                    ///< micro-batches this epoch and only helps the others finish (join)
+  std::int64_t window_samples = 0;  ///< samples of this rank's window (sync only)
+};
+
+/// What a reducer reports when a window is closed. Every field is equal on every rank.
+///
+/// Example: `if (r.reduced && !r.non_finite && !r.no_samples) optimizer.step();`
+/// Units: global_samples in samples (summed over ranks); grad_norm in gradient units (after
+///        averaging and unscaling, before clipping).
+struct Reduction {
+  bool reduced = false;             ///< gradients were all-reduced (false only when a final flush found nothing to do)
+  bool all_final = false;           ///< every rank was in its end-of-epoch flush (no rank has micro-batches left)
+  bool non_finite = false;          ///< some rank produced inf/NaN: every rank must skip the step (gradients zeroed)
+  bool no_samples = false;          ///< averaging by samples and no rank had one: gradients zeroed, skip the step
+  std::int64_t global_samples = 0;  ///< samples of the window summed over ranks
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global L2 norm, when clipping computed it
+  double clip_coef = 1.0;           ///< factor applied by global-norm clipping (1 = not clipped)
+};
+
+/// A box that reduces gradients across ranks at step boundaries.
+///
+/// Requirements:
+///  1. `r.prepare_backward(plan)` before every backward of a micro-batch, in the same sequence of
+///     sync/non-sync plans on every rank's windows. Reason: the reducer must know, while backward
+///     runs, whether to send gradients (sync) or only let them accumulate locally (no_sync); it is
+///     where a reducer starts its collectives, so every rank must issue them in the same order.
+///  2. `r.finish_window(grad_scale)` after the backward of a sync plan (or directly after a final
+///     plan, without a backward) returns a Reduction; afterwards each parameter's gradient is the
+///     global average, multiplied by `grad_scale` (1 / loss scale). Reason: the step boundary is
+///     where the caller needs identical gradients on every rank, and the loss scale is known only
+///     to the caller.
+/// Not required: knowledge of optimizers, loss scaling state, micro-batch counting (the
+/// Accumulator owns those), thread safety across calls, copyability.
+/// Models: loom::Reducer (reduce/reducer.hpp). Used by loom::Accumulator (accumulate/accumulator.hpp).
+template <class R>
+concept GradientReducer = requires(R& r, const BackwardPlan& plan, double grad_scale) {
+  r.prepare_backward(plan);
+  { r.finish_window(grad_scale) } -> std::same_as<Reduction>;
+};
+
+}  // namespace loom
