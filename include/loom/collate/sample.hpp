@@ -1,0 +1,122 @@
+// loom/collate/sample.hpp — how a collator reads a sample: the SampleProjection customization point.
+//
+// A collator needs three things from each sample: its data tensor, its target (an int64 class id,
+// a tensor, or nothing) and, optionally, its dataset index. A *projection* is a small object that
+// extracts them, so any sample type works — not only `std::pair<torch::Tensor, int64_t>`.
+//
+// Example:
+//   struct Utterance { torch::Tensor features; std::string text; int64_t speaker; int64_t id; };
+//   struct UtteranceProjection {
+//     const at::Tensor& data(const Utterance& u) const { return u.features; }
+//     int64_t target(const Utterance& u) const { return u.speaker; }
+//     int64_t index(const Utterance& u) const { return u.id; }          // optional member
+//   };
+//   auto batches = utterances | loom::views::bucket_by_shape({.max_samples = 32}, UtteranceProjection{});
+//
+// DefaultProjection handles, with no code from the user:
+//   - std::pair<at::Tensor, int64_t>         data = first, target = second (class id)
+//   - std::pair<at::Tensor, at::Tensor>      data = first, target = second (tensor target)
+//   - a struct with `.data` and `.target`    (target: an integer or a tensor), optionally `.index`
+//   - a struct with `.data` only, or a bare at::Tensor     (no target: Batch::targets undefined)
+//
+// Shape: the data tensor is one sample without the batch dimension (e.g. C x H x W); the collator
+//        adds the leading N. Its shape is the sample's *shape key* for bucketing.
+// Source: projections follow the C++20 ranges idea of a projection (std::ranges::sort(r, {}, proj)).
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+
+namespace loom {
+
+/// The target of a sample that has none; a collator leaves Batch::targets undefined for it.
+///
+/// Example: `loom::NoTarget target(const at::Tensor&) const { return {}; }`
+struct NoTarget {};
+
+/// True for the target types a collator can stack: an integer class id, a tensor, or NoTarget.
+template <class T>
+concept CollatableTarget = std::integral<std::remove_cvref_t<T>> ||
+                           std::same_as<std::remove_cvref_t<T>, at::Tensor> ||
+                           std::same_as<std::remove_cvref_t<T>, NoTarget>;
+
+/// A projection P reads samples of type S for a collator.
+///
+/// Requirements:
+///  1. `p.data(s)` returns something convertible to `const at::Tensor&`: the sample's data.
+///     Reason: the collator copies its bytes into the batch and buckets by its shape.
+///  2. `p.target(s)` returns an integer, an at::Tensor or loom::NoTarget.
+///     Reason: integers become an int64 N-vector, tensors are stacked, NoTarget leaves targets empty.
+///  3. `p` is copyable and its calls are const. Reason: views copy their adaptors.
+/// Optional: `p.index(s)` -> integer, the sample's dataset index (see SampleProjectionWithIndex);
+///           without it the collator numbers samples by their position in the input (0, 1, ...).
+/// Not required: default construction, a particular sample type, that the tensor be contiguous
+///               (non-contiguous data is made contiguous first, at the cost of one more copy).
+template <class P, class S>
+concept SampleProjection = std::copy_constructible<P> && requires(const P& p, const S& s) {
+  { p.data(s) } -> std::convertible_to<const at::Tensor&>;
+  { p.target(s) } -> CollatableTarget;
+};
+
+/// A SampleProjection that also knows each sample's dataset index.
+///
+/// Requirements (in addition to SampleProjection): `p.index(s)` returns an integer.
+/// Reason: samples that come from a sampler carry their index; the Batch reports it in `indices`.
+template <class P, class S>
+concept SampleProjectionWithIndex = SampleProjection<P, S> && requires(const P& p, const S& s) {
+  { p.index(s) } -> std::convertible_to<int64_t>;
+};
+
+namespace detail {
+template <class S>
+concept HasDataMember = requires(const S& s) {
+  { s.data } -> std::convertible_to<const at::Tensor&>;
+};
+template <class S>
+concept HasTargetMember = requires(const S& s) {
+  { s.target } -> CollatableTarget;
+};
+template <class S>
+concept HasIndexMember = requires(const S& s) {
+  { s.index } -> std::convertible_to<int64_t>;
+};
+template <class S>
+concept TensorPair = requires(const S& s) {
+  { s.first } -> std::convertible_to<const at::Tensor&>;
+  { s.second } -> CollatableTarget;
+} && !HasDataMember<S>;
+}  // namespace detail
+
+/// The projection collators use unless given another: reads pairs, `.data/.target[/.index]`
+/// structs and bare tensors (see the file comment).
+///
+/// Example: `std::pair<at::Tensor, int64_t> s{torch::zeros({3, 8, 8}), 7};`
+///          `DefaultProjection{}.target(s) == 7`.
+struct DefaultProjection {
+  template <class S>
+    requires detail::TensorPair<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
+  const at::Tensor& data(const S& s) const {
+    if constexpr (detail::TensorPair<S>) return s.first;
+    else if constexpr (detail::HasDataMember<S>) return s.data;
+    else return s;
+  }
+
+  template <class S>
+    requires detail::TensorPair<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
+  decltype(auto) target(const S& s) const {
+    if constexpr (detail::TensorPair<S>) return (s.second);
+    else if constexpr (detail::HasTargetMember<S>) return (s.target);
+    else return NoTarget{};
+  }
+
+  template <detail::HasIndexMember S>
+  int64_t index(const S& s) const {
+    return static_cast<int64_t>(s.index);
+  }
+};
+
+}  // namespace loom

@@ -1,0 +1,182 @@
+// loom/collate/views.hpp — range-v3 view adaptors that turn a range of samples into batches, lazily.
+//
+// Example:
+//   std::vector<std::pair<torch::Tensor, int64_t>> samples = ...;      // 3 x H x W images, labels
+//   for (loom::Batch& b : samples | loom::views::bucket_by_shape({.max_samples = 64})) step(b);
+//
+//   auto tokens = sequences | ranges::views::transform(to_sample)         // 1-D int64 token tensors
+//               | loom::views::bucket_padded({.pad = {{.dim = 0}}, .pad_value = 0, .max_elements = 4096});
+//
+// The views are lazy and single-pass: each step pulls samples from the input only until a batch
+// closes, and the end of the input flushes the partial buckets. They accept single-pass input
+// ranges (generators, istream views) and never read an input element twice. Iterating a view a
+// second time is not supported (begin() may be called once). The batches are the same, in the
+// same order, as a BucketCollator given the same samples would emit (they are built by one).
+//
+// Throws: as BucketCollator (collator.hpp), from begin() and from ++; an empty input range throws
+//         loom::InvalidArgument ("the dataset is empty").
+// Source: adaptor shape follows range-v3's views::chunk (a *_fn object with a pipe form made with
+//         make_view_closure(bind_back(...))).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+#include <range/v3/functional/bind_back.hpp>
+#include <range/v3/iterator/default_sentinel.hpp>
+#include <range/v3/range/access.hpp>
+#include <range/v3/range/concepts.hpp>
+#include <range/v3/range/traits.hpp>
+#include <range/v3/view/all.hpp>
+#include <range/v3/view/interface.hpp>
+#include <range/v3/view/view.hpp>
+
+#include <loom/collate/batch.hpp>
+#include <loom/collate/collator.hpp>
+#include <loom/collate/options.hpp>
+#include <loom/collate/sample.hpp>
+
+namespace loom {
+
+/// The view behind views::bucket_by_shape and views::bucket_padded: an input range of loom::Batch.
+///
+/// In:  input range of samples S (any S the projection reads; single-pass is fine)
+/// Out: input range of loom::Batch, N x (padded) sample shape each; every sample appears once
+///      (unless dropped by drop_incomplete or skipped as oversize, both counted in stats()).
+template <class V, class Options, class Projection>
+  requires ranges::view_<V> && ranges::input_range<V>
+class BucketView : public ranges::view_base {
+  struct State {
+    ranges::iterator_t<V> it;
+    ranges::sentinel_t<V> end;
+    BucketCollator<Projection> collator;
+    std::optional<Batch> current;
+    bool flushed = false;
+    bool done = false;
+
+    State(V& base, const Options& o, const Projection& p)
+        : it(ranges::begin(base)), end(ranges::end(base)), collator(o, p) {}
+
+    void advance() {
+      current.reset();
+      while (!collator.ready()) {
+        if (it == end) {
+          if (flushed) {
+            done = true;
+            return;
+          }
+          collator.flush();
+          flushed = true;
+          continue;
+        }
+        auto&& sample = *it;
+        collator.push(sample);
+        ++it;
+      }
+      current.emplace(collator.pop());
+    }
+  };
+
+ public:
+  /// Input iterator over the batches; `*it` is the current batch (move from it if you like).
+  class iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    using iterator_concept = std::input_iterator_tag;
+    using iterator_category = std::input_iterator_tag;
+
+    iterator() = default;
+    explicit iterator(State* s) : state_(s) {}
+
+    Batch& operator*() const { return *state_->current; }
+    iterator& operator++() {
+      state_->advance();
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const iterator& i, ranges::default_sentinel_t) { return i.state_ == nullptr || i.state_->done; }
+
+   private:
+    State* state_ = nullptr;
+  };
+
+  BucketView() = default;
+  BucketView(V base, Options options, Projection proj)
+      : base_(std::move(base)), options_(std::move(options)), proj_(std::move(proj)) {}
+
+  /// Starts pulling samples; call once per view.
+  iterator begin() {
+    state_ = std::make_shared<State>(base_, options_, proj_);
+    state_->advance();
+    return iterator(state_.get());
+  }
+  ranges::default_sentinel_t end() const noexcept { return {}; }
+
+  /// Counts of the pass in progress (or finished): samples, batches, drops, padding.
+  /// Empty stats before begin().
+  [[nodiscard]] CollateStats stats() const { return state_ ? state_->collator.stats() : CollateStats{}; }
+
+ private:
+  V base_{};
+  Options options_{};
+  Projection proj_{};
+  std::shared_ptr<State> state_;  // shared so the view stays copyable (range-v3 views are semiregular)
+};
+
+namespace views {
+namespace detail {
+
+template <class Options>
+struct bucket_base_fn {
+  template <class Rng, class Projection = DefaultProjection>
+    requires ranges::viewable_range<Rng> && ranges::input_range<Rng>
+  auto operator()(Rng&& rng, Options options, Projection proj = {}) const {
+    using Sample = std::remove_cvref_t<ranges::range_reference_t<Rng>>;
+    static_assert(SampleProjection<Projection, Sample>,
+                  "loom::views bucketing: the projection cannot read the range's samples; pass a projection with "
+                  "data(s) and target(s) (see loom/collate/sample.hpp)");
+    return BucketView<ranges::views::all_t<Rng>, Options, Projection>(ranges::views::all(std::forward<Rng>(rng)),
+                                                                       std::move(options), std::move(proj));
+  }
+};
+
+template <class Options>
+struct bucket_fn : bucket_base_fn<Options> {
+  using bucket_base_fn<Options>::operator();
+
+  auto operator()(Options options) const {
+    return ranges::make_view_closure(ranges::bind_back(bucket_base_fn<Options>{}, std::move(options)));
+  }
+  template <class Projection>
+    requires(!ranges::range<Projection>)
+  auto operator()(Options options, Projection proj) const {
+    return ranges::make_view_closure(ranges::bind_back(bucket_base_fn<Options>{}, std::move(options), std::move(proj)));
+  }
+};
+
+}  // namespace detail
+
+/// Exact-shape buckets as a lazy view: `samples | loom::views::bucket_by_shape(options[, projection])`.
+///
+/// In:  input range of samples (data tensor of any shape; see SampleProjection)
+/// Out: input range of loom::Batch, N x (sample shape), all rows of one batch of equal shape
+///
+/// Example: `for (auto& b : samples | loom::views::bucket_by_shape({.max_samples = 4})) ...`
+/// Throws: see BucketView. Source: range-v3's views::chunk, keyed by shape.
+inline constexpr detail::bucket_fn<ShapeBucketOptions> bucket_by_shape{};
+
+/// Padded buckets as a lazy view: `samples | loom::views::bucket_padded(options[, projection])`.
+///
+/// In:  input range of samples whose shapes differ on the padded dimensions
+/// Out: input range of loom::Batch, N x (padded sample shape), with a bool mask (true = real)
+///
+/// Example: `seqs | loom::views::bucket_padded({.pad = {{.dim = 0}}, .max_elements = 150})`
+/// Throws: see BucketView. Source: tf.data bucket_by_sequence_length / fairseq max_tokens batching.
+inline constexpr detail::bucket_fn<PaddedBucketOptions> bucket_padded{};
+
+}  // namespace views
+}  // namespace loom
