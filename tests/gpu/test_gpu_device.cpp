@@ -342,7 +342,7 @@ TEST_CASE("pinned memory: cudaHostAlloc'd CPU tensors, and a pool that reuses bl
 
   loom::cuda::PinnedAllocator alloc;
   auto e = alloc({7, 3}, at::TensorOptions().dtype(at::kBFloat16));
-  CHECK(e.scalar_type() == at::kBFloat16);
+  CHECK((e.scalar_type() == at::kBFloat16));
   CHECK(e.sizes() == at::IntArrayRef({7, 3}));
 }
 
