@@ -31,7 +31,8 @@ struct Call {
   [[nodiscard]] std::string signature() const {
     std::string s = name;
     if (name == "all_reduce") s += "(" + std::string(loom::to_string(op)) + ")";
-    if (input.defined()) s += " " + std::string(c10::toString(input.scalar_type())) + "[" + std::to_string(input.numel()) + "]";
+    if (input.defined())
+      s += " " + std::string(c10::toString(input.scalar_type())) + "[" + std::to_string(input.numel()) + "]";
     return s;
   }
 };
@@ -97,12 +98,14 @@ inline at::Tensor pack_string(const std::string& text, std::int64_t words) {
 /// An on_all_gather hook for a simulated world where rank r holds `texts[r]` (this rank's entry is
 /// ignored: the tensor this rank passes is used). Handles both all_gathers of all_gather_strings.
 inline std::function<std::vector<at::Tensor>(const at::Tensor&)> gather_strings_from(std::vector<std::string> texts,
-                                                                                      int my_rank) {
+                                                                                     int my_rank) {
   return [texts = std::move(texts), my_rank](const at::Tensor& t) {
     std::vector<at::Tensor> out;
     if (t.scalar_type() == at::kLong) {  // lengths
       for (std::size_t r = 0; r < texts.size(); ++r)
-        out.push_back(static_cast<int>(r) == my_rank ? t.clone() : at::full({1}, static_cast<std::int64_t>(texts[r].size()), at::kLong));
+        out.push_back(static_cast<int>(r) == my_rank
+                          ? t.clone()
+                          : at::full({1}, static_cast<std::int64_t>(texts[r].size()), at::kLong));
     } else {  // bytes, padded to t.numel() words
       for (std::size_t r = 0; r < texts.size(); ++r)
         out.push_back(static_cast<int>(r) == my_rank ? t.clone() : pack_string(texts[r], t.numel()));

@@ -84,8 +84,8 @@ TEST_CASE("log concepts: which types model LogSink, TerminalSink, RankPolicy, Pr
 
 TEST_CASE("RankInfo: validation names the field; rank_info() reads launcher-like structs") {
   CHECK_NOTHROW(loom::RankInfo{}.validate());
-  CHECK_THROWS_WITH_AS((loom::RankInfo{.rank = 4, .world_size = 4}.validate()), "loom: RankInfo: rank 4 is outside [0, 4)",
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS((loom::RankInfo{.rank = 4, .world_size = 4}.validate()),
+                       "loom: RankInfo: rank 4 is outside [0, 4)", loom::InvalidArgument);
   CHECK_THROWS_WITH_AS((loom::RankInfo{.world_size = 0}.validate()), "loom: RankInfo: world_size 0 is < 1",
                        loom::InvalidArgument);
   CHECK_THROWS_WITH_AS((loom::RankInfo{.rank = 1, .world_size = 4, .local_rank = 2, .local_world_size = 2}.validate()),
@@ -153,7 +153,8 @@ TEST_CASE("Logger: levels filter lines and tag them") {
 
 TEST_CASE("Logger, all-ranks policy: every line carries [rank r/w], multi-line messages too, one write each") {
   loom::MemorySink mem;
-  loom::Logger log{mem, loom::AllRanks{}, loom::RankInfo{.rank = 2, .world_size = 4, .local_rank = 0, .local_world_size = 2}};
+  loom::Logger log{mem, loom::AllRanks{},
+                   loom::RankInfo{.rank = 2, .world_size = 4, .local_rank = 0, .local_world_size = 2}};
   log.info("first\nsecond");
   log.error("bad value {}", -1);
   log.info("");
@@ -169,7 +170,8 @@ TEST_CASE("Logger, local-rank-0 policy: one writer per node, prefixed with its g
   std::string all;
   for (int rank = 0; rank < 4; ++rank) {
     loom::MemorySink mem;
-    loom::Logger log{mem, loom::LocalRankZero{}, loom::RankInfo{.rank = rank, .world_size = 4, .local_rank = rank % 2, .local_world_size = 2}};
+    loom::Logger log{mem, loom::LocalRankZero{},
+                     loom::RankInfo{.rank = rank, .world_size = 4, .local_rank = rank % 2, .local_world_size = 2}};
     log.info("node ready");
     all += mem.text();
   }
@@ -183,18 +185,21 @@ TEST_CASE("Logger, rank-ordered policy: rank 0 prints every rank's lines in rank
     loom::MemorySink mem;
     RecordingCommunicator comm(0, 3);
     comm.on_all_gather = loom_test::gather_strings_from({"", rank1_lines, rank2_lines}, 0);
-    loom::Logger log{mem, loom::RankOrdered{}, loom::RankInfo{.rank = 0, .world_size = 3, .local_rank = 0, .local_world_size = 3}};
+    loom::Logger log{mem, loom::RankOrdered{},
+                     loom::RankInfo{.rank = 0, .world_size = 3, .local_rank = 0, .local_world_size = 3}};
     log.info("r0 a");
     CHECK(mem.text().empty());  // buffered until sync
     log.sync(comm);
     CHECK(mem.text() == "[rank 0/3] r0 a\n" + rank1_lines + rank2_lines);
-    CHECK(comm.signatures() == std::vector<std::string>{"all_gather Long[1]", "all_gather Int[8]"});  // 32 bytes -> 8 words
+    CHECK(comm.signatures() ==
+          std::vector<std::string>{"all_gather Long[1]", "all_gather Int[8]"});  // 32 bytes -> 8 words
   }
   SUBCASE("a non-zero rank sends its lines and prints nothing") {
     loom::MemorySink mem;
     RecordingCommunicator comm(1, 3);
     comm.on_all_gather = loom_test::gather_strings_from({"[rank 0/3] x\n", "", rank2_lines}, 1);
-    loom::Logger log{mem, loom::RankOrdered{}, loom::RankInfo{.rank = 1, .world_size = 3, .local_rank = 1, .local_world_size = 3}};
+    loom::Logger log{mem, loom::RankOrdered{},
+                     loom::RankInfo{.rank = 1, .world_size = 3, .local_rank = 1, .local_world_size = 3}};
     log.info("r1 a\nr1 b");
     log.sync(comm);
     CHECK(mem.text().empty());
@@ -226,7 +231,8 @@ TEST_CASE("Logger, rank-ordered policy: rank 0 prints every rank's lines in rank
 
 TEST_CASE("all_gather_strings over a real LocalCommunicator round-trips any bytes") {
   loom::LocalCommunicator comm;
-  for (std::string s : {std::string{}, std::string("a"), std::string("abcd"), std::string("with\0nul", 8), std::string(1001, 'z')}) {
+  for (std::string s :
+       {std::string{}, std::string("a"), std::string("abcd"), std::string("with\0nul", 8), std::string(1001, 'z')}) {
     auto out = loom::detail::all_gather_strings(comm, s);
     REQUIRE(out.size() == 1);
     CHECK(out[0] == s);
@@ -236,8 +242,8 @@ TEST_CASE("all_gather_strings over a real LocalCommunicator round-trips any byte
 TEST_CASE("FileSink: one file per rank, errors name the path or pattern") {
   const auto dir = fresh_dir("files");
   for (int rank = 0; rank < 2; ++rank) {
-    loom::Logger log{loom::FileSink::per_rank((dir / "train.{rank}.log").string(), rank), loom::AllRanks{.with_prefix = false},
-                     loom::RankInfo{.rank = rank, .world_size = 2}};
+    loom::Logger log{loom::FileSink::per_rank((dir / "train.{rank}.log").string(), rank),
+                     loom::AllRanks{.with_prefix = false}, loom::RankInfo{.rank = rank, .world_size = 2}};
     log.info("hello from {}", rank);
     CHECK(log.sink().path() == (dir / fmt::format("train.{}.log", rank)).string());
   }
@@ -254,8 +260,7 @@ TEST_CASE("FileSink: one file per rank, errors name the path or pattern") {
                        loom::InvalidArgument);
   const std::string missing = (dir / "no" / "such" / "dir.log").string();
   const std::string expected = "cannot open log file '" + missing + "': No such file";
-  CHECK_THROWS_WITH_AS(loom::FileSink{missing}, doctest::Contains(expected.c_str()),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::FileSink{missing}, doctest::Contains(expected.c_str()), loom::InvalidArgument);
   std::filesystem::remove_all(dir);
 }
 
@@ -306,10 +311,11 @@ TEST_CASE("global_means: several metrics in one collective; errors") {
   CHECK(means == std::vector<double>{2.0, 0.5, -3.0});
   CHECK(comm.signatures() == std::vector<std::string>{"all_reduce(sum) Double[6]"});
   loom::WeightedMean empty;
-  CHECK_THROWS_WITH_AS((void)loom::global_mean(comm, empty), "loom: global_means: metric 0 has total weight 0 over 2 rank(s)",
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS((void)loom::global_mean(comm, empty),
+                       "loom: global_means: metric 0 has total weight 0 over 2 rank(s)", loom::InvalidArgument);
   CHECK_THROWS_WITH_AS((void)empty.local_mean(), doctest::Contains("no weight was added"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(empty.add(1.0, -2), doctest::Contains("weight -2 is negative or not finite"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(empty.add(1.0, -2), doctest::Contains("weight -2 is negative or not finite"),
+                       loom::InvalidArgument);
   CHECK(loom::global_means(comm, std::span<const loom::WeightedMean>{}).empty());
   ms[0].reset();
   CHECK(ms[0].weight() == 0.0);
@@ -329,19 +335,22 @@ TEST_CASE("main_process_first on one process: runs once, returns the value, reth
   CHECK_THROWS_WITH_AS(loom::main_process_first(comm, []() -> int { throw std::out_of_range("cache index 7"); }),
                        "cache index 7", std::out_of_range);
   CHECK_THROWS_WITH_AS(loom::main_process_first(comm, loom::RankInfo{.rank = 1, .world_size = 2}, [] {}),
-                       doctest::Contains("the communicator is rank 0 of 1, RankInfo says rank 1 of 2"), loom::InvalidArgument);
+                       doctest::Contains("the communicator is rank 0 of 1, RankInfo says rank 1 of 2"),
+                       loom::InvalidArgument);
 }
 
 TEST_CASE("main_process_first as a non-leader: waits for the leader, then runs; same collectives as the leader") {
   std::vector<std::string> events;
   RecordingCommunicator leader_comm(0, 2), follower_comm(1, 2);
   for (auto* c : {&leader_comm, &follower_comm}) {
-    c->on_all_reduce = [&events, c](at::Tensor&, loom::ReduceOp) { events.push_back(fmt::format("rank {} collective", c->rank())); };
+    c->on_all_reduce = [&events, c](at::Tensor&, loom::ReduceOp) {
+      events.push_back(fmt::format("rank {} collective", c->rank()));
+    };
   }
   loom::main_process_first(leader_comm, [&] { events.emplace_back("rank 0 block"); });
   loom::main_process_first(follower_comm, [&] { events.emplace_back("rank 1 block"); });
-  CHECK(events == std::vector<std::string>{"rank 0 block", "rank 0 collective", "rank 0 collective", "rank 1 collective",
-                                           "rank 1 block", "rank 1 collective"});
+  CHECK(events == std::vector<std::string>{"rank 0 block", "rank 0 collective", "rank 0 collective",
+                                           "rank 1 collective", "rank 1 block", "rank 1 collective"});
   CHECK(leader_comm.signatures() == follower_comm.signatures());
   CHECK(leader_comm.signatures() == std::vector<std::string>{"all_reduce(sum) Double[1]", "all_reduce(sum) Double[1]"});
 }
@@ -359,7 +368,8 @@ TEST_CASE("main_process_first: rank 0's exception reaches rank 1 as RemoteError,
                        "rank 0: cache directory /data is read-only",
                        loom::RemoteError);
   CHECK_FALSE(ran);
-  CHECK(comm.signatures() == std::vector<std::string>{"all_reduce(sum) Double[1]", "all_gather Long[1]", "all_gather Int[9]"});
+  CHECK(comm.signatures() ==
+        std::vector<std::string>{"all_reduce(sum) Double[1]", "all_gather Long[1]", "all_gather Int[9]"});
 }
 
 TEST_CASE("main_process_first: a follower's failure reaches the leader too (phase 2)") {
@@ -369,9 +379,10 @@ TEST_CASE("main_process_first: a follower's failure reaches the leader too (phas
     if (++reduces == 2) t[0] += 1.0;  // phase 2: rank 2 reports a failure
   };
   comm.on_all_gather = loom_test::gather_strings_from({"", "", "disk full"}, 0);
-  CHECK_THROWS_WITH_AS(loom::main_process_first(comm, [] {}),
-                       "loom: main_process_first: the block failed on another rank (rank 0 succeeded): rank 2: disk full",
-                       loom::RemoteError);
+  CHECK_THROWS_WITH_AS(
+      loom::main_process_first(comm, [] {}),
+      "loom: main_process_first: the block failed on another rank (rank 0 succeeded): rank 2: disk full",
+      loom::RemoteError);
 }
 
 TEST_CASE("main_process_first per node: local rank 0 leads") {
@@ -380,7 +391,8 @@ TEST_CASE("main_process_first per node: local rank 0 leads") {
     std::vector<std::string> events;
     comm.on_all_reduce = [&](at::Tensor&, loom::ReduceOp) { events.emplace_back("collective"); };
     const loom::RankInfo me{.rank = rank, .world_size = 4, .local_rank = rank % 2, .local_world_size = 2};
-    loom::main_process_first(comm, me, [&] { events.emplace_back("block"); }, loom::Leader::local_rank_zero);
+    loom::main_process_first(
+        comm, me, [&] { events.emplace_back("block"); }, loom::Leader::local_rank_zero);
     const bool leads = rank % 2 == 0;
     CHECK(events == (leads ? std::vector<std::string>{"block", "collective", "collective"}
                            : std::vector<std::string>{"collective", "block", "collective"}));
@@ -389,10 +401,12 @@ TEST_CASE("main_process_first per node: local rank 0 leads") {
 
 TEST_CASE("Progress, non-terminal: a plain line every N seconds with global samples, rate and ETA") {
   ManualClock clock;
-  loom::MemorySink out;  // not a terminal
+  loom::MemorySink out;              // not a terminal
   RecordingCommunicator comm(0, 2);  // the other rank did as many samples as this one
-  loom::Progress p{out, loom::RankInfo{.rank = 0, .world_size = 2, .local_rank = 0, .local_world_size = 2},
-                   {.total = 200, .label = "train", .line_interval = std::chrono::seconds(5), .sync_every = 1}, clock};
+  loom::Progress p{out,
+                   loom::RankInfo{.rank = 0, .world_size = 2, .local_rank = 0, .local_world_size = 2},
+                   {.total = 200, .label = "train", .line_interval = std::chrono::seconds(5), .sync_every = 1},
+                   clock};
   CHECK_FALSE(p.live_bar());
   for (int s = 1; s <= 10; ++s) {
     clock.advance(std::chrono::seconds(1));
@@ -419,8 +433,10 @@ TEST_CASE("Progress: sums only every sync_every steps, the same collectives on s
     loom::MemorySink out;
     RecordingCommunicator comm(rank, 2);
     comm.on_all_reduce = [&](at::Tensor& t, loom::ReduceOp) { t[0] += 1000.0; };  // the other rank: 1000 samples so far
-    loom::Progress p{out, loom::RankInfo{.rank = rank, .world_size = 2},
-                     {.label = "eval", .line_interval = std::chrono::seconds(0), .sync_every = 3}, clock};
+    loom::Progress p{out,
+                     loom::RankInfo{.rank = rank, .world_size = 2},
+                     {.label = "eval", .line_interval = std::chrono::seconds(0), .sync_every = 3},
+                     clock};
     for (int s = 0; s < 7; ++s) {
       clock.advance(std::chrono::milliseconds(500));
       p.step(comm, 1);
@@ -448,9 +464,11 @@ TEST_CASE("Progress, terminal: a live bar redrawn in place, throttled, ending wi
   ManualClock clock;
   loom::MemorySink tty(true);
   loom::LocalCommunicator comm;
-  loom::Progress p{tty, loom::RankInfo{},
-                   {.total = 40, .label = "fit", .redraw_interval = std::chrono::seconds(1), .sync_every = 1, .bar_width = 10},
-                   clock};
+  loom::Progress p{
+      tty,
+      loom::RankInfo{},
+      {.total = 40, .label = "fit", .redraw_interval = std::chrono::seconds(1), .sync_every = 1, .bar_width = 10},
+      clock};
   CHECK(p.live_bar());
   for (int s = 0; s < 4; ++s) {
     clock.advance(std::chrono::milliseconds(500));
@@ -469,8 +487,12 @@ TEST_CASE("Progress per node: leaders' lines carry their rank; options are valid
   ManualClock clock;
   loom::MemorySink out;
   loom::LocalCommunicator comm;
-  loom::Progress p{out, loom::RankInfo{},
-                   {.total = 10, .label = "x", .line_interval = std::chrono::seconds(1), .sync_every = 1,
+  loom::Progress p{out,
+                   loom::RankInfo{},
+                   {.total = 10,
+                    .label = "x",
+                    .line_interval = std::chrono::seconds(1),
+                    .sync_every = 1,
                     .shown_on = loom::Leader::local_rank_zero},
                    clock};
   clock.advance(std::chrono::seconds(2));
@@ -479,10 +501,10 @@ TEST_CASE("Progress per node: leaders' lines carry their rank; options are valid
   CHECK_THROWS_WITH_AS(p.step(comm, -1), "loom: Progress::step: local_samples -1 is negative", loom::InvalidArgument);
   p.finish(comm);
   CHECK_THROWS_WITH_AS(p.step(comm, 1), doctest::Contains("after finish()"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS((loom::Progress{out, loom::RankInfo{}, {.sync_every = 0}}), doctest::Contains("sync_every 0 is < 1"),
-                       loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS((loom::Progress{out, loom::RankInfo{}, {.total = -5}}), doctest::Contains("total -5 is negative"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS((loom::Progress{out, loom::RankInfo{}, {.sync_every = 0}}),
+                       doctest::Contains("sync_every 0 is < 1"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS((loom::Progress{out, loom::RankInfo{}, {.total = -5}}),
+                       doctest::Contains("total -5 is negative"), loom::InvalidArgument);
   CHECK(loom::detail::format_hms(3725.4) == "1:02:05");
   CHECK(loom::detail::format_hms(-1) == "?");
 }

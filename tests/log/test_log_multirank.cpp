@@ -14,7 +14,9 @@
 namespace {
 
 constexpr auto kCommTimeout = std::chrono::seconds(20);
-loom::SpawnOptions spawn_options() { return {.timeout = std::chrono::seconds(120)}; }
+loom::SpawnOptions spawn_options() {
+  return {.timeout = std::chrono::seconds(120)};
+}
 
 std::filesystem::path fresh_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() / fmt::format("loom-test-logmr-{}-{}", name, ::getpid());
@@ -46,42 +48,50 @@ struct ManualClock {
 
 TEST_CASE("multi-rank Logger: rank-0 policy writes only rank 0's lines; all-ranks prefixes every rank's") {
   const auto dir = fresh_dir("policies");
-  loom::spawn(3, [&](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    const auto me = loom::rank_info(env);
-    {
-      loom::Logger log{loom::FileSink((dir / "rank0.log").string(), loom::FileSink::Mode::append), me};
-      log.info("hello from rank {}", env.rank);
-    }
-    {
-      loom::Logger log{loom::FileSink((dir / "all.log").string(), loom::FileSink::Mode::append), loom::AllRanks{}, me};
-      log.info("hello from rank {}", env.rank);
-    }
-    comm.barrier();
-  }, spawn_options());
+  loom::spawn(
+      3,
+      [&](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+        const auto me = loom::rank_info(env);
+        {
+          loom::Logger log{loom::FileSink((dir / "rank0.log").string(), loom::FileSink::Mode::append), me};
+          log.info("hello from rank {}", env.rank);
+        }
+        {
+          loom::Logger log{loom::FileSink((dir / "all.log").string(), loom::FileSink::Mode::append), loom::AllRanks{},
+                           me};
+          log.info("hello from rank {}", env.rank);
+        }
+        comm.barrier();
+      },
+      spawn_options());
   CHECK(slurp(dir / "rank0.log") == "hello from rank 0\n");
   std::istringstream all(slurp(dir / "all.log"));
   std::set<std::string> lines;
   for (std::string l; std::getline(all, l);) lines.insert(l);
-  CHECK(lines == std::set<std::string>{"[rank 0/3] hello from rank 0", "[rank 1/3] hello from rank 1", "[rank 2/3] hello from rank 2"});
+  CHECK(lines == std::set<std::string>{"[rank 0/3] hello from rank 0", "[rank 1/3] hello from rank 1",
+                                       "[rank 2/3] hello from rank 2"});
   std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("multi-rank Logger: rank-ordered lines come out in rank order, whatever the arrival order") {
   const auto dir = fresh_dir("ordered");
-  loom::spawn(3, [&](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    // Every rank writes to its own file; only rank 0's may receive text.
-    loom::Logger log{loom::FileSink::per_rank((dir / "ordered.{rank}.log").string(), env.rank), loom::RankOrdered{},
-                     loom::rank_info(env)};
-    // Ranks log in reverse rank order in wall time; the output must still be 0, 1, 2.
-    std::this_thread::sleep_for(std::chrono::milliseconds(100 * (2 - env.rank)));
-    log.info("step 1 on rank {}", env.rank);
-    if (env.rank == 1) log.warning("rank 1 has a second line");
-    log.sync(comm);
-    log.info("step 2 on rank {}", env.rank);
-    log.sync(comm);
-  }, spawn_options());
+  loom::spawn(
+      3,
+      [&](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+        // Every rank writes to its own file; only rank 0's may receive text.
+        loom::Logger log{loom::FileSink::per_rank((dir / "ordered.{rank}.log").string(), env.rank), loom::RankOrdered{},
+                         loom::rank_info(env)};
+        // Ranks log in reverse rank order in wall time; the output must still be 0, 1, 2.
+        std::this_thread::sleep_for(std::chrono::milliseconds(100 * (2 - env.rank)));
+        log.info("step 1 on rank {}", env.rank);
+        if (env.rank == 1) log.warning("rank 1 has a second line");
+        log.sync(comm);
+        log.info("step 2 on rank {}", env.rank);
+        log.sync(comm);
+      },
+      spawn_options());
   CHECK(slurp(dir / "ordered.0.log") ==
         "[rank 0/3] step 1 on rank 0\n"
         "[rank 1/3] step 1 on rank 1\n"
@@ -96,111 +106,139 @@ TEST_CASE("multi-rank Logger: rank-ordered lines come out in rank order, whateve
 }
 
 TEST_CASE("multi-rank global_mean: sizes 3 and 2 with value 1.0 give exactly 1.0; 3 ranks against a hand sum") {
-  loom::spawn(2, [](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    loom::WeightedMean m;
-    m.add(1.0, env.rank == 0 ? 3 : 2);
-    REQUIRE(loom::global_mean(comm, m) == 1.0);
-  }, spawn_options());
-  loom::spawn(3, [](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    // rank r: batches (r + 1, 2) and (0.5, r); by hand: sum = 2+0 + 4+0.5 + 6+1 = 13.5, weight = 6 + 3 = 9.
-    loom::WeightedMean loss, count;
-    loss.add(env.rank + 1.0, 2);
-    loss.add(0.5, env.rank);
-    count.add(static_cast<double>(env.rank));
-    std::array ms{loss, count};
-    const auto means = loom::global_means(comm, ms);
-    REQUIRE(means[0] == 13.5 / 9.0);
-    REQUIRE(means[1] == 1.0);  // (0 + 1 + 2) / 3
-  }, spawn_options());
+  loom::spawn(
+      2,
+      [](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+        loom::WeightedMean m;
+        m.add(1.0, env.rank == 0 ? 3 : 2);
+        REQUIRE(loom::global_mean(comm, m) == 1.0);
+      },
+      spawn_options());
+  loom::spawn(
+      3,
+      [](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+        // rank r: batches (r + 1, 2) and (0.5, r); by hand: sum = 2+0 + 4+0.5 + 6+1 = 13.5, weight = 6 + 3 = 9.
+        loom::WeightedMean loss, count;
+        loss.add(env.rank + 1.0, 2);
+        loss.add(0.5, env.rank);
+        count.add(static_cast<double>(env.rank));
+        std::array ms{loss, count};
+        const auto means = loom::global_means(comm, ms);
+        REQUIRE(means[0] == 13.5 / 9.0);
+        REQUIRE(means[1] == 1.0);  // (0 + 1 + 2) / 3
+      },
+      spawn_options());
 }
 
 TEST_CASE("multi-rank main_process_first: rank 0 finishes its block before the others start theirs") {
   const auto dir = fresh_dir("first");
-  loom::spawn(3, [&](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    const auto marker = dir / "cache.ready";
-    const int n = loom::main_process_first(comm, loom::rank_info(env), [&] {
-      if (env.rank == 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(300));  // a slow preparation
-        std::ofstream(marker) << "prepared\n";
-        return 1;
-      }
-      REQUIRE(std::filesystem::exists(marker));  // would fail if a follower ran first
-      return 2;
-    });
-    REQUIRE(n == (env.rank == 0 ? 1 : 2));
-  }, spawn_options());
+  loom::spawn(
+      3,
+      [&](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+        const auto marker = dir / "cache.ready";
+        const int n = loom::main_process_first(comm, loom::rank_info(env), [&] {
+          if (env.rank == 0) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));  // a slow preparation
+            std::ofstream(marker) << "prepared\n";
+            return 1;
+          }
+          REQUIRE(std::filesystem::exists(marker));  // would fail if a follower ran first
+          return 2;
+        });
+        REQUIRE(n == (env.rank == 0 ? 1 : 2));
+      },
+      spawn_options());
   std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("multi-rank main_process_first per node: local rank 0 of each simulated node leads") {
   const auto dir = fresh_dir("pernode");
-  loom::spawn(4, [&](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    const auto me = two_nodes(env.rank, 4);
-    const int node = env.rank / 2;
-    const auto marker = dir / fmt::format("node{}.ready", node);
-    loom::main_process_first(comm, me, [&] {
-      if (me.local_rank == 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        std::ofstream(marker) << env.rank << "\n";
-      } else {
-        REQUIRE(slurp(marker) == fmt::format("{}\n", env.rank - 1));
-      }
-    }, loom::Leader::local_rank_zero);
-  }, spawn_options());
+  loom::spawn(
+      4,
+      [&](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+        const auto me = two_nodes(env.rank, 4);
+        const int node = env.rank / 2;
+        const auto marker = dir / fmt::format("node{}.ready", node);
+        loom::main_process_first(
+            comm, me,
+            [&] {
+              if (me.local_rank == 0) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                std::ofstream(marker) << env.rank << "\n";
+              } else {
+                REQUIRE(slurp(marker) == fmt::format("{}\n", env.rank - 1));
+              }
+            },
+            loom::Leader::local_rank_zero);
+      },
+      spawn_options());
   std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("multi-rank main_process_first: an exception on rank 0 reaches the others as RemoteError, no hang") {
   const auto start = std::chrono::steady_clock::now();
-  loom::spawn(3, [](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    bool ran = false;
-    try {
-      loom::main_process_first(comm, [&] {
-        ran = true;
-        if (env.rank == 0) throw std::runtime_error("cache archive is corrupt");
-      });
-      FAIL("main_process_first returned after rank 0 threw");
-    } catch (const loom::RemoteError& e) {
-      REQUIRE(env.rank != 0);
-      REQUIRE_FALSE(ran);
-      REQUIRE(std::string(e.what()) == fmt::format("loom: main_process_first: the block failed on rank 0 so rank {} did not run "
-                                                   "it: rank 0: cache archive is corrupt", env.rank));
-    } catch (const std::runtime_error& e) {
-      REQUIRE(env.rank == 0);
-      REQUIRE(std::string(e.what()) == "cache archive is corrupt");
-    }
-    // The group is still usable: everyone reached the same point.
-    comm.barrier();
-  }, spawn_options());
+  loom::spawn(
+      3,
+      [](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+        bool ran = false;
+        try {
+          loom::main_process_first(comm, [&] {
+            ran = true;
+            if (env.rank == 0) throw std::runtime_error("cache archive is corrupt");
+          });
+          FAIL("main_process_first returned after rank 0 threw");
+        } catch (const loom::RemoteError& e) {
+          REQUIRE(env.rank != 0);
+          REQUIRE_FALSE(ran);
+          REQUIRE(std::string(e.what()) ==
+                  fmt::format("loom: main_process_first: the block failed on rank 0 so rank {} did not run "
+                              "it: rank 0: cache archive is corrupt",
+                              env.rank));
+        } catch (const std::runtime_error& e) {
+          REQUIRE(env.rank == 0);
+          REQUIRE(std::string(e.what()) == "cache archive is corrupt");
+        }
+        // The group is still usable: everyone reached the same point.
+        comm.barrier();
+      },
+      spawn_options());
   // Well inside the collective timeout: nobody waited for a peer that would never come.
   CHECK(std::chrono::steady_clock::now() - start < kCommTimeout);
 }
 
 TEST_CASE("multi-rank Progress: global samples summed over ranks; bars on rank 0, or on ranks 0 and 2 per node") {
   const auto dir = fresh_dir("progress");
-  loom::spawn(4, [&](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    const auto me = two_nodes(env.rank, 4);
-    for (auto leader : {loom::Leader::global_rank_zero, loom::Leader::local_rank_zero}) {
-      ManualClock clock;
-      const auto name = fmt::format("{}.{}.log", leader == loom::Leader::global_rank_zero ? "global" : "local", env.rank);
-      loom::Progress p{loom::FileSink((dir / name).string()), me,
-                       {.total = 100, .label = "epoch", .line_interval = std::chrono::seconds(2), .sync_every = 2,
-                        .shown_on = leader},
-                       clock};
-      for (int s = 0; s < 4; ++s) {  // rank r does r + 1 samples per step: 10 per step over 4 ranks
-        *clock.t += std::chrono::seconds(1);
-        p.step(comm, env.rank + 1);
-      }
-      p.finish(comm);
-      REQUIRE(p.global_samples() == 40);
-    }
-  }, spawn_options());
+  loom::spawn(
+      4,
+      [&](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+        const auto me = two_nodes(env.rank, 4);
+        for (auto leader : {loom::Leader::global_rank_zero, loom::Leader::local_rank_zero}) {
+          ManualClock clock;
+          const auto name =
+              fmt::format("{}.{}.log", leader == loom::Leader::global_rank_zero ? "global" : "local", env.rank);
+          loom::Progress p{loom::FileSink((dir / name).string()),
+                           me,
+                           {.total = 100,
+                            .label = "epoch",
+                            .line_interval = std::chrono::seconds(2),
+                            .sync_every = 2,
+                            .shown_on = leader},
+                           clock};
+          for (int s = 0; s < 4; ++s) {  // rank r does r + 1 samples per step: 10 per step over 4 ranks
+            *clock.t += std::chrono::seconds(1);
+            p.step(comm, env.rank + 1);
+          }
+          p.finish(comm);
+          REQUIRE(p.global_samples() == 40);
+        }
+      },
+      spawn_options());
   // By hand: sums after steps 2 and 4 (t = 2 s, 4 s): 20 and 40 of 100 samples, 10 samples/s.
   const std::string lines =
       "epoch: 20/100 samples (20.0%), 10.0 samples/s, elapsed 0:00:02, ETA 0:00:08\n"

@@ -38,9 +38,13 @@ namespace loom::detail {
 /// else the CPU (LocalCommunicator, GlooCommunicator).
 template <class C>
 [[nodiscard]] c10::Device collective_device(const C& comm) {
-  if constexpr (requires { { comm.device() } -> std::same_as<c10::Device>; }) {
+  if constexpr (requires {
+                  { comm.device() } -> std::same_as<c10::Device>;
+                }) {
     return comm.device();
-  } else if constexpr (requires { { comm.device() } -> std::integral; }) {
+  } else if constexpr (requires {
+                         { comm.device() } -> std::integral;
+                       }) {
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
   } else {
     (void)comm;

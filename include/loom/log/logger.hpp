@@ -80,8 +80,8 @@ class Logger {
   /// A logger with the default policy (Policy{}, i.e. RankZero unless named).
   Logger(Sink sink, RankInfo me, LogOptions options = {}) : Logger(std::move(sink), Policy{}, me, options) {}
 
-  Logger(Logger&& other) noexcept(std::is_nothrow_move_constructible_v<Sink> &&
-                                  std::is_nothrow_move_constructible_v<Policy>)
+  Logger(Logger&& other) noexcept(
+      std::is_nothrow_move_constructible_v<Sink>&& std::is_nothrow_move_constructible_v<Policy>)
       : sink_(std::move(other.sink_)),
         policy_(std::move(other.policy_)),
         me_(other.me_),

@@ -105,8 +105,9 @@ auto main_process_first(C& comm, const RankInfo& me, F&& block, Leader leader = 
   static_assert(!std::is_reference_v<R>, "main_process_first: the block must return a value or void, not a reference");
   me.validate();
   if (comm.rank() != me.rank || comm.world_size() != me.world_size)
-    throw InvalidArgument(fmt::format("main_process_first: the communicator is rank {} of {}, RankInfo says rank {} of {}",
-                                      comm.rank(), comm.world_size(), me.rank, me.world_size));
+    throw InvalidArgument(
+        fmt::format("main_process_first: the communicator is rank {} of {}, RankInfo says rank {} of {}", comm.rank(),
+                    comm.world_size(), me.rank, me.world_size));
   using Slot = std::conditional_t<std::is_void_v<R>, std::optional<int>, std::optional<R>>;
   Slot result;
   const bool leads = is_leader(me, leader);
@@ -123,8 +124,8 @@ auto main_process_first(C& comm, const RankInfo& me, F&& block, Leader leader = 
   mine = leads ? nullptr : detail::run_capturing(block, result);
   if (std::string failures = detail::exchange_failures(comm, mine); !failures.empty()) {
     if (mine) std::rethrow_exception(mine);
-    throw RemoteError(fmt::format("main_process_first: the block failed on another rank (rank {} succeeded): {}",
-                                  me.rank, failures));
+    throw RemoteError(
+        fmt::format("main_process_first: the block failed on another rank (rank {} succeeded): {}", me.rank, failures));
   }
   if constexpr (!std::is_void_v<R>) return std::move(*result);
 }
@@ -132,7 +133,9 @@ auto main_process_first(C& comm, const RankInfo& me, F&& block, Leader leader = 
 /// main_process_first with global rank 0 as the leader, for a communicator alone (no local ranks).
 template <Communicator C, std::invocable F>
 auto main_process_first(C& comm, F&& block) -> std::invoke_result_t<F&> {
-  const RankInfo me{.rank = comm.rank(), .world_size = comm.world_size(), .local_rank = comm.rank(),
+  const RankInfo me{.rank = comm.rank(),
+                    .world_size = comm.world_size(),
+                    .local_rank = comm.rank(),
                     .local_world_size = comm.world_size()};
   return main_process_first(comm, me, std::forward<F>(block), Leader::global_rank_zero);
 }

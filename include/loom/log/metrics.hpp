@@ -48,7 +48,8 @@ class WeightedMean {
   /// Adds a value observed over `weight` samples (default 1: an unweighted mean).
   void add(double value, double weight = 1.0) {
     if (!std::isfinite(weight) || weight < 0.0)
-      throw InvalidArgument(fmt::format("WeightedMean::add: weight {} is negative or not finite (value {})", weight, value));
+      throw InvalidArgument(
+          fmt::format("WeightedMean::add: weight {} is negative or not finite (value {})", weight, value));
     weighted_sum_ += value * weight;
     weight_ += weight;
   }
@@ -93,7 +94,8 @@ template <Communicator C>
   std::vector<double> means(metrics.size());
   for (std::size_t i = 0; i < metrics.size(); ++i) {
     if (sums[2 * i + 1] == 0.0)
-      throw InvalidArgument(fmt::format("global_means: metric {} has total weight 0 over {} rank(s)", i, comm.world_size()));
+      throw InvalidArgument(
+          fmt::format("global_means: metric {} has total weight 0 over {} rank(s)", i, comm.world_size()));
     means[i] = sums[2 * i] / sums[2 * i + 1];
   }
   return means;

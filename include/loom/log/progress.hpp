@@ -54,14 +54,14 @@ enum class ProgressDisplay { automatic, bar, lines };
 
 /// Options of a Progress (an aggregate: `{.total = 60000, .label = "train"}`).
 struct ProgressOptions {
-  std::int64_t total = 0;                                          ///< samples over all ranks; 0: unknown (no %, no ETA)
-  std::string label = "progress";                                  ///< first word(s) of every line
+  std::int64_t total = 0;          ///< samples over all ranks; 0: unknown (no %, no ETA)
+  std::string label = "progress";  ///< first word(s) of every line
   ProgressDisplay display = ProgressDisplay::automatic;
   std::chrono::milliseconds line_interval = std::chrono::seconds(30);  ///< lines mode: at most one line per interval
-  std::chrono::milliseconds redraw_interval{100};                  ///< bar mode: at most one redraw per interval
-  int sync_every = 10;                                             ///< steps between sums over ranks (>= 1)
-  Leader shown_on = Leader::global_rank_zero;                      ///< which rank(s) show it
-  int bar_width = 30;                                              ///< characters between [ and ]
+  std::chrono::milliseconds redraw_interval{100};                      ///< bar mode: at most one redraw per interval
+  int sync_every = 10;                                                 ///< steps between sums over ranks (>= 1)
+  Leader shown_on = Leader::global_rank_zero;                          ///< which rank(s) show it
+  int bar_width = 30;                                                  ///< characters between [ and ]
 };
 
 /// A clock Progress can read.
@@ -102,7 +102,8 @@ class Progress {
       : sink_(std::move(sink)), me_(me), options_(std::move(options)), clock_(std::move(clock)) {
     me_.validate();
     if (options_.total < 0) throw InvalidArgument(fmt::format("Progress: total {} is negative", options_.total));
-    if (options_.sync_every < 1) throw InvalidArgument(fmt::format("Progress: sync_every {} is < 1", options_.sync_every));
+    if (options_.sync_every < 1)
+      throw InvalidArgument(fmt::format("Progress: sync_every {} is < 1", options_.sync_every));
     if (options_.bar_width < 1) throw InvalidArgument(fmt::format("Progress: bar_width {} is < 1", options_.bar_width));
     if (options_.line_interval.count() < 0 || options_.redraw_interval.count() < 0)
       throw InvalidArgument(fmt::format("Progress: negative interval (line {} ms, redraw {} ms)",
@@ -136,7 +137,8 @@ class Progress {
   /// Throws: loom::InvalidArgument for a negative count or a call after finish().
   template <Communicator C>
   void step(C& comm, std::int64_t local_samples) {
-    if (local_samples < 0) throw InvalidArgument(fmt::format("Progress::step: local_samples {} is negative", local_samples));
+    if (local_samples < 0)
+      throw InvalidArgument(fmt::format("Progress::step: local_samples {} is negative", local_samples));
     if (finished_) throw InvalidArgument("Progress::step: called after finish()");
     local_ += local_samples;
     if (++steps_ % options_.sync_every != 0) return;

@@ -47,7 +47,8 @@ struct RankInfo {
     if (rank < 0 || rank >= world_size)
       throw InvalidArgument(fmt::format("RankInfo: rank {} is outside [0, {})", rank, world_size));
     if (local_world_size < 1 || local_world_size > world_size)
-      throw InvalidArgument(fmt::format("RankInfo: local_world_size {} is outside [1, {}]", local_world_size, world_size));
+      throw InvalidArgument(
+          fmt::format("RankInfo: local_world_size {} is outside [1, {}]", local_world_size, world_size));
     if (local_rank < 0 || local_rank >= local_world_size)
       throw InvalidArgument(fmt::format("RankInfo: local_rank {} is outside [0, {})", local_rank, local_world_size));
   }
@@ -61,12 +62,12 @@ struct RankInfo {
 /// Example:  auto me = loom::rank_info(loom::Environment::from_env());
 /// Throws: loom::InvalidArgument as RankInfo::validate.
 template <class E>
-  requires requires(const E& e) {
-    { e.rank } -> std::convertible_to<int>;
-    { e.world_size } -> std::convertible_to<int>;
-    { e.local_rank } -> std::convertible_to<int>;
-    { e.local_world_size } -> std::convertible_to<int>;
-  }
+requires requires(const E& e) {
+  { e.rank } -> std::convertible_to<int>;
+  { e.world_size } -> std::convertible_to<int>;
+  { e.local_rank } -> std::convertible_to<int>;
+  { e.local_world_size } -> std::convertible_to<int>;
+}
 [[nodiscard]] RankInfo rank_info(const E& e) {
   RankInfo r{.rank = static_cast<int>(e.rank),
              .world_size = static_cast<int>(e.world_size),
@@ -107,10 +108,14 @@ concept RankPolicy = requires(const P& p, const RankInfo& me) {
 /// A RankPolicy whose lines are buffered on every rank and printed in rank order by rank 0 when
 /// all ranks call Logger::sync (a collective). Opt-in tag: `using ordered_tag = void;`.
 template <class P>
-concept OrderedRankPolicy = RankPolicy<P> && requires { typename P::ordered_tag; };
+concept OrderedRankPolicy = RankPolicy<P> && requires {
+  typename P::ordered_tag;
+};
 
 namespace detail {
-inline std::string rank_prefix(const RankInfo& me) { return fmt::format("[rank {}/{}] ", me.rank, me.world_size); }
+inline std::string rank_prefix(const RankInfo& me) {
+  return fmt::format("[rank {}/{}] ", me.rank, me.world_size);
+}
 }  // namespace detail
 
 /// Only global rank 0 writes; no prefix. The default policy.

@@ -27,10 +27,9 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unistd.h>
 #include <utility>
 #include <vector>
-
-#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -128,8 +127,7 @@ class FileSink {
     return FileSink(path, mode);
   }
 
-  FileSink(FileSink&& other) noexcept
-      : file_(std::exchange(other.file_, nullptr)), path_(std::move(other.path_)) {}
+  FileSink(FileSink&& other) noexcept : file_(std::exchange(other.file_, nullptr)), path_(std::move(other.path_)) {}
   FileSink& operator=(FileSink&& other) noexcept {
     if (this != &other) {
       close();
