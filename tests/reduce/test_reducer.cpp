@@ -1,0 +1,373 @@
+// loom::Reducer in one process: LocalCommunicator and the recording archetypes. Multi-rank
+// behaviour is in test_reduce_dist.cpp / test_field_dist.cpp (real processes over Gloo).
+#include <sstream>
+
+#include <torch/script.h>
+
+#include <loom/accumulate/accumulator.hpp>
+#include <loom/comm/local.hpp>
+#include <loom/reduce/jit.hpp>
+#include <loom/reduce/module.hpp>
+#include <loom/reduce/reducer.hpp>
+
+#include "../reference/grad_reference.hpp"
+#include "models.hpp"
+#include "recording_comm.hpp"
+
+namespace {
+
+bool inside(const at::Tensor& view, const at::Tensor& bucket) {
+  const auto* b = static_cast<const char*>(bucket.data_ptr());
+  const auto* v = static_cast<const char*>(view.data_ptr());
+  return v >= b && v + view.numel() * view.element_size() <= b + bucket.numel() * bucket.element_size();
+}
+
+int count(const loom::test::CommLog& log, const std::string& name) {
+  return static_cast<int>(std::count_if(log.begin(), log.end(), [&](const auto& c) { return c.name == name; }));
+}
+
+}  // namespace
+
+TEST_CASE("Reducer: buckets per dtype, reverse registration order, smaller first bucket; grads are views") {
+  auto a = torch::zeros({100}).requires_grad_();                       // 400 bytes
+  auto b = torch::zeros({200}).requires_grad_();                       // 800 bytes
+  auto c = torch::zeros({50}, torch::kDouble).requires_grad_();        // 400 bytes
+  auto d = torch::zeros({300}).requires_grad_();                       // 1200 bytes
+  auto e = torch::zeros({10});                                         // frozen
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"a", "b", "c", "d", "e"}, .params = {a, b, c, d, e}},
+                        {.bucket_cap_bytes = 1000, .first_bucket_cap_bytes = 400});
+  // reverse order d, c, b, a: d alone passes float32's 400-byte first cap, c fills float64's first
+  // bucket, then b + a reach 1000 bytes. e is frozen: in no bucket.
+  const auto buckets = reducer.bucket_params();
+  REQUIRE(buckets.size() == 3);
+  CHECK(buckets[0] == std::vector<std::size_t>{3});
+  CHECK(buckets[1] == std::vector<std::size_t>{2});
+  CHECK(buckets[2] == std::vector<std::size_t>{1, 0});
+
+  reducer.prepare_backward({.sync = false});
+  const auto flat = reducer.bucket_tensors();
+  CHECK((flat[1].scalar_type() == torch::kDouble));
+  CHECK(inside(d.grad(), flat[0]));
+  CHECK(inside(c.grad(), flat[1]));
+  CHECK(inside(b.grad(), flat[2]));
+  CHECK(inside(a.grad(), flat[2]));
+  CHECK_FALSE(e.grad().defined());
+  // Writing a gradient writes the bucket (no copy in or out).
+  a.mutable_grad().fill_(2.5);
+  CHECK(flat[2].narrow(0, 200, 100).eq(2.5).all().item<bool>());
+  CHECK(flat[2].sum().item<double>() == doctest::Approx(250.0));
+  // The gradient has the parameter's strides, and is not an autograd view (Optimizer::zero_grad detaches).
+  CHECK(a.grad().sizes() == a.sizes());
+  CHECK_FALSE(a.grad().is_view());
+}
+
+TEST_CASE("Reducer + Accumulator in one process: micro-batches [2, 3, 5] give the float64 full-batch mean gradient") {
+  for (std::size_t cap : {std::size_t{8}, std::size_t{25} << 20}) {  // one bucket per tensor, or one bucket
+    loom::test::Mlp model;
+    const auto p64 = model.clone64();
+    loom::LocalCommunicator comm;
+    loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = cap, .first_bucket_cap_bytes = cap});
+    loom::Accumulator acc(reducer, {.micro_batches_per_step = 3});
+    std::int64_t first = 0;
+    loom::Step step;
+    for (std::int64_t n : {2, 3, 5}) {
+      step = acc.run(n, [&] { model.loss_sum(loom::test::batch_x(first, n), loom::test::batch_y(first, n)).backward(); });
+      first += n;
+    }
+    REQUIRE(step.boundary);
+    CHECK(step.apply);
+    CHECK(step.global_samples == 10);
+    CHECK(step.micro_batches == 3);
+    const auto ref = loom::test::mean_gradient(p64, 10, [&](std::int64_t i) { return loom::test::sample_loss(p64, i); });
+    CHECK(loom::test::max_relative_error(model.grads(), ref) < 1e-12);
+  }
+}
+
+TEST_CASE("Reducer: no collective before the boundary; at the boundary one count all-reduce then the buckets, from hooks") {
+  loom::test::Mlp model(at::kFloat);
+  loom::test::RecordingCommunicator comm;
+  // Tiny caps: 4 buckets (b2, w2, b1, w1 in reverse registration order).
+  loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4});
+  CHECK(comm.log().empty());  // world size 1: no check, no broadcast
+  loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
+
+  auto mb1 = acc.micro_batch(4);
+  model.loss_sum(loom::test::batch_x(0, 4, at::kFloat), loom::test::batch_y(0, 4, at::kFloat)).backward();
+  CHECK(comm.log().empty());  // no_sync: nothing sent
+  CHECK_FALSE(mb1.finish().boundary);
+
+  auto mb2 = acc.micro_batch(4);
+  REQUIRE(mb2.boundary());
+  REQUIRE(comm.log().size() == 1);  // the sample count leaves before backward
+  CHECK(comm.log()[0].name == "all_reduce_async");
+  CHECK((comm.log()[0].dtype == torch::kLong));
+  CHECK(comm.log()[0].numel == 2);
+  model.loss_sum(loom::test::batch_x(4, 4, at::kFloat), loom::test::batch_y(4, 4, at::kFloat)).backward();
+  // All four buckets were launched by the hooks, during backward, in bucket order; nothing waited yet.
+  REQUIRE(comm.log().size() == 5);
+  const std::vector<std::int64_t> numels = {loom::test::kOut + 1, loom::test::kOut * loom::test::kHidden + 1,
+                                            loom::test::kHidden + 1, loom::test::kHidden * loom::test::kIn + 1};
+  for (std::size_t k = 0; k < 4; ++k) {
+    CHECK(comm.log()[k + 1].name == "all_reduce_async");
+    CHECK(comm.log()[k + 1].numel == numels[k]);  // gradient elements + one used-flag
+    CHECK((comm.log()[k + 1].dtype == torch::kFloat));
+  }
+  auto step = mb2.finish();
+  CHECK(step.apply);
+  CHECK(step.global_samples == 8);
+  CHECK(count(comm.log(), "wait") == 5);
+  CHECK(count(comm.log(), "all_reduce_async") == 5);
+}
+
+TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blocking communicator works too") {
+  loom::test::Mlp model(at::kFloat);
+  loom::test::RecordingCommunicator comm;
+  loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4, .overlap = false});
+  reducer.prepare_backward({.sync = true, .window_samples = 3});
+  model.loss_sum(loom::test::batch_x(0, 3, at::kFloat), loom::test::batch_y(0, 3, at::kFloat)).backward();
+  CHECK(comm.log().size() == 1);  // only the count
+  auto r = reducer.finish_window();
+  CHECK(r.reduced);
+  CHECK(count(comm.log(), "all_reduce_async") == 5);
+
+  loom::test::Mlp model2(at::kFloat);
+  loom::test::BlockingRecordingCommunicator blocking;
+  loom::Reducer r2(blocking, model2.list(), {.wire_dtype = at::kHalf});
+  r2.prepare_backward({.sync = true, .window_samples = 3});
+  model2.loss_sum(loom::test::batch_x(0, 3, at::kFloat), loom::test::batch_y(0, 3, at::kFloat)).backward();
+  auto rr = r2.finish_window();
+  CHECK(rr.reduced);
+  REQUIRE(blocking.log().size() == 2);
+  CHECK((blocking.log()[0].dtype == torch::kLong));
+  CHECK(blocking.log()[1].name == "all_reduce");
+  CHECK((blocking.log()[1].dtype == torch::kHalf));  // compressed on the wire
+  CHECK(blocking.log()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4);  // one bucket: 32 gradient elements + 4 flags
+  // Same gradient as the uncompressed model, to float16 precision.
+  CHECK(loom::test::max_relative_error(model2.grads(), model.grads()) < 1e-2);
+}
+
+TEST_CASE("Reducer: buckets are rebuilt once, after the first step, in the order gradients became ready") {
+  // Registration order {w2, w3, w1}; backward of w3 * tanh(w2 * tanh(w1 * x)) produces w3, w2, w1.
+  auto w1 = torch::full({4}, 0.5).requires_grad_();
+  auto w2 = torch::full({4}, 0.25).requires_grad_();
+  auto w3 = torch::full({4}, 2.0).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"w2", "w3", "w1"}, .params = {w2, w3, w1}},
+                        {.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1});
+  const std::vector<std::vector<std::size_t>> registration_reversed = {{2}, {1}, {0}};
+  CHECK(reducer.bucket_params() == registration_reversed);
+  auto x = torch::arange(4, torch::kDouble).add(1.0);
+  auto loss = [&] { return (w3 * torch::tanh(w2 * torch::tanh(w1 * x))).sum(); };
+  reducer.prepare_backward({.sync = true, .window_samples = 1});
+  loss().backward();
+  reducer.finish_window();
+  CHECK_FALSE(reducer.rebuilt());  // gradients are still in use by the caller
+  const auto before = std::vector<at::Tensor>{w1.grad().clone(), w2.grad().clone(), w3.grad().clone()};
+  reducer.prepare_backward({.sync = false});  // next window: rebuild
+  CHECK(reducer.rebuilt());
+  const std::vector<std::vector<std::size_t>> ready_order = {{1}, {0}, {2}};  // w3, w2, w1
+  CHECK(reducer.bucket_params() == ready_order);
+  // Gradients moved with their values, into the new buckets.
+  CHECK(torch::equal(w1.grad(), before[0]));
+  CHECK(torch::equal(w2.grad(), before[1]));
+  CHECK(torch::equal(w3.grad(), before[2]));
+  CHECK(inside(w3.grad(), reducer.bucket_tensors()[0]));
+  CHECK(inside(w1.grad(), reducer.bucket_tensors()[2]));
+  // Later steps keep the layout and stay exact.
+  for (auto* p : {&w1, &w2, &w3}) p->mutable_grad().zero_();
+  loss().backward();
+  reducer.prepare_backward({.sync = true, .window_samples = 2});
+  loss().backward();
+  reducer.finish_window();
+  CHECK(reducer.bucket_params() == ready_order);
+  CHECK(torch::allclose(w1.grad(), before[0], 1e-12, 0));  // (g + g) / 2
+}
+
+TEST_CASE("Reducer: a parameter used nowhere keeps its gradient (undefined stays undefined, stale 7 stays 7)") {
+  auto a = torch::tensor({1.0}, torch::kDouble).requires_grad_();
+  auto c = torch::tensor({1.0}, torch::kDouble).requires_grad_();
+  auto d = torch::tensor({1.0}, torch::kDouble).requires_grad_();
+  d.mutable_grad() = torch::tensor({7.0}, torch::kDouble);
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"a", "c", "d"}, .params = {a, c, d}});
+  loom::Accumulator acc(reducer);
+  auto step = acc.run(1, [&] { (a * 2.0).sum().backward(); });
+  REQUIRE(step.apply);
+  CHECK(a.grad().item<double>() == 2.0);
+  CHECK_FALSE(c.grad().defined());
+  REQUIRE(d.grad().defined());
+  CHECK(d.grad().item<double>() == 7.0);
+  // SGD with momentum and weight decay skips c (undefined gradient): c unchanged.
+  torch::optim::SGD sgd({a, c}, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.5));
+  sgd.step();
+  CHECK(c.item<double>() == 1.0);
+  CHECK(a.item<double>() == doctest::Approx(1.0 - 0.1 * (2.0 + 0.5)));
+}
+
+TEST_CASE("Reducer: LibTorch's Optimizer::zero_grad and set-to-none both work with bucket gradients") {
+  loom::test::Mlp model;
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, model.list());
+  loom::Accumulator acc(reducer);
+  torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  const auto p64 = model.clone64();
+  for (int step = 0; step < 3; ++step) {
+    const std::int64_t first = 5 * step;
+    auto s = acc.run(5, [&] { model.loss_sum(loom::test::batch_x(first, 5), loom::test::batch_y(first, 5)).backward(); });
+    REQUIRE(s.apply);
+    // Reference at the current weights.
+    std::vector<at::Tensor> now;
+    for (const auto& p : model.params) now.push_back(p.detach().clone().set_requires_grad(true));
+    const auto ref = loom::test::mean_gradient(now, 5, [&](std::int64_t i) { return loom::test::sample_loss(now, first + i); });
+    CHECK(loom::test::max_relative_error(model.grads(), ref) < 1e-12);
+    sgd.step();
+    if (step == 0) {
+      sgd.zero_grad();  // LibTorch 1.13: detach_() + zero_()
+      CHECK(model.params[0].grad().abs().sum().item<double>() == 0.0);
+    } else {
+      for (auto& p : model.params) p.mutable_grad().reset();  // set_to_none
+    }
+  }
+  (void)p64;
+}
+
+TEST_CASE("Reducer: frozen parameters are left out; gradients written by hand use mark_ready") {
+  auto w = torch::tensor({1.0, 2.0}, torch::kDouble).requires_grad_();
+  auto frozen = torch::tensor({3.0}, torch::kDouble);
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"w", "frozen"}, .params = {w, frozen}});
+  CHECK(reducer.bucket_params() == std::vector<std::vector<std::size_t>>{{0}});
+  reducer.prepare_backward({.sync = true, .window_samples = 4});
+  w.mutable_grad().copy_(torch::tensor({8.0, -4.0}, torch::kDouble));
+  reducer.mark_ready(0);
+  CHECK_THROWS_WITH_AS(reducer.mark_ready(1), doctest::Contains("parameter 1 ('frozen') is not a trainable"), loom::InvalidArgument);
+  auto r = reducer.finish_window();
+  CHECK(r.global_samples == 4);
+  CHECK(torch::equal(w.grad(), torch::tensor({2.0, -1.0}, torch::kDouble)));
+  CHECK_FALSE(frozen.grad().defined());
+}
+
+TEST_CASE("Reducer: global-norm clipping equals LibTorch's clip_grad_norm_ on the full-batch gradient") {
+  loom::test::Mlp model;
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, model.list(), {.max_grad_norm = 0.5});
+  loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
+  acc.run(3, [&] { model.loss_sum(loom::test::batch_x(0, 3), loom::test::batch_y(0, 3)).backward(); });
+  auto s = acc.run(4, [&] { model.loss_sum(loom::test::batch_x(3, 4), loom::test::batch_y(3, 4)).backward(); });
+  REQUIRE(s.apply);
+  auto p64 = model.clone64();
+  auto ref = loom::test::mean_gradient(p64, 7, [&](std::int64_t i) { return loom::test::sample_loss(p64, i); });
+  const double norm = loom::test::global_norm(ref);
+  REQUIRE(norm > 0.5);  // the clip is active
+  CHECK(s.grad_norm == doctest::Approx(norm).epsilon(1e-12));
+  for (std::size_t k = 0; k < p64.size(); ++k) p64[k].mutable_grad() = ref[k].clone();
+  torch::nn::utils::clip_grad_norm_(p64, 0.5);
+  std::vector<at::Tensor> clipped;
+  for (const auto& p : p64) clipped.push_back(p.grad());
+  CHECK(loom::test::max_relative_error(model.grads(), clipped) < 1e-12);
+  CHECK(loom::test::global_norm(model.grads()) == doctest::Approx(0.5).epsilon(1e-5));
+}
+
+TEST_CASE("Reducer: float16 / bfloat16 wire compression error, measured against the float32 reduction") {
+  // Gradients spanning 4 decades; one process, so the error is the wire cast alone.
+  // Magnitudes in [e^-4, 1] (normal numbers in float16 too), alternating signs.
+  const auto values = torch::linspace(-4, 0, 4096, torch::kDouble).exp().mul(
+      torch::linspace(0, 60, 4096, torch::kDouble).sin().ge(0).to(torch::kDouble).mul(2).sub(1));
+  for (auto [dtype, bound] : {std::pair{at::kHalf, std::ldexp(1.0, -11)}, std::pair{at::kBFloat16, std::ldexp(1.0, -8)}}) {
+    auto exact = torch::zeros({4096}).requires_grad_();
+    auto packed = torch::zeros({4096}).requires_grad_();
+    loom::LocalCommunicator comm;
+    loom::Reducer plain(comm, {.params = {exact}}, {.average = loom::Average::none});
+    loom::Reducer wire(comm, {.params = {packed}}, {.average = loom::Average::none, .wire_dtype = dtype});
+    for (auto* r : {&plain, &wire}) r->prepare_backward({.sync = true, .window_samples = 1});
+    exact.mutable_grad().copy_(values);
+    packed.mutable_grad().copy_(values);
+    plain.mark_all_ready();
+    wire.mark_all_ready();
+    plain.finish_window();
+    wire.finish_window();
+    const auto rel = ((packed.grad().to(torch::kDouble) - exact.grad().to(torch::kDouble)).abs() /
+                      exact.grad().to(torch::kDouble).abs().clamp_min(1e-30));
+    const double worst = rel.max().item<double>();
+    MESSAGE(fmt::format("{}: max relative error {:.3g} (bound {:.3g})", c10::toString(dtype), worst, bound));
+    CHECK(worst > 0);       // really compressed
+    CHECK(worst <= bound);  // one rounding to the wire dtype
+  }
+}
+
+TEST_CASE("Reducer: inf or NaN in a gradient reports non_finite and zeroes the window") {
+  auto w = torch::tensor({1.0, 1.0}).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.params = {w}});
+  reducer.prepare_backward({.sync = true, .window_samples = 1});
+  (w * torch::tensor({std::numeric_limits<float>::infinity(), 1.0f})).sum().backward();
+  auto r = reducer.finish_window();
+  CHECK(r.non_finite);
+  CHECK(torch::equal(w.grad(), torch::zeros({2})));
+}
+
+TEST_CASE("Reducer: misuse throws loom errors naming the value") {
+  loom::LocalCommunicator comm;
+  auto w = torch::ones({2}).requires_grad_();
+  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
+  CHECK_THROWS_WITH_AS(reducer.finish_window(), doctest::Contains("no synchronising backward"), loom::Error);
+  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = -3}), doctest::Contains("window_samples = -3"),
+                       loom::InvalidArgument);
+  CHECK_THROWS_AS(reducer.prepare_backward({.sync = false, .final = true}), loom::InvalidArgument);
+  reducer.prepare_backward({.sync = true, .window_samples = 1});
+  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true}), doctest::Contains("not closed with finish_window"), loom::Error);
+  CHECK_THROWS_WITH_AS(reducer.finish_window(0.0), doctest::Contains("grad_scale = 0"), loom::InvalidArgument);
+  // A second gradient after the bucket was sent (two backward passes in the synchronising micro-batch).
+  auto y = (w * 3.0).sum();
+  y.backward({}, /*retain_graph=*/true);
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("parameter 0 ('w') received a second gradient"), loom::InvalidArgument);
+  reducer.finish_window();
+
+  auto ints = torch::ones({2}, torch::kLong);
+  auto leaf = torch::ones({2}).requires_grad_();
+  auto nonleaf = leaf * 2;
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {nonleaf}}), doctest::Contains("not a leaf"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.names = {"x", "y"}, .params = {leaf, leaf}}),
+                       doctest::Contains("parameter 0 ('x') and parameter 1 ('y') are the same tensor"), loom::InvalidArgument);
+  auto l2 = torch::ones({2}).requires_grad_();
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.wire_dtype = at::kInt}), doctest::Contains("wire_dtype Int"),
+                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.bucket_cap_bytes = 0}), doctest::Contains("bucket_cap_bytes = 0"),
+                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.max_grad_norm = -1.0}), doctest::Contains("max_grad_norm = -1"),
+                       loom::InvalidArgument);
+  (void)ints;
+}
+
+TEST_CASE("parameters_of: nn::Module names and buffers; TorchScript module built in C++, saved and loaded") {
+  auto net = torch::nn::Sequential(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4), torch::nn::Linear(4, 1));
+  auto list = loom::parameters_of(*net);
+  CHECK(list.names == std::vector<std::string>{"0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"});
+  CHECK(list.buffers.size() == 3);  // running_mean, running_var, num_batches_tracked
+
+  torch::jit::Module m("Twin");
+  m.register_parameter("weight", torch::ones({2, 3}).requires_grad_(), false);
+  m.register_parameter("bias", torch::zeros({2}).requires_grad_(), false);
+  m.register_parameter("scale", torch::ones({1}), false);  // saved with requires_grad = false: frozen
+  m.define("def forward(self, x):\n  return (x.matmul(self.weight.t()) + self.bias).tanh().mul(self.scale).sum()\n");
+  std::stringstream file;
+  m.save(file);
+  auto loaded = torch::jit::load(file);
+  auto jl = loom::parameters_of(loaded);
+  CHECK(jl.names == std::vector<std::string>{"weight", "bias", "scale"});
+  CHECK(jl.params[0].requires_grad());
+  CHECK_FALSE(jl.params[2].requires_grad());
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, jl);
+  CHECK(reducer.bucket_params() == std::vector<std::vector<std::size_t>>{{1, 0}});
+  reducer.prepare_backward({.sync = true, .window_samples = 2});
+  auto x = torch::tensor({{0.1, 0.2, 0.3}, {-0.4, 0.5, 0.6}}, torch::kFloat);
+  loaded.forward({x}).toTensor().backward();
+  reducer.finish_window();
+  // Hand-computed twin: d/dW sum tanh(xW^T + b) = (1 - tanh^2)^T x, averaged over 2 samples.
+  auto z = (x.matmul(torch::ones({2, 3}).t())).tanh();
+  auto dz = (1 - z * z);
+  CHECK(torch::allclose(jl.params[0].grad(), dz.t().matmul(x) / 2, 1e-6, 1e-7));
+  CHECK(torch::allclose(jl.params[1].grad(), dz.sum(0) / 2, 1e-6, 1e-7));
+}
