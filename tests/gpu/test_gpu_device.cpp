@@ -22,11 +22,15 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <loom/collate/collate.hpp>
 #include <loom/comm/nccl.hpp>
 #include <loom/cuda/buffer.hpp>
 #include <loom/cuda/pinned.hpp>
 #include <loom/cuda/stream.hpp>
 #include <loom/cuda/transfer.hpp>
+#if LOOM_TORCH_HAS_CUDA
+#include <loom/schedule/scheduler.hpp>
+#endif
 
 extern char** environ;
 
@@ -314,6 +318,8 @@ TEST_CASE("pinned memory: cudaHostAlloc'd CPU tensors, and a pool that reuses bl
   cudaPointerAttributes attr{};
   LOOM_CUDA_CHECK(cudaPointerGetAttributes(&attr, t.data_ptr()));
   CHECK(attr.type == cudaMemoryTypeHost);
+  CHECK(loom::cuda::is_pinned(t.data_ptr()));
+  CHECK(!loom::cuda::is_pinned(torch::ones({1000}).data_ptr()));
   t.fill_(2.5);
   CHECK(t.sum().item<double>() == 2.5 * 64 * 3 * 8 * 8);
 
@@ -361,6 +367,50 @@ TEST_CASE("copy_h2d_async from pinned memory on a copy stream, completed by an e
   CHECK(done.query());
   CHECK(same_bits(to_host<int32_t>(dev, n), values));
   CHECK_THROWS_AS(loom::cuda::copy_h2d_async(nullptr, host.data_ptr(), 4, copy.get()), loom::InvalidArgument);
+}
+
+TEST_CASE("collation into pinned memory: the collators' allocator hook with loom::cuda") {
+  // 10 samples of 3x8x8, sample i filled with i*1000 + position; batches of 4, 4, 2.
+  std::vector<std::pair<at::Tensor, int64_t>> samples;
+  for (int64_t i = 0; i < 10; ++i)
+    samples.emplace_back((torch::arange(192, torch::kFloat) + static_cast<float>(i * 1000)).view({3, 8, 8}), i * 10);
+  auto collect = [&](const loom::ShapeBucketOptions& o) {
+    loom::BucketCollator<> c(o);
+    std::vector<loom::Batch> out;
+    for (const auto& s : samples) {
+      c.push(s);
+      while (auto b = c.try_pop()) out.push_back(std::move(*b));
+    }
+    c.flush();
+    while (auto b = c.try_pop()) out.push_back(std::move(*b));
+    return out;
+  };
+  auto check_batches = [&](const std::vector<loom::Batch>& batches) {
+    REQUIRE(batches.size() == 3);
+    int64_t next = 0;
+    for (const auto& b : batches) {
+      CHECK(loom::cuda::is_pinned(b.data.data_ptr()));
+      for (int64_t r = 0; r < b.num_samples; ++r, ++next) {
+        CHECK(torch::equal(b.data[r], samples[static_cast<std::size_t>(next)].first));
+        CHECK(b.targets[r].item<int64_t>() == next * 10);
+      }
+    }
+    CHECK(next == 10);
+  };
+  SUBCASE("allocator: one pinned block per batch from a PinnedPool") {
+    loom::cuda::PinnedAllocator alloc;
+    check_batches(collect(loom::ShapeBucketOptions{.max_samples = 4, .allocate = alloc}));
+    CHECK(alloc.pool.stats().host_allocs >= 3);
+  }
+  SUBCASE("BufferPool over cudaHostAlloc: buffers reused across batches") {
+    auto pool = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = loom::cuda::pinned_empty});
+    {
+      auto batches = collect(loom::ShapeBucketOptions{.max_samples = 4, .pool = pool});
+      check_batches(batches);
+    }
+    check_batches(collect(loom::ShapeBucketOptions{.max_samples = 4, .pool = pool}));
+    CHECK(pool->reuses() > 0);
+  }
 }
 
 #if LOOM_TORCH_HAS_CUDA
@@ -417,6 +467,35 @@ TEST_CASE("transfer_batch: pinned batch to the device on a copy stream; consumer
   host.data = host.data.cuda();
   CHECK_THROWS_WITH_AS(loom::cuda::transfer_batch(host, 0, copy), doctest::Contains("batch.data is already on cuda:0"),
                        loom::InvalidArgument);
+}
+TEST_CASE("Scheduler with CudaTransfer: batches arrive on the GPU, equal to the host merge") {
+  // 4 generators x 6 steps; sample k of generator g is (g*100 + k) + arange(16); two logical
+  // devices both mapped to cuda:0 (one worker and copy stream each).
+  using Gen = std::function<std::optional<std::pair<at::Tensor, int64_t>>()>;
+  std::vector<Gen> gens;
+  for (int g = 0; g < 4; ++g)
+    gens.emplace_back([g, k = 0]() mutable -> std::optional<std::pair<at::Tensor, int64_t>> {
+      if (k == 6) return std::nullopt;
+      auto t = torch::arange(16, torch::kFloat) + static_cast<float>(g * 100 + k);
+      return std::make_pair(t, static_cast<int64_t>(g * 10 + k++));
+    });
+  loom::cuda::CudaTransfer transfer(loom::cuda::CudaTransferOptions{.cuda_devices = {0, 0}});
+  loom::Scheduler<Gen, loom::StackMerge, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 2}, {}, transfer);
+  int steps = 0;
+  for (auto& step : sched) {
+    for (auto& db : step.devices) {
+      REQUIRE(db.batch.data.is_cuda());
+      const auto host = db.batch.data.cpu();
+      for (std::size_t r = 0; r < db.generators.size(); ++r) {
+        const int g = db.generators[r];
+        CHECK(torch::equal(host[static_cast<int64_t>(r)], torch::arange(16, torch::kFloat) + static_cast<float>(g * 100 + step.index)));
+        CHECK(db.batch.targets.cpu()[static_cast<int64_t>(r)].item<int64_t>() == g * 10 + step.index);
+      }
+    }
+    ++steps;
+  }
+  CHECK(steps == 6);
+  CHECK(transfer.staging().stats().host_allocs > 0);  // pageable StackMerge output was staged
 }
 #else
 TEST_CASE("CUDA tensor tests need a LibTorch built with CUDA") {

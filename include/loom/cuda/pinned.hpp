@@ -67,6 +67,15 @@ inline void* host_alloc(std::size_t bytes) {
 }
 }  // namespace detail
 
+/// True when `p` points into page-locked host memory (cudaHostAlloc / cudaHostRegister, any
+/// device's context), false for ordinary pageable memory. Throws loom::CudaError.
+inline bool is_pinned(const void* p) {
+  if (p == nullptr) return false;
+  cudaPointerAttributes attr{};
+  LOOM_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+  return attr.type == cudaMemoryTypeHost;
+}
+
 /// A new pinned CPU tensor of `sizes` and `dtype` (uninitialised), freed with cudaFreeHost when
 /// its last reference goes. One cudaHostAlloc per call (milliseconds for large sizes): for
 /// batches, prefer PinnedPool.
