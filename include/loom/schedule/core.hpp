@@ -1,0 +1,694 @@
+// loom/schedule/core.hpp — types shared by both scheduler modes (options, batches, reports,
+// errors, resumable state) and the worker machinery behind them (loom::detail::ScheduleCore).
+//
+// Users include loom/schedule/scheduler.hpp (one process, M logical devices) or
+// loom/schedule/rank_scheduler.hpp (one process per rank); this header comes with either.
+//
+// Example:
+//   loom::ScheduleOptions opts{.num_devices = 8, .prefetch_depth = 2, .end = loom::EndPolicy::drain};
+//
+// Source: the producer/consumer design with a bounded queue per device follows
+// torch.utils.data.DataLoader's prefetch_factor (batches prefetched per worker).
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <iterator>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include <loom/error.hpp>
+#include <loom/schedule/assign.hpp>
+#include <loom/schedule/generator.hpp>
+#include <loom/schedule/merge.hpp>
+#include <loom/schedule/transfer.hpp>
+
+namespace loom {
+
+/// What happens when generators have different lengths.
+///
+/// Example: `loom::ScheduleOptions{.end = loom::EndPolicy::drain}`.
+///  - stop_at_shortest: the schedule ends at the first step k at which any generator has no k-th
+///    sample; every delivered batch is full. The EndReport says how many samples each generator
+///    had left unread. (Per-rank mode: the shortest generator over all ranks.)
+///  - drain: a generator that ended drops out and its device's later batches have fewer rows
+///    (DeviceBatch::partial); a device whose generators all ended gets an empty batch (0 rows,
+///    weight 0 for loom::Batch) while other devices still have data; the schedule ends when
+///    every generator has ended. No sample is dropped.
+/// Source: stop_at_shortest is Python's zip(); drain is itertools.zip_longest without fill values.
+enum class EndPolicy { stop_at_shortest, drain };
+
+/// Where a schedule stands, to resume it later: steps delivered and samples delivered per generator.
+///
+/// Example: `auto s = sched.state(); ... ScheduleOptions{.resume = s}` continues with step s.steps.
+/// Units: steps and samples count from the beginning of the streams (resumes included).
+/// Resuming skips `samples[g]` samples of generator g: with g.skip(n) when the generator has it
+/// (SkippableSampleGenerator), else by pulling and dropping them — so a resumed schedule equals
+/// the uninterrupted one when the generators replay the same streams.
+struct ScheduleState {
+  std::int64_t steps = 0;              ///< steps delivered
+  std::vector<std::int64_t> samples{}; ///< samples delivered per generator id (size = number of generators)
+  int num_devices = 0;                 ///< devices (or world size) when taken; 0 = a fresh start
+};
+
+/// Options of the in-process Scheduler (one process, `num_devices` logical devices).
+///
+/// Example: `loom::ScheduleOptions{.num_devices = 8, .assignment = loom::Assignment::round_robin()}`.
+/// Units: prefetch_depth in batches per device; num_workers in threads.
+/// Host memory: at most prefetch_depth batches per device exist inside the scheduler (samples
+/// being gathered, or merged batches), plus the step the consumer holds.
+/// Threads: I/O-bound generators (sleeps, reads) want one worker per generator (the default), so
+/// the generators of one device are pulled at the same time; CPU-bound ones want about one per core.
+struct ScheduleOptions {
+  int num_devices = 1;                              ///< logical devices M (>= 1)
+  Assignment assignment = Assignment::contiguous(); ///< which generators feed which device
+  int prefetch_depth = 2;                           ///< batches per device built ahead (>= 1)
+  int num_workers = 0;                              ///< threads pulling generators; 0 = one per generator; generator g -> worker g % W
+  EndPolicy end = EndPolicy::stop_at_shortest;      ///< unequal lengths
+  bool count_unread = true;                         ///< stop_at_shortest: read the other generators to their end to count unread samples (false for endless generators)
+  ScheduleState resume = {};                        ///< start from a saved state (default: the beginning)
+};
+
+/// The batch of one device at one step, with where its rows came from.
+///
+/// Example: `for (auto& db : step.devices) loss += model(db.batch.data.to(device(db.device)))`.
+/// Shape: `batch` is what the merger made (StackMerge: loom::Batch, data N x (sample shape));
+///        `generators` has N entries, the generator id of each row, increasing.
+template <class B>
+struct DeviceBatch {
+  B batch{};                     ///< the merged batch (an empty one if the device ran dry under drain)
+  int device = 0;                ///< logical device index (per-rank mode: the rank)
+  std::int64_t step = 0;         ///< step index k (the k-th samples of the device's generators)
+  std::vector<int> generators{}; ///< generator id of each row, in row order
+  bool partial = false;          ///< drain only: some of the device's generators had ended (fewer rows)
+  /// Rows in the batch (samples), 0 for a device that ran dry.
+  [[nodiscard]] std::int64_t num_rows() const noexcept { return static_cast<std::int64_t>(generators.size()); }
+};
+
+/// One step of the in-process Scheduler: the k-th batch of every device.
+///
+/// Example: `while (auto s = sched.next()) for (auto& db : s->devices) ...;` (db.device == index).
+template <class B>
+struct Step {
+  std::int64_t index = 0;                 ///< step k, counted from the start of the streams
+  std::vector<DeviceBatch<B>> devices{};  ///< devices[d] is device d's batch
+  /// True when any device's batch is partial or empty (drain only).
+  [[nodiscard]] bool partial() const noexcept {
+    return std::any_of(devices.begin(), devices.end(), [](const auto& d) { return d.partial; });
+  }
+};
+
+/// Per-generator account at the end of a schedule.
+///
+/// Units: samples, counted from the beginning of the stream (resumed samples included).
+struct GeneratorReport {
+  int generator = 0;            ///< generator id
+  int device = 0;               ///< its device (per-rank mode: the rank)
+  std::int64_t delivered = 0;   ///< samples that reached the consumer in a batch
+  std::int64_t unread = 0;      ///< samples of the stream not delivered (prefetched and dropped, or never read)
+  bool unread_exact = true;     ///< false when `unread` is a lower bound (count_unread off, or the generator threw while being counted)
+  bool ended = false;           ///< the generator reached its end
+};
+
+/// How a schedule ended, available from report() once next() returned std::nullopt.
+///
+/// Example: `for (auto& g : sched.report().generators) fmt::print("{}: {} unread\n", g.generator, g.unread);`
+struct EndReport {
+  EndPolicy policy = EndPolicy::stop_at_shortest;
+  std::int64_t steps = 0;                  ///< steps delivered, counted from the beginning of the streams
+  int shortest_generator = -1;             ///< stop_at_shortest: the generator whose end stopped the schedule; -1 under drain
+  std::vector<GeneratorReport> generators{}; ///< in increasing generator id (per-rank mode: this rank's generators)
+};
+
+/// A generator threw: rethrown on the consumer's thread, naming the generator, its device and the
+/// index of the sample it was asked for. `original()` is the exception it threw.
+///
+/// Example: `catch (const loom::GeneratorError& e) { e.generator(); std::rethrow_exception(e.original()); }`
+/// Source: a RemoteError (loom/error.hpp): another party (a worker thread's generator) failed.
+class GeneratorError : public RemoteError {
+ public:
+  GeneratorError(int generator, int device, std::int64_t sample, const std::string& what, std::exception_ptr original)
+      : RemoteError(fmt::format("schedule: generator {} (device {}) threw at its sample {} (0-based): {}", generator,
+                                device, sample, what)),
+        generator_(generator),
+        device_(device),
+        sample_(sample),
+        original_(std::move(original)) {}
+
+  [[nodiscard]] int generator() const noexcept { return generator_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] std::int64_t sample() const noexcept { return sample_; }
+  [[nodiscard]] std::exception_ptr original() const noexcept { return original_; }
+
+ private:
+  int generator_;
+  int device_;
+  std::int64_t sample_;
+  std::exception_ptr original_;
+};
+
+namespace detail {
+
+/// The message of an exception_ptr's exception ("unknown exception" for non-std types).
+inline std::string exception_message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception (not derived from std::exception)";
+  }
+}
+
+/// Calls `owner.next()` until it returns std::nullopt; lets range-for walk a scheduler.
+/// The previous value is destroyed before the next one is made (keeps the memory bound).
+template <class Owner, class Value>
+class NextIterator {
+ public:
+  using value_type = Value;
+  using difference_type = std::ptrdiff_t;
+
+  NextIterator() = default;
+  explicit NextIterator(Owner& owner) : owner_(&owner), current_(owner.next()) {}
+  NextIterator(NextIterator&&) noexcept = default;
+  NextIterator& operator=(NextIterator&&) noexcept = default;
+
+  Value& operator*() const { return *current_; }
+  NextIterator& operator++() {
+    current_.reset();
+    current_ = owner_->next();
+    return *this;
+  }
+  void operator++(int) { ++*this; }
+  friend bool operator==(const NextIterator& it, std::default_sentinel_t) noexcept { return !it.current_.has_value(); }
+
+ private:
+  Owner* owner_ = nullptr;
+  mutable std::optional<Value> current_;
+};
+
+/// The first event that stops production, ordered by (step, device, position of the generator
+/// in its device): a stop_at_shortest end, a failure, or an external stop (device -1) requested
+/// by the per-rank agreement.
+struct ScheduleEvent {
+  std::int64_t step = 0;
+  int device = 0;              ///< core device slot; -1 = external stop (before every device)
+  int position = 0;            ///< generator's position in its device; the device's size for a merge failure
+  bool failure = false;
+  int generator = -1;          ///< failing / ending generator; -1 for merge/transfer failures and external stops
+  std::int64_t sample = -1;    ///< failure: index of the sample the generator was asked for
+  std::exception_ptr error{};  ///< failure: what the consumer throws
+};
+
+/// Everything the core needs besides the generators.
+struct CoreConfig {
+  std::vector<std::vector<int>> device_generators{};  ///< per core device slot, global generator ids
+  std::vector<int> device_labels{};                   ///< per slot, the device index shown to users
+  int depth = 2;                                      ///< batches per device inside the core
+  int workers = 0;                                    ///< threads; 0 = one per generator
+  EndPolicy end = EndPolicy::stop_at_shortest;
+  bool count_unread = true;
+  std::int64_t start_step = 0;
+  std::vector<std::int64_t> skip{};                   ///< per global generator id: samples to skip first
+};
+
+/// Worker threads, a bounded window of batches per device, and the ordered stop event.
+///
+/// Workers pull generators (generator i of this core always on worker i % W, one sample at a
+/// time, in step order) into the window of its device: `depth` slots for the steps
+/// [consumed, consumed + depth), each holding the samples of one step or their merged batch.
+/// The worker that completes a step merges it (one merge at a time per device, in step order).
+/// Determinism: a sample's place depends only on (generator, step); the stop event is the first
+/// in (step, device, position) order, and the consumer acts on it only once every generator
+/// before it has resolved that step, so thread timing never changes what the consumer sees.
+template <class G, class Merge, class Transfer>
+class ScheduleCore {
+ public:
+  using Sample = generator_sample_t<G>;
+  using B = merge_result_t<Merge, Sample>;
+  using Ticket = typename Transfer::Ticket;
+  using Cursor = GeneratorCursor<G>;
+
+  struct Item {
+    B batch;
+    Ticket ticket;
+    std::vector<int> generators;
+    bool partial = false;
+  };
+  enum class Resolved { batch, dry, event };
+
+  /// `cursors` is indexed by global generator id; entries of generators this core does not run
+  /// may be null.
+  ScheduleCore(CoreConfig config, std::vector<std::unique_ptr<Cursor>> cursors, const Merge& merge,
+               const Transfer& transfer)
+      : config_(std::move(config)), cursors_(std::move(cursors)) {
+    const std::size_t n = cursors_.size();
+    position_.assign(n, 0);
+    read_.assign(n, 0);
+    counted_.assign(n, 1);
+    next_step_.assign(n, config_.start_step);
+    ended_at_.assign(n, -1);
+    failed_.assign(n, 0);
+    device_of_.assign(n, -1);
+    position_in_device_.assign(n, -1);
+    std::vector<int> active;
+    for (std::size_t d = 0; d < config_.device_generators.size(); ++d) {
+      const auto& gens = config_.device_generators[d];
+      for (std::size_t p = 0; p < gens.size(); ++p) {
+        const auto g = static_cast<std::size_t>(gens[p]);
+        LOOM_ASSERT(g < n && cursors_[g] != nullptr, "every assigned generator has a cursor");
+        device_of_[g] = static_cast<int>(d);
+        position_in_device_[g] = static_cast<int>(p);
+        active.push_back(gens[p]);
+      }
+      auto dev = std::make_unique<Device>(merge, transfer);
+      dev->consumed = dev->next_merge = config_.start_step;
+      for (int i = 0; i < config_.depth; ++i) dev->window.emplace_back(gens.size());
+      devices_.push_back(std::move(dev));
+    }
+    std::sort(active.begin(), active.end());
+    const int w = config_.workers <= 0 ? static_cast<int>(active.size()) : std::min<int>(config_.workers, static_cast<int>(active.size()));
+    std::vector<std::vector<int>> mine(static_cast<std::size_t>(w));
+    for (std::size_t i = 0; i < active.size(); ++i) mine[i % static_cast<std::size_t>(w)].push_back(active[i]);
+    try {
+      for (auto& gens : mine) threads_.emplace_back([this, gens] { run_worker(gens); });
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }
+
+  ScheduleCore(const ScheduleCore&) = delete;
+  ScheduleCore& operator=(const ScheduleCore&) = delete;
+  ~ScheduleCore() { abort(); }
+
+  [[nodiscard]] int num_devices() const noexcept { return static_cast<int>(devices_.size()); }
+  [[nodiscard]] int num_workers() const noexcept { return static_cast<int>(threads_.size()); }
+
+  /// Blocks until step k of device slot d is resolved: its batch is merged, the device ran dry
+  /// (drain: all its generators ended at or before k), or the stop event at (k, d) is final.
+  /// The caller has taken every step < k of every device, and step k of devices < d.
+  Resolved wait(int d, std::int64_t k) {
+    std::unique_lock lk(mutex_);
+    Resolved r = Resolved::batch;
+    consumer_cv_.wait(lk, [&] {
+      if (merged(d, k)) r = Resolved::batch;
+      else if (dry(d, k)) r = Resolved::dry;
+      else if (event_final(d, k)) r = Resolved::event;
+      else return false;
+      return true;
+    });
+    return r;
+  }
+
+  /// Merged batches ready for device slot d (consecutive steps from the one the consumer is at).
+  std::size_t ready(int d) {
+    std::lock_guard lk(mutex_);
+    std::size_t n = 0;
+    for (const Slot& s : devices_[static_cast<std::size_t>(d)]->window) {
+      if (!s.item) break;
+      ++n;
+    }
+    return n;
+  }
+
+  /// Takes the front batch of device slot d (wait() returned batch) and finishes its transfer.
+  Item pop(int d) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    std::optional<Item> item;
+    {
+      std::lock_guard lk(mutex_);
+      LOOM_ASSERT(dev.window.front().item.has_value(), "pop() after wait() returned batch");
+      item.emplace(std::move(*dev.window.front().item));
+      dev.window.pop_front();
+      dev.window.emplace_back(generators(d).size());
+      ++dev.consumed;
+    }
+    worker_cv_.notify_all();
+    dev.transfer.finish(item->batch, label(d), item->ticket);
+    return std::move(*item);
+  }
+
+  /// The stop event (valid after wait() returned event).
+  ScheduleEvent event() {
+    std::lock_guard lk(mutex_);
+    LOOM_ASSERT(event_.has_value(), "event() without an event");
+    return *event_;
+  }
+
+  /// The batch a dry device gets under drain: merger.empty(ctx) if it has one, else B{}.
+  B empty_batch(int d, std::int64_t k) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    MergeContext ctx{.device = label(d), .step = k, .generators = {}};
+    if constexpr (requires { { dev.merge.empty(ctx) } -> std::convertible_to<B>; }) {
+      return dev.merge.empty(ctx);
+    } else if constexpr (std::default_initializable<B>) {
+      return B{};
+    } else {
+      throw InvalidArgument("schedule: EndPolicy::drain needs a batch type with a default constructor or a merger with empty(ctx)");
+    }
+  }
+
+  /// Records an external stop at step k (nothing at or after step k is pulled any more).
+  void stop_at(std::int64_t k) {
+    {
+      std::lock_guard lk(mutex_);
+      record(ScheduleEvent{.step = k, .device = -1, .position = 0, .failure = false, .generator = -1, .sample = -1, .error = {}});
+    }
+    worker_cv_.notify_all();
+  }
+
+  /// Stops every worker now and joins them (promptly: each finishes at most the sample it is
+  /// pulling or the batch it is merging). Safe to call more than once.
+  void abort() noexcept {
+    {
+      std::lock_guard lk(mutex_);
+      aborted_ = true;
+    }
+    worker_cv_.notify_all();
+    consumer_cv_.notify_all();
+    join();
+  }
+
+  /// Waits for the workers to finish on their own (after an end: they may count unread samples).
+  void join() noexcept {
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+
+  /// After join(): position of generator g in its stream (samples skipped + read).
+  [[nodiscard]] std::int64_t position(int g) const { return position_[static_cast<std::size_t>(g)]; }
+  /// After join(): whether generator g reached its end.
+  [[nodiscard]] bool ended(int g) const { return cursors_[static_cast<std::size_t>(g)]->ended(); }
+  /// After join(): whether every sample of g was read (so unread counts are exact).
+  [[nodiscard]] bool counted(int g) const { return counted_[static_cast<std::size_t>(g)] != 0 && ended(g); }
+  [[nodiscard]] int label(int d) const { return config_.device_labels[static_cast<std::size_t>(d)]; }
+  [[nodiscard]] const std::vector<int>& generators(int d) const { return config_.device_generators[static_cast<std::size_t>(d)]; }
+
+ private:
+  struct Slot {
+    explicit Slot(std::size_t n) : samples(n) {}
+    std::vector<std::optional<Sample>> samples;  // by position in the device
+    std::optional<Item> item;                    // the merged batch
+  };
+  struct Device {
+    Device(const Merge& m, const Transfer& t) : merge(m), transfer(t) {}
+    Merge merge;                // used by one merging worker at a time (merging flag)
+    Transfer transfer;
+    std::deque<Slot> window;    // guarded by mutex_: steps [consumed, consumed + depth)
+    std::int64_t consumed = 0;  // guarded by mutex_
+    std::int64_t next_merge = 0;
+    bool merging = false;
+  };
+
+  static bool before(std::int64_t k, int d, int p, const ScheduleEvent& e) {
+    if (k != e.step) return k < e.step;
+    if (d != e.device) return d < e.device;
+    return p < e.position;
+  }
+  // Generator at (device d, position p) may still pull step k.
+  bool may_pull(std::int64_t k, int d, int p) const { return !event_ || before(k, d, p, *event_); }
+  void record(ScheduleEvent e) {
+    if (!event_ || before(e.step, e.device, e.position, *event_)) event_ = std::move(e);
+  }
+
+  Slot* slot(int d, std::int64_t k) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    const std::int64_t i = k - dev.consumed;
+    if (i < 0 || i >= static_cast<std::int64_t>(dev.window.size())) return nullptr;
+    return &dev.window[static_cast<std::size_t>(i)];
+  }
+  bool merged(int d, std::int64_t k) {
+    Slot* s = slot(d, k);
+    return s != nullptr && s->item.has_value();
+  }
+  bool dry(int d, std::int64_t k) const {
+    if (config_.end != EndPolicy::drain) return false;
+    for (int g : generators(d)) {
+      const auto e = ended_at_[static_cast<std::size_t>(g)];
+      if (e < 0 || e > k) return false;
+    }
+    return true;
+  }
+  // The event stops the consumer at (k, d) and no earlier event can still appear.
+  bool event_final(int d, std::int64_t k) const {
+    if (!event_) return false;
+    const ScheduleEvent& e = *event_;
+    if (e.device == -1) return e.step <= k;
+    if (e.step != k) return e.step < k;
+    if (e.device != d) return e.device < d;
+    const auto& gens = generators(d);
+    for (int p = 0; p < e.position && p < static_cast<int>(gens.size()); ++p) {
+      const auto g = static_cast<std::size_t>(gens[static_cast<std::size_t>(p)]);
+      if (!(next_step_[g] > k || ended_at_[g] >= 0 || failed_[g])) return false;
+    }
+    return true;
+  }
+  bool can_pull(int g) const {
+    const auto gi = static_cast<std::size_t>(g);
+    if (failed_[gi] || ended_at_[gi] >= 0) return false;
+    const int d = device_of_[gi];
+    const std::int64_t k = next_step_[gi];
+    return k < devices_[static_cast<std::size_t>(d)]->consumed + config_.depth && may_pull(k, d, position_in_device_[gi]);
+  }
+  bool finished(int g) const {  // nothing more will ever be pulled from g
+    const auto gi = static_cast<std::size_t>(g);
+    return failed_[gi] || ended_at_[gi] >= 0 || !may_pull(next_step_[gi], device_of_[gi], position_in_device_[gi]);
+  }
+
+  void run_worker(const std::vector<int>& mine) {
+    if (!skip_to_resume(mine)) return;
+    for (;;) {
+      int g = -1;
+      std::int64_t k = 0;
+      {
+        std::unique_lock lk(mutex_);
+        bool all_finished = false;
+        worker_cv_.wait(lk, [&] {
+          if (aborted_) return true;
+          g = -1;
+          all_finished = true;
+          for (int c : mine) {
+            if (!finished(c)) all_finished = false;
+            if (can_pull(c) && (g < 0 || next_step_[static_cast<std::size_t>(c)] < next_step_[static_cast<std::size_t>(g)])) g = c;
+          }
+          return g >= 0 || all_finished;
+        });
+        if (aborted_) return;
+        if (g < 0) break;
+        k = next_step_[static_cast<std::size_t>(g)];
+      }
+      const auto gi = static_cast<std::size_t>(g);
+      const int d = device_of_[gi];
+      const int p = position_in_device_[gi];
+      std::exception_ptr error;
+      std::optional<Sample> s = try_next(gi, error);
+      bool stop_others = false;
+      {
+        std::lock_guard lk(mutex_);
+        if (error) {
+          failed_[gi] = 1;
+          record(ScheduleEvent{.step = k, .device = d, .position = p, .failure = true, .generator = g, .sample = position_[gi],
+                               .error = std::make_exception_ptr(GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
+          stop_others = true;
+        } else if (!s) {
+          ended_at_[gi] = k;
+          if (config_.end == EndPolicy::stop_at_shortest) {
+            record(ScheduleEvent{.step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
+            stop_others = true;
+          }
+        } else {
+          Slot* sl = slot(d, k);
+          LOOM_ASSERT(sl != nullptr, "a pulled step lies in its device's window");
+          sl->samples[static_cast<std::size_t>(p)].emplace(std::move(*s));
+          ++next_step_[gi];
+          ++position_[gi];
+          ++read_[gi];
+        }
+      }
+      s.reset();
+      consumer_cv_.notify_all();
+      if (stop_others) worker_cv_.notify_all();
+      merge_ready(d);
+    }
+    if (config_.count_unread && config_.end == EndPolicy::stop_at_shortest) count_unread(mine);
+  }
+
+  // Merges the device's complete steps, in step order, one merge at a time per device.
+  void merge_ready(int d) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    const auto& gens = generators(d);
+    for (;;) {
+      std::vector<Sample> samples;
+      std::vector<int> ids;
+      std::int64_t k = 0;
+      {
+        std::lock_guard lk(mutex_);
+        if (dev.merging || aborted_) return;
+        k = dev.next_merge;
+        Slot* sl = slot(d, k);
+        if (sl == nullptr) return;
+        for (std::size_t p = 0; p < gens.size(); ++p) {
+          if (sl->samples[p]) continue;
+          const auto e = ended_at_[static_cast<std::size_t>(gens[p])];
+          if (config_.end == EndPolicy::drain && e >= 0 && e <= k) continue;
+          return;  // still being pulled (or ended / failed under stop_at_shortest: never complete)
+        }
+        samples.reserve(gens.size());
+        for (std::size_t p = 0; p < gens.size(); ++p) {
+          if (!sl->samples[p]) continue;
+          samples.push_back(std::move(*sl->samples[p]));
+          sl->samples[p].reset();
+          ids.push_back(gens[p]);
+        }
+        if (samples.empty()) return;  // drain: the device ran dry at step k
+        dev.merging = true;
+      }
+      std::optional<Item> item;
+      std::exception_ptr error;
+      try {
+        MergeContext ctx{.device = label(d), .step = k, .generators = std::span<const int>(ids)};
+        B batch = dev.merge(std::span<Sample>(samples), ctx);
+        samples.clear();
+        Ticket ticket = dev.transfer.start(batch, label(d));
+        const bool partial = ids.size() < gens.size();
+        item.emplace(Item{std::move(batch), std::move(ticket), std::move(ids), partial});
+      } catch (...) {
+        error = std::current_exception();
+      }
+      samples.clear();
+      {
+        std::lock_guard lk(mutex_);
+        dev.merging = false;
+        if (error) {
+          record(ScheduleEvent{.step = k, .device = d, .position = static_cast<int>(gens.size()), .failure = true,
+                               .generator = -1, .sample = -1, .error = error});
+        } else {
+          slot(d, k)->item = std::move(item);
+          ++dev.next_merge;
+        }
+      }
+      consumer_cv_.notify_all();
+      if (error) {
+        worker_cv_.notify_all();
+        return;
+      }
+    }
+  }
+
+  std::optional<Sample> try_next(std::size_t gi, std::exception_ptr& error) {
+    try {
+      return cursors_[gi]->next();
+    } catch (...) {
+      error = std::current_exception();
+      return std::nullopt;
+    }
+  }
+
+  // Skips the resumed samples of this worker's generators; false if a generator threw (recorded).
+  bool skip_to_resume(const std::vector<int>& mine) {
+    for (int g : mine) {
+      const auto gi = static_cast<std::size_t>(g);
+      const std::int64_t n = config_.skip.empty() ? 0 : config_.skip[gi];
+      if (n == 0) continue;
+      std::int64_t done = 0;
+      std::exception_ptr error;
+      try {
+        done = cursors_[gi]->skip(n);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard lk(mutex_);
+      if (error) {
+        failed_[gi] = 1;
+        const int d = device_of_[gi];
+        record(ScheduleEvent{.step = config_.start_step, .device = d, .position = position_in_device_[gi], .failure = true,
+                             .generator = g, .sample = position_[gi],
+                             .error = std::make_exception_ptr(GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
+        consumer_cv_.notify_all();
+        worker_cv_.notify_all();
+        return false;
+      }
+      position_[gi] = done;
+    }
+    return true;
+  }
+
+  // After a stop_at_shortest end: reads this worker's generators to their end (dropping the
+  // samples) so the report's unread counts are exact. Stops on abort or on a failure event.
+  void count_unread(const std::vector<int>& mine) {
+    for (int g : mine) {
+      const auto gi = static_cast<std::size_t>(g);
+      while (!cursors_[gi]->ended()) {
+        {
+          std::lock_guard lk(mutex_);
+          if (aborted_ || !event_ || event_->failure) {
+            counted_[gi] = 0;
+            return;
+          }
+        }
+        try {
+          if (cursors_[gi]->next()) {
+            ++position_[gi];
+            ++read_[gi];
+          }
+        } catch (...) {
+          counted_[gi] = 0;
+          break;
+        }
+      }
+    }
+  }
+
+  CoreConfig config_;
+  std::vector<std::unique_ptr<Cursor>> cursors_;  // by generator id; each pulled by one worker only
+  // by generator id:
+  std::vector<std::int64_t> position_;            // stream position (skipped + read); written by its worker
+  std::vector<std::int64_t> read_;                // samples read in this run; written by its worker
+  std::vector<char> counted_;                     // written by its worker
+  std::vector<std::int64_t> next_step_;           // guarded by mutex_: next step to pull
+  std::vector<std::int64_t> ended_at_;            // guarded by mutex_: step at which the stream ended, -1
+  std::vector<char> failed_;                      // guarded by mutex_
+  std::vector<int> device_of_;                    // constant: core device slot, -1 = not run here
+  std::vector<int> position_in_device_;           // constant
+  std::vector<std::unique_ptr<Device>> devices_;
+  std::mutex mutex_;
+  std::condition_variable consumer_cv_;
+  std::condition_variable worker_cv_;
+  std::optional<ScheduleEvent> event_;            // guarded by mutex_
+  bool aborted_ = false;                          // guarded by mutex_
+  std::vector<std::thread> threads_;
+};
+
+/// Validates the options both modes share; throws loom::InvalidArgument naming the bad value.
+inline void check_common_options(int prefetch_depth, const ScheduleState& resume, int num_generators, int num_devices,
+                                 const char* who) {
+  if (prefetch_depth < 1)
+    throw InvalidArgument(fmt::format("{}: prefetch_depth is {}, must be >= 1 (batches per device)", who, prefetch_depth));
+  if (resume.num_devices == 0 && resume.steps == 0 && resume.samples.empty()) return;
+  if (resume.num_devices != num_devices)
+    throw InvalidArgument(fmt::format("{}: the resume state was taken with {} devices, this schedule has {}", who,
+                                      resume.num_devices, num_devices));
+  if (static_cast<int>(resume.samples.size()) != num_generators)
+    throw InvalidArgument(fmt::format("{}: the resume state has {} generators, this schedule has {}", who,
+                                      resume.samples.size(), num_generators));
+  if (resume.steps < 0) throw InvalidArgument(fmt::format("{}: the resume state has steps = {}", who, resume.steps));
+  for (std::size_t g = 0; g < resume.samples.size(); ++g)
+    if (resume.samples[g] < 0)
+      throw InvalidArgument(fmt::format("{}: the resume state has samples[{}] = {}", who, g, resume.samples[g]));
+}
+
+}  // namespace detail
+}  // namespace loom

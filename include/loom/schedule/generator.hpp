@@ -1,0 +1,197 @@
+// loom/schedule/generator.hpp — the SampleGenerator concept ladder: a source that yields one
+// sample at a time, may end, and may throw.
+//
+// A generator is a time-correlated stream (a simulator, a sensor log, a video, a market feed):
+// the scheduler asks it for its next sample, in order, from one thread at a time, and never asks
+// again once it has ended.
+//
+// Example:
+//   int k = 0;
+//   auto counter = [k]() mutable -> std::optional<at::Tensor> {        // a callable generator
+//     if (k == 100) return std::nullopt;                              // ends after 100 samples
+//     return at::full({3}, k++);
+//   };
+//   static_assert(loom::SampleGenerator<decltype(counter)>);
+//   std::vector<at::Tensor> log = ...;
+//   static_assert(loom::SampleGenerator<std::vector<at::Tensor>>);      // an input range is one too
+//
+// Ladder (each rung adds one capability):
+//   CallableSampleGenerator  g() returns std::optional<Sample>; std::nullopt = end
+//   RangeSampleGenerator     an input range of samples; its end = end of the stream
+//   SampleGenerator          either of the two
+//   SkippableSampleGenerator + g.skip(n): jump over n samples (makes resuming a schedule cheap)
+//
+// Source: the callable form follows the "optional next()" generator convention of C++ data
+// loaders (e.g. torch::data::samplers' optional batch); the range form is std::ranges::input_range.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <iterator>
+#include <optional>
+#include <ranges>
+#include <type_traits>
+#include <utility>
+
+#include <loom/error.hpp>
+
+namespace loom {
+
+namespace detail {
+template <class T>
+struct is_optional : std::false_type {};
+template <class T>
+struct is_optional<std::optional<T>> : std::true_type {};
+}  // namespace detail
+
+/// A callable that returns the next sample as a `std::optional`, `std::nullopt` at the end.
+///
+/// Example: `[&]() -> std::optional<at::Tensor> { return sim.step(); }`
+///
+/// Requirements:
+///  1. `g()` is valid on an lvalue `G&`. Reason: a generator keeps its position as state
+///     (`mutable` lambdas, objects with an `operator()`), so the scheduler calls it on an lvalue.
+///  2. It returns exactly `std::optional<S>` for some S. Reason: the empty optional is the one
+///     unambiguous end-of-stream signal; a sentinel value inside S would be data.
+///  3. S is an object type that is move-constructible. Reason: samples travel from the worker
+///     thread to the merge step by move.
+///  4. G is move-constructible. Reason: the scheduler takes ownership of its generators.
+/// Not required: copyability, const-callability, thread safety (one thread calls a generator at
+/// a time), noexcept (a generator may throw; the scheduler reports it), a known length.
+template <class G>
+concept CallableSampleGenerator =
+    std::move_constructible<G> && std::invocable<G&> &&
+    detail::is_optional<std::invoke_result_t<G&>>::value &&
+    std::move_constructible<typename std::invoke_result_t<G&>::value_type>;
+
+/// An input range whose elements are the samples, in stream order.
+///
+/// Example: `std::vector<at::Tensor>`, or `std::views::iota(0, 10) | std::views::transform(load)`.
+///
+/// Requirements:
+///  1. `std::ranges::input_range<G>`. Reason: samples are read once, front to back; a single-pass
+///     range (an istream view, a network reader) is enough.
+///  2. Its value type is move-constructible. Reason: the scheduler copies or moves each element
+///     (by `S(*it)`) out of the range before merging.
+///  3. G is move-constructible. Reason: the scheduler takes ownership of the range.
+///  4. G is not also a CallableSampleGenerator. Reason: one type, one meaning.
+/// Not required: forward or sized ranges, a range that can be walked twice, common ranges.
+template <class G>
+concept RangeSampleGenerator =
+    std::move_constructible<G> && std::ranges::input_range<G> &&
+    std::move_constructible<std::ranges::range_value_t<G>> &&
+    std::constructible_from<std::ranges::range_value_t<G>, std::ranges::range_reference_t<G>> &&
+    !CallableSampleGenerator<G>;
+
+/// Anything that yields one sample at a time: a CallableSampleGenerator or a RangeSampleGenerator.
+///
+/// Example: `static_assert(loom::SampleGenerator<std::function<std::optional<at::Tensor>()>>);`
+/// (std::function is the type-erased form for generators of different types in one schedule).
+/// Throws: — (a concept). Generators themselves may throw; see GeneratorError in scheduler.hpp.
+template <class G>
+concept SampleGenerator = CallableSampleGenerator<G> || RangeSampleGenerator<G>;
+
+namespace detail {
+template <class G>
+struct generator_sample;
+template <CallableSampleGenerator G>
+struct generator_sample<G> {
+  using type = typename std::invoke_result_t<G&>::value_type;
+};
+template <RangeSampleGenerator G>
+struct generator_sample<G> {
+  using type = std::ranges::range_value_t<G>;
+};
+}  // namespace detail
+
+/// The sample type S that generator G yields.
+///
+/// Example: `loom::generator_sample_t<std::vector<int>>` is `int`.
+template <SampleGenerator G>
+using generator_sample_t = typename detail::generator_sample<G>::type;
+
+/// A callable generator that can jump over samples without producing them.
+///
+/// Example: a log reader with `void skip(std::int64_t n) { offset_ += n * record_bytes_; }`.
+///
+/// Requirements:
+///  1. CallableSampleGenerator<G>. Reason: a range's position lives in its iterator, which the
+///     scheduler holds; a skip() on the range object could not move that iterator.
+///  2. `g.skip(n)` with an `std::int64_t n >= 0` advances the stream by n samples, as if g had
+///     been asked for n samples that were then dropped. Reason: resuming a schedule from a saved
+///     state must not replay hours of a simulator; without skip(), loom replays (pulls and drops).
+/// Not required: a return value; skipping past the end (then the next sample is the end).
+template <class G>
+concept SkippableSampleGenerator = CallableSampleGenerator<G> && requires(G& g, std::int64_t n) { g.skip(n); };
+
+namespace detail {
+
+/// Pulls samples from one generator of either kind through one interface: `next()` returns the
+/// next sample or std::nullopt at the end; after the end it is never called again (the cursor
+/// remembers). For a range, begin() is called lazily on the first next(), on the worker thread.
+template <SampleGenerator G>
+class GeneratorCursor {
+ public:
+  using Sample = generator_sample_t<G>;
+
+  explicit GeneratorCursor(G generator) : generator_(std::move(generator)) {}
+  GeneratorCursor(GeneratorCursor&&) = delete;  // a range's iterator may point into generator_
+
+  /// The next sample, or std::nullopt when the stream has ended (then and forever after).
+  std::optional<Sample> next() {
+    if (ended_) return std::nullopt;
+    std::optional<Sample> out = pull();
+    if (!out) ended_ = true;
+    return out;
+  }
+
+  /// Jumps over n samples (g.skip(n) when G has it, else pulls and drops them). Returns how many
+  /// were skipped when that is known (< n means the stream ended first); a skip() of a
+  /// SkippableSampleGenerator reports n.
+  std::int64_t skip(std::int64_t n) {
+    if constexpr (SkippableSampleGenerator<G>) {
+      if (n > 0) generator_.skip(n);
+      return n;
+    } else {
+      std::int64_t done = 0;
+      while (done < n && next()) ++done;
+      return done;
+    }
+  }
+
+  [[nodiscard]] bool ended() const noexcept { return ended_; }
+
+ private:
+  std::optional<Sample> pull() {
+    if constexpr (CallableSampleGenerator<G>) {
+      return generator_();
+    } else {
+      if (!started_) {
+        it_.emplace(std::ranges::begin(generator_));
+        started_ = true;
+      } else {
+        ++*it_;
+      }
+      if (*it_ == std::ranges::end(generator_)) return std::nullopt;
+      return std::optional<Sample>(std::in_place, **it_);
+    }
+  }
+
+  template <class T>
+  struct iterator_of {
+    using type = char;  // unused: callables keep no iterator
+  };
+  template <RangeSampleGenerator T>
+  struct iterator_of<T> {
+    using type = std::ranges::iterator_t<T>;
+  };
+  using Iterator = typename iterator_of<G>::type;
+
+  G generator_;
+  std::optional<Iterator> it_;
+  bool started_ = false;
+  bool ended_ = false;
+};
+
+}  // namespace detail
+}  // namespace loom

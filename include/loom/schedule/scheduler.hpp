@@ -1,0 +1,217 @@
+// loom/schedule/scheduler.hpp — Scheduler: N generators onto M logical devices in one process,
+// one batch per device per step, built ahead of the training loop on worker threads.
+//
+// Example (16 generators onto 8 devices, 2 per device):
+//   std::vector<Sim> sims = make_sims(16);                       // each models SampleGenerator
+//   loom::Scheduler sched(std::move(sims), {.num_devices = 8, .prefetch_depth = 2});
+//   for (auto& step : sched) {                                   // step.index == k
+//     for (auto& db : step.devices)                              // db.device == 0..7
+//       losses[db.device] = model[db.device]->forward(db.batch.data);   // data: 2 x (sample shape)
+//   }
+//   auto report = sched.report();                                // unread samples per generator
+//
+// Time alignment: the k-th batch of device d holds the k-th sample of each of d's generators
+// (loom::assign gives them, increasing), in that order, merged by the Merge step (StackMerge:
+// stacked along a new leading batch dimension).
+// Prefetch: worker threads (one per generator by default, or `num_workers`, generator g on worker
+// g % W) pull the generators — the generators of one device at the same time — and the worker that
+// completes a device's step merges it, while the consumer trains. At most `prefetch_depth` batches
+// per device exist inside the scheduler, so host memory stays within M x depth x (batch bytes),
+// plus the step the consumer holds.
+// Failure: a generator that throws stops production; the consumer receives every step before
+// the failing one, then loom::GeneratorError (a RemoteError naming generator, device and sample).
+// Leaving the loop early (break, exception, destruction) stops and joins the workers; a worker
+// finishes at most the sample it is pulling.
+// Determinism: batches depend only on the generators' streams, never on thread timing.
+// Transfer: HostTransfer (default) keeps batches on the host; a CUDA transfer plugs in as the
+// third template parameter (see transfer.hpp).
+//
+// Source: the k-th-sample alignment is zip() over streams; the bounded prefetch queue follows
+// torch.utils.data.DataLoader's prefetch_factor.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include <loom/schedule/core.hpp>
+
+namespace loom {
+
+/// Runs N generators onto M logical devices in one process, yielding one Step (a batch per
+/// device) per call of next() or per iteration of a range-for.
+///
+/// Example: see the file comment.
+/// Shape: Step::devices[d].batch is Merge's result; with StackMerge a loom::Batch whose data is
+///        R x (sample shape) with R = the number of device d's generators (fewer under drain).
+/// Units: prefetch_depth in batches per device; steps and samples counted from 0.
+/// Throws: loom::InvalidArgument from the constructor for a bad option (num_devices < 1,
+///         prefetch_depth < 1, num_workers < 0, more devices than generators, a bad explicit
+///         map or resume state); from next(): loom::GeneratorError when a generator threw (and on
+///         every later call), or the merger's / transfer's own exception unchanged.
+/// Source: see the file comment.
+template <SampleGenerator G, class Merge = StackMerge, class Transfer = HostTransfer>
+class Scheduler {
+  static_assert(SampleGenerator<G>, "loom::Scheduler: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
+  static_assert(BatchMerger<Merge, generator_sample_t<G>>,
+                "loom::Scheduler: Merge must model loom::BatchMerger for the generators' sample type "
+                "(StackMerge takes at::Tensor, pair<at::Tensor, target> or a struct with a `data` tensor)");
+
+ public:
+  using Generator = G;
+  using Sample = generator_sample_t<G>;
+  using BatchType = merge_result_t<Merge, Sample>;
+  static_assert(BatchTransfer<Transfer, BatchType>, "loom::Scheduler: Transfer must model loom::BatchTransfer for the merged batch type");
+  using StepType = Step<BatchType>;
+
+  /// Takes ownership of the generators (generator id = position in the vector) and starts the
+  /// workers at once, so batches are being built before the first next().
+  explicit Scheduler(std::vector<G> generators, ScheduleOptions options = {}, Merge merge = {}, Transfer transfer = {})
+      : options_(std::move(options)) {
+    const int n = static_cast<int>(generators.size());
+    const int m = options_.num_devices;
+    if (m < 1) throw InvalidArgument(fmt::format("Scheduler: num_devices is {}, must be >= 1", m));
+    if (options_.num_workers < 0)
+      throw InvalidArgument(fmt::format("Scheduler: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
+    detail::check_common_options(options_.prefetch_depth, options_.resume, n, m, "Scheduler");
+    assignment_ = assign(options_.assignment, n, m);
+    delivered_ = options_.resume.samples;
+    delivered_.resize(static_cast<std::size_t>(n), 0);
+    step_ = options_.resume.steps;
+
+    std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors;
+    cursors.reserve(generators.size());
+    for (auto& g : generators) cursors.push_back(std::make_unique<detail::GeneratorCursor<G>>(std::move(g)));
+    detail::CoreConfig cfg;
+    cfg.device_generators = assignment_;
+    for (int d = 0; d < m; ++d) cfg.device_labels.push_back(d);
+    cfg.depth = options_.prefetch_depth;
+    cfg.workers = options_.num_workers;
+    cfg.end = options_.end;
+    cfg.count_unread = options_.count_unread;
+    cfg.start_step = options_.resume.steps;
+    cfg.skip = options_.resume.samples;
+    core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), merge, transfer);
+  }
+
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+  /// Stops and joins the workers (see stop()).
+  ~Scheduler() = default;
+
+  /// The next step, or std::nullopt at the end of data. Blocks until every device's batch of the
+  /// step is ready.
+  /// Throws: loom::GeneratorError (a generator threw: naming it, its device and the sample
+  ///         index), the merger's or transfer's exception; the same exception again on later calls.
+  std::optional<StepType> next() {
+    if (error_) std::rethrow_exception(error_);
+    if (finished_) return std::nullopt;
+    const int m = core_->num_devices();
+    std::vector<char> dry(static_cast<std::size_t>(m), 0);
+    int num_dry = 0;
+    for (int d = 0; d < m; ++d) {
+      const auto r = core_->wait(d, step_);
+      if (r == Core::Resolved::event) {
+        const detail::ScheduleEvent e = core_->event();
+        finished_ = true;
+        if (e.failure) {
+          error_ = e.error;
+          core_->abort();
+          std::rethrow_exception(error_);
+        }
+        shortest_ = e.generator;
+        return std::nullopt;
+      }
+      if (r == Core::Resolved::dry) {
+        dry[static_cast<std::size_t>(d)] = 1;
+        ++num_dry;
+      }
+    }
+    if (num_dry == m) {
+      finished_ = true;
+      return std::nullopt;
+    }
+    StepType step;
+    step.index = step_;
+    step.devices.reserve(static_cast<std::size_t>(m));
+    for (int d = 0; d < m; ++d) {
+      if (dry[static_cast<std::size_t>(d)]) {
+        step.devices.push_back(DeviceBatch<BatchType>{.batch = core_->empty_batch(d, step_), .device = d, .step = step_,
+                                                      .generators = {}, .partial = true});
+        continue;
+      }
+      auto item = core_->pop(d);
+      for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
+      step.devices.push_back(DeviceBatch<BatchType>{.batch = std::move(item.batch), .device = d, .step = step_,
+                                                    .generators = std::move(item.generators), .partial = item.partial});
+    }
+    ++step_;
+    return step;
+  }
+
+  /// Range-for support: `for (auto& step : sched)`; each step is destroyed before the next is made.
+  detail::NextIterator<Scheduler, StepType> begin() { return detail::NextIterator<Scheduler, StepType>(*this); }
+  std::default_sentinel_t end() const noexcept { return {}; }
+
+  /// How the schedule ended: steps, the generator that stopped it, delivered and unread samples
+  /// per generator. Waits for the workers (they may still be counting unread samples).
+  /// Throws: loom::InvalidArgument before the end (next() has not returned std::nullopt yet);
+  ///         the generator's error if the schedule failed.
+  EndReport report() {
+    if (error_) std::rethrow_exception(error_);
+    if (!finished_)
+      throw InvalidArgument(fmt::format("Scheduler::report(): the schedule has not ended (at step {}); call it after next() returned std::nullopt", step_));
+    core_->join();
+    EndReport r;
+    r.policy = options_.end;
+    r.steps = step_;
+    r.shortest_generator = options_.end == EndPolicy::stop_at_shortest ? shortest_ : -1;
+    for (int d = 0; d < core_->num_devices(); ++d)
+      for (int g : core_->generators(d)) r.generators.push_back(make_report(g, d));
+    std::sort(r.generators.begin(), r.generators.end(), [](const auto& a, const auto& b) { return a.generator < b.generator; });
+    return r;
+  }
+
+  /// Where the schedule stands (steps and samples delivered so far), to resume it later with
+  /// ScheduleOptions::resume. Call it on the consumer's thread.
+  [[nodiscard]] ScheduleState state() const { return {step_, delivered_, core_->num_devices()}; }
+
+  /// Stops and joins the workers now (what the destructor does); next() then returns std::nullopt.
+  void stop() noexcept {
+    core_->abort();
+    finished_ = true;
+  }
+
+  /// Generator ids of every device, `assignment()[d]` increasing (see loom::assign).
+  [[nodiscard]] const std::vector<std::vector<int>>& assignment() const noexcept { return assignment_; }
+  [[nodiscard]] int num_devices() const noexcept { return static_cast<int>(assignment_.size()); }
+
+ private:
+  using Core = detail::ScheduleCore<G, Merge, Transfer>;
+
+  GeneratorReport make_report(int g, int d) const {
+    const auto gi = static_cast<std::size_t>(g);
+    GeneratorReport gr;
+    gr.generator = g;
+    gr.device = d;
+    gr.delivered = delivered_[gi];
+    gr.unread = core_->position(g) - delivered_[gi];
+    gr.ended = core_->ended(g);
+    gr.unread_exact = core_->counted(g);
+    return gr;
+  }
+
+  ScheduleOptions options_;
+  std::vector<std::vector<int>> assignment_;
+  std::vector<std::int64_t> delivered_;
+  std::int64_t step_ = 0;
+  bool finished_ = false;
+  int shortest_ = -1;
+  std::exception_ptr error_;
+  std::unique_ptr<Core> core_;
+};
+
+}  // namespace loom

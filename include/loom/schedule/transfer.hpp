@@ -1,0 +1,62 @@
+// loom/schedule/transfer.hpp — the transfer step of the scheduler: a merged host batch on its
+// way to its device. The seam where CUDA staging plugs in.
+//
+// For every batch the scheduler calls `t.start(batch, device)` on the device's worker thread
+// right after the merge (a CUDA transfer copies into pinned staging memory and issues a
+// non-blocking copy on the device's own stream, then records an event), keeps the returned
+// Ticket next to the batch in the prefetch queue, and calls `t.finish(batch, device, ticket)` on
+// the consumer's thread just before handing the batch out (a CUDA transfer makes the
+// consumer's current stream wait on the event — not the whole device). HostTransfer, the
+// default, leaves the batch where it is and does nothing.
+//
+// Example:
+//   struct CountingTransfer {                  // a transfer that only counts what it saw
+//     struct Ticket { std::int64_t rows; };
+//     Ticket start(loom::Batch& b, int) { return {b.num_samples}; }
+//     void finish(loom::Batch&, int, Ticket&) {}
+//   };
+//   static_assert(loom::BatchTransfer<CountingTransfer, loom::Batch>);
+//
+// Source: the staging / per-device stream / event protocol of torch.utils.data's pin_memory
+// thread followed by `.to(device, non_blocking=True)`, done per device.
+#pragma once
+
+#include <concepts>
+
+namespace loom {
+
+/// A two-phase move of a batch of type B to a device: start on the worker, finish on the consumer.
+///
+/// Requirements:
+///  1. `T::Ticket` is a move-constructible object type. Reason: it rides in the prefetch queue
+///     with its batch (a CUDA event, a staging-buffer handle).
+///  2. `t.start(b, device)` (B&, int) returns a T::Ticket; it may replace b's tensors by device
+///     tensors. Called on the worker thread. Reason: the copy overlaps the consumer's compute.
+///  3. `t.finish(b, device, ticket)` (B&, int, Ticket&). Called on the consumer's thread before b
+///     is handed out. Reason: the consumer must not read b before the copy landed.
+///  4. T is copy-constructible. Reason: the scheduler keeps one copy per device. start() and
+///     finish() of that copy may run at the same time on two threads (worker, consumer).
+///  5. Either call may throw; the exception reaches the consumer's thread.
+/// Not required: anything about where B lives afterwards (the host no-op keeps it on the host).
+template <class T, class B>
+concept BatchTransfer = std::copy_constructible<T> && std::move_constructible<typename T::Ticket> &&
+                        requires(T& t, B& b, int device, typename T::Ticket& ticket) {
+                          { t.start(b, device) } -> std::same_as<typename T::Ticket>;
+                          t.finish(b, device, ticket);
+                        };
+
+/// The default transfer: batches stay in host memory; both phases do nothing.
+///
+/// Example: `loom::Scheduler<Gen, loom::StackMerge, loom::HostTransfer>` (the defaults).
+/// Throws: never.
+struct HostTransfer {
+  struct Ticket {};
+  template <class B>
+  Ticket start(B& /*batch*/, int /*device*/) const noexcept {
+    return {};
+  }
+  template <class B>
+  void finish(B& /*batch*/, int /*device*/, Ticket& /*ticket*/) const noexcept {}
+};
+
+}  // namespace loom

@@ -1,0 +1,75 @@
+// Test generators for the scheduler tests: streams whose sample k of generator g is the int64
+// tensor [g, k], with optional per-sample delays (to shake thread timing), a length, and a sample
+// index at which they throw.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <loom/schedule/assign.hpp>
+
+namespace loom_test {
+
+/// A deterministic pseudo-random delay in [0, max_us) microseconds for (seed, g, k).
+inline std::chrono::microseconds jitter(uint64_t seed, int g, int64_t k, int max_us) {
+  if (max_us <= 0) return std::chrono::microseconds(0);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(g) << 32) ^ static_cast<uint64_t>(k);
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  return std::chrono::microseconds(static_cast<int64_t>(x % static_cast<uint64_t>(max_us)));
+}
+
+/// Callable generator: sample k of generator g is torch::tensor({g, k}) (int64, shape 2).
+struct Stream {
+  int g = 0;
+  int64_t length = 1'000'000;
+  int64_t throw_at = -1;           ///< throws std::runtime_error("boom ...") when asked for this sample
+  int jitter_us = 0;               ///< random delay per sample, up to this many microseconds
+  uint64_t seed = 1;
+  std::shared_ptr<std::atomic<int64_t>> pulls{};  ///< counts calls, when set
+  int64_t k = 0;
+
+  std::optional<at::Tensor> operator()() {
+    if (pulls) pulls->fetch_add(1);
+    if (jitter_us > 0) std::this_thread::sleep_for(jitter(seed, g, k, jitter_us));
+    if (k == throw_at) throw std::runtime_error("boom at sample " + std::to_string(k));
+    if (k >= length) return std::nullopt;
+    auto t = torch::tensor({static_cast<int64_t>(g), k});
+    ++k;
+    return t;
+  }
+};
+
+/// Stream plus skip(n): models SkippableSampleGenerator; counts how often skip was used.
+struct SkippableStream : Stream {
+  std::shared_ptr<std::atomic<int64_t>> skipped{};
+  void skip(int64_t n) {
+    k += n;
+    if (skipped) skipped->fetch_add(n);
+  }
+};
+
+inline std::vector<Stream> streams(int n, int64_t length = 1'000'000, int jitter_us = 0, uint64_t seed = 1) {
+  std::vector<Stream> v;
+  for (int g = 0; g < n; ++g) v.push_back(Stream{.g = g, .length = length, .jitter_us = jitter_us, .seed = seed});
+  return v;
+}
+
+/// Expected data of a device batch at step k: rows [g, k] for the given generator ids, in order.
+inline at::Tensor expected_rows(const std::vector<int>& gens, int64_t k) {
+  auto t = torch::empty({static_cast<int64_t>(gens.size()), 2}, torch::kLong);
+  for (size_t i = 0; i < gens.size(); ++i) {
+    t[static_cast<int64_t>(i)][0] = gens[i];
+    t[static_cast<int64_t>(i)][1] = k;
+  }
+  return t;
+}
+
+}  // namespace loom_test

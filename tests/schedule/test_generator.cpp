@@ -1,0 +1,226 @@
+// Concepts of loom/schedule (which types model them and which do not), the assignment
+// policies, and the default merge step.
+#include <functional>
+#include <istream>
+#include <list>
+#include <sstream>
+
+#include <loom/schedule/assign.hpp>
+#include <loom/schedule/generator.hpp>
+#include <loom/schedule/merge.hpp>
+#include <loom/schedule/transfer.hpp>
+
+#include "helpers.hpp"
+
+namespace {
+
+// ---- archetypes --------------------------------------------------------------------------------
+
+// A single-pass input range that throws at a given element and fails the test if walked twice
+// (begin() called a second time).
+class SinglePassThrowing {
+ public:
+  SinglePassThrowing(int n, int throw_at) : n_(n), throw_at_(throw_at) {}
+  struct iterator {
+    using value_type = at::Tensor;
+    using difference_type = std::ptrdiff_t;
+    SinglePassThrowing* owner = nullptr;
+    at::Tensor operator*() const {
+      if (owner->pos_ == owner->throw_at_) throw std::runtime_error("single-pass archetype throws");
+      return torch::full({2}, owner->pos_, torch::kLong);
+    }
+    iterator& operator++() {
+      ++owner->pos_;
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    bool done() const { return owner->pos_ >= owner->n_; }
+    friend bool operator==(const iterator& it, std::default_sentinel_t) { return it.done(); }
+  };
+  iterator begin() {
+    REQUIRE_MESSAGE(!begun_, "single-pass range walked twice");
+    begun_ = true;
+    return iterator{this};
+  }
+  std::default_sentinel_t end() const { return {}; }
+
+ private:
+  int n_;
+  int throw_at_;
+  int pos_ = 0;
+  bool begun_ = false;
+};
+
+struct NotOptional {  // returns a sample, but no way to say "ended"
+  at::Tensor operator()() { return {}; }
+};
+struct NeedsArgument {
+  std::optional<at::Tensor> operator()(int) { return {}; }
+};
+struct Immovable {
+  Immovable() = default;
+  Immovable(Immovable&&) = delete;
+  std::optional<at::Tensor> operator()() { return {}; }
+};
+struct WithSkip {
+  std::optional<int> operator()() { return 1; }
+  void skip(int64_t) {}
+};
+struct RangeWithSkip : std::vector<int> {
+  void skip(int64_t) {}
+};
+struct NoTicket {
+  void start(loom::Batch&, int) {}
+  void finish(loom::Batch&, int) {}
+};
+
+}  // namespace
+
+// ---- SampleGenerator ---------------------------------------------------------------------------
+
+TEST_CASE("SampleGenerator: callables returning optional and input ranges model it; others do not") {
+  auto lambda = [k = 0]() mutable -> std::optional<at::Tensor> { return k++ < 3 ? std::optional(at::Tensor()) : std::nullopt; };
+  static_assert(loom::CallableSampleGenerator<decltype(lambda)>);
+  static_assert(loom::SampleGenerator<decltype(lambda)>);
+  static_assert(loom::SampleGenerator<loom_test::Stream>);
+  static_assert(loom::SampleGenerator<std::function<std::optional<at::Tensor>()>>);
+  static_assert(loom::SampleGenerator<std::function<std::optional<std::pair<at::Tensor, int64_t>>()>>);
+  static_assert(std::same_as<loom::generator_sample_t<decltype(lambda)>, at::Tensor>);
+
+  static_assert(loom::RangeSampleGenerator<std::vector<at::Tensor>>);
+  static_assert(loom::RangeSampleGenerator<std::list<int>>);
+  static_assert(loom::RangeSampleGenerator<SinglePassThrowing>);
+  static_assert(!std::ranges::forward_range<SinglePassThrowing>, "the archetype is single-pass only");
+  static_assert(loom::SampleGenerator<SinglePassThrowing>);
+  static_assert(std::same_as<loom::generator_sample_t<std::vector<int>>, int>);
+
+  static_assert(!loom::SampleGenerator<int>);
+  static_assert(!loom::SampleGenerator<NotOptional>, "no std::optional: no way to signal the end");
+  static_assert(!loom::SampleGenerator<NeedsArgument>, "must be callable with no arguments");
+  static_assert(!loom::SampleGenerator<Immovable>, "the scheduler takes ownership by move");
+  static_assert(!loom::SampleGenerator<std::optional<at::Tensor>>, "an optional is a value, not a stream");
+
+  static_assert(loom::SkippableSampleGenerator<WithSkip>);
+  static_assert(loom::SkippableSampleGenerator<loom_test::SkippableStream>);
+  static_assert(!loom::SkippableSampleGenerator<loom_test::Stream>);
+  static_assert(!loom::SkippableSampleGenerator<RangeWithSkip>, "a range's position lives in its iterator");
+}
+
+TEST_CASE("GeneratorCursor: one interface for both kinds; never asks again after the end") {
+  loom::detail::GeneratorCursor<std::vector<int>> c(std::vector<int>{4, 5, 6});
+  CHECK(c.next() == std::optional<int>(4));
+  CHECK(c.skip(1) == 1);
+  CHECK(c.next() == std::optional<int>(6));
+  CHECK_FALSE(c.next().has_value());
+  CHECK(c.ended());
+  CHECK_FALSE(c.next().has_value());
+
+  int calls = 0;
+  auto gen = [&calls]() -> std::optional<int> {
+    ++calls;
+    if (calls > 2) return std::nullopt;
+    return calls * 10;
+  };
+  loom::detail::GeneratorCursor<decltype(gen)> c2(gen);
+  CHECK(c2.skip(5) == 2);  // the stream had only 2 samples
+  CHECK(c2.ended());
+  CHECK_FALSE(c2.next().has_value());
+  CHECK(calls == 3);  // two samples and the one end; not called after the end
+
+  loom::detail::GeneratorCursor<SinglePassThrowing> c3(SinglePassThrowing(5, 2));
+  CHECK(c3.next()->equal(torch::full({2}, 0, torch::kLong)));
+  CHECK(c3.next()->equal(torch::full({2}, 1, torch::kLong)));
+  CHECK_THROWS_WITH(c3.next(), "single-pass archetype throws");
+
+  loom::detail::GeneratorCursor<loom_test::SkippableStream> c4(loom_test::SkippableStream{});
+  CHECK(c4.skip(7) == 7);
+  CHECK(c4.next()->equal(torch::tensor({int64_t{0}, int64_t{7}})));
+}
+
+// ---- assignment --------------------------------------------------------------------------------
+
+TEST_CASE("assign: contiguous blocks, round-robin and explicit maps, uneven counts spread evenly") {
+  using V = std::vector<std::vector<int>>;
+  // 16 onto 8: generators 2i and 2i+1 on device i (contiguous); i and i+8 (round-robin).
+  const V contiguous16 = loom::assign(loom::Assignment::contiguous(), 16, 8);
+  const V robin16 = loom::assign(loom::Assignment::round_robin(), 16, 8);
+  for (int d = 0; d < 8; ++d) {
+    CHECK(contiguous16[static_cast<size_t>(d)] == std::vector<int>{2 * d, 2 * d + 1});
+    CHECK(robin16[static_cast<size_t>(d)] == std::vector<int>{d, d + 8});
+  }
+  // 10 onto 4: the first 10 % 4 = 2 devices get 3 generators, the others 2.
+  CHECK(loom::assign(loom::Assignment::contiguous(), 10, 4) == V{{0, 1, 2}, {3, 4, 5}, {6, 7}, {8, 9}});
+  CHECK(loom::assign(loom::Assignment::round_robin(), 10, 4) == V{{0, 4, 8}, {1, 5, 9}, {2, 6}, {3, 7}});
+  CHECK(loom::assign(loom::Assignment::contiguous(), 3, 1) == V{{0, 1, 2}});
+  CHECK(loom::assign(loom::Assignment::round_robin(), 3, 1) == V{{0, 1, 2}});
+  CHECK(loom::assign(loom::Assignment::explicit_map({1, 0, 1, 2}), 4, 3) == V{{1}, {0, 2}, {3}});
+  CHECK(loom::generators_of(loom::Assignment::contiguous(), 16, 8, 3) == std::vector<int>{6, 7});
+
+  // every generator exactly once, loads differ by at most one, for many (N, M)
+  for (int m = 1; m <= 9; ++m)
+    for (int n = m; n <= 40; ++n)
+      for (auto policy : {loom::Assignment::contiguous(), loom::Assignment::round_robin()}) {
+        const V a = loom::assign(policy, n, m);
+        std::vector<int> seen(static_cast<size_t>(n), 0);
+        size_t lo = SIZE_MAX, hi = 0;
+        for (const auto& gens : a) {
+          lo = std::min(lo, gens.size());
+          hi = std::max(hi, gens.size());
+          CHECK(std::is_sorted(gens.begin(), gens.end()));
+          for (int g : gens) ++seen[static_cast<size_t>(g)];
+        }
+        CHECK(hi - lo <= 1);
+        CHECK(hi == static_cast<size_t>((n + m - 1) / m));
+        CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+      }
+}
+
+TEST_CASE("assign: bad input names the value") {
+  CHECK_THROWS_WITH_AS(loom::assign(loom::Assignment::contiguous(), 3, 4),
+                       doctest::Contains("3 generators onto 4 devices"), loom::InvalidArgument);
+  CHECK_THROWS_AS(loom::assign(loom::Assignment::contiguous(), 0, 1), loom::InvalidArgument);
+  CHECK_THROWS_AS(loom::assign(loom::Assignment::round_robin(), 4, 0), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::assign(loom::Assignment::explicit_map({0, 5}), 2, 2),
+                       doctest::Contains("generator 1 to device 5"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::assign(loom::Assignment::explicit_map({0, 0}), 2, 2),
+                       doctest::Contains("device 1 no generator"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::assign(loom::Assignment::explicit_map({0}), 2, 1),
+                       doctest::Contains("1 entries but there are 2 generators"), loom::InvalidArgument);
+  CHECK_THROWS_AS(loom::generators_of(loom::Assignment::contiguous(), 4, 2, 2), loom::InvalidArgument);
+}
+
+// ---- merge and transfer ------------------------------------------------------------------------
+
+TEST_CASE("StackMerge: rows in sample order, targets, generator ids; shape mismatch names the generator") {
+  static_assert(loom::BatchMerger<loom::StackMerge, at::Tensor>);
+  static_assert(loom::BatchMerger<loom::StackMerge, std::pair<at::Tensor, int64_t>>);
+  static_assert(!loom::BatchMerger<loom::StackMerge, int>, "StackMerge needs a tensor in the sample");
+  static_assert(loom::BatchTransfer<loom::HostTransfer, loom::Batch>);
+  static_assert(!loom::BatchTransfer<NoTicket, loom::Batch>, "a transfer names its Ticket type");
+
+  loom::StackMerge merge;
+  std::vector<std::pair<at::Tensor, int64_t>> samples = {{torch::tensor({1.0f, 2.0f}), 7}, {torch::tensor({3.0f, 4.0f}), 9}};
+  std::vector<int> ids = {4, 6};
+  loom::Batch b = merge(std::span(samples), loom::MergeContext{.device = 2, .step = 5, .generators = ids});
+  CHECK(b.data.equal(torch::tensor({{1.0f, 2.0f}, {3.0f, 4.0f}})));
+  CHECK(b.targets.equal(torch::tensor({int64_t{7}, int64_t{9}})));
+  CHECK(b.indices == std::vector<int64_t>{4, 6});
+  CHECK(b.num_samples == 2);
+  CHECK(b.weight == 1.0);
+
+  // non-contiguous sample: copied through the strided path
+  std::vector<at::Tensor> nc = {torch::arange(6).reshape({2, 3}).t(), torch::arange(6, 12).reshape({2, 3}).t()};
+  std::vector<int> ids2 = {0, 1};
+  loom::Batch b2 = merge(std::span(nc), loom::MergeContext{.generators = ids2});
+  CHECK(b2.data.equal(torch::stack({nc[0], nc[1]})));
+
+  std::vector<at::Tensor> bad = {torch::zeros({2, 3}), torch::zeros({3, 2})};
+  std::vector<int> ids3 = {10, 11};
+  CHECK_THROWS_WITH_AS(merge(std::span(bad), loom::MergeContext{.device = 1, .step = 3, .generators = ids3}),
+                       doctest::Contains("device 1, step 3: generator 10 gave a data tensor of shape [2, 3] Float, generator 11 gave [3, 2] Float"),
+                       loom::InvalidArgument);
+  std::vector<at::Tensor> mixed = {torch::zeros({2}), torch::zeros({2}, torch::kLong)};
+  CHECK_THROWS_WITH_AS(merge(std::span(mixed), loom::MergeContext{.generators = ids3}),
+                       doctest::Contains("generator 11"), loom::InvalidArgument);
+  CHECK(merge.empty({}).weight == 0.0);
+}

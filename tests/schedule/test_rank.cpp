@@ -1,0 +1,174 @@
+// RankScheduler: the per-rank mode with 2 real processes over Gloo on loopback (loom::spawn).
+// Inside a spawned rank, failures must throw (REQUIRE or loom errors): a CHECK in a child cannot
+// fail the parent's test; spawn turns a child's exception into a SpawnError.
+#include <loom/comm/gloo.hpp>
+#include <loom/comm/local.hpp>
+#include <loom/dist/spawn.hpp>
+#include <loom/schedule/rank_scheduler.hpp>
+
+#include "helpers.hpp"
+
+using loom_test::expected_rows;
+using loom_test::Stream;
+
+namespace {
+constexpr auto kCommTimeout = std::chrono::seconds(20);
+loom::SpawnOptions spawn_opts() { return {.timeout = std::chrono::seconds(90)}; }
+
+const std::vector<int64_t> kLengths = {5, 7, 3, 9};
+
+// After each step every rank all-reduces its row count, as a training loop all-reduces
+// gradients: a rank that stopped early would leave the other waiting here.
+int64_t all_rows(loom::GlooCommunicator& comm, int64_t rows) {
+  auto t = torch::full({1}, rows, torch::kLong);
+  comm.all_reduce(t, loom::ReduceOp::sum);
+  return t.item<int64_t>();
+}
+}  // namespace
+
+TEST_CASE("RankScheduler: with a LocalCommunicator it is the 1-device schedule") {
+  loom::LocalCommunicator comm;
+  loom::RankScheduler s(comm, 3, [](int g) { return Stream{.g = g, .length = 4, .jitter_us = 200}; });
+  CHECK(s.generators() == std::vector<int>{0, 1, 2});
+  int64_t k = 0;
+  for (auto& db : s) {
+    CHECK(db.device == 0);
+    CHECK(db.batch.data.equal(expected_rows({0, 1, 2}, k)));
+    ++k;
+  }
+  CHECK(k == 4);
+  CHECK(s.report().generators[1].unread == 0);
+}
+
+TEST_CASE("RankScheduler: 2 ranks — each rank's generators and batches, as the assignment says") {
+  loom::spawn(2, [](const loom::Environment& env) {
+    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+    for (auto policy : {loom::Assignment::contiguous(), loom::Assignment::round_robin()}) {
+      // 6 generators over 2 ranks: contiguous {0,1,2} / {3,4,5}; round-robin {0,2,4} / {1,3,5}
+      const std::vector<int> hand = policy.kind == loom::Assignment::Kind::contiguous
+                                        ? (env.rank == 0 ? std::vector<int>{0, 1, 2} : std::vector<int>{3, 4, 5})
+                                        : (env.rank == 0 ? std::vector<int>{0, 2, 4} : std::vector<int>{1, 3, 5});
+      int built = 0;
+      loom::RankScheduler s(comm, 6, [&](int g) {
+        ++built;
+        return Stream{.g = g, .length = 6, .jitter_us = 300, .seed = static_cast<uint64_t>(env.rank + 1)};
+      }, {.assignment = policy, .prefetch_depth = 3});
+      REQUIRE(built == 3);  // only this rank's generators are made
+      REQUIRE(s.generators() == hand);
+      int64_t k = 0;
+      for (auto& db : s) {
+        REQUIRE(db.device == env.rank);
+        REQUIRE(db.step == k);
+        REQUIRE(db.generators == hand);
+        REQUIRE(db.batch.data.equal(expected_rows(hand, k)));
+        REQUIRE(all_rows(comm, db.num_rows()) == 6);
+        ++k;
+      }
+      REQUIRE(k == 6);
+    }
+  }, spawn_opts());
+}
+
+TEST_CASE("RankScheduler: 2 ranks, unequal lengths, stop_at_shortest — same step count, unread reported") {
+  loom::spawn(2, [](const loom::Environment& env) {
+    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+    // lengths 5, 7, 3, 9: rank 0 runs {0, 1}, rank 1 runs {2, 3}; generator 2 is the shortest (3)
+    loom::RankScheduler s(comm, 4, [&](int g) {
+      return Stream{.g = g, .length = kLengths[static_cast<size_t>(g)], .jitter_us = 300};
+    });
+    const std::vector<int> mine = env.rank == 0 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+    int64_t k = 0;
+    for (auto& db : s) {
+      REQUIRE(db.batch.data.equal(expected_rows(mine, k)));
+      REQUIRE(all_rows(comm, db.num_rows()) == 4);
+      ++k;
+    }
+    REQUIRE(k == 3);
+    const auto r = s.report();
+    REQUIRE(r.steps == 3);
+    REQUIRE(r.shortest_generator == 2);  // known on both ranks
+    REQUIRE(r.generators.size() == 2);
+    for (const auto& g : r.generators) {
+      REQUIRE(g.delivered == 3);
+      REQUIRE(g.unread == kLengths[static_cast<size_t>(g.generator)] - 3);
+      REQUIRE(g.unread_exact);
+    }
+  }, spawn_opts());
+}
+
+TEST_CASE("RankScheduler: 2 ranks, unequal lengths, drain — every sample once, dry rank gets empty batches") {
+  loom::spawn(2, [](const loom::Environment& env) {
+    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+    // round-robin: rank 0 runs {0, 2} (lengths 5, 3), rank 1 runs {1, 3} (lengths 7, 9): 9 steps
+    loom::RankScheduler s(comm, 4, [&](int g) {
+      return Stream{.g = g, .length = kLengths[static_cast<size_t>(g)], .jitter_us = 300};
+    }, {.assignment = loom::Assignment::round_robin(), .prefetch_depth = 2, .end = loom::EndPolicy::drain});
+    const std::vector<int> mine = env.rank == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+    int64_t k = 0, rows = 0;
+    for (auto& db : s) {
+      std::vector<int> alive;
+      for (int g : mine)
+        if (k < kLengths[static_cast<size_t>(g)]) alive.push_back(g);
+      REQUIRE(db.generators == alive);
+      REQUIRE(db.partial == (alive.size() < 2));
+      if (alive.empty()) {
+        REQUIRE(db.batch.num_samples == 0);
+        REQUIRE(db.batch.weight == 0.0);
+      } else {
+        REQUIRE(db.batch.data.equal(expected_rows(alive, k)));
+      }
+      // all 4 generators alive at step k, summed over both ranks
+      int64_t expected = 0;
+      for (auto len : kLengths) expected += k < len ? 1 : 0;
+      REQUIRE(all_rows(comm, db.num_rows()) == expected);
+      rows += db.num_rows();
+      ++k;
+    }
+    REQUIRE(k == 9);
+    REQUIRE(rows == (env.rank == 0 ? 5 + 3 : 7 + 9));
+  }, spawn_opts());
+}
+
+TEST_CASE("RankScheduler: a generator throwing at sample 5 on rank 1 reaches both ranks, naming it") {
+  loom::spawn(2, [](const loom::Environment& env) {
+    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+    loom::RankScheduler s(comm, 4, [&](int g) {
+      return Stream{.g = g, .throw_at = g == 3 ? 5 : -1, .jitter_us = 500};
+    });
+    int64_t k = 0;
+    try {
+      while (auto db = s.next()) {
+        REQUIRE(all_rows(comm, db->num_rows()) == 4);
+        ++k;
+      }
+      throw std::runtime_error("the schedule ended without an error");
+    } catch (const loom::GeneratorError& e) {
+      REQUIRE(env.rank == 1);
+      REQUIRE(e.generator() == 3);
+      REQUIRE(e.sample() == 5);
+      REQUIRE(std::string(e.what()).find("boom at sample 5") != std::string::npos);
+    } catch (const loom::RemoteError& e) {
+      REQUIRE(env.rank == 0);
+      const std::string what = e.what();
+      REQUIRE(what.find("rank 1 stopped at step 5") != std::string::npos);
+      REQUIRE(what.find("generator 3") != std::string::npos);
+      REQUIRE(what.find("boom at sample 5") != std::string::npos);
+    }
+    REQUIRE(k == 5);
+  }, spawn_opts());
+}
+
+TEST_CASE("RankScheduler: ranks configured differently get a ConfigError, not a hang") {
+  loom::spawn(2, [](const loom::Environment& env) {
+    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+    const int n = env.rank == 0 ? 4 : 6;
+    loom::RankScheduler s(comm, n, [&](int g) { return Stream{.g = g, .length = 3}; });
+    bool threw = false;
+    try {
+      (void)s.next();
+    } catch (const loom::ConfigError& e) {
+      threw = std::string(e.what()).find("ranks disagree") != std::string::npos;
+    }
+    REQUIRE(threw);
+  }, spawn_opts());
+}

@@ -1,0 +1,433 @@
+// The in-process Scheduler: exact time alignment, end-of-data policies, failures, early stop,
+// bounded memory, determinism, resume, and the merge / transfer seams.
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <loom/schedule/scheduler.hpp>
+
+#include "helpers.hpp"
+
+using loom_test::expected_rows;
+using loom_test::Stream;
+using loom_test::streams;
+using V = std::vector<std::vector<int>>;
+
+namespace {
+
+// Runs a schedule to its end and checks every step against the hand-written assignment:
+// step k, device d = rows [g, k] for g in `hand[d]`. Returns the number of steps.
+int64_t run_and_check(loom::Scheduler<Stream>& sched, const V& hand, int64_t expected_steps) {
+  int64_t k = 0;
+  for (auto& step : sched) {
+    REQUIRE(step.index == k);
+    REQUIRE(step.devices.size() == hand.size());
+    for (size_t d = 0; d < hand.size(); ++d) {
+      const auto& db = step.devices[d];
+      CHECK(db.device == static_cast<int>(d));
+      CHECK(db.step == k);
+      CHECK(db.generators == hand[d]);
+      CHECK_FALSE(db.partial);
+      CHECK(db.batch.num_samples == static_cast<int64_t>(hand[d].size()));
+      CHECK(db.batch.data.equal(expected_rows(hand[d], k)));
+      CHECK(db.batch.indices == std::vector<int64_t>(hand[d].begin(), hand[d].end()));
+    }
+    ++k;
+  }
+  CHECK(k == expected_steps);
+  return k;
+}
+
+}  // namespace
+
+TEST_CASE("Scheduler: 16 onto 8, 10 onto 4, 3 onto 1 — exact ordering and time alignment") {
+  SUBCASE("16 onto 8, contiguous: device d gets generators 2d and 2d+1") {
+    loom::Scheduler<Stream> s(streams(16, 6, 300), {.num_devices = 8});
+    V hand;
+    for (int d = 0; d < 8; ++d) hand.push_back({2 * d, 2 * d + 1});
+    CHECK(s.assignment() == hand);
+    run_and_check(s, hand, 6);
+  }
+  SUBCASE("16 onto 8, round-robin: device d gets d and d+8") {
+    loom::Scheduler<Stream> s(streams(16, 5, 300), {.num_devices = 8, .assignment = loom::Assignment::round_robin()});
+    V hand;
+    for (int d = 0; d < 8; ++d) hand.push_back({d, d + 8});
+    run_and_check(s, hand, 5);
+  }
+  SUBCASE("10 onto 4, contiguous") {
+    loom::Scheduler<Stream> s(streams(10, 7, 300), {.num_devices = 4, .prefetch_depth = 1});
+    run_and_check(s, V{{0, 1, 2}, {3, 4, 5}, {6, 7}, {8, 9}}, 7);
+  }
+  SUBCASE("10 onto 4, round-robin, 3 workers") {
+    loom::Scheduler<Stream> s(streams(10, 7, 300),
+                              {.num_devices = 4, .assignment = loom::Assignment::round_robin(), .num_workers = 3});
+    run_and_check(s, V{{0, 4, 8}, {1, 5, 9}, {2, 6}, {3, 7}}, 7);
+  }
+  SUBCASE("10 onto 4, explicit map, 1 worker for all devices") {
+    std::vector<int> map = {3, 0, 0, 1, 2, 3, 1, 2, 0, 3};
+    loom::Scheduler<Stream> s(streams(10, 4, 300),
+                              {.num_devices = 4, .assignment = loom::Assignment::explicit_map(map), .num_workers = 1});
+    run_and_check(s, V{{1, 2, 8}, {3, 6}, {4, 7}, {0, 5, 9}}, 4);
+  }
+  SUBCASE("3 onto 1") {
+    loom::Scheduler<Stream> s(streams(3, 9, 300), {.num_devices = 1, .prefetch_depth = 4});
+    run_and_check(s, V{{0, 1, 2}}, 9);
+  }
+}
+
+TEST_CASE("Scheduler: input-range generators and pair samples with targets") {
+  std::vector<std::vector<std::pair<at::Tensor, int64_t>>> gens(4);
+  for (int g = 0; g < 4; ++g)
+    for (int k = 0; k < 3; ++k) gens[static_cast<size_t>(g)].push_back({torch::full({2, 2}, 10.0 * g + k), 100 * g + k});
+  loom::Scheduler s(std::move(gens), {.num_devices = 2, .assignment = loom::Assignment::round_robin()});
+  int64_t k = 0;
+  while (auto step = s.next()) {
+    for (int d = 0; d < 2; ++d) {
+      const auto& b = step->devices[static_cast<size_t>(d)].batch;
+      // device d has generators d and d + 2
+      CHECK(b.data.equal(torch::stack({torch::full({2, 2}, 10.0 * d + k), torch::full({2, 2}, 10.0 * (d + 2) + k)})));
+      CHECK(b.targets.equal(torch::tensor({100 * d + k, 100 * (d + 2) + k})));
+    }
+    ++k;
+  }
+  CHECK(k == 3);
+}
+
+TEST_CASE("Scheduler: stop_at_shortest ends at the shortest generator and reports unread samples") {
+  // lengths 5, 7, 3, 9 onto 2 devices (contiguous: {0,1}, {2,3}): 3 steps.
+  std::vector<Stream> gens = streams(4, 0, 200);
+  const std::vector<int64_t> lengths = {5, 7, 3, 9};
+  for (size_t g = 0; g < 4; ++g) gens[g].length = lengths[g];
+  SUBCASE("count_unread on: exact counts") {
+    loom::Scheduler<Stream> s(gens, {.num_devices = 2});
+    run_and_check(s, V{{0, 1}, {2, 3}}, 3);
+    CHECK_FALSE(s.next().has_value());  // stays ended
+    const loom::EndReport r = s.report();
+    CHECK(r.steps == 3);
+    CHECK(r.shortest_generator == 2);
+    REQUIRE(r.generators.size() == 4);
+    for (int g = 0; g < 4; ++g) {
+      const auto& gr = r.generators[static_cast<size_t>(g)];
+      CHECK(gr.generator == g);
+      CHECK(gr.device == g / 2);
+      CHECK(gr.delivered == 3);
+      CHECK(gr.unread == lengths[static_cast<size_t>(g)] - 3);
+      CHECK(gr.unread_exact);
+      CHECK(gr.ended);
+    }
+  }
+  SUBCASE("count_unread off: lower bounds, flagged") {
+    loom::Scheduler<Stream> s(gens, {.num_devices = 2, .prefetch_depth = 1, .count_unread = false});
+    run_and_check(s, V{{0, 1}, {2, 3}}, 3);
+    const loom::EndReport r = s.report();
+    CHECK(r.shortest_generator == 2);
+    CHECK(r.generators[2].unread == 0);
+    CHECK(r.generators[2].unread_exact);  // generator 2 ended: nothing left
+    for (int g : {0, 1, 3}) {
+      CHECK(r.generators[static_cast<size_t>(g)].unread <= lengths[static_cast<size_t>(g)] - 3);
+      CHECK_FALSE(r.generators[static_cast<size_t>(g)].unread_exact);
+    }
+  }
+  SUBCASE("ties: the first ending generator in (step, device, order) is the one reported") {
+    std::vector<Stream> tie = streams(4, 4, 300);
+    tie[3].length = 2;
+    tie[1].length = 2;
+    loom::Scheduler<Stream> s(tie, {.num_devices = 2});
+    run_and_check(s, V{{0, 1}, {2, 3}}, 2);
+    CHECK(s.report().shortest_generator == 1);
+  }
+}
+
+TEST_CASE("Scheduler: drain delivers every sample, partial batches flagged, dry devices empty") {
+  std::vector<Stream> gens = streams(4, 0, 200);
+  const std::vector<int64_t> lengths = {5, 7, 3, 9};
+  for (size_t g = 0; g < 4; ++g) gens[g].length = lengths[g];
+  loom::Scheduler<Stream> s(gens, {.num_devices = 2, .end = loom::EndPolicy::drain});
+  int64_t k = 0;
+  int64_t rows = 0;
+  for (auto& step : s) {
+    CHECK(step.index == k);
+    // the generators still alive at step k, per device, in order
+    V alive(2);
+    for (int g = 0; g < 4; ++g)
+      if (k < lengths[static_cast<size_t>(g)]) alive[static_cast<size_t>(g / 2)].push_back(g);
+    for (size_t d = 0; d < 2; ++d) {
+      const auto& db = step.devices[d];
+      CHECK(db.generators == alive[d]);
+      CHECK(db.partial == (alive[d].size() < 2));
+      if (alive[d].empty()) {
+        CHECK_FALSE(db.batch.data.defined());
+        CHECK(db.batch.num_samples == 0);
+        CHECK(db.batch.weight == 0.0);
+      } else {
+        CHECK(db.batch.data.equal(expected_rows(alive[d], k)));
+        CHECK(db.batch.weight == 1.0);
+      }
+      rows += db.num_rows();
+    }
+    CHECK(step.partial() == (k >= 3));
+    ++k;
+  }
+  CHECK(k == 9);
+  CHECK(rows == 5 + 7 + 3 + 9);  // nothing lost
+  const auto r = s.report();
+  CHECK(r.shortest_generator == -1);
+  for (int g = 0; g < 4; ++g) {
+    CHECK(r.generators[static_cast<size_t>(g)].delivered == lengths[static_cast<size_t>(g)]);
+    CHECK(r.generators[static_cast<size_t>(g)].unread == 0);
+  }
+}
+
+TEST_CASE("Scheduler: a generator that throws at sample 5 reaches the consumer, naming it; no hang") {
+  for (int workers : {0, 1}) {
+    CAPTURE(workers);
+    std::vector<Stream> gens = streams(8, 1'000'000, 500);
+    gens[3].throw_at = 5;  // device 1 (contiguous, 2 per device)
+    loom::Scheduler<Stream> s(std::move(gens), {.num_devices = 4, .num_workers = workers});
+    int64_t delivered = 0;
+    try {
+      while (auto step = s.next()) {
+        CHECK(step->devices[1].batch.data.equal(expected_rows({2, 3}, delivered)));
+        ++delivered;
+      }
+      FAIL("the schedule ended without the generator's error");
+    } catch (const loom::GeneratorError& e) {
+      CHECK(e.generator() == 3);
+      CHECK(e.device() == 1);
+      CHECK(e.sample() == 5);
+      CHECK(std::string(e.what()).find("generator 3 (device 1) threw at its sample 5") != std::string::npos);
+      CHECK(std::string(e.what()).find("boom at sample 5") != std::string::npos);
+      CHECK_THROWS_WITH_AS(std::rethrow_exception(e.original()), "boom at sample 5", std::runtime_error);
+    }
+    CHECK(delivered == 5);  // every step before the failing one, deterministically
+    CHECK_THROWS_AS(s.next(), loom::RemoteError);  // the same error again
+    CHECK_THROWS_AS(s.report(), loom::GeneratorError);
+  }
+}
+
+TEST_CASE("Scheduler: a merge error (shapes differ) reaches the consumer with its own type") {
+  std::vector<std::function<std::optional<at::Tensor>()>> gens;
+  for (int g = 0; g < 4; ++g)
+    gens.emplace_back([g, k = 0]() mutable -> std::optional<at::Tensor> {
+      ++k;
+      return torch::zeros({g == 2 && k == 4 ? 3 : 2});
+    });
+  loom::Scheduler s(std::move(gens), {.num_devices = 2});
+  CHECK(s.next().has_value());
+  CHECK(s.next().has_value());
+  CHECK(s.next().has_value());
+  CHECK_THROWS_WITH_AS(s.next(), doctest::Contains("device 1, step 3: generator 2 gave a data tensor of shape [3] Float, generator 3 gave [2] Float"), loom::InvalidArgument);
+}
+
+TEST_CASE("Scheduler: early stop (break, exception, destructor) stops and joins the workers") {
+  auto pulls = std::make_shared<std::atomic<int64_t>>(0);
+  auto endless = [&] {
+    std::vector<Stream> gens = streams(6, 1'000'000, 1000);
+    for (auto& g : gens) g.pulls = pulls;
+    return gens;
+  };
+  SUBCASE("exception in the loop") {
+    try {
+      loom::Scheduler<Stream> s(endless(), {.num_devices = 3});
+      for (auto& step : s)
+        if (step.index == 2) throw std::logic_error("consumer gives up");
+    } catch (const std::logic_error&) {
+    }
+  }
+  SUBCASE("break, then destruction") {
+    {
+      loom::Scheduler<Stream> s(endless(), {.num_devices = 3, .prefetch_depth = 3});
+      for (auto& step : s)
+        if (step.index == 1) break;
+    }
+  }
+  SUBCASE("stop()") {
+    loom::Scheduler<Stream> s(endless(), {.num_devices = 3});
+    CHECK(s.next().has_value());
+    s.stop();
+    CHECK_FALSE(s.next().has_value());
+  }
+  // the workers are joined: no generator is called any more
+  const int64_t after = pulls->load();
+  CHECK(after > 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  CHECK(pulls->load() == after);
+}
+
+namespace {
+// A sample that counts live instances (the bounded-memory test keeps samples alive inside its
+// batches with VectorMerge, so every queued batch counts).
+struct Counted {
+  // live = samples that exist as values (a moved-from husk no longer counts), so the count is
+  // the number of logical samples alive anywhere: in a generator's return value, a queue, a batch.
+  static inline std::atomic<int64_t> live{0};
+  static inline std::atomic<int64_t> peak{0};
+  int g = 0;
+  int64_t k = 0;
+  bool husk = false;
+  Counted(int g_, int64_t k_) : g(g_), k(k_) { bump(); }
+  Counted(const Counted& o) : g(o.g), k(o.k) { bump(); }
+  Counted(Counted&& o) noexcept : g(o.g), k(o.k), husk(o.husk) { o.husk = true; }
+  Counted& operator=(const Counted&) = delete;
+  ~Counted() {
+    if (!husk) live.fetch_sub(1);
+  }
+  static void bump() {
+    const int64_t now = live.fetch_add(1) + 1;
+    int64_t p = peak.load();
+    while (now > p && !peak.compare_exchange_weak(p, now)) {
+    }
+  }
+};
+struct CountedStream {
+  int g;
+  int64_t length;
+  int64_t k = 0;
+  std::optional<Counted> operator()() {
+    if (k >= length) return std::nullopt;
+    return Counted(g, k++);
+  }
+};
+// Merges by keeping the samples (moved) in a vector: a non-Batch batch type through the seam.
+struct VectorMerge {
+  std::vector<Counted> operator()(std::span<Counted> s, const loom::MergeContext&) const {
+    return {std::make_move_iterator(s.begin()), std::make_move_iterator(s.end())};
+  }
+};
+}  // namespace
+
+TEST_CASE("Scheduler: bounded memory — live samples never exceed (depth + 1) x generators") {
+  for (int depth : {1, 3}) {
+    CAPTURE(depth);
+    Counted::live = 0;
+    Counted::peak = 0;
+    std::vector<CountedStream> gens;
+    for (int g = 0; g < 6; ++g) gens.push_back({g, 40});
+    {
+      loom::Scheduler<CountedStream, VectorMerge> s(std::move(gens), {.num_devices = 3, .prefetch_depth = depth});
+      int64_t k = 0;
+      for (auto& step : s) {
+        // a slow consumer: the workers run ahead until their queues are full
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        for (auto& db : step.devices) {
+          REQUIRE(db.batch.size() == 2);
+          CHECK(db.batch[0].k == k);
+          CHECK(db.batch[1].g == 2 * db.device + 1);
+        }
+        ++k;
+      }
+      CHECK(k == 40);
+    }
+    // inside the scheduler: at most `depth` batches per device (queued or being built), 2 samples
+    // each; plus the step the consumer holds (6 samples).
+    CHECK(Counted::peak.load() <= (depth + 1) * 6);
+    CHECK(Counted::live.load() == 0);
+  }
+}
+
+TEST_CASE("Scheduler: determinism — the same batches on every run whatever the thread timing") {
+  auto collect = [](uint64_t seed, int workers, int depth) {
+    std::vector<Stream> gens = streams(10, 12, 400, seed);
+    gens[7].length = 9;
+    std::vector<at::Tensor> out;
+    loom::Scheduler<Stream> s(std::move(gens), {.num_devices = 4, .assignment = loom::Assignment::round_robin(),
+                                               .prefetch_depth = depth, .num_workers = workers,
+                                               .end = loom::EndPolicy::drain});
+    for (auto& step : s)
+      for (auto& db : step.devices) out.push_back(db.batch.data.defined() ? db.batch.data : torch::empty({0}));
+    return out;
+  };
+  const auto first = collect(1, 0, 2);
+  REQUIRE(first.size() == 12 * 4);
+  for (auto [seed, workers, depth] : {std::tuple{2, 0, 1}, {3, 2, 3}, {4, 1, 2}, {5, 4, 1}}) {
+    const auto again = collect(static_cast<uint64_t>(seed), workers, depth);
+    REQUIRE(again.size() == first.size());
+    for (size_t i = 0; i < first.size(); ++i) CHECK(again[i].equal(first[i]));
+  }
+}
+
+TEST_CASE("Scheduler: a saved state resumes to the uninterrupted sequence") {
+  const V hand = {{0, 1, 2}, {3, 4, 5}, {6, 7}, {8, 9}};
+  loom::ScheduleState saved;
+  {
+    loom::Scheduler<Stream> s(streams(10, 8, 200), {.num_devices = 4});
+    for (int i = 0; i < 3; ++i) REQUIRE(s.next().has_value());
+    saved = s.state();
+  }
+  CHECK(saved.steps == 3);
+  CHECK(saved.samples == std::vector<int64_t>(10, 3));
+  CHECK(saved.num_devices == 4);
+  SUBCASE("replaying generators (pull and drop)") {
+    loom::Scheduler<Stream> s(streams(10, 8, 200), {.num_devices = 4, .resume = saved});
+    int64_t k = 3;
+    for (auto& step : s) {
+      CHECK(step.index == k);
+      for (size_t d = 0; d < 4; ++d) CHECK(step.devices[d].batch.data.equal(expected_rows(hand[d], k)));
+      ++k;
+    }
+    CHECK(k == 8);
+    CHECK(s.report().generators[0].delivered == 8);
+  }
+  SUBCASE("skippable generators: skip() instead of replay") {
+    auto skipped = std::make_shared<std::atomic<int64_t>>(0);
+    std::vector<loom_test::SkippableStream> gens(10);
+    for (int g = 0; g < 10; ++g) {
+      gens[static_cast<size_t>(g)].g = g;
+      gens[static_cast<size_t>(g)].length = 8;
+      gens[static_cast<size_t>(g)].skipped = skipped;
+    }
+    loom::Scheduler s(std::move(gens), {.num_devices = 4, .resume = saved});
+    auto step = s.next();
+    REQUIRE(step.has_value());
+    CHECK(step->index == 3);
+    CHECK(step->devices[3].batch.data.equal(expected_rows({8, 9}, 3)));
+    CHECK(skipped->load() == 30);
+  }
+  SUBCASE("a state from another device count is refused") {
+    CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(10), {.num_devices = 5, .resume = saved}),
+                         doctest::Contains("taken with 4 devices"), loom::InvalidArgument);
+  }
+}
+
+namespace {
+struct ThreadCheckTransfer {
+  struct Ticket {
+    std::thread::id worker;
+    int64_t rows = 0;
+  };
+  std::shared_ptr<std::atomic<int>> bad;
+  Ticket start(loom::Batch& b, int device) {
+    b.targets = torch::full({1}, device, torch::kLong);  // a transfer may rewrite the batch
+    return {std::this_thread::get_id(), b.num_samples};
+  }
+  void finish(loom::Batch& b, int, Ticket& t) {
+    if (t.worker == std::this_thread::get_id() || t.rows != b.num_samples) bad->fetch_add(1);
+  }
+};
+}  // namespace
+
+TEST_CASE("Scheduler: the transfer seam — start on the worker thread, finish on the consumer's") {
+  auto bad = std::make_shared<std::atomic<int>>(0);
+  loom::Scheduler<Stream, loom::StackMerge, ThreadCheckTransfer> s(streams(4, 5), {.num_devices = 2}, {},
+                                                                    ThreadCheckTransfer{bad});
+  int64_t steps = 0;
+  for (auto& step : s) {
+    for (auto& db : step.devices) CHECK(db.batch.targets.item<int64_t>() == db.device);
+    ++steps;
+  }
+  CHECK(steps == 5);
+  CHECK(bad->load() == 0);
+}
+
+TEST_CASE("Scheduler: bad options name the value") {
+  CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 0}), doctest::Contains("num_devices is 0"),
+                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 2, .prefetch_depth = 0}),
+                       doctest::Contains("prefetch_depth is 0"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(3), {.num_devices = 4}),
+                       doctest::Contains("3 generators onto 4 devices"), loom::InvalidArgument);
+  CHECK_THROWS_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 2, .num_workers = -1}), loom::InvalidArgument);
+  CHECK_THROWS_AS(loom::Scheduler<Stream>(std::vector<Stream>{}, {}), loom::InvalidArgument);
+  loom::Scheduler<Stream> s(streams(2, 3), {.num_devices = 1});
+  CHECK_THROWS_WITH_AS(s.report(), doctest::Contains("has not ended"), loom::InvalidArgument);
+}
