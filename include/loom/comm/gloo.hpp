@@ -14,13 +14,14 @@
 //   handle.wait();
 //
 // Shape: any shape; every rank passes the same shape and dtype. Dtypes: float32, float64, bfloat16,
-//        float16, int32, int64 (LibTorch 1.13's Gloo has no bfloat16 reduction: bfloat16 tensors are
-//        reduced in a float32 copy and rounded back once, which is at least as accurate as a bfloat16
-//        sum; broadcast and all-gather move bfloat16 bytes unchanged).
+//        float16, int32, int64. ProcessGroupGloo rejects bfloat16 ("Invalid scalar type", LibTorch 1.13
+//        and the 2.x releases, pytorch/pytorch#111131): loom all-reduces a bfloat16 tensor in a float32
+//        copy and rounds back once (at least as accurate as a bfloat16 sum; costs a conversion and twice
+//        the bytes on the wire), and broadcasts / all-gathers its bytes as float16 (no arithmetic).
 // avg: Gloo has no AVG; loom sums, then divides by world_size (integers: truncating division, like
 //      ncclAvg).
 // Metadata check (GlooOptions::check_metadata, on by default for the blocking calls): before each
-//      blocking collective the ranks all-gather a 14-integer record (collective, dtype, reduce op or
+//      blocking collective the ranks all-gather a 13-integer record (collective, dtype, reduce op or
 //      root, numel, shape), so a dtype/shape/op/root mismatch or two ranks calling different
 //      collectives is a loom::CommError naming each rank's tensor, not garbage or a hang. Cost: one
 //      extra small collective per call (about one all-reduce latency, ~0.1-2 ms on loopback). The
@@ -40,12 +41,13 @@
 
 #include <loom/config.hpp>
 
+// With no Gloo in the build, stop with one clear message (and compile nothing else, so no wall of
+// errors follows it).
 #if !LOOM_HAS_GLOO
 #error "loom/comm/gloo.hpp needs Gloo, but this build has LOOM_HAS_GLOO=0: install libgloo-dev (apt-get install libgloo-dev) and reconfigure (meson setup --reconfigure -Dgloo=enabled), or use loom::LocalCommunicator / NcclCommunicator instead."
-#endif
-#ifndef USE_C10D_GLOO
+#elif !defined(USE_C10D_GLOO)
 #error "loom/comm/gloo.hpp needs -DUSE_C10D_GLOO (LibTorch's c10d Gloo headers are empty without it); loom's Meson dependency adds it. Add -DUSE_DISTRIBUTED -DUSE_C10D_GLOO to your compile flags."
-#endif
+#else
 
 #include <unistd.h>
 
@@ -95,15 +97,10 @@ inline bool is_loopback_address(const std::string& addr) {
   return addr.rfind("127.", 0) == 0 || addr == "::1" || addr == "localhost" || addr == "localhost.localdomain";
 }
 
-/// Whether this LibTorch's Gloo reduces the dtype natively (1.13's Gloo has no bfloat16 arithmetic).
-inline bool gloo_reduces_natively(c10::ScalarType dtype) noexcept {
-#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 3
-  (void)dtype;
-  return true;
-#else
-  return dtype != c10::ScalarType::BFloat16;
-#endif
-}
+/// Whether ProcessGroupGloo accepts the dtype. Its dtype switch has no bfloat16 case ("Invalid scalar
+/// type") in 1.13 and, per pytorch/pytorch#111131 (open through 2024), in the 2.x releases loom
+/// targets, so loom stages bfloat16 on every version rather than guess which release added it.
+inline bool gloo_supports_dtype(c10::ScalarType dtype) noexcept { return dtype != c10::ScalarType::BFloat16; }
 
 inline c10d::ReduceOp::RedOpType to_c10d(ReduceOp op) {
   switch (op) {
@@ -245,8 +242,8 @@ class GlooCommunicator {
         throw TimeoutError("connect", rank, detail::seconds_since(start),
                            fmt::format("Gloo could not connect all {} ranks (rank {} on {}): {}", world_size, rank,
                                        detail::host_and_pid(), text));
-      throw CommError(fmt::format("GlooCommunicator: creating the Gloo process group failed on rank {}/{}: {}", rank,
-                                  world_size, text));
+      throw CommError(fmt::format("GlooCommunicator: creating the Gloo process group failed on rank {}/{} ({}, LibTorch {}): {}",
+                                  rank, world_size, detail::host_and_pid(), TORCH_VERSION, text));
     }
   }
 
@@ -284,7 +281,8 @@ class GlooCommunicator {
     detail::check_collective_tensor(t, "broadcast");
     detail::check_root(root, world_size_, "broadcast");
     if (options_.check_metadata) check_metadata(t, kBroadcast, root);
-    std::vector<at::Tensor> tensors{t};
+    // Broadcast moves bytes: a bfloat16 tensor Gloo does not know travels as float16 of the same size.
+    std::vector<at::Tensor> tensors{detail::gloo_supports_dtype(t.scalar_type()) ? t : t.view(at::kHalf)};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.timeout = options_.timeout;
@@ -295,7 +293,7 @@ class GlooCommunicator {
   [[nodiscard]] std::vector<at::Tensor> all_gather(const at::Tensor& t) {
     detail::check_collective_tensor(t, "all_gather");
     if (options_.check_metadata) check_metadata(t, kAllGather, 0);
-    return gather_unchecked(t);
+    return gather_unchecked(t, "all_gather");
   }
 
   /// Returns once every rank entered the barrier. Throws: loom::TimeoutError.
@@ -329,7 +327,7 @@ class GlooCommunicator {
     opts.reduceOp = detail::to_c10d(op);
     opts.timeout = options_.timeout;
     at::Tensor target = t;
-    bool staged = !detail::gloo_reduces_natively(t.scalar_type());
+    bool staged = !detail::gloo_supports_dtype(t.scalar_type());
     if (staged) target = t.to(at::kFloat);
     std::vector<at::Tensor> tensors{target};
     auto work = issue([&] { return pg_->allreduce(tensors, opts); }, "all_reduce");
@@ -349,14 +347,20 @@ class GlooCommunicator {
     return make_work("all_reduce", std::move(work), std::move(finish));
   }
 
-  std::vector<at::Tensor> gather_unchecked(const at::Tensor& t) {
+  /// All-gather without the metadata check; errors name `collective` (the user's call).
+  std::vector<at::Tensor> gather_unchecked(const at::Tensor& t, const char* collective) {
+    // All-gather moves bytes: a bfloat16 tensor Gloo does not know travels as float16 of the same size.
+    const bool as_half = !detail::gloo_supports_dtype(t.scalar_type());
+    at::Tensor wire = as_half ? t.view(at::kHalf) : t;
     std::vector<std::vector<at::Tensor>> outputs(1);
     outputs[0].reserve(static_cast<std::size_t>(world_size_));
-    for (int r = 0; r < world_size_; ++r) outputs[0].push_back(at::empty_like(t));
-    std::vector<at::Tensor> inputs{t};
+    for (int r = 0; r < world_size_; ++r) outputs[0].push_back(at::empty_like(wire));
+    std::vector<at::Tensor> inputs{wire};
     c10d::AllgatherOptions opts;
     opts.timeout = options_.timeout;
-    make_work("all_gather", issue([&] { return pg_->allgather(outputs, inputs, opts); }, "all_gather"), {}).wait();
+    make_work(collective, issue([&] { return pg_->allgather(outputs, inputs, opts); }, collective), {}).wait();
+    if (as_half)
+      for (auto& o : outputs[0]) o = o.view(t.scalar_type());
     return std::move(outputs[0]);
   }
 
@@ -379,11 +383,11 @@ class GlooCommunicator {
         tail_hash = tail_hash * 1000003 + t.size(d) + 1;
     }
     m[5 + kMaxDims - 1] = tail_hash;
-    auto all = gather_unchecked(meta);
+    const char* name = collective == kAllReduce ? "all_reduce" : collective == kBroadcast ? "broadcast" : "all_gather";
+    auto all = gather_unchecked(meta, name);  // a timeout here names the user's collective
     bool same = true;
     for (const auto& other : all) same = same && at::equal(other, meta);
     if (same) return;
-    const char* name = collective == kAllReduce ? "all_reduce" : collective == kBroadcast ? "broadcast" : "all_gather";
     std::vector<std::string> views;
     for (int r = 0; r < world_size_; ++r) views.push_back(fmt::format("rank {}: {}", r, describe_meta(all[r])));
     throw CommError(fmt::format("{}: the ranks disagree on the collective or its tensor (seen from rank {}): {}",
@@ -413,3 +417,5 @@ static_assert(WorkHandle<GlooWork>, "GlooWork must model loom::WorkHandle");
 static_assert(AsyncCommunicator<GlooCommunicator>, "GlooCommunicator must model loom::AsyncCommunicator");
 
 }  // namespace loom
+
+#endif  // LOOM_HAS_GLOO && USE_C10D_GLOO

@@ -211,31 +211,42 @@ inline std::string read_all(int fd) {
   return out;
 }
 
-/// Body of a child process; never returns.
-template <class F>
-[[noreturn]] void spawn_child(F& fn, int rank, int nprocs, std::uint16_t port, const SpawnOptions& options,
-                              int message_fd, pid_t parent) {
+/// Sets torchrun's variables (and SpawnOptions::env) in a freshly forked child, and its thread count.
+inline void prepare_child(int rank, int nprocs, std::uint16_t port, const SpawnOptions& options, pid_t parent) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != parent) ::_exit(111);  // the parent died between fork and prctl
+  for (const char* v : {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+                        "TORCHELASTIC_MAX_RESTARTS"})
+    ::unsetenv(v);
+  auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
+  set("RANK", std::to_string(rank));
+  set("WORLD_SIZE", std::to_string(nprocs));
+  set("LOCAL_RANK", std::to_string(rank));
+  set("LOCAL_WORLD_SIZE", std::to_string(nprocs));
+  set("GROUP_RANK", "0");
+  set("GROUP_WORLD_SIZE", "1");
+  set("MASTER_ADDR", options.master_addr);
+  set("MASTER_PORT", std::to_string(port));
+  if (options.threads_per_rank > 0) set("OMP_NUM_THREADS", std::to_string(options.threads_per_rank));
+  for (const auto& [k, v] : options.env) set(k, v);
+}
+
+/// Ends a child: flushes stdio and leaves with _exit, so the child does not run the parent's atexit
+/// handlers and static destructors (test frameworks, LibTorch's pools), which belong to the parent.
+[[noreturn]] inline void finish_child(int message_fd, int code) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  ::close(message_fd);
+  ::_exit(code);
+}
+
+/// Body of a forked child running `fn`; never returns.
+template <class F>
+[[noreturn]] void run_function_child(F& fn, int rank, const SpawnOptions& options, int message_fd) {
   int code = 0;
   try {
-    for (const char* v : {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
-                          "TORCHELASTIC_MAX_RESTARTS"})
-      ::unsetenv(v);
-    auto set = [](const std::string& k, const std::string& v) { ::setenv(k.c_str(), v.c_str(), 1); };
-    set("RANK", std::to_string(rank));
-    set("WORLD_SIZE", std::to_string(nprocs));
-    set("LOCAL_RANK", std::to_string(rank));
-    set("LOCAL_WORLD_SIZE", std::to_string(nprocs));
-    set("GROUP_RANK", "0");
-    set("GROUP_WORLD_SIZE", "1");
-    set("MASTER_ADDR", options.master_addr);
-    set("MASTER_PORT", std::to_string(port));
-    if (options.threads_per_rank > 0) {
-      set("OMP_NUM_THREADS", std::to_string(options.threads_per_rank));
-      at::set_num_threads(options.threads_per_rank);
-    }
-    for (const auto& [k, v] : options.env) set(k, v);
+    if (options.threads_per_rank > 0) at::set_num_threads(options.threads_per_rank);
     if constexpr (std::invocable<F&, int>) {
       fn(rank);
     } else {
@@ -250,35 +261,20 @@ template <class F>
     write_all(message_fd, fmt::format("a non-std exception of type {}", t ? demangled_type_name(*t) : "?"));
     code = 1;
   }
-  std::cout.flush();
-  std::cerr.flush();
-  std::fflush(nullptr);
-  ::close(message_fd);
-  // _exit: the child must not run the parent's atexit handlers and static destructors (test
-  // frameworks, LibTorch's pools), which belong to the parent's state.
-  ::_exit(code);
+  finish_child(message_fd, code);
 }
 
-}  // namespace detail
-
-/// Runs `fn` as ranks 0..nprocs-1 in nprocs forked processes and waits for all of them.
-///
-/// Example: `loom::spawn(2, [](int rank) { ... });`  (see the header comment)
-/// Units: options' durations are wall-clock.
-/// Throws: loom::InvalidArgument (nprocs < 1); loom::SpawnError naming the failed rank(s) and how;
-///         loom::TimeoutError("spawn", ...) when options.timeout elapsed; loom::Error when fork fails.
-/// Source: torch.multiprocessing.spawn (fork start method).
-template <class F>
-void spawn(int nprocs, F&& fn, const SpawnOptions& options = {}) {
-  static_assert(RankFunction<std::remove_cvref_t<F>>,
-                "loom::spawn needs a callable taking (int rank) or (const loom::Environment&)");
+/// Forks nprocs children, runs `child(rank, message_fd)` (which must not return) in each after
+/// prepare_child, and supervises them (see spawn's failure handling). Throws SpawnError/TimeoutError.
+template <class Child>
+void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
   if (nprocs < 1) throw InvalidArgument(fmt::format("spawn: nprocs = {} (need >= 1)", nprocs));
   if (options.threads_per_rank < 0)
     throw InvalidArgument(fmt::format("spawn: threads_per_rank = {} (need >= 0)", options.threads_per_rank));
 
   int reserved_fd = -1;
   std::uint16_t port = options.master_port;
-  if (port == 0) std::tie(reserved_fd, port) = detail::reserve_port();
+  if (port == 0) std::tie(reserved_fd, port) = reserve_port();
 
   std::cout.flush();
   std::cerr.flush();
@@ -287,40 +283,39 @@ void spawn(int nprocs, F&& fn, const SpawnOptions& options = {}) {
   const pid_t parent = ::getpid();
   std::vector<pid_t> pids(static_cast<std::size_t>(nprocs), -1);
   std::vector<int> fds(static_cast<std::size_t>(nprocs), -1);
-  auto kill_started = [&](int sig) {
+  auto abandon = [&](const std::string& what) {
     for (pid_t p : pids)
-      if (p > 0) ::kill(p, sig);
+      if (p > 0) ::kill(p, SIGKILL);
+    for (pid_t p : pids)
+      if (p > 0) ::waitpid(p, nullptr, 0);
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+    if (reserved_fd >= 0) ::close(reserved_fd);
+    throw Error(what);
   };
   for (int r = 0; r < nprocs; ++r) {
     int pipefd[2];
-    if (::pipe2(pipefd, O_CLOEXEC) != 0) {
-      kill_started(SIGKILL);
-      for (pid_t p : pids)
-        if (p > 0) ::waitpid(p, nullptr, 0);
-      throw Error(fmt::format("spawn: pipe() failed: {}", std::strerror(errno)));
-    }
+    if (::pipe2(pipefd, O_CLOEXEC) != 0) abandon(fmt::format("spawn: pipe() failed: {}", std::strerror(errno)));
     pid_t pid = ::fork();
     if (pid < 0) {
       int err = errno;
       ::close(pipefd[0]);
       ::close(pipefd[1]);
-      kill_started(SIGKILL);
-      for (pid_t p : pids)
-        if (p > 0) ::waitpid(p, nullptr, 0);
-      throw Error(fmt::format("spawn: fork() of rank {} failed: {}", r, std::strerror(err)));
+      abandon(fmt::format("spawn: fork() of rank {} failed: {}", r, std::strerror(err)));
     }
     if (pid == 0) {
       ::close(pipefd[0]);
       for (int fd : fds)
         if (fd >= 0) ::close(fd);
       if (reserved_fd >= 0) ::close(reserved_fd);
-      detail::spawn_child(fn, r, nprocs, port, options, pipefd[1], parent);
+      prepare_child(r, nprocs, port, options, parent);
+      child(r, pipefd[1]);
+      finish_child(pipefd[1], 112);  // child() must not return
     }
     ::close(pipefd[1]);
     pids[static_cast<std::size_t>(r)] = pid;
     fds[static_cast<std::size_t>(r)] = pipefd[0];
   }
-
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   std::vector<bool> running(static_cast<std::size_t>(nprocs), true);
@@ -410,6 +405,7 @@ void spawn(int nprocs, F&& fn, const SpawnOptions& options = {}) {
     std::vector<int> still;
     for (const auto& f : failures)
       if (f.kind == RankFailure::Kind::terminated) still.push_back(f.rank);
+    std::sort(still.begin(), still.end());
     throw TimeoutError("spawn", still.empty() ? 0 : still.front(),
                        std::chrono::duration<double>(clock::now() - start).count(),
                        fmt::format("ranks [{}] of {} were still running after the {:.3f} s limit and were terminated{}",
@@ -417,6 +413,49 @@ void spawn(int nprocs, F&& fn, const SpawnOptions& options = {}) {
                                    failures.size() > still.size() ? std::string("; ") + SpawnError(nprocs, failures).what() : std::string()));
   }
   if (!failures.empty()) throw SpawnError(nprocs, std::move(failures));
+}
+
+}  // namespace detail
+
+/// Runs `fn` as ranks 0..nprocs-1 in nprocs forked processes and waits for all of them.
+///
+/// Example: `loom::spawn(2, [](int rank) { ... });`  (see the header comment)
+/// Units: options' durations are wall-clock.
+/// Throws: loom::InvalidArgument (nprocs < 1); loom::SpawnError naming the failed rank(s) and how;
+///         loom::TimeoutError("spawn", ...) when options.timeout elapsed; loom::Error when fork fails.
+/// Source: torch.multiprocessing.spawn (fork start method).
+template <class F>
+void spawn(int nprocs, F&& fn, const SpawnOptions& options = {}) {
+  static_assert(RankFunction<std::remove_cvref_t<F>>,
+                "loom::spawn needs a callable taking (int rank) or (const loom::Environment&)");
+  detail::run_ranks(nprocs, options, [&](int rank, int message_fd) {
+    detail::run_function_child(fn, rank, options, message_fd);
+  });
+}
+
+/// Runs a program as ranks 0..nprocs-1 (fork + exec, like `torchrun --standalone --nproc-per-node`),
+/// with the same variables, supervision and errors as spawn(). The exec-based mode: each rank is a
+/// fresh process image, so none of the fork rule applies (any thread count is safe). The program
+/// reads its place with Environment::from_env().
+///
+/// Example: `loom::spawn_command(2, {"./train", "--epochs", "3"});`
+///          `loom::spawn_command(2, {"/proc/self/exe", "--worker"});`   // re-run this program as ranks
+/// Units: options' durations are wall-clock.
+/// Throws: loom::InvalidArgument (nprocs < 1, empty argv); loom::SpawnError (a rank exited non-zero or
+///         was killed; a program that cannot be executed is reported as an exception text);
+///         loom::TimeoutError("spawn", ...).
+/// Source: torchrun's standalone mode (one node, rendezvous on localhost).
+inline void spawn_command(int nprocs, const std::vector<std::string>& argv, const SpawnOptions& options = {}) {
+  if (argv.empty()) throw InvalidArgument("spawn_command: argv is empty");
+  detail::run_ranks(nprocs, options, [&](int /*rank*/, int message_fd) {
+    std::vector<char*> args;
+    args.reserve(argv.size() + 1);
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    detail::write_all(message_fd, fmt::format("exec of '{}' failed: {}", argv[0], std::strerror(errno)));
+    detail::finish_child(message_fd, 127);
+  });
 }
 
 }  // namespace loom
