@@ -1,0 +1,15 @@
+// loom/sample/sample.hpp — everything in loom/sample/, in one include.
+//
+// Example:
+//   #include <loom/sample/sample.hpp>
+//   loom::DistributedSampler s({.dataset_size = n, .num_replicas = comm.world_size(), .rank = comm.rank()});
+//
+// Contents: Sampler / ResumableSampler concepts and SamplerState (concepts.hpp), DistributedSampler
+// (distributed.hpp), DistributedBucketBatchSampler / SampledBatch / collate_sampled (bucket_batch.hpp),
+// gather_results (eval.hpp). Guide: docs/sample.md.
+#pragma once
+
+#include <loom/sample/bucket_batch.hpp>
+#include <loom/sample/concepts.hpp>
+#include <loom/sample/distributed.hpp>
+#include <loom/sample/eval.hpp>
