@@ -241,6 +241,7 @@ TEST_CASE("NcclOptions is an aggregate with designated initializers and document
 // Concepts: the NCCL types model loom's, the CUDA helpers do not pretend to.
 static_assert(loom::AsyncCommunicator<loom::NcclCommunicator>);
 static_assert(loom::WorkHandle<loom::NcclWork>);
+static_assert(std::is_copy_constructible_v<loom::NcclWork>, "handles are values: copies refer to the same collective");
 static_assert(!loom::WorkHandle<loom::cuda::Event>, "an Event has no wait(): use NcclWork or InFlightBatch");
 static_assert(!loom::Communicator<loom::cuda::Stream>);
 static_assert(!std::is_copy_constructible_v<loom::NcclCommunicator> && std::is_move_constructible_v<loom::NcclCommunicator>);

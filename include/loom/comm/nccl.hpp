@@ -378,7 +378,8 @@ struct NcclState {
 
 }  // namespace detail
 
-/// The handle of an asynchronous NCCL collective; models loom::WorkHandle. Move-only.
+/// The handle of an asynchronous NCCL collective; models loom::WorkHandle. Copies refer to the
+/// same collective (like c10d::Work handles), so containers of handles work as with any value.
 ///
 /// Example:
 ///   auto work = comm.all_reduce_async(bucket, loom::ReduceOp::sum);
@@ -391,38 +392,37 @@ class NcclWork {
  public:
   NcclWork(std::shared_ptr<detail::NcclState> state, cuda::Event done, std::string_view collective,
            std::chrono::steady_clock::time_point start, at::Tensor keep_alive = {})
-      : state_(std::move(state)), done_(std::move(done)), collective_(collective), start_(start), keep_(std::move(keep_alive)) {}
-  /// Moves leave the source empty: it may only be destroyed or assigned to.
-  NcclWork(NcclWork&&) noexcept = default;
-  NcclWork& operator=(NcclWork&&) noexcept = default;
-  NcclWork(const NcclWork&) = delete;
-  NcclWork& operator=(const NcclWork&) = delete;
+      : state_(std::move(state)),
+        pending_(std::make_shared<Pending>(Pending{std::move(done), std::string(collective), start, std::move(keep_alive)})) {}
 
   /// Blocks the host until the collective finished, at most the communicator's timeout after it
   /// was issued; then aborts the communicator and throws loom::TimeoutError.
   void wait() {
-    if (finished_) return;
-    state_->wait_event(done_, collective_, start_);
-    finished_ = true;
-    keep_ = at::Tensor();
+    if (pending_->finished) return;
+    state_->wait_event(pending_->done, pending_->collective, pending_->start);
+    pending_->finished = true;
+    pending_->keep = at::Tensor();
   }
   /// Whether the collective has finished (no blocking).
-  [[nodiscard]] bool is_completed() const { return finished_ || done_.query(); }
+  [[nodiscard]] bool is_completed() const { return pending_->finished || pending_->done.query(); }
   /// Makes `stream` wait for the collective on the GPU; the host does not block (no timeout:
   /// call wait() or is_completed() somewhere to notice a hang).
-  void block(cudaStream_t stream) const { done_.block(stream); }
+  void block(cudaStream_t stream) const { pending_->done.block(stream); }
   /// Name of the collective ("all_reduce", ...).
-  [[nodiscard]] std::string_view collective() const noexcept { return collective_; }
+  [[nodiscard]] std::string_view collective() const noexcept { return pending_->collective; }
   /// The completion event (recorded on the communicator's stream).
-  [[nodiscard]] const cuda::Event& event() const noexcept { return done_; }
+  [[nodiscard]] const cuda::Event& event() const noexcept { return pending_->done; }
 
  private:
+  struct Pending {
+    cuda::Event done;
+    std::string collective;
+    std::chrono::steady_clock::time_point start;
+    at::Tensor keep;  // the buffer the collective reads/writes, alive until it finished
+    bool finished = false;
+  };
   std::shared_ptr<detail::NcclState> state_;
-  cuda::Event done_;
-  std::string collective_;
-  std::chrono::steady_clock::time_point start_;
-  at::Tensor keep_;  // the buffer the collective reads/writes, alive until it finished
-  bool finished_ = false;
+  std::shared_ptr<Pending> pending_;  // shared by copies: they all refer to the same collective
 };
 
 /// A process group of one GPU per rank over NCCL. Models loom::AsyncCommunicator. Move-only.
