@@ -28,6 +28,7 @@
 #include <loom/cuda/pinned.hpp>
 #include <loom/cuda/stream.hpp>
 #include <loom/cuda/transfer.hpp>
+#include <loom/dist/spawn.hpp>
 #if LOOM_TORCH_HAS_CUDA
 #include <loom/schedule/scheduler.hpp>
 #endif
@@ -276,6 +277,18 @@ TEST_CASE("NCCL communicator on the caller's stream, finalize and destroy") {
   CHECK_THROWS_WITH_AS(comm.barrier(), doctest::Contains("finalized"), loom::CommError);
   comm.destroy();
   CHECK(comm.native_handle() == nullptr);
+}
+
+TEST_CASE("NcclCommunicator from a launcher Environment: rendezvous over a TCPStore, device = local rank") {
+  auto [fd, port] = loom::detail::reserve_port();
+  ::close(fd);
+  loom::Environment env;
+  env.master_port = port;
+  loom::NcclCommunicator comm(env, {.timeout = 60s});
+  CHECK(comm.rank() == 0);
+  CHECK(comm.world_size() == 1);
+  CHECK(comm.device() == env.local_rank);
+  comm.barrier();
 }
 
 TEST_CASE("NCCL timeouts: a stalled collective and an init missing a rank raise TimeoutError instead of hanging") {

@@ -10,11 +10,11 @@
 // collective and the rank, so a dead peer never hangs the process.
 //
 // Example:
-//   auto env = loom::Environment::from_env();                        // RANK, WORLD_SIZE, ...
-//   c10d::TCPStore store(env.master_addr, {...});                     // or loom's rendezvous
-//   loom::NcclCommunicator comm(store, env.rank, env.world_size,
-//                               {.device = env.local_rank, .timeout = std::chrono::seconds(60)});
-//   comm.all_reduce(grad, loom::ReduceOp::avg);                       // grad: a CUDA tensor
+//   auto env = loom::Environment::from_env();          // torchrun / mpirun / srun variables
+//   loom::NcclCommunicator comm(env, {.timeout = std::chrono::seconds(60)});  // device: LOCAL_RANK
+//   comm.all_reduce(grad, loom::ReduceOp::avg);         // grad: a CUDA tensor on that device
+//   // or with a store of your own (any c10d::Store: TCPStore, FileStore, HashStore):
+//   loom::NcclCommunicator comm2(store, rank, world_size, {.device = 0});
 //   // without a CUDA LibTorch: raw device pointers, count, dtype and the producing stream
 //   comm.all_reduce(ptr, n, at::kFloat, loom::ReduceOp::sum, my_stream);
 //
@@ -62,6 +62,8 @@
 #include <loom/cuda/device.hpp>
 #include <loom/cuda/error.hpp>
 #include <loom/cuda/stream.hpp>
+#include <loom/dist/environment.hpp>
+#include <loom/dist/rendezvous.hpp>
 
 #if LOOM_TORCH_HAS_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -251,6 +253,7 @@ struct NcclState {
   std::optional<cuda::Event> ready;       // re-recorded on the producer stream before each collective
   std::optional<cuda::DeviceBuffer> barrier_word;
   std::string name;                       // kept alive for ncclConfig_t::commName
+  c10::intrusive_ptr<c10d::Store> store;  // the rendezvous store, when the communicator owns a handle
   enum class Phase { live, finalized, destroyed, aborted } phase = Phase::live;
   std::string abort_reason;
 
@@ -436,6 +439,19 @@ class NcclWork {
 /// Throws: see the file comment.
 class NcclCommunicator {
  public:
+  /// Joins the job `env` describes (torchrun, mpirun, Slurm): meets the other ranks at
+  /// loom::rendezvous (rank 0 hosts a TCPStore on MASTER_ADDR:MASTER_PORT) and uses CUDA device
+  /// `options.device`, or env.local_rank when that is -1.
+  explicit NcclCommunicator(const Environment& env, NcclOptions options = {})
+      : NcclCommunicator(rendezvous(env, {.timeout = options.timeout}), env.rank, env.world_size,
+                         with_default_device(std::move(options), env.local_rank)) {}
+
+  /// Joins the group through a shared store handle (kept alive by the communicator).
+  NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, NcclOptions options = {})
+      : NcclCommunicator(*store, rank, world_size, std::move(options)) {
+    state_->store = std::move(store);
+  }
+
   /// Joins the group `rank` of `world_size` through `store` (the unique id is exchanged there).
   NcclCommunicator(c10d::Store& store, int rank, int world_size, NcclOptions options = {})
       : NcclCommunicator(exchange_id(store, rank, world_size, options), rank, world_size, options) {}
@@ -603,6 +619,11 @@ class NcclCommunicator {
   void destroy() { state_->destroy(); }
 
  private:
+  static NcclOptions with_default_device(NcclOptions options, int device) {
+    if (options.device < 0) options.device = device;
+    return options;
+  }
+
   static void check_rank(int rank, int world_size) {
     if (world_size < 1) throw InvalidArgument(fmt::format("NcclCommunicator: world_size {} must be >= 1", world_size));
     if (rank < 0 || rank >= world_size)
