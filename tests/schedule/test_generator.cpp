@@ -224,3 +224,54 @@ TEST_CASE("StackMerge: rows in sample order, targets, generator ids; shape misma
                        doctest::Contains("generator 11"), loom::InvalidArgument);
   CHECK(merge.empty({}).weight == 0.0);
 }
+
+namespace {
+struct Tagged {  // a sample that carries its own dataset index
+  at::Tensor data;
+  int64_t target = 0;
+  int64_t index = 0;
+};
+}  // namespace
+
+TEST_CASE("CollateMerge: loom's collator — exact by default, padding with a mask when asked, projection index") {
+  static_assert(loom::BatchMerger<loom::CollateMerge<>, at::Tensor>);
+  static_assert(loom::BatchMerger<loom::CollateMerge<>, std::pair<at::Tensor, int64_t>>);
+  static_assert(loom::BatchMerger<loom::CollateMerge<>, Tagged>);
+  static_assert(!loom::BatchMerger<loom::CollateMerge<>, int>, "the projection cannot read an int");
+  static_assert(std::same_as<loom::merge_result_t<loom::CollateMerge<>, at::Tensor>, loom::Batch>);
+
+  std::vector<int> ids = {3, 5};
+  SUBCASE("same shapes: stacked, generator ids as indices, integer targets") {
+    std::vector<std::pair<at::Tensor, int64_t>> s = {{torch::tensor({1.0f, 2.0f}), 7}, {torch::tensor({3.0f, 4.0f}), 9}};
+    loom::Batch b = loom::CollateMerge<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids});
+    CHECK(b.data.equal(torch::tensor({{1.0f, 2.0f}, {3.0f, 4.0f}})));
+    CHECK(b.targets.equal(torch::tensor({int64_t{7}, int64_t{9}})));
+    CHECK(b.indices == std::vector<int64_t>{3, 5});
+    CHECK_FALSE(b.mask.defined());
+  }
+  SUBCASE("different shapes without pad: the error names device, step and both generators") {
+    std::vector<at::Tensor> s = {torch::zeros({2}), torch::zeros({3})};
+    CHECK_THROWS_WITH_AS(loom::CollateMerge<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids}),
+                         doctest::Contains("device 1, step 2: generator 3 gave a data tensor of shape [2] Float, generator 5 gave [3] Float"),
+                         loom::InvalidArgument);
+  }
+  SUBCASE("different shapes with pad: padded to the step's largest, mask marks real elements") {
+    std::vector<at::Tensor> s = {torch::tensor({1.0f, 2.0f}), torch::tensor({3.0f, 4.0f, 5.0f})};
+    loom::CollateMerge<> merge{.pad = true, .options = {.pad_value = -1.0, .mask = true}};
+    loom::Batch b = merge(std::span(s), {.generators = ids});
+    CHECK(b.data.equal(torch::tensor({{1.0f, 2.0f, -1.0f}, {3.0f, 4.0f, 5.0f}})));
+    CHECK(b.mask.equal(torch::tensor({{true, true, false}, {true, true, true}})));
+  }
+  SUBCASE("a projection with index(): the sample's own index, not the generator id") {
+    std::vector<Tagged> s = {{torch::ones({2}), 1, 100}, {torch::zeros({2}), 0, 200}};
+    loom::Batch b = loom::CollateMerge<>{}(std::span(s), {.generators = ids});
+    CHECK(b.indices == std::vector<int64_t>{100, 200});
+    CHECK(b.targets.equal(torch::tensor({int64_t{1}, int64_t{0}})));
+  }
+  SUBCASE("collate's own errors carry the device and step") {
+    std::vector<at::Tensor> s = {torch::zeros({0}), torch::zeros({0})};
+    CHECK_THROWS_WITH_AS(loom::CollateMerge<>{}(std::span(s), {.device = 4, .step = 6, .generators = ids}),
+                         doctest::Contains("CollateMerge: device 4, step 6 (sample index = generator id)"),
+                         loom::InvalidArgument);
+  }
+}

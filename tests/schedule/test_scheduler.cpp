@@ -206,6 +206,7 @@ TEST_CASE("Scheduler: a generator that throws at sample 5 reaches the consumer, 
 }
 
 TEST_CASE("Scheduler: a merge error (shapes differ) reaches the consumer with its own type") {
+  static_assert(std::same_as<loom::Scheduler<Stream>::BatchType, loom::Batch>, "the default merge is CollateMerge");
   std::vector<std::function<std::optional<at::Tensor>()>> gens;
   for (int g = 0; g < 4; ++g)
     gens.emplace_back([g, k = 0]() mutable -> std::optional<at::Tensor> {
@@ -216,7 +217,36 @@ TEST_CASE("Scheduler: a merge error (shapes differ) reaches the consumer with it
   CHECK(s.next().has_value());
   CHECK(s.next().has_value());
   CHECK(s.next().has_value());
-  CHECK_THROWS_WITH_AS(s.next(), doctest::Contains("device 1, step 3: generator 2 gave a data tensor of shape [3] Float, generator 3 gave [2] Float"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(s.next(), doctest::Contains("CollateMerge: device 1, step 3: generator 2 gave a data tensor of shape [3] Float, generator 3 gave [2] Float"), loom::InvalidArgument);
+}
+
+TEST_CASE("Scheduler: samples of differing shapes through the collator's padding rules") {
+  // generator g yields vectors of length g + 1 filled with k: padded to 3 per device step
+  std::vector<std::function<std::optional<at::Tensor>()>> gens;
+  for (int g = 0; g < 4; ++g)
+    gens.emplace_back([g, k = int64_t{0}]() mutable -> std::optional<at::Tensor> {
+      if (k == 3) return std::nullopt;
+      return torch::full({g + 1}, static_cast<double>(k++));
+    });
+  using Sched = loom::Scheduler<std::function<std::optional<at::Tensor>()>>;
+  Sched s(std::move(gens), {.num_devices = 2, .assignment = loom::Assignment::round_robin()},
+          loom::CollateMerge<>{.pad = true, .options = {.padded_shape = {4}, .mask = true}});
+  int64_t k = 0;
+  for (auto& step : s) {
+    for (int d = 0; d < 2; ++d) {
+      const auto& b = step.devices[static_cast<size_t>(d)].batch;  // generators d and d + 2: lengths d+1, d+3
+      auto data = torch::zeros({2, 4});
+      auto mask = torch::zeros({2, 4}, torch::kBool);
+      data[0].slice(0, 0, d + 1).fill_(static_cast<double>(k));
+      mask[0].slice(0, 0, d + 1).fill_(true);
+      data[1].slice(0, 0, d + 3).fill_(static_cast<double>(k));
+      mask[1].slice(0, 0, d + 3).fill_(true);
+      CHECK(b.data.equal(data));
+      CHECK(b.mask.equal(mask));
+    }
+    ++k;
+  }
+  CHECK(k == 3);
 }
 
 TEST_CASE("Scheduler: early stop (break, exception, destructor) stops and joins the workers") {

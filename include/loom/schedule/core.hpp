@@ -84,7 +84,7 @@ struct ScheduleOptions {
 /// The batch of one device at one step, with where its rows came from.
 ///
 /// Example: `for (auto& db : step.devices) loss += model(db.batch.data.to(device(db.device)))`.
-/// Shape: `batch` is what the merger made (StackMerge: loom::Batch, data N x (sample shape));
+/// Shape: `batch` is what the merger made (CollateMerge: loom::Batch, data N x (sample shape));
 ///        `generators` has N entries, the generator id of each row, increasing.
 template <class B>
 struct DeviceBatch {
@@ -325,6 +325,7 @@ class ScheduleCore {
   }
 
   /// Takes the front batch of device slot d (wait() returned batch) and finishes its transfer.
+  /// The freed window slot is handed to the workers by the next release().
   Item pop(int d) {
     Device& dev = *devices_[static_cast<std::size_t>(d)];
     std::optional<Item> item;
@@ -336,10 +337,12 @@ class ScheduleCore {
       dev.window.emplace_back(generators(d).size());
       ++dev.consumed;
     }
-    worker_cv_.notify_all();
     dev.transfer.finish(item->batch, label(d), item->ticket);
     return std::move(*item);
   }
+
+  /// Wakes the workers after pop()s (once per step, not once per device: fewer wake-ups).
+  void release() { worker_cv_.notify_all(); }
 
   /// The stop event (valid after wait() returned event).
   ScheduleEvent event() {
@@ -496,8 +499,10 @@ class ScheduleCore {
       std::exception_ptr error;
       std::optional<Sample> s = try_next(gi, error);
       bool stop_others = false;
+      bool tell_consumer = false;  // only what the consumer waits on: an end, a failure, an event's finality
       {
         std::lock_guard lk(mutex_);
+        tell_consumer = event_.has_value() || !s;
         if (error) {
           failed_[gi] = 1;
           record(ScheduleEvent{.step = k, .device = d, .position = p, .failure = true, .generator = g, .sample = position_[gi],
@@ -519,7 +524,7 @@ class ScheduleCore {
         }
       }
       s.reset();
-      consumer_cv_.notify_all();
+      if (tell_consumer) consumer_cv_.notify_all();
       if (stop_others) worker_cv_.notify_all();
       merge_ready(d);
     }

@@ -1,12 +1,15 @@
 // loom/schedule/merge.hpp — the merge step of the scheduler: the k-th samples of one device's
 // generators become that device's k-th batch.
 //
-// The scheduler calls a BatchMerger on the device's worker thread with the samples in generator
-// order; whatever it returns is what the consumer receives for that device. StackMerge (the
-// default) copies each sample's tensor once into one preallocated N x (sample shape) tensor.
+// The scheduler calls a BatchMerger on a worker thread with the samples in generator order;
+// whatever it returns is what the consumer receives for that device. CollateMerge (the default)
+// goes through loom's collator (loom::collate, loom/collate/collator.hpp): each sample's bytes are
+// copied once into one N x (sample shape) batch, samples are read through a SampleProjection, and
+// samples of differing shapes follow the collator's padding rules when `pad` is on. StackMerge is
+// a self-contained alternative (plain stacking, no projection).
 //
 // Example:
-//   loom::StackMerge merge;
+//   loom::CollateMerge<> merge;
 //   std::vector<at::Tensor> samples = {at::ones({3}), at::zeros({3})};
 //   std::vector<int> ids = {4, 5};
 //   loom::Batch b = merge(std::span(samples), loom::MergeContext{.device = 2, .step = 0, .generators = ids});
@@ -16,7 +19,7 @@
 // Out: one batch of N rows, row i from the i-th sample.
 //
 // Source: the "merge = stack along a new leading batch dimension" convention of
-// torch.utils.data.default_collate.
+// torch.utils.data.default_collate; padding and masks follow loom::collate.
 #pragma once
 
 #include <concepts>
@@ -35,6 +38,8 @@
 #include <fmt/ranges.h>
 
 #include <loom/collate/batch.hpp>
+#include <loom/collate/collator.hpp>
+#include <loom/collate/sample.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -120,6 +125,18 @@ decltype(auto) sample_target(const S& s) {
 
 }  // namespace detail
 
+namespace detail {
+/// The message for two samples of one step whose data differ in shape or dtype.
+inline std::string shape_mismatch(const MergeContext& ctx, std::size_t i, const at::Tensor& first, const at::Tensor& t,
+                                  const char* what) {
+  return fmt::format(
+      "device {}, step {}: generator {} gave a {} tensor of shape [{}] {}, generator {} gave [{}] {}; "
+      "one batch needs one shape and dtype (merge with padding: CollateMerge{{.pad = true}})",
+      ctx.device, ctx.step, ctx.generators[0], what, fmt::join(first.sizes(), ", "), c10::toString(first.scalar_type()),
+      ctx.generators[i], fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
+}
+}  // namespace detail
+
 /// A sample StackMerge can merge: an at::Tensor, a pair (tensor, target) with an integral or
 /// tensor target, or a struct with a `data` tensor member (and optionally a `target`).
 ///
@@ -129,7 +146,7 @@ concept StackableSample = requires(const S& s) {
   { detail::sample_data(s) } -> std::convertible_to<const at::Tensor&>;
 };
 
-/// The default merger: stacks the samples of one step into one new N x (sample shape) tensor,
+/// A self-contained merger: stacks the samples of one step into one new N x (sample shape) tensor,
 /// copying each sample's bytes once; targets (if the sample has them) into an N x (target
 /// shape) tensor (integral targets: int64, shape N).
 ///
@@ -186,11 +203,7 @@ struct StackMerge {
       const at::Tensor& t = get(samples[i]);
       check_defined(t, ctx, i, what);
       if (t.sizes() != first.sizes() || t.scalar_type() != first.scalar_type())
-        throw InvalidArgument(fmt::format(
-            "StackMerge: device {}, step {}: generator {} gave a {} tensor of shape [{}] {}, generator {} gave [{}] {}; "
-            "stacking needs one shape and dtype per batch (merge with a padding collator instead)",
-            ctx.device, ctx.step, ctx.generators[0], what, fmt::join(first.sizes(), ", "), c10::toString(first.scalar_type()),
-            ctx.generators[i], fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type())));
+        throw InvalidArgument("StackMerge: " + detail::shape_mismatch(ctx, i, first, t, what));
       if (t.is_contiguous() && t.device().is_cpu()) {
         if (row_bytes != 0) std::memcpy(dst + i * row_bytes, t.data_ptr(), row_bytes);
       } else {
@@ -204,6 +217,60 @@ struct StackMerge {
     if (!t.defined())
       throw InvalidArgument(fmt::format("StackMerge: generator {} (device {}, step {}) gave an undefined {} tensor",
                                         ctx.generators[i], ctx.device, ctx.step, what));
+  }
+};
+
+/// The default merger: loom's collator over the k-th samples of a device (loom::collate).
+///
+/// Example: `loom::Scheduler<Gen, loom::CollateMerge<>> s(gens, {.num_devices = 2}, {.pad = true, .options = {.mask = true}});`
+/// Shape: data N x (sample shape) in the samples' dtype — with `pad`, N x options.padded_shape (or
+///        the step's per-dimension maximum) and, with options.mask, a bool mask like data (true =
+///        real); targets as loom::collate makes them (int64 N-vector for integer targets);
+///        indices[i] = the projection's index(s) when it has one, else the generator id of row i;
+///        num_samples = N; weight = 1 (0 for the empty batch of a device that ran dry under drain).
+/// Throws: loom::InvalidArgument naming the device, step and generators when, without `pad`, two
+///         samples differ in shape or dtype; loom::collate's errors (undefined or non-CPU data, a
+///         zero-size dimension, different dtypes or target kinds, a sample larger than
+///         padded_shape), prefixed with the device and step ("sample i" there = generator id i).
+/// Source: loom::collate (copy once into preallocated storage; padding and masks).
+template <class Projection = DefaultProjection>
+struct CollateMerge {
+  bool pad = false;              ///< false: one shape per batch required; true: pad as loom::collate does
+  CollateOptions options{};      ///< padded_shape, pad_value, mask, pool, allocate (see loom::collate)
+  Projection projection{};       ///< reads data / target (/ index) from a sample
+
+  template <class S>
+    requires SampleProjection<Projection, S>
+  Batch operator()(std::span<S> samples, const MergeContext& ctx) const {
+    LOOM_ASSERT(samples.size() == ctx.generators.size(), "one generator id per sample");
+    LOOM_ASSERT(!samples.empty(), "a device step has at least one sample");
+    if (!pad) {
+      const at::Tensor& first = projection.data(samples[0]);
+      for (std::size_t i = 1; i < samples.size(); ++i) {
+        const at::Tensor& t = projection.data(samples[i]);
+        if (first.defined() && t.defined() && (t.sizes() != first.sizes() || t.scalar_type() != first.scalar_type()))
+          throw InvalidArgument("CollateMerge: " + detail::shape_mismatch(ctx, i, first, t, "data"));
+      }
+    }
+    std::vector<int64_t> indices(samples.size());
+    for (std::size_t i = 0; i < samples.size(); ++i) {
+      if constexpr (SampleProjectionWithIndex<Projection, S>) indices[i] = static_cast<int64_t>(projection.index(samples[i]));
+      else indices[i] = ctx.generators[i];
+    }
+    try {
+      return collate(samples, std::span<const int64_t>(indices), options, projection);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("CollateMerge: device {}, step {} (sample index = {}): {}", ctx.device, ctx.step,
+                                        SampleProjectionWithIndex<Projection, S> ? "the sample's index" : "generator id",
+                                        e.what()));
+    }
+  }
+
+  /// The batch of a device with no rows left (EndPolicy::drain): undefined tensors, 0 samples, weight 0.
+  Batch empty(const MergeContext& /*ctx*/) const {
+    Batch b;
+    b.weight = 0.0;
+    return b;
   }
 };
 

@@ -60,7 +60,7 @@ struct RankScheduleOptions {
 /// The per-rank mode: this rank's generators, one batch per step, steps agreed over all ranks.
 ///
 /// Example: see the file comment.
-/// Shape: DeviceBatch::batch is Merge's result (StackMerge: loom::Batch, data R x (sample shape),
+/// Shape: DeviceBatch::batch is Merge's result (CollateMerge: loom::Batch, data R x (sample shape),
 ///        R = this rank's generators still running; R = 0 and weight 0 when this rank ran dry).
 /// Throws: loom::InvalidArgument from the constructor (bad options, more ranks than generators,
 ///         a factory result of the wrong type); from next(): loom::GeneratorError on the rank whose
@@ -69,7 +69,7 @@ struct RankScheduleOptions {
 ///         or the step, and the communicator's errors (loom::TimeoutError when a rank stops
 ///         answering).
 /// Source: see the file comment.
-template <SampleGenerator G, Communicator C, class Merge = StackMerge, class Transfer = HostTransfer>
+template <SampleGenerator G, Communicator C, class Merge = CollateMerge<>, class Transfer = HostTransfer>
 class RankScheduler {
   static_assert(SampleGenerator<G>, "loom::RankScheduler: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
   static_assert(Communicator<C>, "loom::RankScheduler: C must model loom::Communicator");
@@ -127,6 +127,7 @@ class RankScheduler {
       const auto r = core_->wait(0, step_);
       LOOM_ASSERT(r == Core::Resolved::batch, "an agreed step is ready locally");
       auto item = core_->pop(0);
+      core_->release();
       for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
       out.emplace(Item{.batch = std::move(item.batch), .device = rank_, .step = step_,
                        .generators = std::move(item.generators), .partial = item.partial});

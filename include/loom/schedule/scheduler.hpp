@@ -11,8 +11,8 @@
 //   auto report = sched.report();                                // unread samples per generator
 //
 // Time alignment: the k-th batch of device d holds the k-th sample of each of d's generators
-// (loom::assign gives them, increasing), in that order, merged by the Merge step (StackMerge:
-// stacked along a new leading batch dimension).
+// (loom::assign gives them, increasing), in that order, merged by the Merge step (CollateMerge,
+// through loom's collator: stacked along a new leading batch dimension).
 // Prefetch: worker threads (one per generator by default, or `num_workers`, generator g on worker
 // g % W) pull the generators — the generators of one device at the same time — and the worker that
 // completes a device's step merges it, while the consumer trains. At most `prefetch_depth` batches
@@ -45,7 +45,7 @@ namespace loom {
 /// device) per call of next() or per iteration of a range-for.
 ///
 /// Example: see the file comment.
-/// Shape: Step::devices[d].batch is Merge's result; with StackMerge a loom::Batch whose data is
+/// Shape: Step::devices[d].batch is Merge's result; with CollateMerge a loom::Batch whose data is
 ///        R x (sample shape) with R = the number of device d's generators (fewer under drain).
 /// Units: prefetch_depth in batches per device; steps and samples counted from 0.
 /// Throws: loom::InvalidArgument from the constructor for a bad option (num_devices < 1,
@@ -53,12 +53,12 @@ namespace loom {
 ///         map or resume state); from next(): loom::GeneratorError when a generator threw (and on
 ///         every later call), or the merger's / transfer's own exception unchanged.
 /// Source: see the file comment.
-template <SampleGenerator G, class Merge = StackMerge, class Transfer = HostTransfer>
+template <SampleGenerator G, class Merge = CollateMerge<>, class Transfer = HostTransfer>
 class Scheduler {
   static_assert(SampleGenerator<G>, "loom::Scheduler: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
   static_assert(BatchMerger<Merge, generator_sample_t<G>>,
                 "loom::Scheduler: Merge must model loom::BatchMerger for the generators' sample type "
-                "(StackMerge takes at::Tensor, pair<at::Tensor, target> or a struct with a `data` tensor)");
+                "(the default CollateMerge reads at::Tensor, pair<at::Tensor, target>, or structs with .data/.target through loom::DefaultProjection)");
 
  public:
   using Generator = G;
@@ -148,6 +148,7 @@ class Scheduler {
       step.devices.push_back(DeviceBatch<BatchType>{.batch = std::move(item.batch), .device = d, .step = step_,
                                                     .generators = std::move(item.generators), .partial = item.partial});
     }
+    core_->release();
     ++step_;
     return step;
   }

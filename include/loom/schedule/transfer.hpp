@@ -1,8 +1,9 @@
 // loom/schedule/transfer.hpp — the transfer step of the scheduler: a merged host batch on its
 // way to its device. The seam where CUDA staging plugs in.
 //
-// For every batch the scheduler calls `t.start(batch, device)` on the device's worker thread
-// right after the merge (a CUDA transfer copies into pinned staging memory and issues a
+// For every batch the scheduler calls `t.start(batch, device)` on a worker thread right after
+// the merge (for one device: one call at a time, in step order, on whichever worker merged that
+// step) (a CUDA transfer copies into pinned staging memory and issues a
 // non-blocking copy on the device's own stream, then records an event), keeps the returned
 // Ticket next to the batch in the prefetch queue, and calls `t.finish(batch, device, ticket)` on
 // the consumer's thread just before handing the batch out (a CUDA transfer makes the
@@ -34,8 +35,10 @@ namespace loom {
 ///     tensors. Called on the worker thread. Reason: the copy overlaps the consumer's compute.
 ///  3. `t.finish(b, device, ticket)` (B&, int, Ticket&). Called on the consumer's thread before b
 ///     is handed out. Reason: the consumer must not read b before the copy landed.
-///  4. T is copy-constructible. Reason: the scheduler keeps one copy per device. start() and
-///     finish() of that copy may run at the same time on two threads (worker, consumer).
+///  4. T is copy-constructible. Reason: the scheduler keeps one copy per device. Calls of start()
+///     on that copy never overlap (one merge at a time per device) but may come from different
+///     worker threads (set the CUDA device inside start()); start() and finish() of that copy may
+///     run at the same time on two threads (a worker, the consumer).
 ///  5. Either call may throw; the exception reaches the consumer's thread.
 /// Not required: anything about where B lives afterwards (the host no-op keeps it on the host).
 template <class T, class B>
@@ -47,7 +50,7 @@ concept BatchTransfer = std::copy_constructible<T> && std::move_constructible<ty
 
 /// The default transfer: batches stay in host memory; both phases do nothing.
 ///
-/// Example: `loom::Scheduler<Gen, loom::StackMerge, loom::HostTransfer>` (the defaults).
+/// Example: `loom::Scheduler<Gen, loom::CollateMerge<>, loom::HostTransfer>` (the defaults).
 /// Throws: never.
 struct HostTransfer {
   struct Ticket {};
