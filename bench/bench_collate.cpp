@@ -1,0 +1,274 @@
+// bench_collate — loom's collators against memcpy of the same bytes and the usual hand-written
+// collate, all in one run; and the padding fraction of automatic boundaries vs rounding up to 32
+// on the Adwaita icon sizes.
+//
+//   collate_224/{memcpy,naive,loom}    64 float32 samples of 3x224x224 into one batch, repeated.
+//       memcpy: each sample's bytes into one preallocated, reused buffer (the floor);
+//       naive:  torch::stack into a new tensor each time;
+//       loom:   BucketCollator (exact shapes, max_samples 64) with a BufferPool.
+//   collate_mixed/{memcpy,naive,loom}  4096 float32 samples of 3 x h x w, 8 distinct (h, w) in
+//       [24, 40], shuffled, batch size 64.
+//       memcpy: every sample's bytes into one reused buffer;
+//       naive:  std::map keyed by shape of vectors of tensors, torch::stack per full group and a
+//               targets tensor (leftover groups stacked at the end);
+//       loom:   BucketCollator (exact shapes, max_samples 64) with a BufferPool, batches dropped
+//               as they come.
+//   collate_padding/{round_up_32,auto_boundaries}: padding fraction counters on the icon sizes
+//       (same number of buckets); the timed part is computing the boundaries.
+//
+// Method: inputs are built once, outside the timed loop; every variant touches the same source
+// bytes; warm-up runs apart (MinWarmUpTime); real time. Speeds are bytes of sample data per
+// second. After the run, a summary prints the ratios loom/memcpy and loom/naive per suite (from
+// medians when --benchmark_repetitions is given). Run with --benchmark_repetitions=5 or more on a
+// shared machine.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include <loom/collate/collate.hpp>
+
+#include "../tests/reference/collate_reference.hpp"
+
+namespace {
+
+using Sample = std::pair<torch::Tensor, int64_t>;
+
+struct Inputs224 {
+  std::vector<Sample> samples;
+  int64_t bytes = 0;
+  Inputs224() {
+    for (int64_t i = 0; i < 64; ++i) {
+      samples.emplace_back(torch::randn({3, 224, 224}), i % 10);
+      bytes += samples.back().first.nbytes();
+    }
+  }
+};
+const Inputs224& inputs224() {
+  static const Inputs224 in;
+  return in;
+}
+
+struct InputsMixed {
+  std::vector<Sample> samples;
+  int64_t bytes = 0;
+  InputsMixed() {
+    const std::vector<std::pair<int64_t, int64_t>> shapes{{24, 24}, {24, 40}, {28, 32}, {32, 32}, {32, 40}, {36, 28}, {40, 24}, {40, 40}};
+    std::mt19937 rng(1234);
+    std::vector<int> which(4096);
+    for (std::size_t i = 0; i < which.size(); ++i) which[i] = static_cast<int>(i % shapes.size());
+    std::shuffle(which.begin(), which.end(), rng);
+    for (std::size_t i = 0; i < which.size(); ++i) {
+      const auto [h, w] = shapes[static_cast<std::size_t>(which[i])];
+      samples.emplace_back(torch::randn({3, h, w}), static_cast<int64_t>(i % 10));
+      bytes += samples.back().first.nbytes();
+    }
+  }
+};
+const InputsMixed& inputs_mixed() {
+  static const InputsMixed in;
+  return in;
+}
+
+template <class In>
+void memcpy_all(benchmark::State& state, const In& in) {
+  std::vector<char> dst(static_cast<std::size_t>(in.bytes));
+  std::memset(dst.data(), 0, dst.size());  // fault the pages in before timing
+  for (auto _ : state) {
+    std::size_t off = 0;
+    for (const auto& s : in.samples) {
+      std::memcpy(dst.data() + off, s.first.data_ptr(), s.first.nbytes());
+      off += s.first.nbytes();
+    }
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * in.bytes);
+}
+
+void BM_collate_224_memcpy(benchmark::State& state) { memcpy_all(state, inputs224()); }
+
+void BM_collate_224_naive(benchmark::State& state) {
+  const auto& in = inputs224();
+  std::vector<torch::Tensor> ts;
+  for (const auto& s : in.samples) ts.push_back(s.first);
+  benchmark::DoNotOptimize(torch::stack(ts).data_ptr());  // untimed, like the others' first batch
+  for (auto _ : state) {
+    torch::Tensor batch = torch::stack(ts);
+    benchmark::DoNotOptimize(batch.data_ptr());
+  }
+  state.SetBytesProcessed(state.iterations() * in.bytes);
+}
+
+void BM_collate_224_loom(benchmark::State& state) {
+  const auto& in = inputs224();
+  auto pool = std::make_shared<loom::BufferPool>();
+  loom::BucketCollator<> c(loom::ShapeBucketOptions{.max_samples = 64, .pool = pool});
+  int64_t index = 0;
+  {  // one untimed batch maps the pool's buffer, as memcpy's destination is faulted in before timing
+    for (const auto& s : in.samples) c.push(index++, s);
+    benchmark::DoNotOptimize(c.pop().data.data_ptr());
+  }
+  for (auto _ : state) {
+    for (const auto& s : in.samples) c.push(index++, s);
+    loom::Batch b = c.pop();
+    benchmark::DoNotOptimize(b.data.data_ptr());
+  }
+  state.SetBytesProcessed(state.iterations() * in.bytes);
+  state.counters["pool_reuses"] = static_cast<double>(pool->reuses());
+}
+
+void BM_collate_mixed_memcpy(benchmark::State& state) { memcpy_all(state, inputs_mixed()); }
+
+void BM_collate_mixed_naive(benchmark::State& state) {
+  const auto& in = inputs_mixed();
+  for (auto _ : state) {
+    std::map<std::vector<int64_t>, std::pair<std::vector<torch::Tensor>, std::vector<int64_t>>> groups;
+    auto emit = [](std::pair<std::vector<torch::Tensor>, std::vector<int64_t>>& g) {
+      torch::Tensor data = torch::stack(g.first);
+      torch::Tensor targets = torch::tensor(g.second, torch::kLong);
+      benchmark::DoNotOptimize(data.data_ptr());
+      benchmark::DoNotOptimize(targets.data_ptr());
+      g.first.clear();
+      g.second.clear();
+    };
+    for (const auto& s : in.samples) {
+      auto& g = groups[s.first.sizes().vec()];
+      g.first.push_back(s.first);
+      g.second.push_back(s.second);
+      if (g.first.size() == 64) emit(g);
+    }
+    for (auto& [key, g] : groups)
+      if (!g.first.empty()) emit(g);
+  }
+  state.SetBytesProcessed(state.iterations() * in.bytes);
+}
+
+void BM_collate_mixed_loom(benchmark::State& state) {
+  const auto& in = inputs_mixed();
+  auto pool = std::make_shared<loom::BufferPool>();
+  int64_t batches = 0;
+  auto pass = [&] {
+    loom::BucketCollator<> c(loom::ShapeBucketOptions{.max_samples = 64, .pool = pool});
+    int64_t index = 0;
+    for (const auto& s : in.samples) {
+      c.push(index++, s);
+      while (auto b = c.try_pop()) {
+        benchmark::DoNotOptimize(b->data.data_ptr());
+        ++batches;
+      }
+    }
+    c.flush();
+    while (auto b = c.try_pop()) {
+      benchmark::DoNotOptimize(b->data.data_ptr());
+      ++batches;
+    }
+  };
+  pass();  // untimed: maps the pool's buffers (memcpy's destination is faulted in before timing too)
+  batches = 0;
+  for (auto _ : state) pass();
+  state.SetBytesProcessed(state.iterations() * in.bytes);
+  state.counters["batches_per_pass"] = static_cast<double>(batches) / static_cast<double>(state.iterations());
+}
+
+// ---- padding fraction on the Adwaita icon sizes ----
+std::map<int64_t, int64_t> icon_histogram() {
+  std::map<int64_t, int64_t> hist;
+  for (const auto& [h, w] : loom_ref::png_sizes("/usr/share/icons/Adwaita")) ++hist[std::max(h, w)];
+  return hist;
+}
+
+void BM_collate_padding_round_up_32(benchmark::State& state) {
+  const auto hist = icon_histogram();
+  if (hist.empty()) {
+    state.SkipWithError("no PNG under /usr/share/icons/Adwaita (install adwaita-icon-theme)");
+    return;
+  }
+  loom::BoundaryPlan plan;
+  for (auto _ : state) {
+    plan = loom::evaluate_boundaries(hist, loom::round_up_boundaries(hist, 32), 2);
+    benchmark::DoNotOptimize(plan.padded_elements);
+  }
+  state.counters["padding_fraction"] = plan.padding_fraction();
+  state.counters["buckets"] = static_cast<double>(plan.boundaries.size());
+}
+
+void BM_collate_padding_auto_boundaries(benchmark::State& state) {
+  const auto hist = icon_histogram();
+  if (hist.empty()) {
+    state.SkipWithError("no PNG under /usr/share/icons/Adwaita (install adwaita-icon-theme)");
+    return;
+  }
+  const auto k = static_cast<int64_t>(loom::round_up_boundaries(hist, 32).size());  // same bucket count
+  loom::BoundaryPlan plan;
+  for (auto _ : state) {
+    plan = loom::auto_boundaries(hist, k, 2);
+    benchmark::DoNotOptimize(plan.padded_elements);
+  }
+  state.counters["padding_fraction"] = plan.padding_fraction();
+  state.counters["buckets"] = static_cast<double>(plan.boundaries.size());
+}
+
+constexpr double kWarmUp = 0.3;  // seconds
+
+// ---- a reporter that also prints the ratios ----
+// Speed ratio = time of the baseline / time of loom (the variants of a suite move the same bytes).
+// Printed for real time and for CPU time: on a loaded machine CPU time is the steadier of the two.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& r : runs) {
+      const std::string name = r.run_name.function_name;
+      if (r.run_type == Run::RT_Aggregate) {
+        if (r.aggregate_name != "median") continue;
+        median_seen_.insert(name);
+      } else if (median_seen_.count(name)) {
+        continue;
+      }
+      times_[name] = {r.GetAdjustedRealTime(), r.GetAdjustedCPUTime()};
+    }
+  }
+  void Finalize() override {
+    ConsoleReporter::Finalize();
+    auto& out = GetOutputStream();
+    out << "\nSummary: speed ratios (baseline time / loom time; medians when repeated)\n";
+    for (const std::string suite : {"collate_224", "collate_mixed"}) {
+      const auto mem = times_[suite + "/memcpy"], naive = times_[suite + "/naive"], mine = times_[suite + "/loom"];
+      if (mem.first > 0 && naive.first > 0 && mine.first > 0)
+        out << fmt::format("  {:<14} real time: loom/memcpy = {:.2f}  loom/naive = {:.2f}   CPU time: loom/memcpy = {:.2f}  loom/naive = {:.2f}\n",
+                           suite, mem.first / mine.first, naive.first / mine.first, mem.second / mine.second,
+                           naive.second / mine.second);
+    }
+  }
+
+ private:
+  std::map<std::string, std::pair<double, double>> times_;  // name -> (real, cpu) time per iteration
+  std::set<std::string> median_seen_;
+};
+
+}  // namespace
+
+BENCHMARK(BM_collate_224_memcpy)->Name("collate_224/memcpy")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_224_naive)->Name("collate_224/naive")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_224_loom)->Name("collate_224/loom")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_mixed_memcpy)->Name("collate_mixed/memcpy")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_mixed_naive)->Name("collate_mixed/naive")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_mixed_loom)->Name("collate_mixed/loom")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_padding_round_up_32)->Name("collate_padding/round_up_32")->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_collate_padding_auto_boundaries)->Name("collate_padding/auto_boundaries")->Unit(benchmark::kMicrosecond);
+
+int main(int argc, char** argv) {
+  at::set_num_threads(1);  // one core for every variant: torch::stack would otherwise use the intra-op pool
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  return 0;
+}
