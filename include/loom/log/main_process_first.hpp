@@ -60,7 +60,7 @@ std::exception_ptr run_capturing(F& block, Result& result) {
   }
 }
 
-inline std::string exception_message(const std::exception_ptr& e) {
+inline std::string failure_text(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& ex) {
@@ -78,7 +78,7 @@ std::string exchange_failures(C& comm, const std::exception_ptr& mine) {
   const double flag = mine ? 1.0 : 0.0;
   const double failed = all_reduce_sums(comm, std::span<const double>(&flag, 1))[0];
   if (failed == 0.0) return {};
-  const std::vector<std::string> messages = all_gather_strings(comm, mine ? exception_message(mine) : std::string{});
+  const std::vector<std::string> messages = all_gather_strings(comm, mine ? failure_text(mine) : std::string{});
   std::string out;
   for (std::size_t r = 0; r < messages.size(); ++r) {
     if (messages[r].empty()) continue;
