@@ -101,7 +101,7 @@ struct DeviceBatch {
 ///
 /// Example: `while (auto s = sched.next()) for (auto& db : s->devices) ...;` (db.device == index).
 template <class B>
-struct Step {
+struct ScheduledStep {
   std::int64_t index = 0;                 ///< step k, counted from the start of the streams
   std::vector<DeviceBatch<B>> devices{};  ///< devices[d] is device d's batch
   /// True when any device's batch is partial or empty (drain only).
