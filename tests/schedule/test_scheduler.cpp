@@ -449,6 +449,24 @@ TEST_CASE("Scheduler: the transfer seam — start on the worker thread, finish o
   CHECK(bad->load() == 0);
 }
 
+namespace {
+struct FailingFinish {  // finish() throws at step 2: the consumer gets it, then the same error again
+  struct Ticket {};
+  Ticket start(loom::Batch&, int) { return {}; }
+  void finish(loom::Batch& b, int, Ticket&) {
+    if (b.data[0][1].item<int64_t>() == 2) throw std::runtime_error("copy failed at step 2");
+  }
+};
+}  // namespace
+
+TEST_CASE("Scheduler: a transfer that fails on the consumer's side ends the schedule, no hang") {
+  loom::Scheduler<Stream, loom::CollateMerge<>, FailingFinish> s(streams(4, 10, 200), {.num_devices = 2});
+  CHECK(s.next().has_value());
+  CHECK(s.next().has_value());
+  CHECK_THROWS_WITH_AS(s.next(), "copy failed at step 2", std::runtime_error);
+  CHECK_THROWS_WITH_AS(s.next(), "copy failed at step 2", std::runtime_error);
+}
+
 TEST_CASE("Scheduler: bad options name the value") {
   CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 0}), doctest::Contains("num_devices is 0"),
                        loom::InvalidArgument);

@@ -120,20 +120,16 @@ class RankScheduler {
     }
     LOOM_ASSERT(agreed_ > 0);
     --agreed_;
-    std::optional<Item> out;
-    if (dry_) {
-      out.emplace(Item{.batch = core_->empty_batch(0, step_), .device = rank_, .step = step_, .generators = {}, .partial = true});
-    } else {
-      const auto r = core_->wait(0, step_);
-      LOOM_ASSERT(r == Core::Resolved::batch, "an agreed step is ready locally");
-      auto item = core_->pop(0);
-      core_->release();
-      for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
-      out.emplace(Item{.batch = std::move(item.batch), .device = rank_, .step = step_,
-                       .generators = std::move(item.generators), .partial = item.partial});
+    try {
+      std::optional<Item> out = take();
+      ++step_;
+      return out;
+    } catch (...) {  // a transfer's finish() or empty() threw: the step is lost, so the schedule ends here
+      error_ = std::current_exception();
+      finished_ = true;
+      core_->abort();
+      throw;
     }
-    ++step_;
-    return out;
   }
 
   /// Range-for support: `for (auto& db : sched)`.
@@ -293,6 +289,23 @@ class RankScheduler {
     }
     dry_ = code == kEnded;
     agreed_ = agreed;
+  }
+
+  // This rank's batch of the agreed step step_ (an empty one when this rank ran dry).
+  std::optional<Item> take() {
+    std::optional<Item> out;
+    if (dry_) {
+      out.emplace(Item{.batch = core_->empty_batch(0, step_), .device = rank_, .step = step_, .generators = {}, .partial = true});
+    } else {
+      const auto r = core_->wait(0, step_);
+      LOOM_ASSERT(r == Core::Resolved::batch, "an agreed step is ready locally");
+      auto item = core_->pop(0);
+      core_->release();
+      for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
+      out.emplace(Item{.batch = std::move(item.batch), .device = rank_, .step = step_,
+                       .generators = std::move(item.generators), .partial = item.partial});
+    }
+    return out;
   }
 
   void finish() {

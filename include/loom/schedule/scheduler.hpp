@@ -41,11 +41,11 @@
 
 namespace loom {
 
-/// Runs N generators onto M logical devices in one process, yielding one Step (a batch per
+/// Runs N generators onto M logical devices in one process, yielding one ScheduledStep (a batch per
 /// device) per call of next() or per iteration of a range-for.
 ///
 /// Example: see the file comment.
-/// Shape: Step::devices[d].batch is Merge's result; with CollateMerge a loom::Batch whose data is
+/// Shape: ScheduledStep::devices[d].batch is Merge's result; with CollateMerge a loom::Batch whose data is
 ///        R x (sample shape) with R = the number of device d's generators (fewer under drain).
 /// Units: prefetch_depth in batches per device; steps and samples counted from 0.
 /// Throws: loom::InvalidArgument from the constructor for a bad option (num_devices < 1,
@@ -65,7 +65,7 @@ class Scheduler {
   using Sample = generator_sample_t<G>;
   using BatchType = merge_result_t<Merge, Sample>;
   static_assert(BatchTransfer<Transfer, BatchType>, "loom::Scheduler: Transfer must model loom::BatchTransfer for the merged batch type");
-  using StepType = Step<BatchType>;
+  using StepType = ScheduledStep<BatchType>;
 
   /// Takes ownership of the generators (generator id = position in the vector) and starts the
   /// workers at once, so batches are being built before the first next().
@@ -137,16 +137,23 @@ class Scheduler {
     StepType step;
     step.index = step_;
     step.devices.reserve(static_cast<std::size_t>(m));
-    for (int d = 0; d < m; ++d) {
-      if (dry[static_cast<std::size_t>(d)]) {
-        step.devices.push_back(DeviceBatch<BatchType>{.batch = core_->empty_batch(d, step_), .device = d, .step = step_,
-                                                      .generators = {}, .partial = true});
-        continue;
+    try {
+      for (int d = 0; d < m; ++d) {
+        if (dry[static_cast<std::size_t>(d)]) {
+          step.devices.push_back(DeviceBatch<BatchType>{.batch = core_->empty_batch(d, step_), .device = d, .step = step_,
+                                                        .generators = {}, .partial = true});
+          continue;
+        }
+        auto item = core_->pop(d);
+        for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
+        step.devices.push_back(DeviceBatch<BatchType>{.batch = std::move(item.batch), .device = d, .step = step_,
+                                                      .generators = std::move(item.generators), .partial = item.partial});
       }
-      auto item = core_->pop(d);
-      for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
-      step.devices.push_back(DeviceBatch<BatchType>{.batch = std::move(item.batch), .device = d, .step = step_,
-                                                    .generators = std::move(item.generators), .partial = item.partial});
+    } catch (...) {  // a transfer's finish() or empty() threw: the step is lost, so the schedule ends here
+      error_ = std::current_exception();
+      finished_ = true;
+      core_->abort();
+      throw;
     }
     core_->release();
     ++step_;
