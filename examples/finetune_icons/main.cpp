@@ -279,6 +279,11 @@ class Trainer {
       log_.info("resumed at fine-tune epoch {} step {} (optimizer step {})", st.epoch + 1, st.position, st.step);
     }
 
+    {
+      const loom::DistributedBucketBatchSampler plan(shapes_of(train_all_), sampler_options(/*shuffle=*/true));
+      log_.info("fine-tune plan: sampler_steps_per_epoch={} optimizer_steps_per_epoch={} accumulate={}", plan.size(),
+                (plan.size() + o_.accumulate - 1) / o_.accumulate, o_.accumulate);
+    }
     const EvalResult before = evaluate(model);
     log_.info("fine-tune start: val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f}", before.loss, before.accuracy,
               majority_baseline_);

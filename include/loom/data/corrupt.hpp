@@ -30,12 +30,13 @@ enum class OnCorrupt {
   skip,         ///< leave the file out, call `warn` with one line naming it, count it in `skipped()`
 };
 
-/// Receives one human-readable warning line per skipped file (no trailing newline).
+/// Receives one human-readable warning line per skipped file (no trailing newline, no "warning: "
+/// prefix: the sink adds its own, e.g. loom::Logger::warning).
 using WarningSink = std::function<void(std::string_view)>;
 
-/// The default WarningSink: writes the line to stderr.
+/// The default WarningSink: writes "warning: <line>" to stderr.
 inline void warn_to_stderr(std::string_view line) {
-  std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+  std::fprintf(stderr, "warning: %.*s\n", static_cast<int>(line.size()), line.data());
 }
 
 /// A file a reader left out under OnCorrupt::skip, and why.

@@ -174,7 +174,7 @@ class IconFolder {
       } catch (const DataError& err) {
         if (options_.on_corrupt == OnCorrupt::throw_error) throw;
         skipped_.push_back({e.file, err.what()});
-        options_.warn(fmt::format("warning: skipping {} ({})", e.file.string(), err.what()));
+        options_.warn(fmt::format("skipping {} ({})", e.file.string(), err.what()));
         continue;
       }
       pixels_.push_back(std::move(px));

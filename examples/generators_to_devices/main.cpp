@@ -1,0 +1,369 @@
+// examples/generators_to_devices — 16 real time series, each a generator that yields one window
+// at a time, scheduled onto 8 devices (2 generators per device), one small forecaster trained on
+// every device's merged batch with gradients reduced across devices, weighted exactly by samples.
+//
+// Data: CSV files of Debian's python3-vega-datasets (read with loom::data::read_csv): hourly
+// temperatures (Seattle, San Francisco), daily Seattle weather, monthly stock prices (5 symbols)
+// and monthly US employment (6 sectors): 16 series of 68 to 8,759 values, z-scored with the mean
+// and deviation of their first 80 % (the training part); the last 20 % is held out.
+// Generator g walks its series' training part in time order and yields (window of the last
+// --window values, next value) pairs, one at a time (batch size 1); short series end early.
+// Loop, assembled from loom's public parts:
+//   --mode ranks (default): loom::spawn starts --devices ranks (or run under torchrun / mpirun);
+//     loom::RankScheduler gives rank r generators 2r and 2r+1 and merges their k-th windows into
+//     one 2-row batch (loom::CollateMerge); every rank runs the same number of steps
+//     (EndPolicy::drain: a rank whose series ended gets 0-row batches and contributes nothing);
+//     loom::Accumulator + loom::Reducer all-reduce the gradients over loom::GlooCommunicator,
+//     divided by the global sample count of the step (exact weighting when batches differ).
+//   --mode in-process: one process drives --devices logical devices with loom::Scheduler
+//     (a prefetching worker per generator); each device's batch is a micro-batch of one
+//     accumulation window, so the step's gradient is again the mean over all devices' samples.
+// Evaluation: every held-out window of every series, model vs the naive last-value forecast
+// (mean squared error in z-score units), summed over ranks.
+//
+// Run:   build/examples/generators_to_devices                   (8 local ranks)
+//        build/examples/generators_to_devices --mode in-process  (one process, 8 logical devices)
+// Output (rank 0): one line per epoch, then per-series errors and
+//        result: model_mse=M naive_mse=N ratio=R windows=W epochs=E seconds=S
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/torch.h>
+
+#include <loom/accumulate/accumulator.hpp>
+#include <loom/comm/gloo.hpp>
+#include <loom/comm/local.hpp>
+#include <loom/data/csv.hpp>
+#include <loom/dist/environment.hpp>
+#include <loom/dist/spawn.hpp>
+#include <loom/log/all.hpp>
+#include <loom/reduce/module.hpp>
+#include <loom/reduce/reducer.hpp>
+#include <loom/schedule/rank_scheduler.hpp>
+#include <loom/schedule/scheduler.hpp>
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string mode = "ranks";  // ranks | in-process
+  int devices = 8;
+  std::string data;            // vega-datasets folder; empty: loom::data::find_vega_datasets()
+  int window = 24;             // input values per sample
+  int64_t max_windows = 256;   // training windows per series and epoch (long series are strided)
+  double holdout = 0.2;        // last fraction of each series held out
+  int epochs = 6;
+  double lr = 2e-3;
+  int hidden = 64;
+  uint64_t seed = 1;
+};
+
+// ------------------------------------------------------------------------------------------------
+// The 16 series.
+// ------------------------------------------------------------------------------------------------
+struct Series {
+  std::string name;
+  std::vector<float> z;  // z-scored values (train-part mean and deviation)
+  int64_t train_end = 0; // values [0, train_end) are the training part
+};
+
+std::vector<Series> load_series(const Options& o) {
+  const fs::path dir = o.data.empty() ? loom::data::find_vega_datasets({LOOM_SOURCE_ROOT}) : fs::path(o.data);
+  std::vector<std::pair<std::string, std::vector<double>>> raw;
+  auto add = [&](std::string name, std::vector<double> v) { raw.emplace_back(std::move(name), std::move(v)); };
+  add("seattle-temps/temp", loom::data::read_csv(dir / "seattle-temps.csv").numeric_column("temp"));
+  add("sf-temps/temp", loom::data::read_csv(dir / "sf-temps.csv").numeric_column("temp"));
+  const auto weather = loom::data::read_csv(dir / "seattle-weather.csv");
+  for (const char* c : {"temp_max", "temp_min", "wind"}) add(fmt::format("seattle-weather/{}", c), weather.numeric_column(c));
+  for (auto& [symbol, prices] : loom::data::read_csv(dir / "stocks.csv").numeric_columns_by("symbol", "price"))
+    add("stocks/" + symbol, std::move(prices));
+  const auto jobs = loom::data::read_csv(dir / "us-employment.csv");
+  for (const char* c : {"nonfarm", "private", "goods_producing", "service_providing", "construction", "manufacturing"})
+    add(fmt::format("us-employment/{}", c), jobs.numeric_column(c));
+
+  std::vector<Series> out;
+  for (auto& [name, v] : raw) {
+    const auto n = static_cast<int64_t>(v.size());
+    const auto train_end = static_cast<int64_t>(std::floor(static_cast<double>(n) * (1.0 - o.holdout)));
+    if (train_end <= o.window + 1 || n - train_end < 1)
+      throw loom::DataError(fmt::format("series {} has {} values: too short for --window {} and --holdout {}", name, n, o.window,
+                                        o.holdout));
+    double mean = 0, sq = 0;
+    for (int64_t i = 0; i < train_end; ++i) mean += v[static_cast<std::size_t>(i)];
+    mean /= static_cast<double>(train_end);
+    for (int64_t i = 0; i < train_end; ++i) sq += std::pow(v[static_cast<std::size_t>(i)] - mean, 2);
+    const double sd = std::sqrt(sq / static_cast<double>(train_end));
+    if (!(sd > 0)) throw loom::DataError(fmt::format("series {} is constant over its training part", name));
+    Series s{name, {}, train_end};
+    s.z.reserve(v.size());
+    for (double x : v) s.z.push_back(static_cast<float>((x - mean) / sd));
+    out.push_back(std::move(s));
+  }
+  if (out.size() != 16) throw loom::DataError(fmt::format("{}: expected 16 series, found {}", dir.string(), out.size()));
+  return out;
+}
+
+/// The model's view of the window ending before position t: the last `w` values minus the last
+/// one (so the forecaster is translation-invariant); the target is x[t] minus the last value.
+/// Shape: input {w} float32, target {1} float32. The naive forecast is a target of 0.
+std::pair<torch::Tensor, torch::Tensor> window_at(const Series& s, int64_t t, int w) {
+  const float last = s.z[static_cast<std::size_t>(t - 1)];
+  torch::Tensor x = torch::empty({w}, torch::kFloat);
+  auto* p = x.data_ptr<float>();
+  for (int i = 0; i < w; ++i) p[i] = s.z[static_cast<std::size_t>(t - w + i)] - last;
+  return {x, torch::full({1}, s.z[static_cast<std::size_t>(t)] - last, torch::kFloat)};
+}
+
+/// A SampleGenerator (callable form): the training windows of one series in time order, strided
+/// so that at most `max_windows` come out per epoch; the start offset changes with the epoch.
+struct WindowGenerator {
+  const Series* series;
+  int window;
+  int64_t t;       // next target position
+  int64_t stride;
+
+  WindowGenerator(const Series& s, int w, int64_t max_windows, int64_t epoch, uint64_t seed) : series(&s), window(w) {
+    const int64_t first = w, count = s.train_end - first;  // targets in [w, train_end)
+    stride = std::max<int64_t>(1, (count + max_windows - 1) / max_windows);
+    t = first + static_cast<int64_t>((seed + static_cast<uint64_t>(epoch)) % static_cast<uint64_t>(stride));
+  }
+
+  std::optional<std::pair<torch::Tensor, torch::Tensor>> operator()() {
+    if (t >= series->train_end) return std::nullopt;
+    auto sample = window_at(*series, t, window);
+    t += stride;
+    return sample;
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Model: an MLP forecaster of the next change. Shape: in N x w float32, out N x 1 float32.
+// ------------------------------------------------------------------------------------------------
+torch::nn::Sequential make_forecaster(int w, int hidden) {
+  return torch::nn::Sequential(torch::nn::Linear(w, hidden), torch::nn::Tanh(), torch::nn::Linear(hidden, hidden),
+                               torch::nn::Tanh(), torch::nn::Linear(hidden, 1));
+}
+
+/// Squared errors of the model and of the naive forecast on the held-out windows of `series`,
+/// as a 16 x 3 float64 tensor [sum model, sum naive, count] (rows of other series are 0).
+torch::Tensor holdout_errors(torch::nn::Sequential& model, const std::vector<Series>& series, const std::vector<int>& mine, int w) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  torch::Tensor out = torch::zeros({static_cast<int64_t>(series.size()), 3}, torch::kDouble);
+  for (int g : mine) {
+    const Series& s = series[static_cast<std::size_t>(g)];
+    std::vector<torch::Tensor> xs, ys;
+    for (auto t = static_cast<int64_t>(s.z.size()) - 1; t >= s.train_end; --t) {
+      auto [x, y] = window_at(s, t, w);
+      xs.push_back(x);
+      ys.push_back(y);
+    }
+    const torch::Tensor x = torch::stack(xs), y = torch::stack(ys);
+    const torch::Tensor pred = model->forward(x);
+    out[g][0] = (pred - y).pow(2).sum().item<double>();
+    out[g][1] = y.pow(2).sum().item<double>();
+    out[g][2] = static_cast<double>(xs.size());
+  }
+  model->train();
+  return out;
+}
+
+template <class Log>
+void report(Log& log, const std::vector<Series>& series, const torch::Tensor& errors, int epochs, double seconds) {
+  for (std::size_t g = 0; g < series.size(); ++g) {
+    const auto e = errors[static_cast<int64_t>(g)];
+    const double n = e[2].item<double>();
+    log.info("  {:<32} held-out windows {:5.0f}  model_mse={:.4f}  naive_mse={:.4f}", series[g].name, n, e[0].item<double>() / n,
+             e[1].item<double>() / n);
+  }
+  const torch::Tensor total = errors.sum(0);
+  const double n = total[2].item<double>();
+  const double model_mse = total[0].item<double>() / n, naive_mse = total[1].item<double>() / n;
+  log.info("result: model_mse={:.5f} naive_mse={:.5f} ratio={:.4f} windows={:.0f} epochs={} seconds={:.1f}", model_mse, naive_mse,
+           naive_mse / model_mse, n, epochs, seconds);
+}
+
+double mse_step(torch::nn::Sequential& model, const loom::Batch& b, torch::Tensor* loss_out) {
+  const torch::Tensor loss = torch::nn::functional::mse_loss(
+      model->forward(b.data), b.targets, torch::nn::functional::MSELossFuncOptions().reduction(torch::kSum));
+  *loss_out = loss;
+  return loss.item<double>();
+}
+
+// ------------------------------------------------------------------------------------------------
+// --mode ranks: one process per device.
+// ------------------------------------------------------------------------------------------------
+template <class Comm>
+void run_ranks(Comm& comm, const loom::Environment& env, const Options& o, Clock::time_point start) {
+  const loom::RankInfo me = loom::rank_info(env);
+  loom::Logger log{loom::StreamSink{stdout}, me};
+  const std::vector<Series> series = load_series(o);
+  const int n = static_cast<int>(series.size());
+  log.info("generators_to_devices: {} series onto {} ranks ({} per rank), window {}, up to {} training windows per series", n,
+           env.world_size, n / env.world_size, o.window, o.max_windows);
+
+  torch::manual_seed(o.seed);
+  auto model = make_forecaster(o.window, o.hidden);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(o.lr));
+  loom::Reducer reducer(comm, loom::parameters_of(*model));
+  loom::Accumulator acc(reducer, {.micro_batches_per_step = 1});
+  const std::vector<int> mine = loom::generators_of(loom::Assignment::contiguous(), n, env.world_size, env.rank);
+
+  torch::Tensor errors = holdout_errors(model, series, mine, o.window);
+  comm.all_reduce(errors, loom::ReduceOp::sum);
+  const torch::Tensor total0 = errors.sum(0);
+  log.info("before training: model_mse={:.5f} naive_mse={:.5f}", (total0[0] / total0[2]).template item<double>(),
+           (total0[1] / total0[2]).template item<double>());
+
+  for (int epoch = 0; epoch < o.epochs; ++epoch) {
+    const auto t0 = Clock::now();
+    loom::RankScheduler<WindowGenerator, Comm> sched(
+        comm, n, [&](int g) { return WindowGenerator(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed); },
+        {.end = loom::EndPolicy::drain});
+    loom::WeightedMean train_loss;
+    int64_t steps = 0;
+    for (auto& db : sched) {
+      const loom::Batch& b = db.batch;
+      auto mb = acc.micro_batch(b);  // b.num_samples rows (2, 1 or 0 once this rank's series ended)
+      if (b.num_samples > 0) {
+        torch::Tensor loss;
+        train_loss.add(mse_step(model, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
+        loss.backward();
+      }  // a rank with no rows runs no backward: its gradient counts as zero, its samples as 0
+      if (mb.finish()) opt.step();
+      opt.zero_grad();
+      ++steps;
+    }
+    while (auto step = acc.end_epoch()) {
+      if (*step) opt.step();
+      opt.zero_grad();
+    }
+    const double loss = loom::global_mean(comm, train_loss);
+    errors = holdout_errors(model, series, mine, o.window);
+    comm.all_reduce(errors, loom::ReduceOp::sum);
+    const torch::Tensor total = errors.sum(0);
+    log.info("epoch {}/{}: steps={} train_loss={:.5f} holdout model_mse={:.5f} naive_mse={:.5f} seconds={:.1f}", epoch + 1, o.epochs,
+             steps, loss, (total[0] / total[2]).template item<double>(), (total[1] / total[2]).template item<double>(),
+             std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  report(log, series, errors, o.epochs, std::chrono::duration<double>(Clock::now() - start).count());
+}
+
+void rank_main(const loom::Environment& env, const Options& o, Clock::time_point start) {
+  if (env.world_size == 1) {
+    loom::LocalCommunicator comm;
+    run_ranks(comm, env, o, start);
+  } else {
+    loom::GlooCommunicator comm(env);
+    run_ranks(comm, env, o, start);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// --mode in-process: one process, `devices` logical devices.
+// ------------------------------------------------------------------------------------------------
+void run_in_process(const Options& o, Clock::time_point start) {
+  loom::LocalCommunicator comm;
+  const loom::RankInfo me{};
+  loom::Logger log{loom::StreamSink{stdout}, me};
+  const std::vector<Series> series = load_series(o);
+  const int n = static_cast<int>(series.size());
+  log.info("generators_to_devices: {} series onto {} logical devices in one process, window {}, up to {} training windows per series",
+           n, o.devices, o.window, o.max_windows);
+  torch::manual_seed(o.seed);
+  auto model = make_forecaster(o.window, o.hidden);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(o.lr));
+  loom::Reducer reducer(comm, loom::parameters_of(*model));
+  // One window per step: every device's batch is one micro-batch.
+  loom::Accumulator acc(reducer, {.micro_batches_per_step = o.devices});
+  std::vector<int> all(static_cast<std::size_t>(n));
+  for (int g = 0; g < n; ++g) all[static_cast<std::size_t>(g)] = g;
+
+  torch::Tensor errors = holdout_errors(model, series, all, o.window);
+  const torch::Tensor total0 = errors.sum(0);
+  log.info("before training: model_mse={:.5f} naive_mse={:.5f}", (total0[0] / total0[2]).item<double>(),
+           (total0[1] / total0[2]).item<double>());
+  for (int epoch = 0; epoch < o.epochs; ++epoch) {
+    const auto t0 = Clock::now();
+    std::vector<WindowGenerator> gens;
+    for (int g = 0; g < n; ++g) gens.emplace_back(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed);
+    loom::Scheduler sched(std::move(gens), {.num_devices = o.devices, .end = loom::EndPolicy::drain});
+    loom::WeightedMean train_loss;
+    int64_t steps = 0;
+    for (auto& step : sched) {
+      for (auto& db : step.devices) {  // device d's merged batch: rows from its 2 generators
+        const loom::Batch& b = db.batch;
+        auto mb = acc.micro_batch(b);
+        if (b.num_samples > 0) {
+          torch::Tensor loss;
+          train_loss.add(mse_step(model, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
+          loss.backward();
+        }
+        if (const loom::Step s = mb.finish(); s.boundary) {  // after the last device of the step
+          if (s) opt.step();
+          opt.zero_grad();
+        }
+      }
+      ++steps;
+    }
+    while (auto step = acc.end_epoch()) {
+      if (*step) opt.step();
+      opt.zero_grad();
+    }
+    errors = holdout_errors(model, series, all, o.window);
+    const torch::Tensor total = errors.sum(0);
+    log.info("epoch {}/{}: steps={} train_loss={:.5f} holdout model_mse={:.5f} naive_mse={:.5f} seconds={:.1f}", epoch + 1, o.epochs,
+             steps, train_loss.local_mean(), (total[0] / total[2]).item<double>(), (total[1] / total[2]).item<double>(),
+             std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  report(log, series, errors, o.epochs, std::chrono::duration<double>(Clock::now() - start).count());
+}
+
+int main(int argc, char** argv) {
+  const auto start = Clock::now();
+  Options o;
+  CLI::App app{"16 time-series generators onto 8 devices: a forecaster trained on per-device merged batches."};
+  app.add_option("--mode", o.mode, "ranks: one process per device; in-process: one process, logical devices")
+      ->check(CLI::IsMember({"ranks", "in-process"}));
+  app.add_option("--devices", o.devices, "devices (ranks, or logical devices in-process); must divide 16")
+      ->check(CLI::IsMember({1, 2, 4, 8, 16}));
+  app.add_option("--data", o.data, "folder of the vega-datasets CSV files (default: found automatically)");
+  app.add_option("--window", o.window, "past values per input")->check(CLI::Range(2, 64));
+  app.add_option("--max-windows", o.max_windows, "training windows per series and epoch")->check(CLI::PositiveNumber);
+  app.add_option("--holdout", o.holdout, "last fraction of each series held out")->check(CLI::Range(0.05, 0.5));
+  app.add_option("--epochs", o.epochs, "epochs")->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "Adam learning rate");
+  app.add_option("--hidden", o.hidden, "hidden units of the forecaster");
+  app.add_option("--seed", o.seed, "seed of the initial weights and window offsets");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (o.mode == "in-process") {
+      at::set_num_threads(1);
+      run_in_process(o, start);
+      return 0;
+    }
+    const loom::Environment env = loom::Environment::from_env();
+    if (env.launcher == loom::Launcher::none && o.devices > 1) {
+      loom::spawn(o.devices, [&](const loom::Environment& child) { rank_main(child, o, start); });
+    } else {
+      at::set_num_threads(1);
+      rank_main(env, o, start);
+    }
+  } catch (const loom::Error& e) {
+    fmt::print(stderr, "generators_to_devices: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

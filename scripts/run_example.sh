@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The README's main command: installs what is needed (scripts/setup.sh), builds the
+# finetune_icons example, and runs it with its defaults (2 ranks over Gloo on this machine).
+# Arguments after the script name go to the example, e.g. `scripts/run_example.sh --epochs 2`.
+#
+# Usage: scripts/run_example.sh [EXAMPLE_ARGS...]      (build folder: $LOOM_BUILD_DIR, default build/)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${LOOM_BUILD_DIR:-build}
+bash scripts/setup.sh "$build_dir"
+export CCACHE_DIR=${CCACHE_DIR:-$HOME/.ccache}
+ninja -C "$build_dir" examples/finetune_icons
+exec "$build_dir/examples/finetune_icons" --out "$build_dir/finetune_icons_out" "$@"
