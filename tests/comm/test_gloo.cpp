@@ -147,6 +147,16 @@ TEST_CASE("GlooCommunicator: async all-reduces complete in order and wait() is i
     auto w = comm.all_reduce_async(b, loom::ReduceOp::max);
     w.wait();
     expect(torch::equal(b, torch::full({8}, 2.0, torch::kBFloat16)), "bf16 async max");
+    // Copies share one pending state: avg divides once however many copies wait.
+    auto a = torch::full({4}, 2.0 * (env.rank + 1));
+    auto w1 = comm.all_reduce_async(a, loom::ReduceOp::avg);
+    auto w2 = w1;
+    w1.wait();
+    w2.wait();
+    expect(w2.is_completed() && torch::equal(a, torch::full({4}, 3.0)), "avg through two copies of a handle");
+    loom::GlooWork empty;
+    expect(empty.is_completed(), "an empty handle is complete");
+    empty.wait();
   }, spawn_opts());
 }
 
@@ -213,7 +223,7 @@ TEST_CASE("GlooCommunicator: a rank that exits before a collective gives the oth
     }, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(10)});
   } catch (const loom::SpawnError& e) {
     threw = true;
-    INFO(e.what());
+    MESSAGE(std::string(e.what()));
     REQUIRE(e.failed_rank() == 1);
     CHECK(e.failures().front().kind == loom::RankFailure::Kind::exit_code);
     CHECK(e.failures().front().code == 3);
@@ -227,7 +237,7 @@ TEST_CASE("GlooCommunicator: a rank that exits before a collective gives the oth
   CHECK(threw);
 }
 
-TEST_CASE("GlooCommunicator: a peer that never calls the collective: TimeoutError after the timeout") {
+TEST_CASE("GlooCommunicator: a peer that never calls the collective: TimeoutError from wait() after the timeout") {
   bool threw = false;
   try {
     loom::spawn(2, [](const loom::Environment& env) {
@@ -237,11 +247,17 @@ TEST_CASE("GlooCommunicator: a peer that never calls the collective: TimeoutErro
         return;
       }
       auto t = torch::ones({16});
-      comm.all_reduce(t, loom::ReduceOp::sum);
+      auto w = comm.all_reduce_async(t, loom::ReduceOp::sum);  // async: the timeout surfaces in wait()
+      try {
+        w.wait();
+      } catch (const loom::TimeoutError&) {
+        w.wait();  // a failed handle rethrows the same TimeoutError on every wait
+        throw std::runtime_error("the second wait() returned normally");
+      }
     }, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(10)});
   } catch (const loom::SpawnError& e) {
     threw = true;
-    INFO(e.what());
+    MESSAGE(std::string(e.what()));
     REQUIRE(e.failed_rank() == 0);
     CHECK(e.failures().size() == 1);
     CHECK(e.failures().front().message.find("all_reduce timed out on rank 0 after 2.") != std::string::npos);
@@ -296,4 +312,16 @@ TEST_CASE("GlooCommunicator under torchrun's agent store: every rank is a client
   // Both ranks checked in under torchrun's prefix (generation 0: the first rendezvous of each child).
   CHECK(agent->add("/worker/attempt_2/loom/rdzv/0/arrived", 0) == 2);
   CHECK(agent->add("loom/rdzv/0/arrived", 0) == 0);
+}
+
+TEST_CASE("GlooCommunicator for one process: no port is opened, collectives are the identity") {
+  loom::spawn(1, [](int) {
+    loom::GlooCommunicator comm(loom::Environment{}, {.timeout = kTestTimeout});  // rank 0 of 1, HashStore
+    auto t = torch::tensor({1.5, -2.0});
+    comm.all_reduce(t, loom::ReduceOp::avg);
+    expect(torch::equal(t, torch::tensor({1.5, -2.0})), "identity all_reduce");
+    auto g = comm.all_gather(t);
+    expect(g.size() == 1 && torch::equal(g[0], t), "identity all_gather");
+    comm.barrier();
+  }, spawn_opts());
 }

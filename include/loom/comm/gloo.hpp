@@ -55,6 +55,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -135,65 +136,78 @@ inline std::atomic<int>& gloo_generation() {
 }  // namespace detail
 
 /// A pending Gloo collective; `wait()` finishes it (and applies avg's division / bfloat16's
-/// copy-back). Models WorkHandle. Move-only in spirit (copies share the same collective).
+/// copy-back). Models WorkHandle. Copies share one pending state (like c10d::Work), so waiting on
+/// two copies finishes the collective once; after a failure every wait() rethrows the same error.
 ///
 /// Example: `auto w = comm.all_reduce_async(t, loom::ReduceOp::sum); ...; w.wait();`
 /// Throws (wait): loom::TimeoutError naming collective, rank and seconds; loom::CommError.
 class GlooWork {
  public:
+  /// An empty handle: already complete.
   GlooWork() = default;
 
   /// Blocks until the collective finished; idempotent.
   void wait() {
-    if (done_) return;
-    if (!work_) {
-      done_ = true;
-      return;
-    }
+    if (!state_) return;
+    State& s = *state_;
+    if (s.error) std::rethrow_exception(s.error);
+    if (s.done) return;
     const auto start = std::chrono::steady_clock::now();
     try {
       // Gloo enforces the timeout itself; the margin only guards against a stuck worker thread.
-      work_->wait(timeout_ + std::chrono::seconds(5));
+      s.work->wait(s.timeout + std::chrono::seconds(5));
+      s.done = true;
+      if (s.finish) s.finish();
     } catch (const std::exception& e) {
-      done_ = true;
-      fail(detail::exception_text(e), detail::seconds_since(start));
+      s.error = error_for(s, detail::exception_text(e), detail::seconds_since(start));
+      std::rethrow_exception(s.error);
     }
-    done_ = true;
-    if (finish_) finish_();
   }
 
   /// Whether wait() would return at once.
-  [[nodiscard]] bool is_completed() const { return done_ || !work_ || work_->isCompleted(); }
+  [[nodiscard]] bool is_completed() const {
+    return !state_ || state_->done || state_->error || state_->work->isCompleted();
+  }
 
  private:
   friend class GlooCommunicator;
+
+  struct State {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::string collective;
+    int rank = 0;
+    int world_size = 1;
+    std::chrono::milliseconds timeout{0};
+    std::function<void()> finish;
+    std::chrono::steady_clock::time_point issued{};
+    bool done = false;
+    std::exception_ptr error;
+  };
+
   GlooWork(c10::intrusive_ptr<c10d::Work> work, std::string collective, int rank, int world_size,
            std::chrono::milliseconds timeout, std::function<void()> finish)
-      : work_(std::move(work)), collective_(std::move(collective)), rank_(rank), world_size_(world_size),
-        timeout_(timeout), finish_(std::move(finish)), issued_(std::chrono::steady_clock::now()) {}
+      : state_(std::make_shared<State>(State{std::move(work), std::move(collective), rank, world_size, timeout,
+                                             std::move(finish), std::chrono::steady_clock::now(), false, nullptr})) {}
 
-  [[noreturn]] void fail(const std::string& text, double waited) const {
-    const double since_issue = detail::seconds_since(issued_);
-    const std::string where = fmt::format("rank {}/{} on {}", rank_, world_size_, detail::host_and_pid());
+  /// Turns a Gloo failure into loom's error: timeouts and vanished peers are TimeoutErrors.
+  static std::exception_ptr error_for(const State& s, const std::string& text, double waited) {
+    const double since_issue = detail::seconds_since(s.issued);
+    const std::string where = fmt::format("rank {}/{} on {}", s.rank, s.world_size, detail::host_and_pid());
     if (detail::mentions_timeout(text))
-      throw TimeoutError(collective_, rank_, since_issue,
-                         fmt::format("no answer from a peer within the {:.3f} s timeout ({}; Gloo: {})",
-                                     timeout_.count() / 1000.0, where, text));
+      return std::make_exception_ptr(TimeoutError(
+          s.collective, s.rank, since_issue,
+          fmt::format("no answer from a peer within the {:.3f} s timeout ({}; Gloo: {})", s.timeout.count() / 1000.0,
+                      where, text)));
     if (detail::mentions_peer_gone(text))
-      throw TimeoutError(collective_, rank_, since_issue,
-                         fmt::format("a peer closed its connection (it exited or crashed), so the collective "
-                                     "can never complete ({}; Gloo: {})", where, text));
-    throw CommError(fmt::format("{} failed on {} after {:.3f} s: {}", collective_, where, waited, text));
+      return std::make_exception_ptr(TimeoutError(
+          s.collective, s.rank, since_issue,
+          fmt::format("a peer closed its connection (it exited or crashed), so the collective can never complete "
+                      "({}; Gloo: {})", where, text)));
+    return std::make_exception_ptr(
+        CommError(fmt::format("{} failed on {} after {:.3f} s: {}", s.collective, where, waited, text)));
   }
 
-  c10::intrusive_ptr<c10d::Work> work_;
-  std::string collective_;
-  int rank_ = 0;
-  int world_size_ = 1;
-  std::chrono::milliseconds timeout_{0};
-  std::function<void()> finish_;
-  std::chrono::steady_clock::time_point issued_{};
-  bool done_ = false;
+  std::shared_ptr<State> state_;
 };
 
 /// A communicator over c10d's ProcessGroupGloo. Models AsyncCommunicator.

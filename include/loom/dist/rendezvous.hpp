@@ -16,6 +16,7 @@
 //     the torchrun agent already hosts the store at MASTER_ADDR:MASTER_PORT, so every rank, rank 0
 //     included, is a client; keys live under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", the
 //     prefix torchrun's own workers use, so each restart attempt starts from fresh keys.
+//   - world size 1 without an agent: an in-memory c10d HashStore, no port is opened.
 // Then every rank checks in ("loom/rdzv/<n>/..." keys, n counting the rendezvous of this process),
 // so the call returns on all ranks only when all have arrived.
 //
@@ -35,6 +36,7 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -124,6 +126,9 @@ inline void store_check_in(c10d::Store& store, const std::string& prefix, int ra
 inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, RendezvousOptions options = {}) {
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
     throw InvalidArgument(fmt::format("rendezvous: rank {} is outside [0, world size {})", env.rank, env.world_size));
+  // One process and no torchrun agent: nobody to meet, so no TCP port is taken (two single-process
+  // runs on one machine never collide on MASTER_PORT); an in-memory store serves the same API.
+  if (env.world_size == 1 && !env.use_agent_store) return c10::make_intrusive<c10d::HashStore>();
   const auto start = std::chrono::steady_clock::now();
   const bool host = env.rank == 0 && !env.use_agent_store;
 

@@ -215,6 +215,13 @@ inline std::string read_all(int fd) {
 inline void prepare_child(int rank, int nprocs, std::uint16_t port, const SpawnOptions& options, pid_t parent) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != parent) ::_exit(111);  // the parent died between fork and prctl
+  // Start from default signal handling, as an exec'd rank would: handlers installed by the parent
+  // (a test framework's crash reporter, an application's SIGTERM handler) belong to the parent.
+  for (int sig = 1; sig < NSIG; ++sig)
+    if (sig != SIGKILL && sig != SIGSTOP) ::signal(sig, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
   for (const char* v : {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
                         "TORCHELASTIC_MAX_RESTARTS"})
     ::unsetenv(v);

@@ -1,0 +1,244 @@
+// loom::spawn and spawn_command: variables seen by the ranks, every way a rank can fail, the overall
+// timeout, the fork rule (intra-op threads), and rendezvous timeouts.
+#include <loom/dist/rendezvous.hpp>
+#include <loom/dist/spawn.hpp>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+/// A fresh temporary folder, removed at scope exit: the ranks write files, the parent reads them.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string templ = (fs::temp_directory_path() / "loom-spawn-XXXXXX").string();
+    REQUIRE(mkdtemp(templ.data()) != nullptr);
+    path = templ;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  [[nodiscard]] std::string read(const std::string& name) const {
+    std::ifstream in(path / name);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+};
+
+void write_file(const fs::path& p, const std::string& text) {
+  std::ofstream out(p);
+  out << text;
+}
+
+}  // namespace
+
+TEST_CASE("RankFunction: what spawn accepts") {
+  auto by_rank = [](int) {};
+  auto by_env = [](const loom::Environment&) {};
+  auto neither = [](const std::string&) {};
+  static_assert(loom::RankFunction<decltype(by_rank)>);
+  static_assert(loom::RankFunction<decltype(by_env)>);
+  static_assert(!(loom::RankFunction<decltype(neither)>));
+  static_assert(!(loom::RankFunction<int>));
+}
+
+TEST_CASE("spawn: every rank runs once with torchrun's variables") {
+  TempDir dir;
+  const fs::path d = dir.path;
+  loom::spawn(3, [d](const loom::Environment& env) {
+    write_file(d / fmt::format("rank{}", env.rank),
+               fmt::format("{} {} {} {} {} {} {} {} {}", env.rank, env.world_size, env.local_rank, env.local_world_size,
+                           env.master_addr, env.master_port, to_string(env.launcher), std::getenv("OMP_NUM_THREADS"),
+                           at::get_num_threads()));
+  });
+  std::string port;
+  for (int r = 0; r < 3; ++r) {
+    std::istringstream in(dir.read(fmt::format("rank{}", r)));
+    int rank = -1, world = -1, lrank = -1, lworld = -1, threads = -1;
+    std::string addr, p, launcher, omp;
+    in >> rank >> world >> lrank >> lworld >> addr >> p >> launcher >> omp >> threads;
+    CHECK(rank == r);
+    CHECK(world == 3);
+    CHECK(lrank == r);
+    CHECK(lworld == 3);
+    CHECK(addr == "127.0.0.1");
+    CHECK(launcher == "torchrun");
+    CHECK(omp == "1");
+    CHECK(threads == 1);
+    CHECK(std::stoi(p) > 0);
+    if (r == 0) port = p;
+    CHECK(p == port);  // one MASTER_PORT for the whole job
+  }
+}
+
+TEST_CASE("spawn: children start with default signal handling, not the parent's handlers") {
+  // doctest installs crash handlers (SIGSEGV, SIGTERM, ...) in this process; a rank must not inherit them.
+  struct sigaction parent_action {};
+  sigaction(SIGTERM, nullptr, &parent_action);
+  const bool parent_has_handler = parent_action.sa_handler != SIG_DFL;
+  CHECK(parent_has_handler);  // otherwise this test proves nothing
+  loom::spawn(1, [](int) {
+    struct sigaction a {};
+    sigaction(SIGTERM, nullptr, &a);
+    if (a.sa_handler != SIG_DFL) throw std::runtime_error("SIGTERM handler inherited from the parent");
+    sigaction(SIGSEGV, nullptr, &a);
+    if (a.sa_handler != SIG_DFL) throw std::runtime_error("SIGSEGV handler inherited from the parent");
+  });
+}
+
+TEST_CASE("spawn: fn(int) form, one rank, and SpawnOptions::env") {
+  TempDir dir;
+  const fs::path d = dir.path;
+  loom::spawn(1, [d](int rank) { write_file(d / "one", fmt::format("{} {}", rank, std::getenv("LOOM_TEST_VALUE"))); },
+              {.env = {{"LOOM_TEST_VALUE", "forty-two"}}});
+  CHECK(dir.read("one") == "0 forty-two");
+  CHECK_THROWS_WITH_AS(loom::spawn(0, [](int) {}), "loom: spawn: nprocs = 0 (need >= 1)", loom::InvalidArgument);
+}
+
+TEST_CASE("spawn: an exception in one rank is reported with its type and text; the others are terminated") {
+  try {
+    loom::spawn(3, [](int rank) {
+      if (rank == 1) throw std::out_of_range("boom from rank 1");
+      std::this_thread::sleep_for(std::chrono::seconds(60));  // must be terminated, not waited for
+    }, {.timeout = std::chrono::seconds(50), .grace = std::chrono::milliseconds(200)});
+    FAIL("spawn did not throw");
+  } catch (const loom::SpawnError& e) {
+    INFO(e.what());
+    CHECK(e.failed_rank() == 1);
+    REQUIRE(e.failures().size() == 3);
+    CHECK(e.failures()[0].kind == loom::RankFailure::Kind::exception);
+    CHECK(e.failures()[0].message == "std::out_of_range: boom from rank 1");
+    CHECK(e.failures()[1].kind == loom::RankFailure::Kind::terminated);
+    CHECK(e.failures()[2].kind == loom::RankFailure::Kind::terminated);
+    CHECK(std::string(e.what()).rfind("loom: spawn: rank 1 threw std::out_of_range: boom from rank 1 (of 3 ranks)", 0) == 0);
+  }
+}
+
+TEST_CASE("spawn: a non-zero exit code and a signal are named") {
+  try {
+    loom::spawn(2, [](int rank) {
+      if (rank == 1) std::exit(7);
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+    }, {.grace = std::chrono::milliseconds(100)});
+    FAIL("spawn did not throw");
+  } catch (const loom::SpawnError& e) {
+    CHECK(e.failed_rank() == 1);
+    CHECK(e.failures()[0].kind == loom::RankFailure::Kind::exit_code);
+    CHECK(e.failures()[0].code == 7);
+    CHECK(std::string(e.what()).find("rank 1 exited with code 7") != std::string::npos);
+  }
+  try {
+    loom::spawn(2, [](int rank) {
+      if (rank == 0) std::raise(SIGSEGV);
+    });
+    FAIL("spawn did not throw");
+  } catch (const loom::SpawnError& e) {
+    CHECK(e.failed_rank() == 0);
+    CHECK(e.failures().size() == 1);  // rank 1 finished normally
+    CHECK(e.failures()[0].kind == loom::RankFailure::Kind::signal);
+    CHECK(e.failures()[0].code == SIGSEGV);
+    CHECK(std::string(e.what()).find("rank 0 was killed by signal SIGSEGV (11)") != std::string::npos);
+  }
+}
+
+TEST_CASE("spawn: the overall timeout terminates every rank and names the ones still running") {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    loom::spawn(2, [](int rank) {
+      if (rank == 1) {
+        // Ignores SIGTERM: spawn must escalate to SIGKILL.
+        std::signal(SIGTERM, SIG_IGN);
+      }
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+    }, {.timeout = std::chrono::milliseconds(500), .kill_after = std::chrono::milliseconds(300)});
+    FAIL("spawn did not throw");
+  } catch (const loom::TimeoutError& e) {
+    INFO(e.what());
+    CHECK(e.collective() == "spawn");
+    CHECK(e.seconds_waited() >= 0.5);
+    CHECK(std::string(e.what()).find("ranks [0, 1] of 2 were still running after the 0.500 s limit") != std::string::npos);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+}
+
+TEST_CASE("spawn: the fork rule: a parent that used the OpenMP pool, children with one thread each") {
+  // The parent runs a parallel ATen op on 2 threads first; children forked afterwards with more than
+  // one thread could hang in libgomp. With the default threads_per_rank = 1 they must finish.
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  auto x = torch::rand({512, 1024});
+  CHECK((x * 2 + 1).exp().sum().item<double>() > 0);
+  at::set_num_threads(before);
+  loom::spawn(2, [](int) {
+    if (at::get_num_threads() != 1) throw std::runtime_error("child has more than one intra-op thread");
+    auto y = torch::rand({512, 1024});
+    if (!((y * 2 + 1).exp().sum().item<double>() > 0)) throw std::runtime_error("bad sum");
+  }, {.timeout = std::chrono::seconds(60)});
+}
+
+TEST_CASE("spawn_command: the exec-based mode runs a program per rank") {
+  TempDir dir;
+  loom::spawn_command(2, {"/bin/sh", "-c", fmt::format("echo \"$RANK $WORLD_SIZE $MASTER_ADDR\" > {}/r$RANK", dir.path.string())});
+  CHECK(dir.read("r0") == "0 2 127.0.0.1\n");
+  CHECK(dir.read("r1") == "1 2 127.0.0.1\n");
+  try {
+    loom::spawn_command(2, {"/bin/sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60"},
+                        {.grace = std::chrono::milliseconds(100)});
+    FAIL("spawn_command did not throw");
+  } catch (const loom::SpawnError& e) {
+    CHECK(e.failed_rank() == 1);
+    CHECK(e.failures()[0].code == 3);
+    CHECK(e.failures()[1].kind == loom::RankFailure::Kind::terminated);
+  }
+  try {
+    loom::spawn_command(1, {"/nonexistent/loom-program"});
+    FAIL("spawn_command did not throw");
+  } catch (const loom::SpawnError& e) {
+    CHECK(e.failures()[0].message.find("exec of '/nonexistent/loom-program' failed") != std::string::npos);
+  }
+  CHECK_THROWS_AS(loom::spawn_command(1, {}), loom::InvalidArgument);
+}
+
+TEST_CASE("rendezvous: unreachable store and missing ranks are TimeoutErrors naming the rendezvous") {
+  // A port that is bound but not listening: nobody answers there.
+  auto [fd, port] = loom::detail::reserve_port();
+  loom::Environment client;
+  client.rank = 1;
+  client.world_size = 2;
+  client.master_port = port;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)loom::rendezvous(client, {.timeout = std::chrono::seconds(1)});
+    FAIL("rendezvous did not throw");
+  } catch (const loom::TimeoutError& e) {
+    INFO(e.what());
+    CHECK(e.collective() == "rendezvous");
+    CHECK(e.rank() == 1);
+    CHECK(std::string(e.what()).find(fmt::format("could not reach the store at 127.0.0.1:{} hosted by rank 0", port)) !=
+          std::string::npos);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(15));
+  close(fd);
+
+  // Rank 0 alone in a world of 2: hosts the store, then waits for rank 1 in vain.
+  loom::spawn(1, [](const loom::Environment& env0) {
+    loom::Environment env = env0;
+    env.world_size = 2;
+    try {
+      (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(1)});
+    } catch (const loom::TimeoutError& e) {
+      if (e.collective() != "rendezvous" || std::string(e.what()).find("1 of 2 ranks arrived") == std::string::npos)
+        throw;
+      return;
+    }
+    throw std::runtime_error("rendezvous returned without rank 1");
+  }, {.timeout = std::chrono::seconds(60)});
+  CHECK_THROWS_AS(loom::rendezvous(loom::Environment{.rank = 2, .world_size = 2}), loom::InvalidArgument);
+}
