@@ -13,6 +13,8 @@
 //   h2d_cuda_transfer_staged/BYTES     same from pageable memory (+ staging memcpy into pinned)
 //   h2d_scheduler_end_to_end/BYTES     Scheduler<..., StackMerge, CudaTransfer>: 64 generators,
 //                                      one step = merge (host copy) + staging + H2D; steady state
+//   h2d_scheduler_pinned_merge/BYTES   Scheduler<..., CollateMerge into a pinned BufferPool,
+//                                      CudaTransfer>: merge (host copy) + H2D, no staging
 //
 // Without a CUDA device every benchmark reports an error saying why (SkipWithError).
 #include <loom/config.hpp>
@@ -148,6 +150,37 @@ void BM_h2d_scheduler_end_to_end(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * per_sample * 4 * kGenerators);
 }
 BENCHMARK(BM_h2d_scheduler_end_to_end)->Name("h2d_scheduler_end_to_end")->Apply(byte_sizes);
+
+void BM_h2d_scheduler_pinned_merge(benchmark::State& state) {
+  if (!have_device(state)) return;
+  const int64_t bytes = state.range(0);
+  constexpr int kGenerators = 64;
+  const int64_t per_sample = bytes / 4 / kGenerators;
+  using Gen = std::function<std::optional<at::Tensor>()>;
+  std::vector<Gen> gens;
+  for (int g = 0; g < kGenerators; ++g) {
+    at::Tensor sample = at::full({per_sample}, static_cast<float>(g));
+    gens.emplace_back([sample]() -> std::optional<at::Tensor> { return sample; });
+  }
+  auto pinned = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = loom::cuda::pinned_empty});
+  loom::Scheduler<Gen, loom::CollateMerge<>, loom::cuda::CudaTransfer> sched(
+      std::move(gens), {.num_devices = 1, .prefetch_depth = 4, .num_workers = 1, .count_unread = false},
+      loom::CollateMerge<>{.options = {.pool = pinned}}, loom::cuda::CudaTransfer{});
+  auto consumer = c10::cuda::getCurrentCUDAStream(0);
+  for (auto _ : state) {
+    auto step = sched.next();
+    if (!step) {
+      state.SkipWithError("scheduler ended");
+      break;
+    }
+    consumer.synchronize();
+    benchmark::DoNotOptimize(step->devices[0].batch.data.data_ptr());
+  }
+  sched.stop();
+  state.SetBytesProcessed(state.iterations() * per_sample * 4 * kGenerators);
+  state.counters["pinned_buffers"] = static_cast<double>(pinned->allocations());
+}
+BENCHMARK(BM_h2d_scheduler_pinned_merge)->Name("h2d_scheduler_pinned_merge")->Apply(byte_sizes);
 #endif
 
 }  // namespace

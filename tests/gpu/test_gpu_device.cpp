@@ -510,6 +510,36 @@ TEST_CASE("Scheduler with CudaTransfer: batches arrive on the GPU, equal to the 
   CHECK(steps == 6);
   CHECK(transfer.staging().stats().host_allocs > 0);  // pageable StackMerge output was staged
 }
+
+TEST_CASE("Scheduler with CollateMerge into pinned memory and CudaTransfer: no staging copy") {
+  using Gen = std::function<std::optional<std::pair<at::Tensor, int64_t>>()>;
+  std::vector<Gen> gens;
+  for (int g = 0; g < 3; ++g)
+    gens.emplace_back([g, k = 0]() mutable -> std::optional<std::pair<at::Tensor, int64_t>> {
+      if (k == 5) return std::nullopt;
+      auto t = torch::arange(12, torch::kFloat).view({3, 4}) + static_cast<float>(g * 100 + k);
+      return std::make_pair(t, static_cast<int64_t>(g * 10 + k++));
+    });
+  auto pinned = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = loom::cuda::pinned_empty});
+  loom::CollateMerge<> merge{.options = {.pool = pinned}};
+  loom::cuda::CudaTransfer transfer;
+  loom::Scheduler<Gen, loom::CollateMerge<>, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 1}, merge, transfer);
+  int steps = 0;
+  for (auto& step : sched) {
+    auto& db = step.devices[0];
+    REQUIRE(db.batch.data.is_cuda());
+    const auto host = db.batch.data.cpu();
+    for (std::size_t r = 0; r < db.generators.size(); ++r) {
+      const int g = db.generators[r];
+      CHECK(torch::equal(host[static_cast<int64_t>(r)],
+                         torch::arange(12, torch::kFloat).view({3, 4}) + static_cast<float>(g * 100 + step.index)));
+    }
+    ++steps;
+  }
+  CHECK(steps == 5);
+  CHECK(transfer.staging().stats().host_allocs == 0);  // batches were collated into pinned memory
+  CHECK(pinned->allocations() > 0);
+}
 #else
 TEST_CASE("CUDA tensor tests need a LibTorch built with CUDA") {
   MESSAGE("LOOM_TORCH_HAS_CUDA is 0: NCCL-on-tensor and transfer_batch tests not built (raw-pointer tests ran)");

@@ -1,9 +1,6 @@
 // GPU path on a device: loom's Reducer and Accumulator on CUDA parameters over NCCL (world
 // size 1), checked against a float64 reference (relative error <= 1e-6 in float64, <= 1e-5 in
 // float32). Built only with a LibTorch that has CUDA; gpu_main.cpp skips without a device.
-//
-// In its own translation unit: loom/accumulate's loom::Step (a struct) and loom/schedule's
-// loom::Step<B> (a template) cannot be declared in one translation unit (reported; to be renamed).
 #include <chrono>
 #include <optional>
 #include <utility>
