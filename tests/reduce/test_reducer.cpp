@@ -371,3 +371,34 @@ TEST_CASE("parameters_of: nn::Module names and buffers; TorchScript module built
   CHECK(torch::allclose(jl.params[0].grad(), dz.t().matmul(x) / 2, 1e-6, 1e-7));
   CHECK(torch::allclose(jl.params[1].grad(), dz.sum(0) / 2, 1e-6, 1e-7));
 }
+
+TEST_CASE("detail::scale_and_check: the one-pass average and inf/NaN scan matches ATen's div_ and isfinite") {
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    for (std::int64_t n : {0, 1, 63, 64, 65, 1000, 300001}) {
+      auto t = torch::linspace(-3, 5, n, torch::kDouble).to(dtype);
+      auto ref = t.clone();
+      CHECK_FALSE(loom::detail::scale_and_check(t, 22.0, /*divide=*/true, /*check=*/true));
+      CHECK(torch::equal(t, ref / 22.0));  // bit-identical to a division
+      CHECK_FALSE(loom::detail::scale_and_check(t, 0.5, /*divide=*/false, true));
+      CHECK(torch::equal(t, ref / 22.0 * 0.5));
+      if (n == 0) continue;
+      for (double bad : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                         std::numeric_limits<double>::quiet_NaN()}) {
+        auto u = ref.clone();
+        u[n - 1] = bad;  // in the scalar tail or the last block
+        CHECK(loom::detail::scale_and_check(u, 3.0, true, true));
+        CHECK_FALSE(loom::detail::scale_and_check(u, 3.0, true, /*check=*/false));
+        auto v = ref.clone();
+        v[n / 2] = bad;
+        CHECK(loom::detail::scale_and_check(v, 1.0, false, true));
+      }
+    }
+  }
+  // A finite value that overflows when scaled is reported too (the step must be skipped).
+  auto big = torch::full({10}, 3e38f);
+  CHECK(loom::detail::scale_and_check(big, 10.0, false, true));
+  // Other layouts fall back to ATen ops.
+  auto strided = torch::arange(12, torch::kFloat).reshape({3, 4}).t();
+  CHECK_FALSE(loom::detail::scale_and_check(strided, 2.0, true, true));
+  CHECK(torch::equal(strided, torch::arange(12, torch::kFloat).reshape({3, 4}).t() / 2));
+}

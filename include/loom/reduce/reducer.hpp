@@ -65,6 +65,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -77,6 +79,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/function.h>
@@ -148,6 +151,58 @@ inline at::Tensor alias_into(const at::Tensor& flat, std::int64_t offset, const 
 inline bool aliases(const at::Tensor& g, const at::Tensor& view) {
   return g.defined() && g.data_ptr() == view.data_ptr() && g.scalar_type() == view.scalar_type() &&
          g.sizes() == view.sizes() && g.strides() == view.strides();
+}
+
+/// Scales a tensor in place (divides by `value` when `divide`, else multiplies) and, when `check`,
+/// returns whether any result is inf or NaN — in one pass over contiguous CPU float32/float64 memory
+/// (blocks of 64 elements the compiler vectorizes; non-finite = all exponent bits set), otherwise
+/// with two ATen ops. Division is kept (not a reciprocal multiply) so a mean is exactly rounded.
+template <class T, bool Divide>
+bool scale_block_loop(T* p, std::int64_t n, T value, bool check) {
+  using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+  constexpr Bits kExponent = static_cast<Bits>(sizeof(T) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
+  constexpr std::int64_t kBlock = 64;
+  Bits acc[kBlock] = {};
+  std::int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    T* q = p + i;
+    for (std::int64_t j = 0; j < kBlock; ++j) {
+      const T y = Divide ? q[j] / value : q[j] * value;
+      q[j] = y;
+      const Bits e = std::bit_cast<Bits>(y) & kExponent;
+      acc[j] = acc[j] > e ? acc[j] : e;
+    }
+  }
+  Bits worst = 0;
+  for (; i < n; ++i) {
+    const T y = Divide ? p[i] / value : p[i] * value;
+    p[i] = y;
+    const Bits e = std::bit_cast<Bits>(y) & kExponent;
+    worst = worst > e ? worst : e;
+  }
+  for (std::int64_t j = 0; j < kBlock; ++j) worst = worst > acc[j] ? worst : acc[j];
+  return check && worst == kExponent;
+}
+
+inline bool scale_and_check(at::Tensor& t, double value, bool divide, bool check) {
+  if (divide && value == 1.0) divide = false;
+  if (t.is_cpu() && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble)) {
+    if (!divide && value == 1.0 && !check) return false;
+    std::atomic<bool> bad{false};
+    AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "loom_scale_and_check", [&] {
+      scalar_t* p = t.data_ptr<scalar_t>();
+      const auto v = static_cast<scalar_t>(value);
+      at::parallel_for(0, t.numel(), std::int64_t{1} << 18, [&](std::int64_t begin, std::int64_t end) {
+        const bool found = divide ? scale_block_loop<scalar_t, true>(p + begin, end - begin, v, check)
+                                  : scale_block_loop<scalar_t, false>(p + begin, end - begin, v, check);
+        if (found) bad.store(true, std::memory_order_relaxed);
+      });
+    });
+    return bad.load();
+  }
+  if (divide) t.div_(value);
+  else if (value != 1.0) t.mul_(value);
+  return check && !std::isfinite(t.sum().item<double>());
 }
 
 /// Stand-in handle for a communicator without all_reduce_async (the call blocked already).
@@ -330,12 +385,11 @@ class ReducerState {
         b.factor.fill_(factor * wire_prescale_inverse(b));
         at::mul_out(b.flat, b.wire, b.factor);
         if (clip) sumsq_scaled += square(b.head.norm().item<double>());
-        else if (options_.skip_non_finite && !std::isfinite(b.head.sum().item<double>())) non_finite = true;
+        else if (scale_and_check(b.head, 1.0, false, options_.skip_non_finite)) non_finite = true;
       } else if (clip) {
         sumsq_raw += square(b.head.norm().item<double>());
-      } else {
-        scale(b.head, factor, grad_scale, denominator);
-        if (options_.skip_non_finite && !std::isfinite(b.head.sum().item<double>())) non_finite = true;
+      } else if (scale(b.head, factor, grad_scale, denominator, options_.skip_non_finite)) {
+        non_finite = true;
       }
     }
     if (clip && !no_samples) {
@@ -351,7 +405,7 @@ class ReducerState {
           } else if (coef < 1.0) {
             b.head.mul_(factor * coef);
           } else {
-            scale(b.head, factor, grad_scale, denominator);
+            scale(b.head, factor, grad_scale, denominator, false);
           }
         }
       }
@@ -581,12 +635,10 @@ class ReducerState {
   }
   double wire_prescale_inverse(const GradBucket& b) const { return 1.0 / wire_prescale(b); }
 
-  static void scale(at::Tensor& head, double factor, double grad_scale, double denominator) {
-    if (grad_scale == 1.0) {
-      if (denominator != 1.0) head.div_(denominator);  // exactly rounded, like a reference mean
-    } else if (factor != 1.0) {
-      head.mul_(factor);
-    }
+  // Averages (and unscales) one bucket in place; returns whether it holds inf/NaN (when check).
+  static bool scale(at::Tensor& head, double factor, double grad_scale, double denominator, bool check) {
+    if (grad_scale == 1.0) return scale_and_check(head, denominator, /*divide=*/true, check);  // exactly rounded mean
+    return scale_and_check(head, factor, /*divide=*/false, check);
   }
 
   void write_flags(GradBucket& b) {

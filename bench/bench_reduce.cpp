@@ -1,0 +1,372 @@
+// bench_reduce — gradient reduction over Gloo, 2 ranks on loopback, every variant in one run.
+//
+// reduce_resnet50/*: the 161 parameter tensors of torchvision's ResNet-50 (25,557,032 float32
+//   elements, 102.2 MB; shapes listed below), gradients already computed:
+//     per_tensor   one blocking all-reduce (and divide) per gradient tensor: the naive loop
+//     flat         one all-reduce of one preallocated flat buffer of the same bytes: the limit
+//     loom         loom::Reducer (25 MiB buckets, 1 MiB first, averaging, finiteness check) on
+//                  gradients marked ready by hand (mark_all_ready), so only the reduction is timed
+//   the same gradients delivered by a backward pass (a custom autograd function whose backward
+//   returns them), so that a reducer driven by autograd hooks can be compared:
+//     backward_only  the backward alone (AccumulateGrad adds into .grad): subtract it
+//     loom_hooks     loom::Reducer launched from its hooks during that backward
+//     ddp            c10d::Reducer (DistributedDataParallel's reducer; 25 MiB / 1 MiB buckets,
+//                    gradient_as_bucket_view) driven the way DDP's Python wrapper drives it
+// overlap_cnn/*: a small CNN's forward + backward + reduce step (batch 16 of 3x32x32, ~5.3 M
+//   parameters, 4 MiB buckets), reduction after backward (ReducerOptions::overlap = false) vs
+//   launched from hooks while backward runs.
+//
+// Method: loom::spawn starts 2 ranks; both run every benchmark with the same fixed iteration and
+// repetition counts (the collectives must match), after one untimed warm-up step; rank 0
+// reports wall time (real_time), algbw = bytes / time and busbw = algbw * 2(n-1)/n like
+// nccl-tests, and a ratio table at the end. Nothing is allocated in the timed loops except what the
+// variant itself allocates. One intra-op thread per rank. Run: build-dir/bench/bench_reduce.
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <loom/accumulate/accumulator.hpp>
+#include <loom/comm/gloo.hpp>
+#include <loom/dist/spawn.hpp>
+#include <loom/reduce/module.hpp>
+#include <loom/reduce/reducer.hpp>
+
+namespace {
+
+struct Shape {
+  const char* name;
+  std::vector<std::int64_t> sizes;
+};
+
+// torchvision resnet50(): conv1, bn1, then bottleneck blocks [3, 4, 6, 3] of widths 64..512
+// (conv1 1x1, conv2 3x3, conv3 1x1 expanding x4, a downsample in each layer's first block), fc.
+const std::vector<Shape>& resnet50_shapes() {
+  static const std::vector<Shape> shapes = {
+    {"conv1.weight", {64, 3, 7, 7}}, {"bn1.weight", {64}}, {"bn1.bias", {64}},
+    {"layer1.0.conv1.weight", {64, 64, 1, 1}}, {"layer1.0.bn1.weight", {64}}, {"layer1.0.bn1.bias", {64}},
+    {"layer1.0.conv2.weight", {64, 64, 3, 3}}, {"layer1.0.bn2.weight", {64}}, {"layer1.0.bn2.bias", {64}},
+    {"layer1.0.conv3.weight", {256, 64, 1, 1}}, {"layer1.0.bn3.weight", {256}}, {"layer1.0.bn3.bias", {256}},
+    {"layer1.0.downsample.0.weight", {256, 64, 1, 1}}, {"layer1.0.downsample.1.weight", {256}}, {"layer1.0.downsample.1.bias", {256}},
+    {"layer1.1.conv1.weight", {64, 256, 1, 1}}, {"layer1.1.bn1.weight", {64}}, {"layer1.1.bn1.bias", {64}},
+    {"layer1.1.conv2.weight", {64, 64, 3, 3}}, {"layer1.1.bn2.weight", {64}}, {"layer1.1.bn2.bias", {64}},
+    {"layer1.1.conv3.weight", {256, 64, 1, 1}}, {"layer1.1.bn3.weight", {256}}, {"layer1.1.bn3.bias", {256}},
+    {"layer1.2.conv1.weight", {64, 256, 1, 1}}, {"layer1.2.bn1.weight", {64}}, {"layer1.2.bn1.bias", {64}},
+    {"layer1.2.conv2.weight", {64, 64, 3, 3}}, {"layer1.2.bn2.weight", {64}}, {"layer1.2.bn2.bias", {64}},
+    {"layer1.2.conv3.weight", {256, 64, 1, 1}}, {"layer1.2.bn3.weight", {256}}, {"layer1.2.bn3.bias", {256}},
+    {"layer2.0.conv1.weight", {128, 256, 1, 1}}, {"layer2.0.bn1.weight", {128}}, {"layer2.0.bn1.bias", {128}},
+    {"layer2.0.conv2.weight", {128, 128, 3, 3}}, {"layer2.0.bn2.weight", {128}}, {"layer2.0.bn2.bias", {128}},
+    {"layer2.0.conv3.weight", {512, 128, 1, 1}}, {"layer2.0.bn3.weight", {512}}, {"layer2.0.bn3.bias", {512}},
+    {"layer2.0.downsample.0.weight", {512, 256, 1, 1}}, {"layer2.0.downsample.1.weight", {512}}, {"layer2.0.downsample.1.bias", {512}},
+    {"layer2.1.conv1.weight", {128, 512, 1, 1}}, {"layer2.1.bn1.weight", {128}}, {"layer2.1.bn1.bias", {128}},
+    {"layer2.1.conv2.weight", {128, 128, 3, 3}}, {"layer2.1.bn2.weight", {128}}, {"layer2.1.bn2.bias", {128}},
+    {"layer2.1.conv3.weight", {512, 128, 1, 1}}, {"layer2.1.bn3.weight", {512}}, {"layer2.1.bn3.bias", {512}},
+    {"layer2.2.conv1.weight", {128, 512, 1, 1}}, {"layer2.2.bn1.weight", {128}}, {"layer2.2.bn1.bias", {128}},
+    {"layer2.2.conv2.weight", {128, 128, 3, 3}}, {"layer2.2.bn2.weight", {128}}, {"layer2.2.bn2.bias", {128}},
+    {"layer2.2.conv3.weight", {512, 128, 1, 1}}, {"layer2.2.bn3.weight", {512}}, {"layer2.2.bn3.bias", {512}},
+    {"layer2.3.conv1.weight", {128, 512, 1, 1}}, {"layer2.3.bn1.weight", {128}}, {"layer2.3.bn1.bias", {128}},
+    {"layer2.3.conv2.weight", {128, 128, 3, 3}}, {"layer2.3.bn2.weight", {128}}, {"layer2.3.bn2.bias", {128}},
+    {"layer2.3.conv3.weight", {512, 128, 1, 1}}, {"layer2.3.bn3.weight", {512}}, {"layer2.3.bn3.bias", {512}},
+    {"layer3.0.conv1.weight", {256, 512, 1, 1}}, {"layer3.0.bn1.weight", {256}}, {"layer3.0.bn1.bias", {256}},
+    {"layer3.0.conv2.weight", {256, 256, 3, 3}}, {"layer3.0.bn2.weight", {256}}, {"layer3.0.bn2.bias", {256}},
+    {"layer3.0.conv3.weight", {1024, 256, 1, 1}}, {"layer3.0.bn3.weight", {1024}}, {"layer3.0.bn3.bias", {1024}},
+    {"layer3.0.downsample.0.weight", {1024, 512, 1, 1}}, {"layer3.0.downsample.1.weight", {1024}}, {"layer3.0.downsample.1.bias", {1024}},
+    {"layer3.1.conv1.weight", {256, 1024, 1, 1}}, {"layer3.1.bn1.weight", {256}}, {"layer3.1.bn1.bias", {256}},
+    {"layer3.1.conv2.weight", {256, 256, 3, 3}}, {"layer3.1.bn2.weight", {256}}, {"layer3.1.bn2.bias", {256}},
+    {"layer3.1.conv3.weight", {1024, 256, 1, 1}}, {"layer3.1.bn3.weight", {1024}}, {"layer3.1.bn3.bias", {1024}},
+    {"layer3.2.conv1.weight", {256, 1024, 1, 1}}, {"layer3.2.bn1.weight", {256}}, {"layer3.2.bn1.bias", {256}},
+    {"layer3.2.conv2.weight", {256, 256, 3, 3}}, {"layer3.2.bn2.weight", {256}}, {"layer3.2.bn2.bias", {256}},
+    {"layer3.2.conv3.weight", {1024, 256, 1, 1}}, {"layer3.2.bn3.weight", {1024}}, {"layer3.2.bn3.bias", {1024}},
+    {"layer3.3.conv1.weight", {256, 1024, 1, 1}}, {"layer3.3.bn1.weight", {256}}, {"layer3.3.bn1.bias", {256}},
+    {"layer3.3.conv2.weight", {256, 256, 3, 3}}, {"layer3.3.bn2.weight", {256}}, {"layer3.3.bn2.bias", {256}},
+    {"layer3.3.conv3.weight", {1024, 256, 1, 1}}, {"layer3.3.bn3.weight", {1024}}, {"layer3.3.bn3.bias", {1024}},
+    {"layer3.4.conv1.weight", {256, 1024, 1, 1}}, {"layer3.4.bn1.weight", {256}}, {"layer3.4.bn1.bias", {256}},
+    {"layer3.4.conv2.weight", {256, 256, 3, 3}}, {"layer3.4.bn2.weight", {256}}, {"layer3.4.bn2.bias", {256}},
+    {"layer3.4.conv3.weight", {1024, 256, 1, 1}}, {"layer3.4.bn3.weight", {1024}}, {"layer3.4.bn3.bias", {1024}},
+    {"layer3.5.conv1.weight", {256, 1024, 1, 1}}, {"layer3.5.bn1.weight", {256}}, {"layer3.5.bn1.bias", {256}},
+    {"layer3.5.conv2.weight", {256, 256, 3, 3}}, {"layer3.5.bn2.weight", {256}}, {"layer3.5.bn2.bias", {256}},
+    {"layer3.5.conv3.weight", {1024, 256, 1, 1}}, {"layer3.5.bn3.weight", {1024}}, {"layer3.5.bn3.bias", {1024}},
+    {"layer4.0.conv1.weight", {512, 1024, 1, 1}}, {"layer4.0.bn1.weight", {512}}, {"layer4.0.bn1.bias", {512}},
+    {"layer4.0.conv2.weight", {512, 512, 3, 3}}, {"layer4.0.bn2.weight", {512}}, {"layer4.0.bn2.bias", {512}},
+    {"layer4.0.conv3.weight", {2048, 512, 1, 1}}, {"layer4.0.bn3.weight", {2048}}, {"layer4.0.bn3.bias", {2048}},
+    {"layer4.0.downsample.0.weight", {2048, 1024, 1, 1}}, {"layer4.0.downsample.1.weight", {2048}}, {"layer4.0.downsample.1.bias", {2048}},
+    {"layer4.1.conv1.weight", {512, 2048, 1, 1}}, {"layer4.1.bn1.weight", {512}}, {"layer4.1.bn1.bias", {512}},
+    {"layer4.1.conv2.weight", {512, 512, 3, 3}}, {"layer4.1.bn2.weight", {512}}, {"layer4.1.bn2.bias", {512}},
+    {"layer4.1.conv3.weight", {2048, 512, 1, 1}}, {"layer4.1.bn3.weight", {2048}}, {"layer4.1.bn3.bias", {2048}},
+    {"layer4.2.conv1.weight", {512, 2048, 1, 1}}, {"layer4.2.bn1.weight", {512}}, {"layer4.2.bn1.bias", {512}},
+    {"layer4.2.conv2.weight", {512, 512, 3, 3}}, {"layer4.2.bn2.weight", {512}}, {"layer4.2.bn2.bias", {512}},
+    {"layer4.2.conv3.weight", {2048, 512, 1, 1}}, {"layer4.2.bn3.weight", {2048}}, {"layer4.2.bn3.bias", {2048}},
+    {"fc.weight", {1000, 2048}}, {"fc.bias", {1000}},
+  };
+  return shapes;
+}
+
+constexpr int kWorld = 2;
+constexpr int kIterations = 5;
+constexpr int kRepetitions = 3;
+loom::GlooCommunicator* g_comm = nullptr;
+
+std::vector<at::Tensor> make_tensors(bool requires_grad, float value) {
+  std::vector<at::Tensor> out;
+  for (const auto& s : resnet50_shapes()) {
+    auto t = torch::full(s.sizes, value);
+    out.push_back(requires_grad ? t.requires_grad_() : t);
+  }
+  return out;
+}
+
+std::int64_t resnet50_bytes() {
+  std::int64_t n = 0;
+  for (const auto& s : resnet50_shapes()) n += c10::multiply_integers(s.sizes);
+  return n * 4;
+}
+
+void set_bandwidth(benchmark::State& state, std::int64_t bytes) {
+  state.counters["bytes"] = static_cast<double>(bytes);
+  state.counters["algbw_GBps"] = benchmark::Counter(static_cast<double>(bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["busbw_GBps"] = benchmark::Counter(static_cast<double>(bytes) * 1e-9 * 2.0 * (kWorld - 1) / kWorld,
+                                                    benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// ---- reduce_resnet50: gradients already computed -------------------------------------------
+
+void per_tensor(benchmark::State& state) {
+  auto grads = make_tensors(false, 1e-3f);
+  auto step = [&] {
+    for (auto& g : grads) {
+      g_comm->all_reduce(g, loom::ReduceOp::sum);
+      g.div_(kWorld);
+    }
+  };
+  g_comm->barrier();
+  step();
+  for (auto _ : state) step();
+  set_bandwidth(state, resnet50_bytes());
+}
+
+void flat(benchmark::State& state) {
+  auto buffer = torch::full({resnet50_bytes() / 4}, 1e-3f);
+  g_comm->barrier();
+  g_comm->all_reduce(buffer, loom::ReduceOp::sum);
+  for (auto _ : state) g_comm->all_reduce(buffer, loom::ReduceOp::sum);
+  set_bandwidth(state, resnet50_bytes());
+}
+
+void loom_reducer(benchmark::State& state) {
+  auto params = make_tensors(true, 0.5f);
+  loom::Reducer reducer(*g_comm, {.params = params}, {.average = loom::Average::world_size});
+  auto step = [&] {
+    reducer.prepare_backward({.sync = true, .window_samples = 32});
+    reducer.mark_all_ready();
+    reducer.finish_window();
+  };
+  reducer.prepare_backward({.sync = false});  // gradients become bucket views
+  for (auto& p : params) p.mutable_grad().fill_(1e-3f);
+  g_comm->barrier();
+  step();  // warm-up; also the one-time bucket rebuild
+  step();
+  for (auto _ : state) step();
+  state.counters["buckets"] = static_cast<double>(reducer.bucket_params().size());
+  set_bandwidth(state, resnet50_bytes());
+}
+
+// ---- the same gradients from a backward pass ---------------------------------------------------
+
+std::vector<at::Tensor>* g_source = nullptr;
+
+// forward: a scalar that depends on every parameter; backward: hands out the precomputed gradients.
+struct GradSource : torch::autograd::Function<GradSource> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::TensorList params) {
+    return torch::zeros({}, params.front().options().requires_grad(false));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    return *g_source;
+  }
+};
+
+void backward_only(benchmark::State& state) {
+  auto params = make_tensors(true, 0.5f);
+  auto grads = make_tensors(false, 1e-3f);
+  g_source = &grads;
+  auto step = [&] { GradSource::apply(at::TensorList(params)).backward(); };
+  g_comm->barrier();
+  step();
+  for (auto _ : state) step();
+  set_bandwidth(state, resnet50_bytes());
+}
+
+void loom_hooks(benchmark::State& state) {
+  auto params = make_tensors(true, 0.5f);
+  auto grads = make_tensors(false, 1e-3f);
+  g_source = &grads;
+  loom::Reducer reducer(*g_comm, {.params = params}, {.average = loom::Average::world_size});
+  auto step = [&] {
+    reducer.prepare_backward({.sync = true, .window_samples = 32});
+    GradSource::apply(at::TensorList(params)).backward();
+    reducer.finish_window();
+  };
+  g_comm->barrier();
+  step();
+  step();
+  for (auto _ : state) step();
+  set_bandwidth(state, resnet50_bytes());
+}
+
+void ddp(benchmark::State& state) {
+  auto params = make_tensors(true, 0.5f);
+  auto grads = make_tensors(false, 1e-3f);
+  g_source = &grads;
+  // As torch.nn.parallel.DistributedDataParallel (1.13) sets it up: assignment in parameter
+  // order with [1 MiB, 25 MiB] caps, then buckets reversed.
+  const std::vector<bool> sparse(params.size(), false);
+  auto [indices, limits] = c10d::compute_bucket_assignment_by_size(params, {std::size_t{1} << 20, std::size_t{25} << 20}, sparse);
+  std::reverse(indices.begin(), indices.end());
+  std::reverse(limits.begin(), limits.end());
+  std::unordered_map<std::size_t, std::string> names;
+  for (std::size_t i = 0; i < params.size(); ++i) names[i] = resnet50_shapes()[i].name;
+  auto reducer = std::make_unique<c10d::Reducer>(params, indices, limits, g_comm->process_group(), sparse,
+                                                    /*bucket_bytes_cap=*/std::int64_t{25} << 20, /*find_unused_parameters=*/false,
+                                                    /*gradient_as_bucket_view=*/true, names,
+                                                    /*first_bucket_bytes_cap=*/std::int64_t{1} << 20);
+  auto step = [&] {
+    reducer->rebuild_buckets();
+    reducer->prepare_for_forward();
+    auto out = GradSource::apply(at::TensorList(params));
+    reducer->prepare_for_backward({out});
+    out.backward();  // DDP's hooks reduce; its end-of-backward callback waits for every bucket
+  };
+  g_comm->barrier();
+  step();
+  step();
+  for (auto _ : state) step();
+  set_bandwidth(state, resnet50_bytes());
+}
+
+// ---- overlap_cnn ------------------------------------------------------------------------------
+
+// Small convolutions, large fully connected layers: ~5.3 M parameters (21 MB of gradients), whose
+// largest gradients (fc) are ready first in backward while the convolutions' backward still runs.
+torch::nn::Sequential make_cnn() {
+  namespace nn = torch::nn;
+  torch::manual_seed(0);
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(3, 32, 3).padding(1)), nn::ReLU(), nn::MaxPool2d(2),   // 16x16
+                        nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1)), nn::ReLU(), nn::MaxPool2d(2),  // 8x8
+                        nn::Conv2d(nn::Conv2dOptions(64, 64, 3).padding(1)), nn::ReLU(),                    // 8x8
+                        nn::Flatten(), nn::Linear(64 * 8 * 8, 1024), nn::ReLU(), nn::Linear(1024, 1024), nn::ReLU(),
+                        nn::Linear(1024, 10));
+}
+
+void overlap_cnn(benchmark::State& state, bool overlap) {
+  auto net = make_cnn();
+  // 4 MiB buckets: fc1's 16 MiB gradient gets a bucket of its own that can leave before the
+  // convolutions' gradients exist (with 25 MiB it would share one with them).
+  loom::Reducer reducer(*g_comm, loom::parameters_of(*net), {.bucket_cap_bytes = 4 * loom::kMiB, .overlap = overlap});
+  loom::Accumulator acc(reducer);
+  auto x = torch::randn({16, 3, 32, 32});
+  auto y = torch::randint(0, 10, {16});
+  auto step = [&] {
+    acc.run(16, [&] {
+      torch::nn::functional::cross_entropy(net->forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+          .backward();
+    });
+  };
+  std::int64_t numel = 0;
+  for (const auto& p : net->parameters()) numel += p.numel();
+  g_comm->barrier();
+  step();
+  step();
+  for (auto _ : state) step();
+  state.counters["params"] = static_cast<double>(numel);
+  state.counters["buckets"] = static_cast<double>(reducer.bucket_params().size());
+}
+
+// ---- reporting ----------------------------------------------------------------------------------
+
+class NullReporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>&) override {}
+};
+
+// The console output plus the median real time (seconds per iteration) of each benchmark.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const auto& r : runs)
+      if (r.run_type == Run::RT_Aggregate && r.aggregate_name == "median")
+        median[r.run_name.function_name] = r.real_accumulated_time / static_cast<double>(r.iterations);
+  }
+  std::map<std::string, double> median;
+};
+
+void print_ratios(const std::map<std::string, double>& t) {
+  auto get = [&](const char* name) {
+    auto it = t.find(name);
+    return it == t.end() ? 0.0 : it->second;
+  };
+  const double per = get("reduce_resnet50/per_tensor"), fl = get("reduce_resnet50/flat"), lo = get("reduce_resnet50/loom");
+  const double bw = get("reduce_resnet50/backward_only"), hooks = get("reduce_resnet50/loom_hooks"), dd = get("reduce_resnet50/ddp");
+  const double after = get("overlap_cnn/after_backward"), over = get("overlap_cnn/overlapped");
+  std::printf("\nmedians (ms): per_tensor %.1f  flat %.1f  loom %.1f | backward_only %.1f  loom_hooks %.1f  ddp %.1f | cnn after %.1f  overlapped %.1f\n",
+              per * 1e3, fl * 1e3, lo * 1e3, bw * 1e3, hooks * 1e3, dd * 1e3, after * 1e3, over * 1e3);
+  if (lo > 0) {
+    std::printf("loom speed-up over per_tensor      : %.2fx (goal >= 2)\n", per / lo);
+    std::printf("loom speed relative to flat         : %.2fx (goal >= 0.9)\n", fl / lo);
+  }
+  if (hooks > 0) std::printf("loom_hooks speed relative to ddp    : %.2fx (goal >= 1; same backward in both)\n", dd / hooks);
+  if (hooks > bw && dd > bw)
+    std::printf("  reduction part (minus backward_only): loom %.1f ms, ddp %.1f ms -> %.2fx\n", (hooks - bw) * 1e3, (dd - bw) * 1e3,
+                (dd - bw) / (hooks - bw));
+  if (over > 0) std::printf("overlap_cnn: overlapped vs after_backward: %.2fx\n", after / over);
+}
+
+void register_all() {
+  auto add = [](const char* name, auto fn) {
+    benchmark::RegisterBenchmark(name, fn)
+        ->Iterations(kIterations)
+        ->Repetitions(kRepetitions)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  };
+  add("reduce_resnet50/per_tensor", per_tensor);
+  add("reduce_resnet50/flat", flat);
+  add("reduce_resnet50/loom", loom_reducer);
+  add("reduce_resnet50/backward_only", backward_only);
+  add("reduce_resnet50/loom_hooks", loom_hooks);
+  add("reduce_resnet50/ddp", ddp);
+  add("overlap_cnn/after_backward", [](benchmark::State& s) { overlap_cnn(s, false); });
+  add("overlap_cnn/overlapped", [](benchmark::State& s) { overlap_cnn(s, true); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  loom::spawn(kWorld, [&](const loom::Environment& env) {
+    std::vector<char*> argv_copy;
+    for (auto& a : args) argv_copy.push_back(a.data());
+    int argc_copy = static_cast<int>(argv_copy.size());
+    benchmark::Initialize(&argc_copy, argv_copy.data());
+    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(120), .check_metadata = false});
+    g_comm = &comm;
+    register_all();
+    if (env.rank == 0) {
+      RatioReporter reporter;
+      benchmark::RunSpecifiedBenchmarks(&reporter);
+      print_ratios(reporter.median);
+    } else {
+      NullReporter quiet;
+      benchmark::RunSpecifiedBenchmarks(&quiet);
+    }
+    comm.barrier();
+    g_comm = nullptr;
+  }, {.timeout = std::chrono::minutes(20)});
+  return 0;
+}
