@@ -21,6 +21,9 @@
 // reports wall time (real_time), algbw = bytes / time and busbw = algbw * 2(n-1)/n like
 // nccl-tests, and a ratio table at the end. Nothing is allocated in the timed loops except what the
 // variant itself allocates. One intra-op thread per rank. Run: build-dir/bench/bench_reduce.
+//
+// `bench_reduce --overhead=loom|hand` runs one of the two training loops compared by instruction
+// count in scripts/callgrind_overhead.sh (one process, no benchmark framework).
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -33,6 +36,7 @@
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/gloo.hpp>
+#include <loom/comm/local.hpp>
 #include <loom/dist/spawn.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
@@ -345,10 +349,116 @@ void register_all() {
   add("overlap_cnn/overlapped", [](benchmark::State& s) { overlap_cnn(s, true); });
 }
 
+// ---- composition overhead under callgrind (scripts/callgrind_overhead.sh) ------------------------
+//
+// Both loops train the same MLP (128 -> 256 -> 10, float32, cross-entropy summed over 32 samples)
+// for 40 micro-batches, an optimizer step every 4, on one process. The hand-written loop does the
+// same tensor work as loom: gradients are views into one flat buffer, and at each boundary the
+// buffer is divided by the sample count and scanned for inf/NaN with the same kernel
+// (loom::detail::scale_and_check); what it leaves out is loom itself (hooks, buckets and flags,
+// the sample-count collective on a LocalCommunicator, the accumulator's bookkeeping and Step).
+
+struct OverheadData {
+  std::vector<at::Tensor> xs, ys;
+  OverheadData() {
+    torch::manual_seed(1);
+    for (int i = 0; i < 48; ++i) {
+      xs.push_back(torch::randn({32, 128}));
+      ys.push_back(torch::randint(0, 10, {32}));
+    }
+  }
+};
+
+torch::nn::Sequential make_mlp() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(128, 256), torch::nn::ReLU(), torch::nn::Linear(256, 10));
+}
+
+at::Tensor mlp_loss(torch::nn::Sequential& net, const at::Tensor& x, const at::Tensor& y) {
+  return torch::nn::functional::cross_entropy(net->forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+}
+
+constexpr int kOverheadFirst = 8, kOverheadMicroBatches = 40, kOverheadK = 4;
+
+}  // namespace
+
+extern "C" __attribute__((noinline)) void loom_overhead_loom_loop(torch::nn::Sequential& net, OverheadData& data,
+                                                                   loom::Accumulator<loom::Reducer<loom::LocalCommunicator>>& acc,
+                                                                   torch::optim::SGD& sgd) {
+  for (int i = kOverheadFirst; i < kOverheadFirst + kOverheadMicroBatches; ++i) {
+    auto step = acc.run(32, [&] { mlp_loss(net, data.xs[i], data.ys[i]).backward(); });
+    if (step) sgd.step();
+    if (step.boundary) sgd.zero_grad();
+  }
+}
+
+extern "C" __attribute__((noinline)) void loom_overhead_hand_loop(torch::nn::Sequential& net, OverheadData& data, at::Tensor& flat,
+                                                                   torch::optim::SGD& sgd) {
+  std::int64_t samples = 0;
+  for (int i = kOverheadFirst; i < kOverheadFirst + kOverheadMicroBatches; ++i) {
+    mlp_loss(net, data.xs[i], data.ys[i]).backward();
+    samples += 32;
+    if ((i + 1) % kOverheadK == 0) {
+      const bool bad = loom::detail::scale_and_check(flat, static_cast<double>(samples), /*divide=*/true, /*check=*/true);
+      if (!bad) sgd.step();
+      sgd.zero_grad();
+      samples = 0;
+    }
+  }
+}
+
+namespace {
+
+int run_overhead(const std::string& which) {
+  at::set_num_threads(1);
+  OverheadData data;
+  auto net = make_mlp();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01));
+  double checksum = 0;
+  if (which == "loom") {
+    loom::LocalCommunicator comm;
+    loom::Reducer reducer(comm, loom::parameters_of(*net));
+    loom::Accumulator acc(reducer, {.micro_batches_per_step = kOverheadK});
+    for (int i = 0; i < kOverheadFirst; ++i) {  // warm-up (and the one-time bucket rebuild)
+      auto step = acc.run(32, [&] { mlp_loss(net, data.xs[i], data.ys[i]).backward(); });
+      if (step) sgd.step();
+      if (step.boundary) sgd.zero_grad();
+    }
+    loom_overhead_loom_loop(net, data, acc, sgd);
+  } else if (which == "hand") {
+    std::int64_t total = 0;
+    for (const auto& p : net->parameters()) total += p.numel();
+    auto flat = torch::zeros({total});
+    std::int64_t offset = 0;
+    for (auto& p : net->parameters()) {
+      p.mutable_grad() = torch::empty({0}).set_(flat.storage(), offset, p.sizes(), p.strides());
+      offset += p.numel();
+    }
+    std::int64_t samples = 0;
+    for (int i = 0; i < kOverheadFirst; ++i) {  // warm-up
+      mlp_loss(net, data.xs[i], data.ys[i]).backward();
+      samples += 32;
+      if ((i + 1) % kOverheadK == 0) {
+        if (!loom::detail::scale_and_check(flat, static_cast<double>(samples), true, true)) sgd.step();
+        sgd.zero_grad();
+        samples = 0;
+      }
+    }
+    loom_overhead_hand_loop(net, data, flat, sgd);
+  } else {
+    std::fprintf(stderr, "bench_reduce: --overhead=loom or --overhead=hand\n");
+    return 2;
+  }
+  for (const auto& p : net->parameters()) checksum += p.sum().item<double>();
+  std::printf("overhead loop '%s' done; parameter checksum %.9g\n", which.c_str(), checksum);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);
+  if (argc == 2 && args[1].rfind("--overhead=", 0) == 0) return run_overhead(args[1].substr(11));
   loom::spawn(kWorld, [&](const loom::Environment& env) {
     std::vector<char*> argv_copy;
     for (auto& a : args) argv_copy.push_back(a.data());

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Composition overhead of loom::Accumulator + loom::Reducer, by instruction count under callgrind
+# (deterministic, unlike wall time on a shared machine).
+#
+# Runs `bench_reduce --overhead=loom` and `--overhead=hand` under valgrind --tool=callgrind,
+# collecting only inside loom_overhead_loom_loop / loom_overhead_hand_loop (the same 40
+# micro-batches of an MLP, an optimizer step every 4; see bench/bench_reduce.cpp), and prints the
+# two instruction counts and their ratio. Goal: loom / hand <= 1.01.
+#
+# Usage: scripts/callgrind_overhead.sh [BUILD_DIR]   (default: build; builds bench/bench_reduce)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${1:-build}
+command -v valgrind >/dev/null || { echo "valgrind is not installed (apt-get install valgrind)" >&2; exit 1; }
+ninja -C "$build_dir" bench/bench_reduce >/dev/null
+exe="$build_dir/bench/bench_reduce"
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+# Debian's libtorch pulls in libhwy (libtorch_cpu -> opencv/ffmpeg -> libjxl -> libhwy), whose
+# static initialiser calls hwy::platform::TimerResolution(), which executes RDTSCP; valgrind 3.19
+# stops there with SIGILL when the CPU does not advertise RDTSCP (virtual machines). A preloaded
+# stand-in for that one function (it only calibrates a timer) lets the program start under valgrind.
+preload=""
+if ldd "$exe" | grep -q libhwy; then
+  printf '#include <stdint.h>\nuint64_t _ZN3hwy8platform15TimerResolutionEv(void) { return 1; }\n' >"$out/hwy_timer.c"
+  cc -shared -fPIC -O1 -o "$out/hwy_timer.so" "$out/hwy_timer.c"
+  preload="$out/hwy_timer.so"
+fi
+
+count() {  # $1 = loom | hand
+  local fn="loom_overhead_$1_loop"
+  LD_PRELOAD="$preload" OMP_NUM_THREADS=1 valgrind --tool=callgrind --collect-atstart=no --toggle-collect="$fn" \
+    --callgrind-out-file="$out/$1.out" "$exe" --overhead="$1" >"$out/$1.log" 2>&1 || {
+    cat "$out/$1.log" >&2
+    exit 1
+  }
+  # "events: Ir" then "summary: N" in the output file.
+  awk '/^summary:/ {print $2}' "$out/$1.out"
+}
+
+loom=$(count loom)
+hand=$(count hand)
+ratio=$(awk -v a="$loom" -v b="$hand" 'BEGIN {printf "%.4f", a / b}')
+echo "instructions (Ir) in the measured loop:"
+printf '  hand-written loop : %15s\n' "$hand"
+printf '  accumulator+reducer: %14s\n' "$loom"
+echo "  ratio loom / hand  : $ratio (goal <= 1.01)"
+awk -v r="$ratio" 'BEGIN {exit !(r <= 1.01)}' && echo "goal met" || echo "goal NOT met"
