@@ -54,7 +54,7 @@ inline std::vector<RefBatch> map_and_stack(const std::vector<std::pair<torch::Te
   return out;
 }
 
-/// Pads `samples` (given indices) to `padded` with torch ops: full(pad) then slice-assign; mask likewise.
+/// Pads `samples` (given indices) to `padded` with torch ops: full(pad), then copy into narrowed views; mask likewise.
 inline RefBatch pad_with_torch(const std::vector<torch::Tensor>& samples, const std::vector<int64_t>& indices,
                                const std::vector<int64_t>& padded, double pad_value) {
   std::vector<int64_t> sizes{static_cast<int64_t>(indices.size())};
@@ -65,10 +65,14 @@ inline RefBatch pad_with_torch(const std::vector<torch::Tensor>& samples, const 
   b.mask = torch::zeros(sizes, torch::kBool);
   for (std::size_t r = 0; r < indices.size(); ++r) {
     const torch::Tensor& s = samples[static_cast<std::size_t>(indices[r])];
-    std::vector<torch::indexing::TensorIndex> idx{static_cast<int64_t>(r)};
-    for (int64_t d = 0; d < s.dim(); ++d) idx.emplace_back(torch::indexing::Slice(0, s.size(d)));
-    b.data.index_put_(idx, s);
-    b.mask.index_put_(idx, true);
+    torch::Tensor data_row = b.data[static_cast<int64_t>(r)];
+    torch::Tensor mask_row = b.mask[static_cast<int64_t>(r)];
+    for (int64_t d = 0; d < s.dim(); ++d) {
+      data_row = data_row.narrow(d, 0, s.size(d));
+      mask_row = mask_row.narrow(d, 0, s.size(d));
+    }
+    data_row.copy_(s);
+    mask_row.fill_(true);
   }
   b.indices = indices;
   return b;

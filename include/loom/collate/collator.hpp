@@ -40,6 +40,7 @@
 #include <cstring>
 #include <deque>
 #include <optional>
+#include <initializer_list>
 #include <span>
 #include <type_traits>
 #include <utility>
@@ -181,12 +182,39 @@ inline std::vector<int64_t> with_leading(int64_t n, c10::IntArrayRef rest) {
   return v;
 }
 
-/// Where batch storage comes from: a pool, else an allocator, else at::empty.
+/// One tensor to carve from a batch buffer.
+struct StoragePart {
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype;
+  at::Tensor* out;
+};
+
+/// Where batch storage comes from: a pool, else an allocator, else at::empty. A batch's data,
+/// mask and targets are carved from one buffer (one allocation or pool hit per batch), each part
+/// starting at a 64-byte boundary.
 struct StorageSource {
   std::shared_ptr<BufferPool> pool;
   BatchAllocator allocate;
-  at::Tensor get(c10::IntArrayRef sizes, c10::ScalarType dtype) const {
-    return pool ? pool->acquire(sizes, dtype) : allocate_checked(allocate, sizes, dtype);
+
+  void get(std::initializer_list<StoragePart> parts) const { get(std::span<const StoragePart>(parts.begin(), parts.size())); }
+
+  void get(std::span<const StoragePart> parts) const {
+    int64_t total = 0;
+    for (const StoragePart& p : parts) total += (part_bytes(p) + 63) / 64 * 64;
+    const at::Tensor block = pool ? pool->acquire_bytes(total) : allocate_checked(allocate, {total}, c10::ScalarType::Byte);
+    int64_t offset = 0;
+    for (const StoragePart& p : parts) {
+      const int64_t bytes = part_bytes(p);
+      *p.out = block.narrow(0, offset, bytes).view(p.dtype).view(p.sizes);
+      offset += (bytes + 63) / 64 * 64;
+    }
+  }
+
+ private:
+  static int64_t part_bytes(const StoragePart& p) {
+    int64_t n = 1;
+    for (int64_t s : p.sizes) n *= s;
+    return n * static_cast<int64_t>(c10::elementSize(p.dtype));
   }
 };
 
@@ -205,7 +233,7 @@ TargetValue to_target_value(T&& t, int64_t index) {
     v.kind = TargetValue::Kind::none;
   } else if constexpr (std::same_as<U, at::Tensor>) {
     if (!t.defined()) throw InvalidArgument(fmt::format("sample {}: its target tensor is undefined", index));
-    if (!t.device().is_cpu())
+    if (!t.is_cpu())
       throw InvalidArgument(fmt::format("sample {}: its target is on {}, a collator works on CPU tensors", index, t.device().str()));
     v.kind = TargetValue::Kind::tensor;
     v.tensor = t.is_contiguous() ? t : t.contiguous();
@@ -257,7 +285,7 @@ class BucketCollator {
     ++position_;
     const at::Tensor& raw = proj_.data(sample);
     if (!raw.defined()) throw InvalidArgument(fmt::format("sample {}: its data tensor is undefined", index));
-    if (!raw.device().is_cpu())
+    if (!raw.is_cpu())
       throw InvalidArgument(fmt::format("sample {}: its data is on {}, a collator works on CPU tensors", index, raw.device().str()));
     auto id = planner_.bucket_of(index, raw.sizes());
     if (!id) return;  // oversize, skipped and counted
@@ -270,7 +298,8 @@ class BucketCollator {
     if (bucket.fixed) {
       const BucketPlanner::Placement p = planner_.place(*id, index, raw.sizes(), emitter());
       if (p.slot == 0) open_fixed(st, bucket, target);
-      const at::Tensor src = raw.is_contiguous() ? raw : raw.contiguous();
+      at::Tensor made_contiguous;
+      const at::Tensor& src = raw.is_contiguous() ? raw : (made_contiguous = raw.contiguous());
       detail::write_row(st.data_ptr + static_cast<std::size_t>(p.slot) * st.row_bytes,
                         st.mask_ptr == nullptr ? nullptr : st.mask_ptr + static_cast<std::size_t>(p.slot) * st.row_numel, src,
                         bucket.key, st.pad);
@@ -365,26 +394,30 @@ class BucketCollator {
   }
 
   void open_fixed(Store& st, const BucketPlanner::Bucket& b, const detail::TargetValue& t) {
-    const std::vector<int64_t> sizes = detail::with_leading(b.capacity, b.key);
-    st.data = storage_.get(sizes, st.dtype);
-    st.data_ptr = static_cast<std::byte*>(st.data.data_ptr());
+    open_batch(st, b.capacity, b.key, t.kind == detail::TargetValue::Kind::none ? nullptr : &t);
     st.row_numel = static_cast<std::size_t>(b.fixed_numel);
     st.row_bytes = st.row_numel * c10::elementSize(st.dtype);
-    if (padded_ && mask_) {
-      st.mask = storage_.get(sizes, c10::ScalarType::Bool);
-      st.mask_ptr = static_cast<bool*>(st.mask.data_ptr());
-    }
-    open_targets(st, b.capacity, t);
   }
 
-  void open_targets(Store& st, int64_t rows, const detail::TargetValue& t) {
-    if (t.kind == detail::TargetValue::Kind::integer) {
-      st.targets = storage_.get({rows}, c10::ScalarType::Long);
-      st.target_row_bytes = sizeof(int64_t);
-    } else if (t.kind == detail::TargetValue::Kind::tensor) {
-      st.targets = storage_.get(detail::with_leading(rows, st.target_shape), st.target_dtype);
-      st.target_row_bytes = static_cast<std::size_t>(t.tensor.nbytes());
+  // Carves data (rows x padded), mask (padded collators with mask) and targets from one buffer.
+  void open_batch(Store& st, int64_t rows, c10::IntArrayRef padded, const detail::TargetValue* t) {
+    std::vector<int64_t> sizes = detail::with_leading(rows, padded);
+    const bool with_mask = padded_ && mask_;
+    if (t == nullptr) {
+      if (with_mask) storage_.get({{sizes, st.dtype, &st.data}, {sizes, c10::ScalarType::Bool, &st.mask}});
+      else storage_.get({{sizes, st.dtype, &st.data}});
+    } else {
+      const bool integer = t->kind == detail::TargetValue::Kind::integer;
+      std::vector<int64_t> tsizes = integer ? std::vector<int64_t>{rows} : detail::with_leading(rows, st.target_shape);
+      const c10::ScalarType tdtype = integer ? c10::ScalarType::Long : st.target_dtype;
+      if (with_mask)
+        storage_.get({{sizes, st.dtype, &st.data}, {sizes, c10::ScalarType::Bool, &st.mask}, {tsizes, tdtype, &st.targets}});
+      else
+        storage_.get({{sizes, st.dtype, &st.data}, {tsizes, tdtype, &st.targets}});
+      st.target_row_bytes = integer ? sizeof(int64_t) : static_cast<std::size_t>(t->tensor.nbytes());
     }
+    st.data_ptr = static_cast<std::byte*>(st.data.data_ptr());
+    st.mask_ptr = st.mask.defined() ? static_cast<bool*>(st.mask.data_ptr()) : nullptr;
     st.target_ptr = st.targets.defined() ? static_cast<std::byte*>(st.targets.data_ptr()) : nullptr;
   }
 
@@ -394,13 +427,17 @@ class BucketCollator {
     else if (t.kind == detail::TargetValue::Kind::tensor) std::memcpy(dst, t.tensor.data_ptr(), st.target_row_bytes);
   }
 
-  static void release_open(Store& st) {
+  static void reset_buffers(Store& st) {
     st.data = at::Tensor();
     st.mask = at::Tensor();
     st.targets = at::Tensor();
     st.data_ptr = nullptr;
     st.mask_ptr = nullptr;
     st.target_ptr = nullptr;
+  }
+
+  static void release_open(Store& st) {
+    reset_buffers(st);
     st.pending.clear();
     st.pending_targets.clear();
   }
@@ -421,28 +458,22 @@ class BucketCollator {
       batch.data = whole ? std::move(st.data) : st.data.narrow(0, 0, count);
       if (st.mask.defined()) batch.mask = whole ? std::move(st.mask) : st.mask.narrow(0, 0, count);
       if (st.targets.defined()) batch.targets = whole ? std::move(st.targets) : st.targets.narrow(0, 0, count);
-      release_open(st);
+      reset_buffers(st);
     } else {
-      const std::vector<int64_t> sizes = detail::with_leading(count, padded);
-      batch.data = storage_.get(sizes, st.dtype);
-      if (mask_) batch.mask = storage_.get(sizes, c10::ScalarType::Bool);
-      auto* dst = static_cast<std::byte*>(batch.data.data_ptr());
-      bool* mdst = batch.mask.defined() ? static_cast<bool*>(batch.mask.data_ptr()) : nullptr;
+      open_batch(st, count, padded, st.target_kind == detail::TargetValue::Kind::none ? nullptr : &st.pending_targets.front());
       int64_t row_numel = 1;
       for (int64_t s : padded) row_numel *= s;
       const std::size_t row_bytes = static_cast<std::size_t>(row_numel) * c10::elementSize(st.dtype);
       for (int64_t i = 0; i < count; ++i) {
         const auto ui = static_cast<std::size_t>(i);
-        detail::write_row(dst + ui * row_bytes, mdst == nullptr ? nullptr : mdst + ui * static_cast<std::size_t>(row_numel),
+        detail::write_row(st.data_ptr + ui * row_bytes, st.mask_ptr == nullptr ? nullptr : st.mask_ptr + ui * static_cast<std::size_t>(row_numel),
                           st.pending[ui], padded, st.pad);
+        write_target(st, i, st.pending_targets[ui]);
       }
-      if (st.target_kind != detail::TargetValue::Kind::none) {
-        open_targets(st, count, st.pending_targets.front());
-        for (int64_t i = 0; i < count; ++i) write_target(st, i, st.pending_targets[static_cast<std::size_t>(i)]);
-        batch.targets = std::move(st.targets);
-        st.targets = at::Tensor();
-        st.target_ptr = nullptr;
-      }
+      batch.data = std::move(st.data);
+      batch.mask = std::move(st.mask);
+      batch.targets = std::move(st.targets);
+      reset_buffers(st);
       st.pending.erase(st.pending.begin(), st.pending.begin() + count);
       st.pending_targets.erase(st.pending_targets.begin(), st.pending_targets.begin() + count);
     }
@@ -535,8 +566,14 @@ Batch collate(const Range& samples, std::span<const int64_t> indices, const Coll
   const c10::ScalarType dtype = data.front().scalar_type();
   const std::vector<int64_t> sizes = detail::with_leading(n, padded);
   Batch batch;
-  batch.data = storage.get(sizes, dtype);
-  if (o.mask) batch.mask = storage.get(sizes, c10::ScalarType::Bool);
+  const detail::TargetValue& t0 = targets.front();
+  const bool integer = t0.kind == detail::TargetValue::Kind::integer;
+  std::vector<detail::StoragePart> parts{{sizes, dtype, &batch.data}};
+  if (o.mask) parts.push_back({sizes, c10::ScalarType::Bool, &batch.mask});
+  if (t0.kind != detail::TargetValue::Kind::none)
+    parts.push_back({integer ? std::vector<int64_t>{n} : detail::with_leading(n, t0.tensor.sizes()),
+                     integer ? c10::ScalarType::Long : t0.tensor.scalar_type(), &batch.targets});
+  storage.get(parts);
   int64_t row_numel = 1;
   for (int64_t s : padded) row_numel *= s;
   const std::size_t row_bytes = static_cast<std::size_t>(row_numel) * c10::elementSize(dtype);
@@ -545,11 +582,7 @@ Batch collate(const Range& samples, std::span<const int64_t> indices, const Coll
   bool* mdst = o.mask ? static_cast<bool*>(batch.mask.data_ptr()) : nullptr;
   for (std::size_t r = 0; r < data.size(); ++r)
     detail::write_row(dst + r * row_bytes, mdst == nullptr ? nullptr : mdst + r * static_cast<std::size_t>(row_numel), data[r], padded, pad);
-  const detail::TargetValue& t0 = targets.front();
   if (t0.kind != detail::TargetValue::Kind::none) {
-    const bool integer = t0.kind == detail::TargetValue::Kind::integer;
-    batch.targets = integer ? storage.get({n}, c10::ScalarType::Long)
-                            : storage.get(detail::with_leading(n, t0.tensor.sizes()), t0.tensor.scalar_type());
     auto* tdst = static_cast<std::byte*>(batch.targets.data_ptr());
     const std::size_t tb = integer ? sizeof(int64_t) : static_cast<std::size_t>(t0.tensor.nbytes());
     for (std::size_t r = 0; r < targets.size(); ++r)

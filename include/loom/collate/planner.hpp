@@ -137,6 +137,8 @@ class BucketPlanner {
  public:
   /// kAny marks a dimension padded to the batch's largest size in a bucket key.
   static constexpr int64_t kAny = 0;
+  /// Up to this many buckets, a sample's bucket is found by comparing keys (no hashing).
+  static constexpr std::size_t kLinearSearch = 16;
 
   /// A bucket: its key and the samples waiting in it.
   struct Bucket {
@@ -216,6 +218,11 @@ class BucketPlanner {
           index, fmt::join(shape, ", "), alone, *config_.max_elements));
     }
     if (last_bucket_ < buckets_.size() && buckets_[last_bucket_].key == key_scratch_) return last_bucket_;
+    if (buckets_.size() <= kLinearSearch) {  // few buckets: comparing keys beats hashing
+      for (std::size_t i = 0; i < buckets_.size(); ++i)
+        if (buckets_[i].key == key_scratch_) return last_bucket_ = i;
+      return last_bucket_ = create_bucket();
+    }
     auto found = lookup_.find(key_scratch_);
     if (found != lookup_.end()) return last_bucket_ = found->second;
     return last_bucket_ = create_bucket();

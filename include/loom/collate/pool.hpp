@@ -18,7 +18,8 @@
 //   auto pool = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = pinned});
 //
 // Reuse rule: a buffer is free when the pool holds the only reference to its storage (the
-// storage's use count is 1). A batch, any view of it, or a tensor sharing its storage keeps it busy.
+// storage's use count is 1). A batch, any view of it, or a tensor sharing its storage keeps it busy
+// (a batch's data, mask and targets share one buffer: keeping only the targets keeps it busy too).
 // Caution: a non_blocking copy from a pooled buffer to a device must have completed (synchronise
 // its stream) before the last host tensor viewing the buffer is dropped, or the pool may refill
 // the buffer while the copy still reads it.
@@ -48,8 +49,9 @@ namespace loom {
 /// Shape: `sizes` in elements; the result must be contiguous, on the CPU, with exactly these
 ///        sizes and dtype (a pinned-memory tensor qualifies).
 /// An empty BatchAllocator means `at::empty(sizes, dtype)` (pageable host memory).
-/// Called once per batch buffer, never per sample, so std::function's indirection costs nothing
-/// measurable.
+/// Collators call it once per batch (one uint8 buffer of {bytes} that holds the batch's data,
+/// mask and targets, each at a 64-byte boundary), never per sample, so std::function's
+/// indirection costs nothing measurable.
 using BatchAllocator = std::function<at::Tensor(c10::IntArrayRef sizes, c10::ScalarType dtype)>;
 
 namespace detail {
@@ -98,6 +100,12 @@ class BufferPool {
     int64_t numel = 1;
     for (int64_t s : sizes) numel *= s;
     const auto bytes = static_cast<int64_t>(static_cast<std::size_t>(numel) * c10::elementSize(dtype));
+    return acquire_bytes(bytes).view(dtype).view(sizes);
+  }
+
+  /// A 1-D uint8 tensor of `bytes` bytes (at the start of a pooled buffer, so 64-byte aligned when
+  /// the allocator's memory is). Collators carve a batch's data, mask and targets from one of these.
+  [[nodiscard]] at::Tensor acquire_bytes(int64_t bytes) {
     const int64_t rounded = std::max<int64_t>(64, (bytes + 63) / 64 * 64);
     at::Tensor block;
     {
@@ -125,7 +133,7 @@ class BufferPool {
         }
       }
     }
-    return block.narrow(0, 0, bytes).view(dtype).view(sizes);
+    return block.narrow(0, 0, bytes);
   }
 
   /// Releases every free buffer (busy ones stay until their batches are dropped).
