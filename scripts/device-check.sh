@@ -249,7 +249,9 @@ meson_args=(--wrap-mode=nodownload -Dexamples=false -Dbenchmarks=true -Dtests=tr
 [ -n "$CUDA_ROOT" ] && meson_args+=("-Dcudatoolkit_dir=$CUDA_ROOT")
 [ -n "$NCCL_ROOT" ] && meson_args+=("-Dnccl_dir=$NCCL_ROOT")
 CONF_SRC=$SRC
-step configure 150 meson setup "$BUILD" "$CONF_SRC" "${meson_args[@]}"
+reconf=()
+[ -f "$BUILD/build.ninja" ] && reconf=(--reconfigure)
+step configure 150 meson setup "${reconf[@]}" "$BUILD" "$CONF_SRC" "${meson_args[@]}"
 if [ "$LAST_RC" -ne 0 ]; then
   # Fallback: a copy of the sources whose tests/meson.build builds only the folders this check
   # needs (other folders may need libraries the image lacks, e.g. libpng for tests/examples).
