@@ -4,7 +4,7 @@
 //   elements, 102.2 MB; shapes listed below), gradients already computed:
 //     per_tensor   one blocking all-reduce (and divide) per gradient tensor: the naive loop
 //     flat         one all-reduce of one preallocated flat buffer of the same bytes: the limit
-//     loom         loom::Reducer (25 MiB buckets, 1 MiB first, averaging, finiteness check) on
+//     loom         loom::Reducer (25 MiB buckets, 1 MiB first, averaging + inf/NaN scan) on
 //                  gradients marked ready by hand (mark_all_ready), so only the reduction is timed
 //   the same gradients delivered by a backward pass (a custom autograd function whose backward
 //   returns them), so that a reducer driven by autograd hooks can be compared:

@@ -20,7 +20,7 @@ struct PlanRecorder {
   std::vector<loom::BackwardPlan> plans;
   int finishes = 0;
   void prepare_backward(const loom::BackwardPlan& p) { plans.push_back(p); }
-  loom::Reduction finish_window(double) {
+  loom::Reduction finish_window() {
     ++finishes;
     return {.reduced = true, .global_samples = plans.back().window_samples};
   }
@@ -30,7 +30,7 @@ struct OnlyPrepares {
 };
 struct WrongResult {
   void prepare_backward(const loom::BackwardPlan&) {}
-  bool finish_window(double) { return true; }
+  bool finish_window() { return true; }
 };
 struct NotAComm {
   int rank() const { return 0; }

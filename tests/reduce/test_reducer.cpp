@@ -104,14 +104,17 @@ TEST_CASE("Reducer: no collective before the boundary; at the boundary one count
   CHECK((comm.log()[0].dtype == torch::kLong));
   CHECK(comm.log()[0].numel == 2);
   model.loss_sum(loom::test::batch_x(4, 4, at::kFloat), loom::test::batch_y(4, 4, at::kFloat)).backward();
-  // All four buckets were launched by the hooks, during backward, in bucket order; nothing waited yet.
-  REQUIRE(comm.log().size() == 5);
-  const std::vector<std::int64_t> numels = {loom::test::kOut + 1, loom::test::kOut * loom::test::kHidden + 1,
-                                            loom::test::kHidden + 1, loom::test::kHidden * loom::test::kIn + 1};
+  // The first bucket to leave waits for the count (it divides by it), then all four buckets were
+  // launched by the hooks, during backward, in bucket order.
+  REQUIRE(comm.log().size() == 6);
+  CHECK(comm.log()[1].name == "wait");
+  CHECK(comm.log()[1].id == comm.log()[0].id);
+  const std::vector<std::int64_t> numels = {loom::test::kOut + 2, loom::test::kOut * loom::test::kHidden + 2,
+                                            loom::test::kHidden + 2, loom::test::kHidden * loom::test::kIn + 2};
   for (std::size_t k = 0; k < 4; ++k) {
-    CHECK(comm.log()[k + 1].name == "all_reduce_async");
-    CHECK(comm.log()[k + 1].numel == numels[k]);  // gradient elements + one used-flag
-    CHECK((comm.log()[k + 1].dtype == torch::kFloat));
+    CHECK(comm.log()[k + 2].name == "all_reduce_async");
+    CHECK(comm.log()[k + 2].numel == numels[k]);  // gradient elements + one used-flag + the inf/NaN verdict
+    CHECK((comm.log()[k + 2].dtype == torch::kFloat));
   }
   auto step = mb2.finish();
   CHECK(step.apply);
@@ -142,7 +145,7 @@ TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blockin
   CHECK((blocking.log()[0].dtype == torch::kLong));
   CHECK(blocking.log()[1].name == "all_reduce");
   CHECK((blocking.log()[1].dtype == torch::kHalf));  // compressed on the wire
-  CHECK(blocking.log()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4);  // one bucket: 32 gradient elements + 4 flags
+  CHECK(blocking.log()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4 + 1);  // one bucket: 32 gradients + 4 flags + verdict
   // Same gradient as the uncompressed model, to float16 precision.
   CHECK(loom::test::max_relative_error(model2.grads(), model.grads()) < 1e-2);
 }
@@ -315,9 +318,10 @@ TEST_CASE("Reducer: misuse throws loom errors naming the value") {
   CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = -3}), doctest::Contains("window_samples = -3"),
                        loom::InvalidArgument);
   CHECK_THROWS_AS(reducer.prepare_backward({.sync = false, .final = true}), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = 1, .grad_scale = 0.0}), doctest::Contains("grad_scale = 0"),
+                       loom::InvalidArgument);
   reducer.prepare_backward({.sync = true, .window_samples = 1});
   CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true}), doctest::Contains("not closed with finish_window"), loom::Error);
-  CHECK_THROWS_WITH_AS(reducer.finish_window(0.0), doctest::Contains("grad_scale = 0"), loom::InvalidArgument);
   // A second gradient after the bucket was sent (two backward passes in the synchronising micro-batch).
   auto y = (w * 3.0).sum();
   y.backward({}, /*retain_graph=*/true);

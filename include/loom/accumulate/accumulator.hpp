@@ -13,7 +13,9 @@
 //     auto mb = acc.micro_batch(b);                          // counts b.num_samples
 //     auto loss = loss_fn_sum(model->forward(b.data), b.targets);
 //     mb.scale(loss).backward();                             // scale() = loss scale, or 1
-//     if (loom::Step step = mb.finish()) optimizer.step(), optimizer.zero_grad();
+//     loom::Step step = mb.finish();
+//     if (step) optimizer.step();                            // a finite, averaged step
+//     if (step.boundary) optimizer.zero_grad();
 //   }
 //   while (auto step = acc.end_epoch()) {                    // remainder, and uneven ranks
 //     if (*step) optimizer.step();
@@ -100,7 +102,7 @@ template <class R>
 class Accumulator {
   static_assert(GradientReducer<R>,
                 "loom::Accumulator needs a GradientReducer: a type with prepare_backward(const loom::BackwardPlan&) "
-                "and finish_window(double) -> loom::Reduction (for example loom::Reducer)");
+                "and finish_window() -> loom::Reduction (for example loom::Reducer)");
 
  public:
   /// A micro-batch in flight: opened by Accumulator::micro_batch, closed by finish().
@@ -163,7 +165,12 @@ class Accumulator {
     const bool boundary = (options_.micro_batches_per_step > 0 && window_micro_batches_ >= options_.micro_batches_per_step) ||
                           (options_.samples_per_step > 0 && window_samples_ >= options_.samples_per_step);
     open_ = true;
-    reducer_->prepare_backward({.sync = boundary, .window_samples = window_samples_});
+    try {
+      reducer_->prepare_backward({.sync = boundary, .window_samples = window_samples_, .grad_scale = grad_scale()});
+    } catch (...) {
+      broken_ = true;
+      throw;
+    }
     return MicroBatch(this, boundary);
   }
 
@@ -190,8 +197,8 @@ class Accumulator {
       all_final_seen_ = false;
       return std::nullopt;
     }
-    reducer_->prepare_backward({.sync = true, .final = true, .window_samples = window_samples_});
-    const Reduction r = reducer_->finish_window(grad_scale());
+    reducer_->prepare_backward({.sync = true, .final = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
+    const Reduction r = reducer_->finish_window();
     if (!r.reduced) {
       reset_window();
       return std::nullopt;
@@ -229,7 +236,12 @@ class Accumulator {
       s.loss_scale = loss_scale();
       return s;
     }
-    return close_window(reducer_->finish_window(grad_scale()));
+    try {
+      return close_window(reducer_->finish_window());
+    } catch (...) {
+      broken_ = true;  // a failed collective leaves the ranks out of step
+      throw;
+    }
   }
 
   Step close_window(const Reduction& r) {

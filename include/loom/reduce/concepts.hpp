@@ -33,6 +33,7 @@ struct BackwardPlan {
   bool final = false;               ///< end-of-epoch flush on this rank (sync only): it has no further
                                     ///< micro-batches this epoch and only helps the others finish (join)
   std::int64_t window_samples = 0;  ///< samples of this rank's window (sync only)
+  double grad_scale = 1.0;          ///< sync only: multiply the averaged gradient by this (1 / loss scale)
 };
 
 /// What a reducer reports when a window is closed. Every field is equal on every rank.
@@ -57,18 +58,18 @@ struct Reduction {
 ///     sync/non-sync plans on every rank's windows. Reason: the reducer must know, while backward
 ///     runs, whether to send gradients (sync) or only let them accumulate locally (no_sync); it is
 ///     where a reducer starts its collectives, so every rank must issue them in the same order.
-///  2. `r.finish_window(grad_scale)` after the backward of a sync plan (or directly after a final
-///     plan, without a backward) returns a Reduction; afterwards each parameter's gradient is the
-///     global average, multiplied by `grad_scale` (1 / loss scale). Reason: the step boundary is
-///     where the caller needs identical gradients on every rank, and the loss scale is known only
-///     to the caller.
+///  2. `r.finish_window()` after the backward of a sync plan (or directly after a final plan,
+///     without a backward) returns a Reduction; afterwards each parameter's gradient is the global
+///     average, multiplied by the plan's `grad_scale` (1 / loss scale, known only to the caller,
+///     given before backward so a reducer may scale each bucket before it leaves). Reason: the step
+///     boundary is where the caller needs identical gradients on every rank.
 /// Not required: knowledge of optimizers, loss scaling state, micro-batch counting (the
 /// Accumulator owns those), thread safety across calls, copyability.
 /// Models: loom::Reducer (reduce/reducer.hpp). Used by loom::Accumulator (accumulate/accumulator.hpp).
 template <class R>
-concept GradientReducer = requires(R& r, const BackwardPlan& plan, double grad_scale) {
+concept GradientReducer = requires(R& r, const BackwardPlan& plan) {
   r.prepare_backward(plan);
-  { r.finish_window(grad_scale) } -> std::same_as<Reduction>;
+  { r.finish_window() } -> std::same_as<Reduction>;
 };
 
 }  // namespace loom

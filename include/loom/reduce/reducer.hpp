@@ -34,21 +34,28 @@
 //     once in the order gradients became ready on rank 0 (broadcast, so every rank agrees). Each
 //     bucket ends with one flag per parameter that says whether the sending rank used it.
 //   Launch order: bucket k is sent only after buckets 0..k-1, on every rank the same sequence.
+//     Before it leaves, a bucket is scaled in place to this rank's share of the average (divided by
+//     the global sample count, which a small all-reduce started before backward delivered; or by
+//     the world size; times 1 / loss scale) and scanned for inf/NaN in the same pass, like DDP's
+//     division before its all-reduce; the sum over ranks is then the average.
 //   Unused parameters: a parameter whose gradient hook did not fire on a rank during the window
 //     counts as zero in that rank's slot (it cannot stall its bucket: unfinished buckets are sent by
 //     finish_window). A parameter unused on EVERY rank keeps the gradient it had before the window
 //     (an undefined gradient stays undefined, so optimizers skip it; a stale value stays).
 //   Gradients accumulate across the window's backward passes as in plain LibTorch; zero them after
 //     each optimizer step (optimizer.zero_grad(), with or without set_to_none) as usual.
-//   Non-finite: inf/NaN in any rank's gradient reaches every rank through the sum, so every rank
-//     sees the same non-finite reduced bucket and reports Reduction::non_finite; the window's
-//     gradients are then zeroed (skipped together, no extra collective).
+//   Non-finite: each rank's scan puts its verdict (0 or 1) in the bucket's tail, next to the
+//     used-flags; the bucket's own all-reduce sums the verdicts, so every rank reads the same
+//     answer and reports Reduction::non_finite together, without an extra collective; the window's
+//     gradients are then zeroed. (An overflow created only by the sum of finite values near the
+//     dtype's maximum is not detected.)
 //   Clipping (max_grad_norm): the L2 norm of the averaged, unscaled gradient over all buckets — the
 //     global norm, identical on every rank — and the clip factor min(1, max / (norm + 1e-6)).
-//   Wire compression (wire_dtype = float16 / bfloat16): float32 buckets are cast for the wire
-//     (float16 pre-divided by the world size against overflow), summed across ranks in that dtype,
-//     and cast back into the float32 bucket; local accumulation stays float32 (DDP's
-//     fp16_compress_hook). The relative error is about 2^-8 (bfloat16) / 2^-11 (float16) per element.
+//   Wire compression (wire_dtype = float16 / bfloat16): float32 buckets are scaled to their share
+//     of the average while being cast for the wire (so float16 carries averages, not sums),
+//     summed across ranks in that dtype, and cast back into the float32 bucket, which is then
+//     scanned for inf/NaN; local accumulation stays float32 (DDP's fp16_compress_hook). The
+//     relative error is about 2^-8 (bfloat16) / 2^-11 (float16) per rounding.
 //   Sample count and join: each window's sync backward starts one small int64 all-reduce of
 //     [window samples, final flag] before backward runs; a final flush (end of epoch) that finds
 //     every rank final and no sample anywhere stops without touching the buckets.
@@ -233,12 +240,14 @@ struct GradSlot {
 };
 
 struct GradBucket {
-  at::Tensor flat;   // [head elements | one used-flag per gradient]
-  at::Tensor head;   // the gradients
-  at::Tensor flags;  // the used-flags
-  at::Tensor wire;   // compressed copy of flat (wire_dtype), or undefined
-  at::Tensor factor; // float32 [1] on the bucket's device: a dimensioned multiplier, so a casting
-                     // multiply computes in float32 (a 0-dim one would compute in the wire dtype)
+  at::Tensor flat;       // [head: the gradients | tail: one used-flag per gradient, one inf/NaN flag]
+  at::Tensor head;
+  at::Tensor tail;
+  at::Tensor wire;       // compressed copy of flat (wire_dtype), or undefined
+  at::Tensor wire_head;
+  at::Tensor wire_tail;
+  at::Tensor factor;     // float32 [1] on the bucket's device: a dimensioned multiplier, so a casting
+                         // multiply computes in float32 (a 0-dim one would compute in the wire dtype)
   std::vector<std::size_t> slots;
   std::size_t pending = 0;
   bool ready = false;
@@ -322,12 +331,16 @@ class ReducerState {
     if (plan.final && !plan.sync) throw InvalidArgument("Reducer::prepare_backward: final = true needs sync = true");
     if (plan.window_samples < 0)
       throw InvalidArgument(fmt::format("Reducer::prepare_backward: window_samples = {} (must be >= 0)", plan.window_samples));
+    if (!std::isfinite(plan.grad_scale) || plan.grad_scale <= 0)
+      throw InvalidArgument(fmt::format("Reducer::prepare_backward: grad_scale = {} (must be finite and > 0)", plan.grad_scale));
     at::NoGradGuard no_grad;
     if (!window_open_) begin_window();
     for (auto& s : slots_) s.fired = false;
     if (!plan.sync) return;
     sync_ = true;
     final_ = plan.final;
+    grad_scale_ = plan.grad_scale;
+    factor_known_ = false;
     for (auto& b : buckets_) {
       b.pending = b.slots.size();
       b.ready = false;
@@ -341,79 +354,54 @@ class ReducerState {
     meta_work_ = start(meta_);
   }
 
-  Reduction finish_window(double grad_scale) {
+  Reduction finish_window() {
     std::lock_guard lock(mutex_);
     if (!sync_) throw Error("Reducer::finish_window: no synchronising backward was prepared (prepare_backward({.sync = true}))");
-    if (!std::isfinite(grad_scale) || grad_scale <= 0)
-      throw InvalidArgument(fmt::format("Reducer::finish_window: grad_scale = {} (must be finite and > 0)", grad_scale));
     at::NoGradGuard no_grad;
     Reduction r;
     const int world = comm_->world_size();
-    bool meta_done = false;
-    if (final_) {
-      wait_meta();
-      meta_done = true;
-      const auto* m = meta_.data_ptr<std::int64_t>();
-      if (m[1] == world && m[0] == 0) {  // everyone is flushing and nobody has a sample: nothing to reduce
-        r.all_final = true;
-        discard_window();
-        return r;
-      }
+    wait_meta();  // started before backward: long done unless nothing was sent yet
+    const auto* m = meta_.data_ptr<std::int64_t>();
+    if (final_ && m[1] == world && m[0] == 0) {  // everyone is flushing and nobody has a sample: nothing to reduce
+      r.all_final = true;
+      discard_window();
+      return r;
     }
     for (std::size_t b = next_launch_; b < buckets_.size(); ++b) launch(b);
     next_launch_ = buckets_.size();
-    if (!meta_done) wait_meta();
-    const auto* m = meta_.data_ptr<std::int64_t>();
     r.global_samples = m[0];
     r.all_final = m[1] == world;
 
-    const bool no_samples = options_.average == Average::samples && r.global_samples == 0;
-    const double denominator = options_.average == Average::samples      ? static_cast<double>(r.global_samples)
-                               : options_.average == Average::world_size ? static_cast<double>(world)
-                                                                          : 1.0;
-    const double factor = no_samples ? 1.0 : grad_scale / denominator;
     const bool clip = options_.max_grad_norm.has_value();
-    double sumsq_scaled = 0, sumsq_raw = 0;
     bool non_finite = false;
+    double sumsq = 0;
     global_used_.assign(slots_.size(), 0);
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
       auto& b = buckets_[bi];
       works_[bi]->wait();
-      read_flags(b);
-      if (no_samples) continue;
+      if (read_tail(b)) non_finite = true;  // some rank's scan found inf/NaN before sending
+      if (no_samples_) continue;
       if (b.wire.defined()) {
-        b.factor.fill_(factor * wire_prescale_inverse(b));
-        at::mul_out(b.flat, b.wire, b.factor);
-        if (clip) sumsq_scaled += square(b.head.norm().item<double>());
-        else if (scale_and_check(b.head, 1.0, false, options_.skip_non_finite)) non_finite = true;
-      } else if (clip) {
-        sumsq_raw += square(b.head.norm().item<double>());
-      } else if (scale(b.head, factor, grad_scale, denominator, options_.skip_non_finite)) {
-        non_finite = true;
+        b.head.copy_(b.wire_head);  // back to float32
+        if (!clip && options_.skip_non_finite && scale_and_check(b.head, 1.0, false, true)) non_finite = true;
       }
+      if (clip) sumsq += square(b.head.norm().item<double>());
     }
-    if (clip && !no_samples) {
-      const double total = std::sqrt(sumsq_scaled + sumsq_raw * factor * factor);
+    if (clip && !no_samples_) {
+      const double total = std::sqrt(sumsq);
       r.grad_norm = total;
-      non_finite = !std::isfinite(total);
+      if (!std::isfinite(total)) non_finite = true;
       if (!non_finite) {
         const double coef = std::min(1.0, *options_.max_grad_norm / (total + 1e-6));
         r.clip_coef = coef;
-        for (auto& b : buckets_) {
-          if (b.wire.defined()) {
-            if (coef < 1.0) b.head.mul_(coef);
-          } else if (coef < 1.0) {
-            b.head.mul_(factor * coef);
-          } else {
-            scale(b.head, factor, grad_scale, denominator, false);
-          }
-        }
+        if (coef < 1.0)
+          for (auto& b : buckets_) b.head.mul_(coef);
       }
     }
-    if (non_finite || no_samples)
+    if (non_finite || no_samples_)
       for (auto& b : buckets_) b.head.zero_();
     r.non_finite = non_finite;
-    r.no_samples = no_samples;
+    r.no_samples = no_samples_;
     r.reduced = true;
     // Parameters unused on every rank get back the gradient they had before the window.
     for (std::size_t k = 0; k < slots_.size(); ++k) {
@@ -510,11 +498,13 @@ class ReducerState {
       for (std::size_t k : b.slots) total += param(k).numel();
       const auto n = static_cast<std::int64_t>(b.slots.size());
       const auto opts = at::TensorOptions().dtype(first.scalar_type()).device(first.device());
-      b.flat = at::zeros({total + n}, opts);
+      b.flat = at::zeros({total + n + 1}, opts);
       b.head = b.flat.narrow(0, 0, total);
-      b.flags = b.flat.narrow(0, total, n);
+      b.tail = b.flat.narrow(0, total, n + 1);
       if (options_.wire_dtype && first.scalar_type() == at::kFloat) {
-        b.wire = at::empty({total + n}, opts.dtype(*options_.wire_dtype));
+        b.wire = at::empty({total + n + 1}, opts.dtype(*options_.wire_dtype));
+        b.wire_head = b.wire.narrow(0, 0, total);
+        b.wire_tail = b.wire.narrow(0, total, n + 1);
         b.factor = at::ones({1}, opts);
       }
       std::int64_t offset = 0;
@@ -589,6 +579,8 @@ class ReducerState {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
   }
 
+  /// Scales bucket `bi` to its share of the average and scans it for inf/NaN (one pass), writes
+  /// the used-flags and the scan's verdict into its tail, and starts its all-reduce.
   void launch(std::size_t bi) {
     auto& b = buckets_[bi];
     for (std::size_t k : b.slots) {
@@ -597,20 +589,40 @@ class ReducerState {
       if (!s.was_undefined && !s.saved.defined()) s.saved = s.view.clone();
       s.view.zero_();  // an unused parameter's slot counts as zero
     }
-    write_flags(b);
+    compute_factor();
+    bool bad = false;
     at::Tensor* target = &b.flat;
     if (b.wire.defined()) {
-      const double pre = wire_prescale(b);
-      if (pre != 1.0) {
-        b.factor.fill_(pre);
-        at::mul_out(b.wire, b.flat, b.factor);
-      } else {
-        b.wire.copy_(b.flat);
-      }
+      // Compressed: scaled while cast; the scan runs on the float32 result (it also sees overflow).
+      b.factor.fill_(factor_);
+      at::mul_out(b.wire_head, b.head, b.factor);
       target = &b.wire;
+    } else if (!no_samples_) {
+      bad = divide_ ? scale_and_check(b.head, denominator_, /*divide=*/true, options_.skip_non_finite)
+                    : scale_and_check(b.head, factor_, /*divide=*/false, options_.skip_non_finite);
     }
+    write_tail(b, bad);
     works_[bi] = start(*target);
     b.launched = true;
+  }
+
+  /// The window's divisor, known once the sample-count all-reduce (started before backward) is in.
+  void compute_factor() {
+    if (factor_known_) return;
+    const int world = comm_->world_size();
+    std::int64_t count = 0;
+    if (options_.average == Average::samples) {
+      wait_meta();
+      count = meta_.data_ptr<std::int64_t>()[0];
+    }
+    no_samples_ = options_.average == Average::samples && count == 0;
+    denominator_ = options_.average == Average::samples      ? static_cast<double>(count)
+                   : options_.average == Average::world_size ? static_cast<double>(world)
+                                                              : 1.0;
+    // Without a loss scale, divide: each rank's share is then exactly rounded (one rank: the mean is).
+    divide_ = grad_scale_ == 1.0;
+    factor_ = no_samples_ ? 1.0 : grad_scale_ / denominator_;
+    factor_known_ = true;
   }
 
   Work start(at::Tensor& t) {
@@ -629,43 +641,38 @@ class ReducerState {
     }
   }
 
-  // float16's range is small: divide by the world size before the sum (DDP's compress hook does too).
-  double wire_prescale(const GradBucket& b) const {
-    return b.wire.scalar_type() == at::kHalf ? 1.0 / comm_->world_size() : 1.0;
-  }
-  double wire_prescale_inverse(const GradBucket& b) const { return 1.0 / wire_prescale(b); }
-
-  // Averages (and unscales) one bucket in place; returns whether it holds inf/NaN (when check).
-  static bool scale(at::Tensor& head, double factor, double grad_scale, double denominator, bool check) {
-    if (grad_scale == 1.0) return scale_and_check(head, denominator, /*divide=*/true, check);  // exactly rounded mean
-    return scale_and_check(head, factor, /*divide=*/false, check);
-  }
-
-  void write_flags(GradBucket& b) {
+  // Tail of a bucket: one used-flag per gradient, then this rank's inf/NaN verdict (1 or 0).
+  void write_tail(GradBucket& b, bool bad) {
     const auto n = b.slots.size();
     auto fill = [&](auto* p) {
       using T = std::remove_pointer_t<decltype(p)>;
       for (std::size_t j = 0; j < n; ++j) p[j] = slots_[b.slots[j]].used ? T(1) : T(0);
+      p[n] = bad ? T(1) : T(0);
     };
-    if (b.flags.is_cpu()) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.flags.scalar_type(), "loom_write_flags",
-                                      [&] { fill(b.flags.data_ptr<scalar_t>()); });
+    at::Tensor tail = b.wire.defined() ? b.wire_tail : b.tail;
+    if (tail.is_cpu()) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, tail.scalar_type(), "loom_write_tail",
+                                      [&] { fill(tail.data_ptr<scalar_t>()); });
     } else {
-      auto host = at::empty({static_cast<std::int64_t>(n)}, at::kFloat);
+      auto host = at::empty({static_cast<std::int64_t>(n + 1)}, at::kFloat);
       fill(host.data_ptr<float>());
-      b.flags.copy_(host);
+      tail.copy_(host);
     }
   }
 
-  void read_flags(const GradBucket& b) {
+  // Reads the reduced tail: which parameters some rank used, and whether some rank saw inf/NaN.
+  bool read_tail(const GradBucket& b) {
     const auto n = static_cast<std::int64_t>(b.slots.size());
-    at::Tensor src = b.wire.defined() ? b.wire.narrow(0, b.head.numel(), n) : b.flags;
+    at::Tensor src = b.wire.defined() ? b.wire_tail : b.tail;
     if (!src.is_cpu()) src = src.to(at::kCPU);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "loom_read_flags", [&] {
+    bool bad = false;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "loom_read_tail", [&] {
       const auto* p = src.data_ptr<scalar_t>();
       for (std::int64_t j = 0; j < n; ++j)
         global_used_[b.slots[static_cast<std::size_t>(j)]] = static_cast<double>(p[j]) > 0 ? 1 : 0;
+      bad = static_cast<double>(p[n]) != 0;  // a count > 0 (NaN would also read as "bad")
     });
+    return bad;
   }
 
   /// A final flush that found nothing anywhere: undo the window's setup.
@@ -726,6 +733,12 @@ class ReducerState {
   std::vector<std::uintptr_t> keys_;
   std::mutex mutex_;
   std::size_t next_launch_ = 0;
+  double grad_scale_ = 1.0;   // of the current sync window
+  double factor_ = 1.0;       // grad_scale_ / denominator_
+  double denominator_ = 1.0;  // sample count, world size or 1
+  bool divide_ = true;        // divide by denominator_ (exact) rather than multiply by factor_
+  bool factor_known_ = false;
+  bool no_samples_ = false;
   std::int64_t next_ready_pos_ = 0;
   bool window_open_ = false;
   bool sync_ = false;
@@ -756,9 +769,9 @@ class Reducer {
   /// window's sample-count all-reduce when it does).
   void prepare_backward(const BackwardPlan& plan) { state_->prepare_backward(plan); }
 
-  /// See GradientReducer: sends the buckets not sent yet, waits for all, averages, unscales by
-  /// `grad_scale`, checks finiteness, clips. Gradients are then identical on every rank.
-  Reduction finish_window(double grad_scale = 1.0) { return state_->finish_window(grad_scale); }
+  /// See GradientReducer: sends the buckets not sent yet, waits for all, restores parameters
+  /// unused everywhere, reports inf/NaN, clips. Gradients are then identical on every rank.
+  Reduction finish_window() { return state_->finish_window(); }
 
   /// Declares that parameter `param_index`'s gradient (written without autograd) is complete for
   /// this backward, as its hook would. Throws: loom::InvalidArgument for a frozen or unknown index.
