@@ -78,7 +78,7 @@ step() {
     record "$name" "NOT RUN (time budget)" 0 ""
     return 0
   fi
-  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -gt "$left" ]; then limit=$left; fi
   log "--- $name (limit ${limit}s): $*"
   local s rc=0
   s=$(date +%s)
@@ -108,7 +108,7 @@ step_detail() {
       asserts=$(grep -m1 -o 'assertions: *[0-9]* *| *[0-9]* passed *| *[0-9]* failed' "$f" | tr -s ' ' || true)
       local extra
       extra=$(grep -m3 -E 'RESULT|SKIP:|ERROR:|threw|MESSAGE' "$f" | tr '\n' ' ' | cut -c1-300 || true)
-      echo "$cases; $asserts ${extra}"
+      if [ -n "$cases" ]; then echo "$cases; $asserts ${extra}"; else echo "$extra"; fi
       ;;
     *) [ "$2" -ne 0 ] && tail -n 3 "$f" | tr '\n' ' ' | cut -c1-300 || true ;;
   esac
@@ -168,7 +168,7 @@ if ls .device-deps/*.deb >/dev/null 2>&1; then
   # Absolute symlinks (libz.so -> /lib/x86_64-linux-gnu/libz.so.1.2.13) into the unpacked tree.
   find "$DEPS" -type l | while read -r link; do
     target=$(readlink "$link")
-    case $target in /*) [ -e "$DEPS$target" ] && ln -sfn "$DEPS$target" "$link" ;; esac
+    case $target in /*) if [ -e "$DEPS$target" ]; then ln -sfn "$DEPS$target" "$link"; fi ;; esac
   done
   multi=$DEPS/usr/lib/x86_64-linux-gnu
   export PKG_CONFIG_PATH="$multi/pkgconfig:$DEPS/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
@@ -178,7 +178,7 @@ if ls .device-deps/*.deb >/dev/null 2>&1; then
   # At run time only the libraries the image cannot have (fmt 9, benchmark 1.7): a carried zlib or
   # libpng must not shadow the image's newer ones for python, cmake and meson.
   mkdir -p "$DEPS/rt"
-  for l in "$multi"/libfmt.so.* "$multi"/libbenchmark*.so.*; do [ -e "$l" ] && ln -sf "$l" "$DEPS/rt/"; done
+  for l in "$multi"/libfmt.so.* "$multi"/libbenchmark*.so.*; do if [ -e "$l" ]; then ln -sf "$l" "$DEPS/rt/"; fi; done
   export LD_LIBRARY_PATH="$DEPS/rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   record dependencies ok 0 "unpacked $(ls .device-deps/*.deb | wc -l) carried .deb files"
 else
@@ -200,7 +200,7 @@ first_file() {  # NAME DIRS... -> first match of NAME under DIRS (depth <= 5)
 }
 make_root() {  # ROOT HEADER_FILE LIBRARY_FILE LIBNAME: a toolkit-like root with include/ and lib64/
   mkdir -p "$1/lib64"
-  [ -e "$1/include" ] || ln -s "$(dirname "$2")" "$1/include"
+  if [ ! -e "$1/include" ]; then ln -s "$(dirname "$2")" "$1/include"; fi
   ln -sf "$3" "$1/lib64/lib$4.so"
   ln -sf "$3" "$1/lib64/$(basename "$3")"
 }
@@ -234,11 +234,11 @@ INVENTORY+=("CUDA runtime for loom: ${CUDA_ROOT:-not found}; NCCL: ${NCCL_ROOT:-
 log "CUDA_ROOT=$CUDA_ROOT NCCL_ROOT=$NCCL_ROOT TORCH_DIR=$TORCH_DIR ABI=$ABI"
 if [ -n "$CUDA_ROOT" ]; then
   export CUDA_HOME=${CUDA_HOME:-$CUDA_ROOT}
-  [ -d "$CUDA_ROOT/bin" ] && export PATH="$PATH:$CUDA_ROOT/bin"
+  if [ -d "$CUDA_ROOT/bin" ]; then export PATH="$PATH:$CUDA_ROOT/bin"; fi
   export LD_LIBRARY_PATH="$CUDA_ROOT/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-[ -n "$NCCL_ROOT" ] && export LD_LIBRARY_PATH="$NCCL_ROOT/lib64:$LD_LIBRARY_PATH"
-[ -n "$TORCH_DIR" ] && export LD_LIBRARY_PATH="$TORCH_DIR/lib:$LD_LIBRARY_PATH"
+if [ -n "$NCCL_ROOT" ]; then export LD_LIBRARY_PATH="$NCCL_ROOT/lib64:${LD_LIBRARY_PATH:-}"; fi
+if [ -n "$TORCH_DIR" ]; then export LD_LIBRARY_PATH="$TORCH_DIR/lib:${LD_LIBRARY_PATH:-}"; fi
 # NCCL on one machine: bootstrap over loopback; say why when it refuses something.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export CXX=${CXX:-$(command -v g++ || command -v c++ || echo g++)}
@@ -246,11 +246,11 @@ export CXX=${CXX:-$(command -v g++ || command -v c++ || echo g++)}
 # ---- 4. configure ---------------------------------------------------------------------------
 meson_args=(--wrap-mode=nodownload -Dexamples=false -Dbenchmarks=true -Dtests=true
             "-Dtorch_dir=$TORCH_DIR" "-Dtorch_cxx11_abi=$ABI" -Dcuda=enabled)
-[ -n "$CUDA_ROOT" ] && meson_args+=("-Dcudatoolkit_dir=$CUDA_ROOT")
-[ -n "$NCCL_ROOT" ] && meson_args+=("-Dnccl_dir=$NCCL_ROOT")
+if [ -n "$CUDA_ROOT" ]; then meson_args+=("-Dcudatoolkit_dir=$CUDA_ROOT"); fi
+if [ -n "$NCCL_ROOT" ]; then meson_args+=("-Dnccl_dir=$NCCL_ROOT"); fi
 CONF_SRC=$SRC
 reconf=()
-[ -f "$BUILD/build.ninja" ] && reconf=(--reconfigure)
+if [ -f "$BUILD/build.ninja" ]; then reconf=(--reconfigure); fi
 step configure 150 meson setup "${reconf[@]}" "$BUILD" "$CONF_SRC" "${meson_args[@]}"
 if [ "$LAST_RC" -ne 0 ]; then
   # Fallback: a copy of the sources whose tests/meson.build builds only the folders this check
@@ -305,7 +305,7 @@ if [ -x "$DEV" ]; then
     case $g in "NCCL with two processes"*) limit=120 ;; "NCCL timeouts"*) limit=100 ;; esac
     step "test:${g%\*}" "$limit" "$DEV" --no-colors "--test-case=$g"
   done
-  grep -h 'RESULT nccl_two_ranks_one_gpu' "$LOG" | head -1 | while read -r l; do log "$l"; done
+  { grep -h 'RESULT nccl_two_ranks_one_gpu' "$LOG" || true; } | head -1 | while read -r l; do log "$l"; done
   two=$(grep -h -m1 -o 'RESULT nccl_two_ranks_one_gpu: [a-z]*' "$LOG" || true)
   dup=$(grep -h -m1 -o -i 'Duplicate GPU[^;]*' "$LOG" || true)
   INVENTORY+=("NCCL with 2 processes on 1 GPU: ${two#RESULT nccl_two_ranks_one_gpu: }${dup:+ ($dup)}")
