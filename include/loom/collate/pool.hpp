@@ -16,6 +16,8 @@
 //     return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(true));
 //   };
 //   auto pool = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = pinned});
+// or, with any LibTorch (CUDA build or not), loom/cuda/pinned.hpp's cudaHostAlloc allocator:
+//   loom::BufferPoolOptions{.allocate = loom::cuda::pinned_empty}
 //
 // Reuse rule: a buffer is free when the pool holds the only reference to its storage (the
 // storage's use count is 1). A batch, any view of it, or a tensor sharing its storage keeps it busy

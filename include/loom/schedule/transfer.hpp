@@ -8,7 +8,8 @@
 // Ticket next to the batch in the prefetch queue, and calls `t.finish(batch, device, ticket)` on
 // the consumer's thread just before handing the batch out (a CUDA transfer makes the
 // consumer's current stream wait on the event — not the whole device). HostTransfer, the
-// default, leaves the batch where it is and does nothing.
+// default, leaves the batch where it is and does nothing. loom::cuda::CudaTransfer
+// (loom/cuda/transfer.hpp) is the CUDA model of this seam.
 //
 // Example:
 //   struct CountingTransfer {                  // a transfer that only counts what it saw
