@@ -7,7 +7,8 @@
 // and monthly US employment (6 sectors): 16 series of 68 to 8,759 values, z-scored with the mean
 // and deviation of their first 80 % (the training part); the last 20 % is held out.
 // Generator g walks its series' training part in time order and yields (window of the last
-// --window values, next value) pairs, one at a time (batch size 1); short series end early.
+// --window values, next value) pairs, one at a time (batch size 1), scaled by the window's typical
+// step so one model fits every series (see window_at); short series end early.
 // Loop, assembled from loom's public parts:
 //   --mode ranks (default): loom::spawn starts --devices ranks (or run under torchrun / mpirun);
 //     loom::RankScheduler gives rank r generators 2r and 2r+1 and merges their k-th windows into
@@ -114,15 +115,30 @@ std::vector<Series> load_series(const Options& o) {
   return out;
 }
 
-/// The model's view of the window ending before position t: the last `w` values minus the last
-/// one (so the forecaster is translation-invariant); the target is x[t] minus the last value.
-/// Shape: input {w} float32, target {1} float32. The naive forecast is a target of 0.
-std::pair<torch::Tensor, torch::Tensor> window_at(const Series& s, int64_t t, int w) {
-  const float last = s.z[static_cast<std::size_t>(t - 1)];
-  torch::Tensor x = torch::empty({w}, torch::kFloat);
-  auto* p = x.data_ptr<float>();
-  for (int i = 0; i < w; ++i) p[i] = s.z[static_cast<std::size_t>(t - w + i)] - last;
-  return {x, torch::full({1}, s.z[static_cast<std::size_t>(t)] - last, torch::kFloat)};
+/// The model's view of the window ending before position t, made scale-free so one forecaster
+/// serves hourly temperatures and monthly payrolls alike: the last `w` values minus the last one,
+/// divided by the window's typical step `scale` (mean absolute first difference); the target is
+/// (x[t] - last) / scale. A forecast of the next value is last + scale x model output; the naive
+/// last-value forecast is an output of 0.
+/// Shape: input {w} float32, target {1} float32; `scale` in the series' z-score units.
+struct Window {
+  torch::Tensor input;
+  torch::Tensor target;
+  float scale = 1;
+  float change = 0;  // x[t] - last, z-score units
+};
+
+Window window_at(const Series& s, int64_t t, int w) {
+  const float* z = s.z.data() + (t - w);  // z[0..w-1]: the window; z[w]: the value to forecast
+  const float last = z[w - 1];
+  float steps = 0;
+  for (int i = 1; i < w; ++i) steps += std::abs(z[i] - z[i - 1]);
+  const float scale = std::max(steps / static_cast<float>(w - 1), 1e-3f);
+  Window out{torch::empty({w}, torch::kFloat), torch::empty({1}, torch::kFloat), scale, z[w] - last};
+  auto* p = out.input.data_ptr<float>();
+  for (int i = 0; i < w; ++i) p[i] = (z[i] - last) / scale;
+  out.target.fill_(out.change / scale);
+  return out;
 }
 
 /// A SampleGenerator (callable form): the training windows of one series in time order, strided
@@ -141,14 +157,15 @@ struct WindowGenerator {
 
   std::optional<std::pair<torch::Tensor, torch::Tensor>> operator()() {
     if (t >= series->train_end) return std::nullopt;
-    auto sample = window_at(*series, t, window);
+    Window sample = window_at(*series, t, window);
     t += stride;
-    return sample;
+    return std::pair<torch::Tensor, torch::Tensor>(std::move(sample.input), std::move(sample.target));
   }
 };
 
 // ------------------------------------------------------------------------------------------------
-// Model: an MLP forecaster of the next change. Shape: in N x w float32, out N x 1 float32.
+// Model: an MLP forecaster of the next change, in units of the window's typical step.
+// Shape: in N x w float32, out N x 1 float32. Trained with the squared error of that scaled change.
 // ------------------------------------------------------------------------------------------------
 torch::nn::Sequential make_forecaster(int w, int hidden) {
   return torch::nn::Sequential(torch::nn::Linear(w, hidden), torch::nn::Tanh(), torch::nn::Linear(hidden, hidden),
@@ -163,17 +180,21 @@ torch::Tensor holdout_errors(torch::nn::Sequential& model, const std::vector<Ser
   torch::Tensor out = torch::zeros({static_cast<int64_t>(series.size()), 3}, torch::kDouble);
   for (int g : mine) {
     const Series& s = series[static_cast<std::size_t>(g)];
-    std::vector<torch::Tensor> xs, ys;
+    std::vector<torch::Tensor> xs;
+    std::vector<float> scales, changes;
     for (auto t = static_cast<int64_t>(s.z.size()) - 1; t >= s.train_end; --t) {
-      auto [x, y] = window_at(s, t, w);
-      xs.push_back(x);
-      ys.push_back(y);
+      Window win = window_at(s, t, w);
+      xs.push_back(std::move(win.input));
+      scales.push_back(win.scale);
+      changes.push_back(win.change);
     }
-    const torch::Tensor x = torch::stack(xs), y = torch::stack(ys);
-    const torch::Tensor pred = model->forward(x);
-    out[g][0] = (pred - y).pow(2).sum().item<double>();
-    out[g][1] = y.pow(2).sum().item<double>();
-    out[g][2] = static_cast<double>(xs.size());
+    const auto n = static_cast<int64_t>(xs.size());
+    const torch::Tensor change = torch::from_blob(changes.data(), {n, 1}, torch::kFloat).clone();
+    const torch::Tensor scale = torch::from_blob(scales.data(), {n, 1}, torch::kFloat).clone();
+    const torch::Tensor pred = model->forward(torch::stack(xs)) * scale;  // forecast change, z-score units
+    out[g][0] = (pred - change).pow(2).sum().item<double>();
+    out[g][1] = change.pow(2).sum().item<double>();
+    out[g][2] = static_cast<double>(n);
   }
   model->train();
   return out;

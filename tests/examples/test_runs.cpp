@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -198,20 +199,25 @@ TEST_CASE("finetune_icons: a corrupt PNG is an error naming it, or skipped with 
   CHECK(!line_starting(lenient.output, "result:").empty());
 }
 
-TEST_CASE("generators_to_devices: 2 ranks and 8 in-process devices learn to beat the naive forecast") {
-  for (const std::string mode : {"--mode ranks --devices 2", "--mode in-process --devices 8"}) {
+TEST_CASE("generators_to_devices: 2 ranks and in-process devices learn to beat the naive forecast, and agree") {
+  std::map<std::string, std::map<std::string, double>> results;
+  for (const std::string mode : {"--mode ranks --devices 2", "--mode in-process --devices 2", "--mode in-process --devices 8"}) {
     const auto r = run(fmt::format("{} {} --epochs 2 --max-windows 128", q(example("generators_to_devices")), mode));
     INFO(r.output);
     REQUIRE(r.exit_code == 0);
     const auto before = fields(line_starting(r.output, "before training:"));
-    const auto e1 = fields(line_starting(r.output, "epoch 1/2:"));
-    const auto e2 = fields(line_starting(r.output, "epoch 2/2:"));
     const auto result = fields(line_starting(r.output, "result:"));
+    REQUIRE(before.count("model_mse") == 1);
     REQUIRE(result.count("model_mse") == 1);
-    CHECK(e2.at("train_loss") < e1.at("train_loss"));
-    CHECK(result.at("model_mse") < before.at("model_mse"));
-    CHECK(result.at("model_mse") < result.at("naive_mse"));
+    CHECK(result.at("model_mse") < before.at("model_mse"));  // the held-out loss falls
+    CHECK(result.at("model_mse") < result.at("naive_mse"));  // and beats the last-value forecast
+    results[mode] = result;
   }
+  // Exact weighting: 2 ranks (2-row batches reduced over Gloo) and 2 in-process devices (2
+  // micro-batches of one window) take the same optimizer steps; only float summation order differs.
+  const double a = results["--mode ranks --devices 2"].at("model_mse");
+  const double b = results["--mode in-process --devices 2"].at("model_mse");
+  CHECK(std::abs(a - b) <= 1e-3 * a);
 }
 
 TEST_CASE("generators_to_devices: an empty CSV column is an error naming the file and the column") {
