@@ -478,7 +478,9 @@ class NcclCommunicator {
     const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, world_size, id, rank, &config);
     if (rc != ncclSuccess && rc != ncclInProgress && s.comm == nullptr)
       detail::throw_nccl_error(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, nullptr, s.site);
-    s.check(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, "nccl_init", start);
+    // Non-blocking: init may still run in NCCL's threads even after ncclSuccess; poll its state.
+    s.check(rc == ncclSuccess && options.nonblocking ? ncclInProgress : rc,
+            "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, "nccl_init", start);
   }
 
   NcclCommunicator(NcclCommunicator&&) noexcept = default;
