@@ -34,10 +34,12 @@
 //     once in the order gradients became ready on rank 0 (broadcast, so every rank agrees). Each
 //     bucket ends with one flag per parameter that says whether the sending rank used it.
 //   Launch order: bucket k is sent only after buckets 0..k-1, on every rank the same sequence.
-//     Before it leaves, a bucket is scaled in place to this rank's share of the average (divided by
-//     the global sample count, which a small all-reduce started before backward delivered; or by
-//     the world size; times 1 / loss scale) and scanned for inf/NaN in the same pass, like DDP's
-//     division before its all-reduce; the sum over ranks is then the average.
+//     Each gradient is scaled in place to this rank's share of the average as soon as its hook
+//     fires in the synchronising backward (divided by the global sample count, which a small
+//     all-reduce started before backward delivered; or by the world size; times 1 / loss scale)
+//     and scanned for inf/NaN in the same pass, like DDP's per-gradient division; gradients that
+//     arrived only in earlier micro-batches are scaled when their bucket leaves. The sum over
+//     ranks is then the average.
 //   Unused parameters: a parameter whose gradient hook did not fire on a rank during the window
 //     counts as zero in that rank's slot (it cannot stall its bucket: unfinished buckets are sent by
 //     finish_window). A parameter unused on EVERY rank keeps the gradient it had before the window
@@ -237,6 +239,7 @@ struct GradSlot {
   bool used = false;            // a gradient arrived during the current window
   bool fired = false;           // a gradient arrived during the current sync backward
   bool was_undefined = false;   // its .grad() was undefined when the window began
+  bool scaled = false;          // already divided to its share of the average in this sync backward
 };
 
 struct GradBucket {
@@ -252,6 +255,7 @@ struct GradBucket {
   std::size_t pending = 0;
   bool ready = false;
   bool launched = false;
+  bool bad = false;  // this rank's scan found inf/NaN in the bucket
 };
 
 template <class State>
@@ -345,7 +349,9 @@ class ReducerState {
       b.pending = b.slots.size();
       b.ready = false;
       b.launched = false;
+      b.bad = false;
     }
+    for (auto& s : slots_) s.scaled = false;
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
     auto* m = meta_.data_ptr<std::int64_t>();
@@ -574,13 +580,14 @@ class ReducerState {
       return;
     }
     s.fired = true;
+    if (options_.overlap) scale_slot(k);  // while its memory is still in cache, like DDP's per-gradient division
     if (--b.pending == 0) b.ready = true;
     if (!options_.overlap) return;
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
   }
 
-  /// Scales bucket `bi` to its share of the average and scans it for inf/NaN (one pass), writes
-  /// the used-flags and the scan's verdict into its tail, and starts its all-reduce.
+  /// Zeroes the slots of unused parameters, scales what was not scaled yet, writes the used-flags
+  /// and the inf/NaN verdict into the bucket's tail, and starts its all-reduce.
   void launch(std::size_t bi) {
     auto& b = buckets_[bi];
     for (std::size_t k : b.slots) {
@@ -590,20 +597,34 @@ class ReducerState {
       s.view.zero_();  // an unused parameter's slot counts as zero
     }
     compute_factor();
-    bool bad = false;
     at::Tensor* target = &b.flat;
     if (b.wire.defined()) {
       // Compressed: scaled while cast; the scan runs on the float32 result (it also sees overflow).
       b.factor.fill_(factor_);
       at::mul_out(b.wire_head, b.head, b.factor);
       target = &b.wire;
-    } else if (!no_samples_) {
-      bad = divide_ ? scale_and_check(b.head, denominator_, /*divide=*/true, options_.skip_non_finite)
-                    : scale_and_check(b.head, factor_, /*divide=*/false, options_.skip_non_finite);
+    } else {
+      for (std::size_t k : b.slots)
+        if (slots_[k].used) scale_slot(k);  // gradients that did not arrive in this backward
     }
-    write_tail(b, bad);
+    write_tail(b, b.bad);
     works_[bi] = start(*target);
     b.launched = true;
+  }
+
+  /// Divides (or multiplies) slot k's gradient to this rank's share of the average and scans it for
+  /// inf/NaN, once per sync backward. Compressed buckets are scaled while cast, at launch.
+  void scale_slot(std::size_t k) {
+    auto& s = slots_[k];
+    auto& b = buckets_[s.bucket];
+    if (s.scaled || b.wire.defined()) return;
+    s.scaled = true;
+    compute_factor();
+    if (no_samples_) return;
+    auto span = b.head.narrow(0, s.offset, param(k).numel());
+    const bool bad = divide_ ? scale_and_check(span, denominator_, /*divide=*/true, options_.skip_non_finite)
+                             : scale_and_check(span, factor_, /*divide=*/false, options_.skip_non_finite);
+    b.bad = b.bad || bad;
   }
 
   /// The window's divisor, known once the sample-count all-reduce (started before backward) is in.
