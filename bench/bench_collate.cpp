@@ -12,8 +12,8 @@
 //               floor of any collator: same bytes, same write footprint, no bookkeeping);
 //       naive:  std::map keyed by shape of vectors of tensors, torch::stack per full group and a
 //               targets tensor (leftover groups stacked at the end);
-//       loom:   BucketCollator (exact shapes, max_samples 64) with a BufferPool, batches dropped
-//               as they come.
+//       loom:   `samples | loom::views::bucket_by_shape({.max_samples = 64, .pool = pool})`,
+//               batches dropped as they come.
 //   collate_padding/{round_up_32,auto_boundaries}: padding fraction counters on the icon sizes
 //       (same number of buckets); the timed part is computing the boundaries.
 //
@@ -175,18 +175,8 @@ void BM_collate_mixed_loom(benchmark::State& state) {
   auto pool = std::make_shared<loom::BufferPool>();
   int64_t batches = 0;
   auto pass = [&] {
-    loom::BucketCollator<> c(loom::ShapeBucketOptions{.max_samples = 64, .pool = pool});
-    int64_t index = 0;
-    for (const auto& s : in.samples) {
-      c.push(index++, s);
-      while (auto b = c.try_pop()) {
-        benchmark::DoNotOptimize(b->data.data_ptr());
-        ++batches;
-      }
-    }
-    c.flush();
-    while (auto b = c.try_pop()) {
-      benchmark::DoNotOptimize(b->data.data_ptr());
+    for (loom::Batch& b : in.samples | loom::views::bucket_by_shape({.max_samples = 64, .pool = pool})) {
+      benchmark::DoNotOptimize(b.data.data_ptr());
       ++batches;
     }
   };

@@ -95,6 +95,7 @@ class SinglePassSamples : public ranges::view_base {
   std::shared_ptr<Shared> s_;
 };
 static_assert(ranges::input_range<SinglePassSamples> && !ranges::forward_range<SinglePassSamples>);
+static_assert(!std::is_copy_constructible_v<loom::BucketCollator<>> && std::is_move_constructible_v<loom::BucketCollator<>>);
 
 }  // namespace
 

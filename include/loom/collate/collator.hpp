@@ -264,6 +264,12 @@ class BucketCollator {
   explicit BucketCollator(const PaddedBucketOptions& o, Projection proj = {})
       : planner_(o), proj_(std::move(proj)), storage_{o.pool, o.allocate}, padded_(true), mask_(o.mask), pad_value_(o.pad_value) {}
 
+  // Move-only: a copy would share the open batch buffers and write into them twice.
+  BucketCollator(const BucketCollator&) = delete;
+  BucketCollator& operator=(const BucketCollator&) = delete;
+  BucketCollator(BucketCollator&&) = default;
+  BucketCollator& operator=(BucketCollator&&) = default;
+
   /// Adds a sample; its dataset index is `proj.index(s)` when the projection has one, else the
   /// number of samples pushed before it.
   template <class S>
