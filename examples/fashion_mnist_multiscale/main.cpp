@@ -55,6 +55,7 @@ struct Options {
   int64_t accumulate = 1;
   uint64_t seed = 1;
   int threads = 1;
+  std::string device = "auto";  // auto | cpu | cuda
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ int64_t size_of(const std::vector<int>& sizes, uint64_t seed, int64_t epoch, int
 }
 
 template <class Comm>
-void train(Comm& comm, const loom::Environment& env, const Options& o, Clock::time_point start) {
+void train(Comm& comm, const loom::Environment& env, const Options& o, torch::Device device, Clock::time_point start) {
   const loom::RankInfo me = loom::rank_info(env);
   loom::Logger log{loom::StreamSink{stdout}, me};
   auto train_set = loom::data::read_fashion_mnist(o.data, loom::data::MnistSplit::train);
@@ -105,6 +106,7 @@ void train(Comm& comm, const loom::Environment& env, const Options& o, Clock::ti
 
   torch::manual_seed(o.seed);
   auto model = make_cnn(o.width);
+  model->to(device);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(1e-4));
   loom::Reducer reducer(comm, loom::parameters_of(*model));
   loom::Accumulator acc(reducer, {.micro_batches_per_step = o.accumulate});
@@ -118,7 +120,7 @@ void train(Comm& comm, const loom::Environment& env, const Options& o, Clock::ti
     std::vector<torch::Tensor> xs;
     auto flush = [&] {
       if (xs.empty()) return;
-      preds.push_back(model->forward(torch::stack(xs)).argmax(1));
+      preds.push_back(model->forward(torch::stack(xs).to(device)).argmax(1).cpu());
       xs.clear();
     };
     while (auto i = sampler.next()) {
@@ -154,7 +156,7 @@ void train(Comm& comm, const loom::Environment& env, const Options& o, Clock::ti
       });
       auto mb = acc.micro_batch(b);  // 0 samples for a repeated (weight-0) batch
       const torch::Tensor loss = torch::nn::functional::cross_entropy(
-                                     model->forward(b.data), b.targets,
+                                     model->forward(b.data.to(device)), b.targets.to(device),
                                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
                                  b.weight;
       mb.scale(loss).backward();
@@ -185,14 +187,21 @@ void train(Comm& comm, const loom::Environment& env, const Options& o, Clock::ti
            std::chrono::duration<double>(Clock::now() - start).count());
 }
 
+/// One rank: the device (`--device cuda`: GPU local_rank, ranks still talk through Gloo), then training.
 void run_rank(const loom::Environment& env, const Options& o, Clock::time_point start) {
   at::set_num_threads(o.threads);
+  const bool cuda = torch::cuda::is_available();
+  if (o.device == "cuda" && !cuda)
+    throw loom::ConfigError("--device cuda: this LibTorch or machine has no CUDA device; use --device cpu");
+  const torch::Device device = (o.device == "cuda" || (o.device == "auto" && cuda))
+                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
+                                   : torch::Device(torch::kCPU);
   if (env.world_size == 1) {
     loom::LocalCommunicator comm;
-    train(comm, env, o, start);
+    train(comm, env, o, device, start);
   } else {
     loom::GlooCommunicator comm(env);
-    train(comm, env, o, start);
+    train(comm, env, o, device, start);
   }
 }
 
@@ -212,6 +221,8 @@ int main(int argc, char** argv) {
   app.add_option("--accumulate", o.accumulate, "micro-batches per optimizer step")->check(CLI::PositiveNumber);
   app.add_option("--seed", o.seed, "seed of the weights, the sizes and the shuffles");
   app.add_option("--threads", o.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("--device", o.device, "auto | cpu | cuda (GPU local_rank; ranks talk through Gloo)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
   if (o.width % 8 != 0) {
     fmt::print(stderr, "--width {} must be a multiple of 8 (GroupNorm groups)\n", o.width);

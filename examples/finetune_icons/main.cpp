@@ -6,7 +6,7 @@
 // never straddle the split).
 // Loop, assembled from loom's public parts:
 //   loom::spawn (--nproc ranks on this machine) or a launcher's variables (torchrun, mpirun, srun)
-//   -> loom::GlooCommunicator (CPU) or loom::NcclCommunicator (GPUs)
+//   -> loom::GlooCommunicator (CPU tensors, or CUDA tensors with --device cuda)
 //   -> loom::DistributedBucketBatchSampler: exact-shape buckets (16x16 icons with 16x16 icons)
 //      under a pixel budget, whole batches sharded so every rank runs the same number of steps
 //   -> loom::collate_sampled -> model -> loss summed over the batch's samples
@@ -51,10 +51,6 @@
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/sample.hpp>
-#if LOOM_HAS_NCCL
-#include <loom/comm/nccl.hpp>
-#include <loom/dist/rendezvous.hpp>
-#endif
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -64,7 +60,7 @@ using Clock = std::chrono::steady_clock;
 // ------------------------------------------------------------------------------------------------
 struct Options {
   int nproc = 2;
-  std::string backend = "auto";  // auto | gloo | nccl
+  std::string device = "auto";  // auto | cpu | cuda
   fs::path data = "/usr/share/icons/Adwaita";
   std::vector<int> sizes = {16, 24, 32, 48};
   std::vector<int> pretrain_sizes = {16, 24};
@@ -476,38 +472,32 @@ template <class Comm>
 void train_with(Comm& comm, const loom::Environment& env, const Options& o, torch::Device device, Clock::time_point start) {
   const loom::RankInfo me = loom::rank_info(env);
   loom::Logger log{loom::StreamSink{stdout}, me};
-  log.info("finetune_icons: {} rank(s) ({} launcher), backend {}, device {}", env.world_size, loom::to_string(env.launcher),
-           o.backend, device.str());
+  log.info("finetune_icons: {} rank(s) ({} launcher), communicator {}, device {}", env.world_size,
+           loom::to_string(env.launcher), env.world_size > 1 ? "gloo" : "local", device.str());
   Trainer<Comm, decltype(log)> trainer(comm, me, o, log, device);
   trainer.run(start);
 }
 
-/// One rank: picks the communicator and device, then trains.
+/// One rank: picks the device and the communicator, then trains.
+/// Devices: `--device cuda` (or `auto` when CUDA is there) puts the model and the batches on GPU
+/// `local_rank`; the ranks still talk through Gloo, which moves CUDA tensors through host memory.
+/// (loom::NcclCommunicator takes device tensors only, while the reducer's sample counts and the
+/// metrics are small host tensors; see docs/examples.md.)
 void run_rank(const loom::Environment& env, Options o, Clock::time_point start) {
   at::set_num_threads(o.threads);
-  bool cuda = false;
-#if LOOM_HAS_NCCL
-  cuda = torch::cuda::is_available();
-#endif
-  if (o.backend == "auto") o.backend = cuda ? "nccl" : "gloo";
-  if (o.backend == "nccl" && !cuda)
-    throw loom::ConfigError("--backend nccl needs CUDA and NCCL (this build or machine has none); use --backend gloo");
-  torch::Device device = o.backend == "nccl" ? torch::Device(torch::kCUDA, env.local_rank) : torch::Device(torch::kCPU);
+  const bool cuda = torch::cuda::is_available();
+  if (o.device == "auto") o.device = cuda ? "cuda" : "cpu";
+  if (o.device == "cuda" && !cuda)
+    throw loom::ConfigError("--device cuda: this LibTorch or machine has no CUDA device; use --device cpu");
+  const torch::Device device = o.device == "cuda" ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
+                                                  : torch::Device(torch::kCPU);
   if (env.world_size == 1) {
     loom::LocalCommunicator comm;
     train_with(comm, env, o, device, start);
-    return;
-  }
-#if LOOM_HAS_NCCL && 0  // TEMPORARY: loom::Reducer<NcclCommunicator> does not compile yet (move-only NcclWork)
-  if (o.backend == "nccl") {
-    auto store = loom::rendezvous(env);
-    loom::NcclCommunicator comm(*store, env.rank, env.world_size, {.device = env.local_rank});
+  } else {
+    loom::GlooCommunicator comm(env);
     train_with(comm, env, o, device, start);
-    return;
   }
-#endif
-  loom::GlooCommunicator comm(env);
-  train_with(comm, env, o, device, start);
 }
 
 int main(int argc, char** argv) {
@@ -515,7 +505,8 @@ int main(int argc, char** argv) {
   Options o;
   CLI::App app{"Fine-tune a small CNN on Adwaita's icons (each at its own size) over several ranks."};
   app.add_option("--nproc", o.nproc, "ranks to spawn on this machine (ignored under torchrun/mpirun/srun)")->check(CLI::Range(1, 64));
-  app.add_option("--backend", o.backend, "auto | gloo | nccl")->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  app.add_option("--device", o.device, "auto | cpu | cuda (GPU local_rank; ranks talk through Gloo)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--data", o.data, "icon theme root (<N>x<N>/<context>/*.png)");
   app.add_option("--sizes", o.sizes, "icon sizes to fine-tune on, px")->delimiter(',');
   app.add_option("--pretrain-sizes", o.pretrain_sizes, "icon sizes to pre-train on, px")->delimiter(',');
