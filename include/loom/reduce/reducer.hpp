@@ -193,15 +193,18 @@ bool scale_block_loop(T* p, std::int64_t n, T value, bool check) {
   return check && worst == kExponent;
 }
 
-inline bool scale_and_check(at::Tensor& t, double value, bool divide, bool check) {
+/// scale_and_check on elements [offset, offset + numel) of a 1-D tensor, without making a view
+/// when the memory is CPU float32/float64 (the reducer calls it once per gradient per step).
+inline bool scale_and_check_span(at::Tensor& flat, std::int64_t offset, std::int64_t numel, double value, bool divide,
+                                 bool check) {
   if (divide && value == 1.0) divide = false;
-  if (t.is_cpu() && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble)) {
+  if (flat.is_cpu() && flat.is_contiguous() && (flat.scalar_type() == at::kFloat || flat.scalar_type() == at::kDouble)) {
     if (!divide && value == 1.0 && !check) return false;
     std::atomic<bool> bad{false};
-    AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "loom_scale_and_check", [&] {
-      scalar_t* p = t.data_ptr<scalar_t>();
+    AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "loom_scale_and_check", [&] {
+      scalar_t* p = flat.data_ptr<scalar_t>() + offset;
       const auto v = static_cast<scalar_t>(value);
-      at::parallel_for(0, t.numel(), std::int64_t{1} << 18, [&](std::int64_t begin, std::int64_t end) {
+      at::parallel_for(0, numel, std::int64_t{1} << 18, [&](std::int64_t begin, std::int64_t end) {
         const bool found = divide ? scale_block_loop<scalar_t, true>(p + begin, end - begin, v, check)
                                   : scale_block_loop<scalar_t, false>(p + begin, end - begin, v, check);
         if (found) bad.store(true, std::memory_order_relaxed);
@@ -209,8 +212,21 @@ inline bool scale_and_check(at::Tensor& t, double value, bool divide, bool check
     });
     return bad.load();
   }
+  auto t = (offset == 0 && numel == flat.numel()) ? flat : flat.narrow(0, offset, numel);
   if (divide) t.div_(value);
   else if (value != 1.0) t.mul_(value);
+  return check && !std::isfinite(t.sum().item<double>());
+}
+
+inline bool scale_and_check(at::Tensor& t, double value, bool divide, bool check) {
+  if (t.is_contiguous()) {
+    auto flat = t.view({-1});
+    return scale_and_check_span(flat, 0, flat.numel(), value, divide, check);
+  }
+  if (value != 1.0) {
+    if (divide) t.div_(value);
+    else t.mul_(value);
+  }
   return check && !std::isfinite(t.sum().item<double>());
 }
 
@@ -621,9 +637,9 @@ class ReducerState {
     s.scaled = true;
     compute_factor();
     if (no_samples_) return;
-    auto span = b.head.narrow(0, s.offset, param(k).numel());
-    const bool bad = divide_ ? scale_and_check(span, denominator_, /*divide=*/true, options_.skip_non_finite)
-                             : scale_and_check(span, factor_, /*divide=*/false, options_.skip_non_finite);
+    const auto n = param(k).numel();
+    const bool bad = divide_ ? scale_and_check_span(b.flat, s.offset, n, denominator_, /*divide=*/true, options_.skip_non_finite)
+                             : scale_and_check_span(b.flat, s.offset, n, factor_, /*divide=*/false, options_.skip_non_finite);
     b.bad = b.bad || bad;
   }
 
