@@ -44,7 +44,8 @@
 //
 // Units: samples are whatever the loss sums over (rows, tokens).
 // Throws: loom::InvalidArgument (negative sample count, bad options), loom::Error (calls out of
-//         order, use after an abandoned micro-batch), and the reducer's / communicator's errors.
+//         order; any call after an abandoned micro-batch or a failed collective, naming that first
+//         cause), and the reducer's / communicator's errors.
 // Source: DDP's no_sync() accumulation; "exact" weighting as in gradient accumulation with
 //         sum-reduced losses divided by the token/sample count; GradScaler for loss scaling.
 #pragma once
@@ -53,6 +54,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -167,8 +169,9 @@ class Accumulator {
     open_ = true;
     try {
       reducer_->prepare_backward({.sync = boundary, .window_samples = window_samples_, .grad_scale = grad_scale()});
-    } catch (...) {
-      broken_ = true;
+    } catch (const std::exception& e) {
+      open_ = false;
+      break_with(fmt::format("prepare_backward failed in micro_batch ({})", e.what()));
       throw;
     }
     return MicroBatch(this, boundary);
@@ -197,8 +200,14 @@ class Accumulator {
       all_final_seen_ = false;
       return std::nullopt;
     }
-    reducer_->prepare_backward({.sync = true, .final = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
-    const Reduction r = reducer_->finish_window();
+    Reduction r;
+    try {
+      reducer_->prepare_backward({.sync = true, .final = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
+      r = reducer_->finish_window();
+    } catch (const std::exception& e) {
+      break_with(fmt::format("a collective failed in end_epoch ({})", e.what()));
+      throw;
+    }
     if (!r.reduced) {
       reset_window();
       return std::nullopt;
@@ -220,10 +229,10 @@ class Accumulator {
   double grad_scale() const noexcept { return scaler_ ? 1.0 / scaler_->scale() : 1.0; }
 
   void check_usable(const char* what) const {
-    if (broken_)
-      throw Error(fmt::format("Accumulator::{}: a micro-batch was abandoned (its scope ended without finish(), e.g. by an "
-                              "exception); the ranks may be out of step, so this accumulator refuses further use",
-                              what));
+    if (!broken_.empty())
+      throw Error(fmt::format("Accumulator::{}: {}; the ranks may be out of step, so this accumulator refuses further use "
+                              "(build a new reducer and accumulator)",
+                              what, broken_));
     if (open_) throw Error(fmt::format("Accumulator::{}: the previous micro-batch was not finished (call finish())", what));
   }
 
@@ -238,8 +247,8 @@ class Accumulator {
     }
     try {
       return close_window(reducer_->finish_window());
-    } catch (...) {
-      broken_ = true;  // a failed collective leaves the ranks out of step
+    } catch (const std::exception& e) {
+      break_with(fmt::format("a collective failed at a step boundary ({})", e.what()));  // the ranks are out of step
       throw;
     }
   }
@@ -267,7 +276,12 @@ class Accumulator {
 
   void abandon() noexcept {
     open_ = false;
-    broken_ = true;
+    if (broken_.empty()) broken_ = "a micro-batch was abandoned (its scope ended without finish(), e.g. by an exception)";
+  }
+
+  /// Marks the accumulator unusable; the first cause is kept for every later call's message.
+  void break_with(std::string cause) {
+    if (broken_.empty()) broken_ = std::move(cause);
   }
 
   R* reducer_;
@@ -276,7 +290,7 @@ class Accumulator {
   std::int64_t window_micro_batches_ = 0;
   std::int64_t window_samples_ = 0;
   bool open_ = false;
-  bool broken_ = false;
+  std::string broken_;  // why this accumulator refuses further use (empty: usable)
   bool all_final_seen_ = false;
 };
 

@@ -57,8 +57,13 @@ class LossScaler {
   /// The current scale.
   [[nodiscard]] double scale() const noexcept { return scale_; }
 
-  /// `loss * scale()`. Shape: any; dtype kept.
-  [[nodiscard]] at::Tensor scale(const at::Tensor& loss) const { return loss * scale_; }
+  /// `loss * scale()`. Shape: any. Dtype: float16 and bfloat16 losses are promoted to float32
+  /// first (as GradScaler's float32 scale tensor promotes them), so a loss above ~1 times 65536
+  /// does not overflow float16; float32 and float64 losses keep their dtype.
+  [[nodiscard]] at::Tensor scale(const at::Tensor& loss) const {
+    if (loss.scalar_type() == at::kHalf || loss.scalar_type() == at::kBFloat16) return loss.to(at::kFloat) * scale_;
+    return loss * scale_;
+  }
 
   /// Once per optimizer step: back off after a non-finite step, grow after growth_interval finite ones.
   void update(bool found_non_finite) noexcept {

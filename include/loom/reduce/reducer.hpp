@@ -33,41 +33,71 @@
 //     device per bucket, filled in reverse registration order; after the first step they are rebuilt
 //     once in the order gradients became ready on rank 0 (broadcast, so every rank agrees). Each
 //     bucket ends with one flag per parameter that says whether the sending rank used it.
-//   Launch order: bucket k is sent only after buckets 0..k-1, on every rank the same sequence.
-//     Each gradient is scaled in place to this rank's share of the average as soon as its hook
-//     fires in the synchronising backward (divided by the global sample count, which a small
-//     all-reduce started before backward delivered; or by the world size; times 1 / loss scale)
-//     and scanned for inf/NaN in the same pass, like DDP's per-gradient division; gradients that
-//     arrived only in earlier micro-batches are scaled when their bucket leaves. The sum over
-//     ranks is then the average.
+//   Launch order: bucket k is sent only after buckets 0..k-1, on every rank the same sequence. A
+//     bucket leaves once every gradient in it arrived in the synchronising backward: it is then
+//     scaled as a whole to this rank's share of the average (divided by the global sample count,
+//     which a small all-reduce started before backward delivered, or by the world size; times
+//     1 / loss scale) and scanned for inf/NaN in the same pass. The sum over ranks is the average.
+//   A gradient that arrives twice in the synchronising backward (two backward passes before
+//     finish_window, reentrant checkpointing, mark_ready after adding to a gradient by hand) is
+//     exact while its bucket has not left: the arrivals add up in the slot and the bucket is
+//     scaled once, (x + y) / N. After the bucket left, the second arrival would miss the
+//     all-reduce: loom::InvalidArgument naming the parameter (DDP: "Expected to mark a variable
+//     ready only once"). overlap = false sends nothing before finish_window, so it never throws.
 //   Unused parameters: a parameter whose gradient hook did not fire on a rank during the window
 //     counts as zero in that rank's slot (it cannot stall its bucket: unfinished buckets are sent by
 //     finish_window). A parameter unused on EVERY rank keeps the gradient it had before the window
 //     (an undefined gradient stays undefined, so optimizers skip it; a stale value stays).
 //   Gradients accumulate across the window's backward passes as in plain LibTorch; zero them after
 //     each optimizer step (optimizer.zero_grad(), with or without set_to_none) as usual.
+//   The parameter set is fixed at construction: at the first prepare_backward of every window the
+//     reducer checks that no frozen parameter became trainable (or the reverse), that dtypes,
+//     devices and shapes are unchanged, and that every parameter still has the gradient
+//     accumulator its hook hangs on (module->to(dtype) or set_data replace it, after which the
+//     gradient would bypass the reducer); otherwise loom::InvalidArgument naming the parameter.
+//     Build the Reducer after moving, casting, freezing or unfreezing the model.
+//   Buffers (broadcast_buffers, default on): at the end of every finish_window that reduced, rank
+//     0's buffers (BatchNorm running statistics, ...) are broadcast to every rank, so replicas,
+//     checkpoints and evaluation agree after every optimizer step. DDP broadcasts before each
+//     forward instead; loom does it at the step boundary, the one point it owns where no forward
+//     reads the buffers, and so that they are equal whenever the caller looks. One coalesced
+//     broadcast per buffer dtype per step; nothing when the list has no buffer.
 //   Non-finite: each rank's scan puts its verdict (0 or 1) in the bucket's tail, next to the
 //     used-flags; the bucket's own all-reduce sums the verdicts, so every rank reads the same
 //     answer and reports Reduction::non_finite together, without an extra collective; the window's
-//     gradients are then zeroed. (An overflow created only by the sum of finite values near the
-//     dtype's maximum is not detected.)
+//     gradients are then zeroed. The scan tests each element (isfinite), never a sum, so float16
+//     gradients whose sum exceeds 65504 are finite. (An overflow created only by the sum over
+//     ranks of finite values near the dtype's maximum is not detected.)
 //   Clipping (max_grad_norm): the L2 norm of the averaged, unscaled gradient over all buckets — the
-//     global norm, identical on every rank — and the clip factor min(1, max / (norm + 1e-6)).
-//   Wire compression (wire_dtype = float16 / bfloat16): float32 buckets are scaled to their share
-//     of the average while being cast for the wire (so float16 carries averages, not sums),
-//     summed across ranks in that dtype, and cast back into the float32 bucket, which is then
-//     scanned for inf/NaN; local accumulation stays float32 (DDP's fp16_compress_hook). The
-//     relative error is about 2^-8 (bfloat16) / 2^-11 (float16) per rounding.
+//     global norm, identical on every rank, accumulated in float32 for float16/bfloat16 buckets
+//     and float64 for float64 ones — and the clip factor min(1, max / (norm + 1e-6)).
+//   Host reads: nothing inside an autograd hook reads a value back to the host (the divisor and the
+//     verdicts stay on the communicator's device); finish_window makes one read of a small float64
+//     summary (count, final flags, used-flags, verdicts, squared norm), and an end-of-epoch flush
+//     one more first (whether any rank has samples). host_reads() counts them.
+//   Wire compression (wire_dtype = float16 / bfloat16, float32 buckets only): rank r sends its
+//     share s_r = S_r / W, where S_r is its summed (still loss-scaled) gradient and W the world size,
+//     cast to the wire dtype; the shares are summed in that dtype and cast back, and the float32
+//     bucket is multiplied by W x (1 / loss scale) / divisor, then scanned for inf/NaN. Dividing by
+//     W, not by the sample count, keeps the shares count/W times larger, away from float16's
+//     subnormal range (below 2^-14 = 6.1e-5), and the loss scale stays on the wire where it
+//     protects small gradients. Error bound per element (float16; bfloat16 with 2^-8 and no
+//     subnormal term in its range): |error| <= (W / divisor) x sum over the W casts and W - 1
+//     additions of (2^-11 x |value rounded| + 2^-25), i.e. relative 2^-11 per rounding while
+//     shares are normal, and an absolute 2^-25 x W / divisor per rounding below; a share below
+//     2^-25 (3e-8) is flushed to zero, and one above 65504 becomes inf (reported non_finite).
 //   Sample count and join: each window's sync backward starts one small int64 all-reduce of
 //     [window samples, final flag] before backward runs; a final flush (end of epoch) that finds
 //     every rank final and no sample anywhere stops without touching the buckets.
 //
-// Collectives per step: 1 + number of buckets all-reduces (+ one broadcast, once, for the rebuild).
+// Collectives per step: 1 + number of buckets all-reduces (+ one broadcast, once, for the rebuild;
+// + the buffer broadcast when the model has buffers).
 // Shape: gradients have their parameters' shapes and strides (dense layouts kept, e.g.
 //        channels-last), dtypes float32/float64/float16/bfloat16; frozen parameters are left out.
 // Units: caps in bytes, samples in samples.
 // Throws: loom::InvalidArgument (bad options, non-floating or non-leaf trainable parameter,
-//         parameters that differ across ranks, a gradient produced twice after its bucket left),
+//         parameters that differ across ranks, a gradient produced twice after its bucket left,
+//         a parameter set changed after construction),
 //         loom::Error (calls out of order), and the communicator's CommError / TimeoutError.
 // Source: PyTorch DistributedDataParallel's Reducer (bucketing, gradient_as_bucket_view, ready-order
 //         rebuild, find_unused_parameters' bitmap, fp16_compress_hook, join for uneven inputs).
@@ -77,6 +107,7 @@
 #include <atomic>
 #include <bit>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -91,6 +122,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -135,6 +167,18 @@ struct ReducerOptions {
   bool broadcast_parameters = true;               ///< construction: copy rank 0's parameters and buffers everywhere
   bool skip_non_finite = true;                    ///< detect inf/NaN in the reduced gradient (Reduction::non_finite)
   std::optional<double> max_grad_norm{};            ///< clip by the global L2 norm (after averaging and unscaling)
+  bool broadcast_buffers = true;                  ///< copy rank 0's buffers to every rank at each step boundary
+};
+
+/// How often a reducer copied a value from the communicator's device to the host (each such read
+/// is a synchronisation point on a GPU). Exposed so tests can hold the reducer to its budget: at
+/// most one read per step (two for an end-of-epoch flush), none inside autograd hooks.
+///
+/// Example: `CHECK(reducer.host_reads().in_hooks == 0);`
+/// Units: reads since the reducer was built.
+struct HostReads {
+  std::int64_t total = 0;     ///< every read
+  std::int64_t in_hooks = 0;  ///< reads made while an autograd hook ran (a regression if ever > 0)
 };
 
 namespace detail {
@@ -165,7 +209,8 @@ inline bool aliases(const at::Tensor& g, const at::Tensor& view) {
 /// Scales a tensor in place (divides by `value` when `divide`, else multiplies) and, when `check`,
 /// returns whether any result is inf or NaN — in one pass over contiguous CPU float32/float64 memory
 /// (blocks of 64 elements the compiler vectorizes; non-finite = all exponent bits set), otherwise
-/// with two ATen ops. Division is kept (not a reciprocal multiply) so a mean is exactly rounded.
+/// with ATen ops (then the verdict is read to the host: use it outside hot paths only). Division is
+/// kept (not a reciprocal multiply) so a mean is exactly rounded.
 template <class T, bool Divide>
 bool scale_block_loop(T* p, std::int64_t n, T value, bool check) {
   using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
@@ -193,12 +238,17 @@ bool scale_block_loop(T* p, std::int64_t n, T value, bool check) {
   return check && worst == kExponent;
 }
 
+/// Whether scale_and_check_span takes the one-pass CPU path for `t`.
+inline bool has_fused_scan(const at::Tensor& t) {
+  return t.is_cpu() && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+}
+
 /// scale_and_check on elements [offset, offset + numel) of a 1-D tensor, without making a view
-/// when the memory is CPU float32/float64 (the reducer calls it once per gradient per step).
+/// when the memory is CPU float32/float64.
 inline bool scale_and_check_span(at::Tensor& flat, std::int64_t offset, std::int64_t numel, double value, bool divide,
                                  bool check) {
   if (divide && value == 1.0) divide = false;
-  if (flat.is_cpu() && flat.is_contiguous() && (flat.scalar_type() == at::kFloat || flat.scalar_type() == at::kDouble)) {
+  if (has_fused_scan(flat)) {
     if (!divide && value == 1.0 && !check) return false;
     std::atomic<bool> bad{false};
     AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "loom_scale_and_check", [&] {
@@ -215,7 +265,7 @@ inline bool scale_and_check_span(at::Tensor& flat, std::int64_t offset, std::int
   auto t = (offset == 0 && numel == flat.numel()) ? flat : flat.narrow(0, offset, numel);
   if (divide) t.div_(value);
   else if (value != 1.0) t.mul_(value);
-  return check && !std::isfinite(t.sum().item<double>());
+  return check && !at::isfinite(t).all().item<bool>();
 }
 
 inline bool scale_and_check(at::Tensor& t, double value, bool divide, bool check) {
@@ -227,8 +277,18 @@ inline bool scale_and_check(at::Tensor& t, double value, bool divide, bool check
     if (divide) t.div_(value);
     else t.mul_(value);
   }
-  return check && !std::isfinite(t.sum().item<double>());
+  return check && !at::isfinite(t).all().item<bool>();
 }
+
+/// 1.0 where `t` holds an inf or NaN, else 0.0, as a one-element tensor of `dtype` on t's device
+/// (no host synchronisation: the verdict stays on the device).
+inline at::Tensor non_finite_flag(const at::Tensor& t, c10::ScalarType dtype) {
+  return at::logical_not(at::isfinite(t)).any().reshape({1}).to(dtype);
+}
+
+/// The accumulation dtype of a bucket's arithmetic: float64 for float64, float32 otherwise (a
+/// float16 count above 2048 or a float16 factor would round).
+inline c10::ScalarType compute_dtype(c10::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 /// Stand-in handle for a communicator without all_reduce_async (the call blocked already).
 struct DoneWork {
@@ -244,6 +304,13 @@ struct WorkOf<Comm, true> {
   using type = std::decay_t<decltype(std::declval<Comm&>().all_reduce_async(std::declval<at::Tensor&>(), ReduceOp::sum))>;
 };
 
+/// The device a communicator's collectives take: `comm.device()` when it says, else the CPU.
+template <class Comm>
+c10::Device collective_device(const Comm& comm) {
+  if constexpr (requires { { comm.device() } -> std::convertible_to<c10::Device>; }) return comm.device();
+  else return c10::Device(c10::kCPU);
+}
+
 struct GradSlot {
   std::size_t param = 0;        // index into ParameterList::params
   std::size_t bucket = 0;       // bucket holding the gradient
@@ -255,23 +322,22 @@ struct GradSlot {
   bool used = false;            // a gradient arrived during the current window
   bool fired = false;           // a gradient arrived during the current sync backward
   bool was_undefined = false;   // its .grad() was undefined when the window began
-  bool scaled = false;          // already divided to its share of the average in this sync backward
 };
 
 struct GradBucket {
-  at::Tensor flat;       // [head: the gradients | tail: one used-flag per gradient, one inf/NaN flag]
+  at::Tensor flat;        // [head: the gradients | tail: one used-flag per gradient, one inf/NaN flag]
   at::Tensor head;
   at::Tensor tail;
-  at::Tensor wire;       // compressed copy of flat (wire_dtype), or undefined
+  at::Tensor wire;        // compressed copy of flat (wire_dtype), or undefined
   at::Tensor wire_head;
   at::Tensor wire_tail;
-  at::Tensor factor;     // float32 [1] on the bucket's device: a dimensioned multiplier, so a casting
-                         // multiply computes in float32 (a 0-dim one would compute in the wire dtype)
+  at::Tensor wire_div;    // float32 [1]: the world size, the pre-division of a compressed bucket
+  at::Tensor wire_bad;    // float32 [1]: inf/NaN after the compressed bucket came back (same on every rank)
+  at::Tensor flags_host;  // pinned staging for the used-flags of a bucket on a GPU
   std::vector<std::size_t> slots;
   std::size_t pending = 0;
   bool ready = false;
   bool launched = false;
-  bool bad = false;  // this rank's scan found inf/NaN in the bucket
 };
 
 template <class State>
@@ -296,7 +362,7 @@ class ReducerState {
   using Work = typename WorkOf<Comm>::type;
 
   ReducerState(Comm& comm, ParameterList list, ReducerOptions options)
-      : comm_(&comm), options_(std::move(options)), list_(std::move(list)) {
+      : comm_(&comm), options_(std::move(options)), list_(std::move(list)), device_(collective_device(comm)) {
     validate_options();
     if (!list_.names.empty() && list_.names.size() != list_.params.size())
       throw InvalidArgument(fmt::format("Reducer: {} names for {} parameters", list_.names.size(), list_.params.size()));
@@ -326,7 +392,7 @@ class ReducerState {
     order_ = reverse_order(slots_.size());
     build(assign(order_));
     recording_ = options_.rebuild_buckets;
-    meta_ = at::zeros({2}, at::kLong);
+    meta_ = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device_));
     for (std::size_t k = 0; k < slots_.size(); ++k) {
       auto acc = torch::autograd::impl::grad_accumulator(param(k));
       LOOM_ASSERT(acc != nullptr, list_.describe(slots_[k].param));
@@ -360,19 +426,19 @@ class ReducerState {
     sync_ = true;
     final_ = plan.final;
     grad_scale_ = plan.grad_scale;
-    factor_known_ = false;
+    // Without a loss scale, divide: each rank's share is then exactly rounded (one rank: the mean is).
+    divide_ = grad_scale_ == 1.0;
+    factors_.clear();
     for (auto& b : buckets_) {
       b.pending = b.slots.size();
       b.ready = false;
       b.launched = false;
-      b.bad = false;
     }
-    for (auto& s : slots_) s.scaled = false;
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
-    auto* m = meta_.data_ptr<std::int64_t>();
-    m[0] = plan.window_samples;
-    m[1] = plan.final ? 1 : 0;
+    const std::int64_t values[2] = {plan.window_samples, plan.final ? 1 : 0};
+    if (meta_.is_cpu()) std::copy(values, values + 2, meta_.data_ptr<std::int64_t>());
+    else meta_.copy_(at::tensor(std::vector<std::int64_t>(values, values + 2), at::kLong), /*non_blocking=*/false);
     meta_work_ = start(meta_);
   }
 
@@ -383,34 +449,56 @@ class ReducerState {
     Reduction r;
     const int world = comm_->world_size();
     wait_meta();  // started before backward: long done unless nothing was sent yet
-    const auto* m = meta_.data_ptr<std::int64_t>();
-    if (final_ && m[1] == world && m[0] == 0) {  // everyone is flushing and nobody has a sample: nothing to reduce
-      r.all_final = true;
-      discard_window();
-      return r;
+    if (final_) {  // a flush without backward: skip the buckets when every rank flushes and nobody has a sample
+      const at::Tensor m = host_read(meta_);
+      const auto* v = m.data_ptr<std::int64_t>();
+      if (v[1] == world && v[0] == 0) {
+        r.all_final = true;
+        discard_window();
+        return r;
+      }
     }
     for (std::size_t b = next_launch_; b < buckets_.size(); ++b) launch(b);
     next_launch_ = buckets_.size();
-    r.global_samples = m[0];
-    r.all_final = m[1] == world;
 
+    // Wait for every bucket; bring compressed buckets back to their dtype (and scan them there).
     const bool clip = options_.max_grad_norm.has_value();
-    bool non_finite = false;
-    double sumsq = 0;
-    global_used_.assign(slots_.size(), 0);
+    std::vector<at::Tensor> pieces{meta_.to(at::kDouble)};
+    std::vector<at::Tensor> norms;
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
       auto& b = buckets_[bi];
       works_[bi]->wait();
-      if (read_tail(b)) non_finite = true;  // some rank's scan found inf/NaN before sending
-      if (no_samples_) continue;
       if (b.wire.defined()) {
-        b.head.copy_(b.wire_head);  // back to float32
-        if (!clip && options_.skip_non_finite && scale_and_check(b.head, 1.0, false, true)) non_finite = true;
+        at::mul_out(b.head, b.wire_head, factor(b.head, /*post_wire=*/true));
+        b.wire_bad.copy_(non_finite_flag(b.head, at::kFloat));
+        pieces.push_back(b.wire_tail.to(at::kDouble));
+        pieces.push_back(b.wire_bad.to(at::kDouble));
+      } else {
+        pieces.push_back(b.tail.to(at::kDouble));
       }
-      if (clip) sumsq += square(b.head.norm().item<double>());
+      if (clip) norms.push_back(at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).to(at::kDouble).reshape({1}));
     }
-    if (clip && !no_samples_) {
-      const double total = std::sqrt(sumsq);
+    if (clip) pieces.push_back(at::cat(norms).square().sum().reshape({1}).to(device_));
+    for (auto& piece : pieces) piece = piece.to(device_);
+
+    // The window's one host read: count, final flags, used-flags and inf/NaN verdicts, squared norm.
+    const at::Tensor summary = host_read(at::cat(pieces));
+    const auto* v = summary.data_ptr<double>();
+    const auto count = static_cast<std::int64_t>(v[0]);
+    const bool no_samples = options_.average == Average::samples && count == 0;
+    r.global_samples = count;
+    r.all_final = static_cast<std::int64_t>(v[1]) == world;
+    bool non_finite = false;
+    global_used_.assign(slots_.size(), 0);
+    std::size_t pos = 2;
+    for (const auto& b : buckets_) {
+      for (std::size_t j = 0; j < b.slots.size(); ++j) global_used_[b.slots[j]] = v[pos + j] > 0 ? 1 : 0;
+      pos += b.slots.size();
+      if (v[pos++] != 0) non_finite = true;  // some rank's scan before sending (NaN reads as "bad" too)
+      if (b.wire.defined() && v[pos++] != 0) non_finite = true;
+    }
+    if (clip && !no_samples) {
+      const double total = std::sqrt(v[pos]);
       r.grad_norm = total;
       if (!std::isfinite(total)) non_finite = true;
       if (!non_finite) {
@@ -420,10 +508,10 @@ class ReducerState {
           for (auto& b : buckets_) b.head.mul_(coef);
       }
     }
-    if (non_finite || no_samples_)
+    if (non_finite || no_samples)
       for (auto& b : buckets_) b.head.zero_();
     r.non_finite = non_finite;
-    r.no_samples = no_samples_;
+    r.no_samples = no_samples;
     r.reduced = true;
     // Parameters unused on every rank get back the gradient they had before the window.
     for (std::size_t k = 0; k < slots_.size(); ++k) {
@@ -434,6 +522,8 @@ class ReducerState {
     }
     close_window();
     if (recording_) rebuild_pending_ = true;
+    if (options_.broadcast_buffers && world > 1 && !list_.buffers.empty())
+      broadcast_from_rank0(*comm_, ParameterList{.names = {}, .params = {}, .buffers = list_.buffers});
     return r;
   }
 
@@ -441,7 +531,14 @@ class ReducerState {
 
   void on_grad_ready(std::size_t k) {
     std::lock_guard lock(mutex_);
-    mark_ready_locked(k);
+    in_hook_ = true;
+    try {
+      mark_ready_locked(k);
+    } catch (...) {
+      in_hook_ = false;
+      throw;
+    }
+    in_hook_ = false;
   }
 
   void mark_ready(std::size_t param_index) {
@@ -473,13 +570,13 @@ class ReducerState {
     return out;
   }
   [[nodiscard]] bool rebuilt() const noexcept { return rebuilt_; }
+  [[nodiscard]] HostReads host_reads() const noexcept { return reads_; }
   [[nodiscard]] const ParameterList& parameters() const noexcept { return list_; }
   [[nodiscard]] const ReducerOptions& options() const noexcept { return options_; }
   [[nodiscard]] Comm& communicator() const noexcept { return *comm_; }
 
  private:
   static constexpr std::size_t kNoSlot = static_cast<std::size_t>(-1);
-  static double square(double x) { return x * x; }
 
   const at::Tensor& param(std::size_t k) const { return list_.params[slots_[k].param]; }
 
@@ -491,6 +588,13 @@ class ReducerState {
       throw InvalidArgument(fmt::format("Reducer: wire_dtype {} is not float16 or bfloat16", c10::toString(*options_.wire_dtype)));
     if (options_.max_grad_norm && !(*options_.max_grad_norm > 0))
       throw InvalidArgument(fmt::format("Reducer: max_grad_norm = {} (must be > 0)", *options_.max_grad_norm));
+  }
+
+  /// Copies `t` to the host, counting the read (a synchronisation point on a GPU).
+  at::Tensor host_read(const at::Tensor& t) {
+    ++reads_.total;
+    if (in_hook_) ++reads_.in_hooks;
+    return t.to(at::kCPU);
   }
 
   std::vector<std::vector<std::size_t>> assign(const std::vector<std::size_t>& order) const {
@@ -527,8 +631,10 @@ class ReducerState {
         b.wire = at::empty({total + n + 1}, opts.dtype(*options_.wire_dtype));
         b.wire_head = b.wire.narrow(0, 0, total);
         b.wire_tail = b.wire.narrow(0, total, n + 1);
-        b.factor = at::ones({1}, opts);
+        b.wire_div = at::full({1}, static_cast<double>(comm_->world_size()), opts);
+        b.wire_bad = at::zeros({1}, opts);
       }
+      if (!first.is_cpu()) b.flags_host = at::empty({n}, at::TensorOptions().dtype(b.wire.defined() ? *options_.wire_dtype : first.scalar_type()).pinned_memory(true));
       std::int64_t offset = 0;
       std::size_t flag = 0;
       for (std::size_t k : b.slots) {
@@ -548,8 +654,41 @@ class ReducerState {
     buckets_ = std::move(fresh);
   }
 
+  /// Throws loom::InvalidArgument when a parameter's trainability, dtype, device or shape, or the
+  /// gradient accumulator the hooks hang on, changed since construction (e.g. module->to(dtype),
+  /// which replaces the accumulators, or requires_grad_ toggled). Cost: a few reads per parameter.
+  void check_parameter_set() const {
+    constexpr const char* kAdvice = "build the Reducer after moving, casting, freezing or unfreezing the model";
+    for (std::size_t i = 0; i < list_.params.size(); ++i) {
+      const auto& p = list_.params[i];
+      const std::size_t k = slot_of_param_[i];
+      if (k == kNoSlot) {
+        if (p.requires_grad())
+          throw InvalidArgument(fmt::format("Reducer: {} was frozen (requires_grad = false) when the Reducer was built and is "
+                                            "trainable now, so its gradient would never be reduced; {}",
+                                            list_.describe(i), kAdvice));
+        continue;
+      }
+      const auto& view = slots_[k].view;
+      if (!p.requires_grad())
+        throw InvalidArgument(fmt::format("Reducer: {} was trainable when the Reducer was built and is frozen now; {}",
+                                          list_.describe(i), kAdvice));
+      if (p.scalar_type() != view.scalar_type() || p.device() != view.device() || p.sizes() != view.sizes())
+        throw InvalidArgument(fmt::format("Reducer: {} is {} [{}] on {} now but was {} [{}] on {} when the Reducer was built "
+                                          "(e.g. module->to(...) afterwards); {}",
+                                          list_.describe(i), c10::toString(p.scalar_type()), fmt::join(p.sizes(), ", "),
+                                          p.device().str(), c10::toString(view.scalar_type()), fmt::join(view.sizes(), ", "),
+                                          view.device().str(), kAdvice));
+      if (torch::autograd::impl::try_get_grad_accumulator(p).get() != accumulators_[k].get())
+        throw InvalidArgument(fmt::format("Reducer: {} got a new gradient accumulator after the Reducer was built (set_data or "
+                                          "module->to(...) replaced it), so its gradient would bypass the reducer; {}",
+                                          list_.describe(i), kAdvice));
+    }
+  }
+
   /// First prepare_backward of a window: every gradient becomes its bucket slot.
   void begin_window() {
+    check_parameter_set();
     if (rebuild_pending_) try_rebuild();
     rebuild_pending_ = false;
     for (auto& b : buckets_) {
@@ -588,22 +727,24 @@ class ReducerState {
     if (!sync_) return;
     auto& b = buckets_[s.bucket];
     if (s.fired) {
+      // A second gradient in the synchronising backward. Before the bucket left it was simply added
+      // to the slot, and the bucket is scaled as a whole when it leaves: (x + y) / N, exact.
       if (b.launched)
         throw InvalidArgument(fmt::format(
-            "Reducer: {} received a second gradient in the synchronising backward after its bucket was sent; "
-            "run one backward per micro-batch (sum the losses first)",
+            "Reducer: {} received a second gradient in the synchronising backward after its bucket was sent, so it "
+            "would miss the all-reduce; run one backward per micro-batch (sum the losses first), or use overlap = false",
             list_.describe(s.param)));
       return;
     }
     s.fired = true;
-    if (options_.overlap) scale_slot(k);  // while its memory is still in cache, like DDP's per-gradient division
     if (--b.pending == 0) b.ready = true;
     if (!options_.overlap) return;
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
   }
 
-  /// Zeroes the slots of unused parameters, scales what was not scaled yet, writes the used-flags
-  /// and the inf/NaN verdict into the bucket's tail, and starts its all-reduce.
+  /// Zeroes the slots of unused parameters, writes the used-flags, scales the bucket to this rank's
+  /// share of the average while scanning it for inf/NaN (the verdict goes into the tail), and starts
+  /// its all-reduce. Nothing here reads a value back to the host.
   void launch(std::size_t bi) {
     auto& b = buckets_[bi];
     for (std::size_t k : b.slots) {
@@ -612,54 +753,61 @@ class ReducerState {
       if (!s.was_undefined && !s.saved.defined()) s.saved = s.view.clone();
       s.view.zero_();  // an unused parameter's slot counts as zero
     }
-    compute_factor();
+    wait_meta();
+    write_flags(b);
     at::Tensor* target = &b.flat;
     if (b.wire.defined()) {
-      // Compressed: scaled while cast; the scan runs on the float32 result (it also sees overflow).
-      b.factor.fill_(factor_);
-      at::mul_out(b.wire_head, b.head, b.factor);
+      // Compressed: divided by the world size while cast (the loss scale stays on the wire); the
+      // rest of the average is applied in float32 when the bucket is back (finish_window).
+      at::div_out(b.wire_head, b.head, b.wire_div);
       target = &b.wire;
     } else {
-      for (std::size_t k : b.slots)
-        if (slots_[k].used) scale_slot(k);  // gradients that did not arrive in this backward
+      scale_bucket(b);
     }
-    write_tail(b, b.bad);
     works_[bi] = start(*target);
     b.launched = true;
   }
 
-  /// Divides (or multiplies) slot k's gradient to this rank's share of the average and scans it for
-  /// inf/NaN, once per sync backward. Compressed buckets are scaled while cast, at launch.
-  void scale_slot(std::size_t k) {
-    auto& s = slots_[k];
-    auto& b = buckets_[s.bucket];
-    if (s.scaled || b.wire.defined()) return;
-    s.scaled = true;
-    compute_factor();
-    if (no_samples_) return;
-    const auto n = param(k).numel();
-    const bool bad = divide_ ? scale_and_check_span(b.flat, s.offset, n, denominator_, /*divide=*/true, options_.skip_non_finite)
-                             : scale_and_check_span(b.flat, s.offset, n, factor_, /*divide=*/false, options_.skip_non_finite);
-    b.bad = b.bad || bad;
+  /// Divides (or multiplies) the bucket's gradients by the window's factor and writes this rank's
+  /// inf/NaN verdict into the tail. CPU float32/float64: one fused pass reading the factor from its
+  /// (CPU) tensor; elsewhere ATen ops on the device, with the verdict computed there.
+  void scale_bucket(GradBucket& b) {
+    const auto n = static_cast<std::int64_t>(b.slots.size());
+    const at::Tensor& f = factor(b.head, /*post_wire=*/false);
+    if (has_fused_scan(b.flat)) {
+      bool bad = false;
+      AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_scale_bucket", [&] {
+        const double value = static_cast<double>(f.data_ptr<scalar_t>()[0]);
+        bad = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide_, options_.skip_non_finite);
+        b.flat.data_ptr<scalar_t>()[b.head.numel() + n] = bad ? scalar_t(1) : scalar_t(0);
+      });
+      return;
+    }
+    if (divide_) b.head.div_(f);
+    else b.head.mul_(f);
+    auto verdict = b.tail.narrow(0, n, 1);
+    if (options_.skip_non_finite) verdict.copy_(non_finite_flag(b.head, b.tail.scalar_type()));
+    else verdict.zero_();
   }
 
-  /// The window's divisor, known once the sample-count all-reduce (started before backward) is in.
-  void compute_factor() {
-    if (factor_known_) return;
-    const int world = comm_->world_size();
-    std::int64_t count = 0;
-    if (options_.average == Average::samples) {
-      wait_meta();
-      count = meta_.data_ptr<std::int64_t>()[0];
-    }
-    no_samples_ = options_.average == Average::samples && count == 0;
-    denominator_ = options_.average == Average::samples      ? static_cast<double>(count)
-                   : options_.average == Average::world_size ? static_cast<double>(world)
-                                                              : 1.0;
-    // Without a loss scale, divide: each rank's share is then exactly rounded (one rank: the mean is).
-    divide_ = grad_scale_ == 1.0;
-    factor_ = no_samples_ ? 1.0 : grad_scale_ / denominator_;
-    factor_known_ = true;
+  /// The window's factor for a bucket like `like`, as a one-element tensor on its device, computed
+  /// on the device from the all-reduced sample count (no host read): the divisor (count, world
+  /// size or 1) when dividing, else grad_scale / divisor; with post_wire, world size x grad_scale /
+  /// divisor (what a compressed bucket still needs after its world-size pre-division).
+  const at::Tensor& factor(const at::Tensor& like, bool post_wire) {
+    const auto dtype = compute_dtype(like.scalar_type());
+    for (const auto& f : factors_)
+      if (f.dtype == dtype && f.device == like.device() && f.post_wire == post_wire) return f.value;
+    wait_meta();
+    const auto opts = at::TensorOptions().dtype(at::kDouble).device(meta_.device());
+    at::Tensor divisor = options_.average == Average::samples
+                             ? meta_.narrow(0, 0, 1).clamp_min(1).to(at::kDouble)
+                             : at::full({1}, options_.average == Average::world_size ? comm_->world_size() : 1.0, opts);
+    at::Tensor value = post_wire ? divisor.reciprocal().mul(comm_->world_size() * grad_scale_)
+                       : divide_ ? divisor
+                                 : divisor.reciprocal().mul(grad_scale_);
+    factors_.push_back({dtype, like.device(), post_wire, value.to(like.device()).to(dtype)});
+    return factors_.back().value;
   }
 
   Work start(at::Tensor& t) {
@@ -678,38 +826,20 @@ class ReducerState {
     }
   }
 
-  // Tail of a bucket: one used-flag per gradient, then this rank's inf/NaN verdict (1 or 0).
-  void write_tail(GradBucket& b, bool bad) {
+  // Head of a bucket's tail: one used-flag per gradient (host-known; a GPU bucket copies them from
+  // pinned memory without waiting). The inf/NaN verdict after them is written by scale_bucket.
+  void write_flags(GradBucket& b) {
     const auto n = b.slots.size();
     auto fill = [&](auto* p) {
       using T = std::remove_pointer_t<decltype(p)>;
       for (std::size_t j = 0; j < n; ++j) p[j] = slots_[b.slots[j]].used ? T(1) : T(0);
-      p[n] = bad ? T(1) : T(0);
     };
     at::Tensor tail = b.wire.defined() ? b.wire_tail : b.tail;
-    if (tail.is_cpu()) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, tail.scalar_type(), "loom_write_tail",
-                                      [&] { fill(tail.data_ptr<scalar_t>()); });
-    } else {
-      auto host = at::empty({static_cast<std::int64_t>(n + 1)}, at::kFloat);
-      fill(host.data_ptr<float>());
-      tail.copy_(host);
-    }
-  }
-
-  // Reads the reduced tail: which parameters some rank used, and whether some rank saw inf/NaN.
-  bool read_tail(const GradBucket& b) {
-    const auto n = static_cast<std::int64_t>(b.slots.size());
-    at::Tensor src = b.wire.defined() ? b.wire_tail : b.tail;
-    if (!src.is_cpu()) src = src.to(at::kCPU);
-    bool bad = false;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "loom_read_tail", [&] {
-      const auto* p = src.data_ptr<scalar_t>();
-      for (std::int64_t j = 0; j < n; ++j)
-        global_used_[b.slots[static_cast<std::size_t>(j)]] = static_cast<double>(p[j]) > 0 ? 1 : 0;
-      bad = static_cast<double>(p[n]) != 0;  // a count > 0 (NaN would also read as "bad")
-    });
-    return bad;
+    at::Tensor dst = tail.is_cpu() ? tail : b.flags_host;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst.scalar_type(), "loom_write_flags",
+                                    [&] { fill(dst.data_ptr<scalar_t>()); });
+    if (!tail.is_cpu()) tail.narrow(0, 0, static_cast<std::int64_t>(n)).copy_(b.flags_host, /*non_blocking=*/true);
+    if (b.wire.defined()) tail.narrow(0, static_cast<std::int64_t>(n), 1).zero_();  // checked after the trip instead
   }
 
   /// A final flush that found nothing anywhere: undo the window's setup.
@@ -736,7 +866,11 @@ class ReducerState {
     auto order = at::empty({n}, at::kLong);
     auto* o = order.data_ptr<std::int64_t>();
     for (std::int64_t k = 0; k < n; ++k) o[k] = slots_[static_cast<std::size_t>(k)].ready_pos;
-    if (comm_->world_size() > 1) comm_->broadcast(order, 0);
+    if (comm_->world_size() > 1) {
+      auto shared = order.to(device_);
+      comm_->broadcast(shared, 0);
+      order = host_read(shared);
+    }
     o = order.data_ptr<std::int64_t>();
     const bool any = std::any_of(o, o + n, [](std::int64_t v) { return v >= 0; });
     for (auto& s : slots_) s.ready_pos = -1;
@@ -755,9 +889,17 @@ class ReducerState {
     recording_ = false;
   }
 
+  struct Factor {
+    c10::ScalarType dtype;
+    c10::Device device;
+    bool post_wire;
+    at::Tensor value;
+  };
+
   Comm* comm_;
   ReducerOptions options_;
   ParameterList list_;
+  c10::Device device_;  // where the communicator's collectives run (meta_, the summary)
   std::vector<GradSlot> slots_;
   std::vector<std::size_t> slot_of_param_;
   std::vector<GradBucket> buckets_;
@@ -765,18 +907,17 @@ class ReducerState {
   std::vector<std::optional<Work>> works_;
   std::optional<Work> meta_work_;
   std::vector<char> global_used_;
-  at::Tensor meta_;        // int64 [window samples, final flag]
+  at::Tensor meta_;  // int64 [window samples, final flag] on device_
+  std::vector<Factor> factors_;  // this window's factors, per dtype / device
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<std::uintptr_t> keys_;
   std::mutex mutex_;
   std::size_t next_launch_ = 0;
-  double grad_scale_ = 1.0;   // of the current sync window
-  double factor_ = 1.0;       // grad_scale_ / denominator_
-  double denominator_ = 1.0;  // sample count, world size or 1
-  bool divide_ = true;        // divide by denominator_ (exact) rather than multiply by factor_
-  bool factor_known_ = false;
-  bool no_samples_ = false;
+  HostReads reads_;
+  double grad_scale_ = 1.0;  // of the current sync window
+  bool divide_ = true;       // divide by the divisor (exact) rather than multiply by grad_scale / divisor
   std::int64_t next_ready_pos_ = 0;
+  bool in_hook_ = false;
   bool window_open_ = false;
   bool sync_ = false;
   bool final_ = false;
@@ -826,6 +967,8 @@ class Reducer {
   [[nodiscard]] std::vector<at::Tensor> bucket_tensors() const { return state_->bucket_tensors(); }
   /// Whether the one-time rebuild in gradient-ready order happened.
   [[nodiscard]] bool rebuilt() const noexcept { return state_->rebuilt(); }
+  /// Reads of collective results to the host so far (see HostReads).
+  [[nodiscard]] HostReads host_reads() const noexcept { return state_->host_reads(); }
   [[nodiscard]] const ParameterList& parameters() const noexcept { return state_->parameters(); }
   [[nodiscard]] const ReducerOptions& options() const noexcept { return state_->options(); }
   [[nodiscard]] Comm& communicator() const noexcept { return state_->communicator(); }
