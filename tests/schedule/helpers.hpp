@@ -5,8 +5,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <thread>
@@ -55,6 +60,45 @@ struct SkippableStream : Stream {
     if (skipped) skipped->fetch_add(n);
   }
 };
+
+/// Callable generator that never ends: sample k of generator g is torch::tensor({g, k}).
+struct EndlessStream {
+  int g = 0;
+  int64_t k = 0;
+  std::optional<at::Tensor> operator()() { return torch::tensor({static_cast<int64_t>(g), k++}); }
+};
+
+/// Returns fn(); if fn has not returned after `limit`, prints "FAIL: <what> ..." and ends the
+/// process with exit code 1, so a hang fails the test run instead of stalling it (inside a rank
+/// started by loom::spawn, spawn reports the rank's exit code).
+template <class F>
+auto within(std::chrono::seconds limit, const char* what, F&& fn) {
+  struct Guard {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    std::thread t;
+    Guard(std::chrono::seconds limit, const char* what) {
+      t = std::thread([this, limit, what] {
+        std::unique_lock lk(m);
+        if (!cv.wait_for(lk, limit, [this] { return done; })) {
+          std::fprintf(stderr, "FAIL: %s did not return within %lld s (a hang)\n", what, static_cast<long long>(limit.count()));
+          std::fflush(stderr);
+          std::_Exit(1);
+        }
+      });
+    }
+    ~Guard() {
+      {
+        std::lock_guard lk(m);
+        done = true;
+      }
+      cv.notify_all();
+      t.join();
+    }
+  } guard(limit, what);
+  return fn();
+}
 
 inline std::vector<Stream> streams(int n, int64_t length = 1'000'000, int jitter_us = 0, uint64_t seed = 1) {
   std::vector<Stream> v;

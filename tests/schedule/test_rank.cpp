@@ -6,6 +6,8 @@
 #include <loom/dist/spawn.hpp>
 #include <loom/schedule/rank_scheduler.hpp>
 
+#include <functional>
+
 #include "helpers.hpp"
 
 using loom_test::expected_rows;
@@ -75,7 +77,7 @@ TEST_CASE("RankScheduler: 2 ranks, unequal lengths, stop_at_shortest — same st
     // lengths 5, 7, 3, 9: rank 0 runs {0, 1}, rank 1 runs {2, 3}; generator 2 is the shortest (3)
     loom::RankScheduler s(comm, 4, [&](int g) {
       return Stream{.g = g, .length = kLengths[static_cast<size_t>(g)], .jitter_us = 300};
-    });
+    }, {.count_unread = true});
     const std::vector<int> mine = env.rank == 0 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
     int64_t k = 0;
     for (auto& db : s) {
@@ -92,6 +94,81 @@ TEST_CASE("RankScheduler: 2 ranks, unequal lengths, stop_at_shortest — same st
       REQUIRE(g.delivered == 3);
       REQUIRE(g.unread == kLengths[static_cast<size_t>(g.generator)] - 3);
       REQUIRE(g.unread_exact);
+    }
+  }, spawn_opts());
+}
+
+namespace {
+using AnyStream = std::function<std::optional<at::Tensor>()>;
+
+// Generator 0 ends after 4 samples, generator 1 never ends.
+AnyStream four_or_endless(int g) {
+  if (g == 0) return Stream{.g = 0, .length = 4};
+  return loom_test::EndlessStream{.g = g};
+}
+
+// Runs the schedule of `s` (this rank's generator `g`, 4 steps), then report() under a deadline.
+template <class Sched>
+loom::EndReport run_four_steps_and_report(Sched& s, int g, loom::GlooCommunicator* comm) {
+  using namespace std::chrono_literals;
+  int64_t k = 0;
+  for (auto& db : s) {
+    REQUIRE(db.batch.data.equal(expected_rows({g}, k)));
+    if (comm != nullptr) REQUIRE(all_rows(*comm, db.num_rows()) == 2);
+    ++k;
+  }
+  REQUIRE(k == 4);
+  const loom::EndReport r = loom_test::within(20s, "RankScheduler::report()", [&] { return s.report(); });
+  REQUIRE(r.steps == 4);
+  REQUIRE(r.shortest_generator == 0);
+  REQUIRE(r.generators.size() == 1);
+  const auto& gr = r.generators[0];
+  REQUIRE(gr.generator == g);
+  REQUIRE(gr.delivered == 4);
+  REQUIRE(gr.ended == (g == 0));
+  REQUIRE(gr.unread_exact == (g == 0));  // the endless stream's count is a lower bound
+  if (g == 0) REQUIRE(gr.unread == 0);
+  return r;
+}
+}  // namespace
+
+TEST_CASE("RankScheduler: stop_at_shortest with an endless generator — report() returns (1 rank)") {
+  loom::LocalCommunicator comm;
+  // one rank runs both: generator 0 stops the schedule after 4 steps, generator 1 is endless
+  loom::RankScheduler s(comm, 2, four_or_endless, {.prefetch_depth = 2});
+  int64_t k = 0;
+  for (auto& db : s) {
+    CHECK(db.batch.data.equal(expected_rows({0, 1}, k)));
+    ++k;
+  }
+  CHECK(k == 4);
+  using namespace std::chrono_literals;
+  const loom::EndReport r = loom_test::within(20s, "RankScheduler::report()", [&] { return s.report(); });
+  REQUIRE(r.generators.size() == 2);
+  CHECK(r.generators[0].unread == 0);
+  CHECK(r.generators[0].unread_exact);
+  CHECK(r.generators[1].delivered == 4);
+  CHECK_FALSE(r.generators[1].ended);
+  CHECK_FALSE(r.generators[1].unread_exact);
+  CHECK(r.generators[1].unread <= 2);  // prefetched and dropped: at most prefetch_depth
+}
+
+TEST_CASE("RankScheduler: 2 ranks, stop_at_shortest with an endless generator on rank 1 — report() returns on both") {
+  loom::spawn(2, [](const loom::Environment& env) {
+    loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+    // rank 0 runs generator 0 (4 samples), rank 1 runs generator 1 (endless)
+    {  // default: no counting; unread = prefetched and dropped, at most prefetch_depth
+      loom::RankScheduler s(comm, 2, four_or_endless, {.prefetch_depth = 2});
+      const loom::EndReport r = run_four_steps_and_report(s, env.rank, &comm);
+      if (env.rank == 1) REQUIRE(r.generators[0].unread <= 2);
+    }
+    {  // counting on: rank 1 reads 30 more samples, then reports a lower bound
+      loom::RankScheduler s(comm, 2, four_or_endless, {.prefetch_depth = 2, .count_unread = true, .count_unread_limit = 30});
+      const loom::EndReport r = run_four_steps_and_report(s, env.rank, &comm);
+      if (env.rank == 1) {
+        REQUIRE(r.generators[0].unread >= 30);
+        REQUIRE(r.generators[0].unread <= 32);
+      }
     }
   }, spawn_opts());
 }

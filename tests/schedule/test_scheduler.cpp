@@ -1,5 +1,6 @@
 // The in-process Scheduler: exact time alignment, end-of-data policies, failures, early stop,
 // bounded memory, determinism, resume, and the merge / transfer seams.
+#include <functional>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -99,7 +100,7 @@ TEST_CASE("Scheduler: stop_at_shortest ends at the shortest generator and report
   const std::vector<int64_t> lengths = {5, 7, 3, 9};
   for (size_t g = 0; g < 4; ++g) gens[g].length = lengths[g];
   SUBCASE("count_unread on: exact counts") {
-    loom::Scheduler<Stream> s(gens, {.num_devices = 2});
+    loom::Scheduler<Stream> s(gens, {.num_devices = 2, .count_unread = true});
     run_and_check(s, V{{0, 1}, {2, 3}}, 3);
     CHECK_FALSE(s.next().has_value());  // stays ended
     const loom::EndReport r = s.report();
@@ -116,8 +117,8 @@ TEST_CASE("Scheduler: stop_at_shortest ends at the shortest generator and report
       CHECK(gr.ended);
     }
   }
-  SUBCASE("count_unread off: lower bounds, flagged") {
-    loom::Scheduler<Stream> s(gens, {.num_devices = 2, .prefetch_depth = 1, .count_unread = false});
+  SUBCASE("count_unread off (the default): lower bounds, flagged") {
+    loom::Scheduler<Stream> s(gens, {.num_devices = 2, .prefetch_depth = 1});
     run_and_check(s, V{{0, 1}, {2, 3}}, 3);
     const loom::EndReport r = s.report();
     CHECK(r.shortest_generator == 2);
@@ -135,6 +136,50 @@ TEST_CASE("Scheduler: stop_at_shortest ends at the shortest generator and report
     loom::Scheduler<Stream> s(tie, {.num_devices = 2});
     run_and_check(s, V{{0, 1}, {2, 3}}, 2);
     CHECK(s.report().shortest_generator == 1);
+  }
+}
+
+TEST_CASE("Scheduler: stop_at_shortest with an endless generator — report() returns; counting is opt-in and bounded") {
+  using namespace std::chrono_literals;
+  using Gen = std::function<std::optional<at::Tensor>()>;
+  // generator 0 ends after 4 samples, generator 1 never ends; both on device 0: 4 steps
+  auto make = [] {
+    std::vector<Gen> gens;
+    gens.emplace_back(Stream{.g = 0, .length = 4});
+    gens.emplace_back(loom_test::EndlessStream{.g = 1});
+    return gens;
+  };
+  auto run = [](loom::Scheduler<Gen>& s) {
+    int64_t k = 0;
+    for (auto& step : s) {
+      CHECK(step.devices[0].batch.data.equal(expected_rows({0, 1}, k)));
+      ++k;
+    }
+    CHECK(k == 4);
+    const loom::EndReport r = loom_test::within(20s, "Scheduler::report()", [&] { return s.report(); });
+    CHECK(r.steps == 4);
+    CHECK(r.shortest_generator == 0);
+    REQUIRE(r.generators.size() == 2);
+    CHECK(r.generators[0].delivered == 4);
+    CHECK(r.generators[0].unread == 0);
+    CHECK(r.generators[0].unread_exact);
+    CHECK(r.generators[0].ended);
+    CHECK(r.generators[1].delivered == 4);
+    CHECK_FALSE(r.generators[1].ended);
+    CHECK_FALSE(r.generators[1].unread_exact);  // a lower bound: the stream did not end
+    return r.generators[1].unread;
+  };
+  SUBCASE("default options: no counting; unread = samples prefetched and dropped (at most prefetch_depth)") {
+    loom::Scheduler<Gen> s(make(), {.num_devices = 1, .prefetch_depth = 2});
+    const int64_t unread = run(s);
+    CHECK(unread >= 0);
+    CHECK(unread <= 2);
+  }
+  SUBCASE("count_unread on: reads at most count_unread_limit more samples per generator") {
+    loom::Scheduler<Gen> s(make(), {.num_devices = 1, .prefetch_depth = 2, .count_unread = true, .count_unread_limit = 50});
+    const int64_t unread = run(s);
+    CHECK(unread >= 50);
+    CHECK(unread <= 52);
   }
 }
 
@@ -326,7 +371,12 @@ struct VectorMerge {
 };
 }  // namespace
 
-TEST_CASE("Scheduler: bounded memory — live samples never exceed (depth + 1) x generators") {
+TEST_CASE("Scheduler: bounded memory — the workers fill exactly depth batches per device ahead, never more") {
+  // While the consumer holds step k, the workers build the next min(depth, 39 - k) steps of every
+  // device and then stop: live samples reach exactly (1 + min(depth, 39 - k)) x 6 (the held step
+  // plus the prefetched ones) and never exceed (depth + 1) x 6. Waiting for the exact count (an
+  // event, with a generous deadline that only a broken scheduler reaches) makes the lower bound
+  // testable: a scheduler that prefetched less (or not at all) never reaches it.
   for (int depth : {1, 3}) {
     CAPTURE(depth);
     Counted::live = 0;
@@ -337,8 +387,13 @@ TEST_CASE("Scheduler: bounded memory — live samples never exceed (depth + 1) x
       loom::Scheduler<CountedStream, VectorMerge> s(std::move(gens), {.num_devices = 3, .prefetch_depth = depth});
       int64_t k = 0;
       for (auto& step : s) {
-        // a slow consumer: the workers run ahead until their queues are full
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        const int64_t ahead = std::min<int64_t>(depth, 39 - k);
+        const int64_t expected = (1 + ahead) * 6;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (Counted::live.load() < expected && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        CAPTURE(k);
+        REQUIRE(Counted::live.load() == expected);  // prefetched all it may, and no more
         for (auto& db : step.devices) {
           REQUIRE(db.batch.size() == 2);
           CHECK(db.batch[0].k == k);
@@ -474,6 +529,8 @@ TEST_CASE("Scheduler: bad options name the value") {
                        doctest::Contains("prefetch_depth is 0"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(3), {.num_devices = 4}),
                        doctest::Contains("3 generators onto 4 devices"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 2, .count_unread = true, .count_unread_limit = 0}),
+                       doctest::Contains("count_unread_limit is 0"), loom::InvalidArgument);
   CHECK_THROWS_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 2, .num_workers = -1}), loom::InvalidArgument);
   CHECK_THROWS_AS(loom::Scheduler<Stream>(std::vector<Stream>{}, {}), loom::InvalidArgument);
   loom::Scheduler<Stream> s(streams(2, 3), {.num_devices = 1});

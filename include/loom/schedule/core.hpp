@@ -18,6 +18,7 @@
 #include <deque>
 #include <exception>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -42,13 +43,19 @@ namespace loom {
 /// Example: `loom::ScheduleOptions{.end = loom::EndPolicy::drain}`.
 ///  - stop_at_shortest: the schedule ends at the first step k at which any generator has no k-th
 ///    sample; every delivered batch is full. The EndReport says how many samples each generator
-///    had left unread. (Per-rank mode: the shortest generator over all ranks.)
+///    had left unread: exactly with count_unread (which reads the other generators on after the
+///    end, up to count_unread_limit samples each), else a lower bound. (Per-rank mode: the
+///    shortest generator over all ranks.)
 ///  - drain: a generator that ended drops out and its device's later batches have fewer rows
 ///    (DeviceBatch::partial); a device whose generators all ended gets an empty batch (0 rows,
 ///    weight 0 for loom::Batch) while other devices still have data; the schedule ends when
 ///    every generator has ended. No sample is dropped.
 /// Source: stop_at_shortest is Python's zip(); drain is itertools.zip_longest without fill values.
 enum class EndPolicy { stop_at_shortest, drain };
+
+/// Default of ScheduleOptions::count_unread_limit and RankScheduleOptions::count_unread_limit:
+/// samples read per generator, after a stop_at_shortest end, to count the unread ones.
+inline constexpr std::int64_t kDefaultCountUnreadLimit = 1'000'000;
 
 /// Where a schedule stands, to resume it later: steps delivered and samples delivered per generator.
 ///
@@ -77,7 +84,13 @@ struct ScheduleOptions {
   int prefetch_depth = 2;                           ///< batches per device built ahead (>= 1)
   int num_workers = 0;                              ///< threads pulling generators; 0 = one per generator; generator g -> worker g % W
   EndPolicy end = EndPolicy::stop_at_shortest;      ///< unequal lengths
-  bool count_unread = true;                         ///< stop_at_shortest: read the other generators to their end to count unread samples (false for endless generators)
+  /// stop_at_shortest: after the end, read the other generators on (dropping the samples) to
+  /// count their unread samples exactly; report() waits for it. Off by default: a generator may
+  /// be endless, and reading it cannot be cut short without losing the count.
+  bool count_unread = false;
+  /// With count_unread: read at most this many samples per generator after the end (> 0); a
+  /// generator that has not ended by then gets a lower bound (GeneratorReport::unread_exact false).
+  std::int64_t count_unread_limit = kDefaultCountUnreadLimit;
   ScheduleState resume = {};                        ///< start from a saved state (default: the beginning)
 };
 
@@ -117,8 +130,8 @@ struct GeneratorReport {
   int generator = 0;            ///< generator id
   int device = 0;               ///< its device (per-rank mode: the rank)
   std::int64_t delivered = 0;   ///< samples that reached the consumer in a batch
-  std::int64_t unread = 0;      ///< samples of the stream not delivered (prefetched and dropped, or never read)
-  bool unread_exact = true;     ///< false when `unread` is a lower bound (count_unread off, or the generator threw while being counted)
+  std::int64_t unread = 0;      ///< samples of the stream not delivered (prefetched and dropped, or read to count them); exact only with unread_exact
+  bool unread_exact = true;     ///< true when the generator ended (so `unread` is its exact remainder); false when `unread` is a lower bound (count_unread off, count_unread_limit reached, or the generator threw while being counted)
   bool ended = false;           ///< the generator reached its end
 };
 
@@ -219,7 +232,8 @@ struct CoreConfig {
   int depth = 2;                                      ///< batches per device inside the core
   int workers = 0;                                    ///< threads; 0 = one per generator
   EndPolicy end = EndPolicy::stop_at_shortest;
-  bool count_unread = true;
+  bool count_unread = false;
+  std::int64_t count_limit = kDefaultCountUnreadLimit;  ///< count_unread: samples read per generator at most
   std::int64_t start_step = 0;
   std::vector<std::int64_t> skip{};                   ///< per global generator id: samples to skip first
 };
@@ -631,12 +645,18 @@ class ScheduleCore {
     return true;
   }
 
-  // After a stop_at_shortest end: reads this worker's generators to their end (dropping the
-  // samples) so the report's unread counts are exact. Stops on abort or on a failure event.
+  // After a stop_at_shortest end: reads this worker's generators on (dropping the samples), each
+  // to its end or for config_.count_limit samples, whichever comes first, so the report's unread
+  // counts are exact for the generators that ended. Stops on abort or on a failure event.
   void count_unread(const std::vector<int>& mine) {
     for (int g : mine) {
       const auto gi = static_cast<std::size_t>(g);
+      std::int64_t counted = 0;
       while (!cursors_[gi]->ended()) {
+        if (counted == config_.count_limit) {  // not ended within the limit: a lower bound
+          counted_[gi] = 0;
+          break;
+        }
         {
           std::lock_guard lk(mutex_);
           if (aborted_ || !event_ || event_->failure) {
@@ -648,6 +668,7 @@ class ScheduleCore {
           if (cursors_[gi]->next()) {
             ++position_[gi];
             ++read_[gi];
+            ++counted;
           }
         } catch (...) {
           counted_[gi] = 0;
@@ -678,10 +699,12 @@ class ScheduleCore {
 };
 
 /// Validates the options both modes share; throws loom::InvalidArgument naming the bad value.
-inline void check_common_options(int prefetch_depth, const ScheduleState& resume, int num_generators, int num_devices,
-                                 const char* who) {
+inline void check_common_options(int prefetch_depth, std::int64_t count_unread_limit, const ScheduleState& resume,
+                                 int num_generators, int num_devices, const char* who) {
   if (prefetch_depth < 1)
     throw InvalidArgument(fmt::format("{}: prefetch_depth is {}, must be >= 1 (batches per device)", who, prefetch_depth));
+  if (count_unread_limit < 1)
+    throw InvalidArgument(fmt::format("{}: count_unread_limit is {}, must be >= 1 (samples per generator)", who, count_unread_limit));
   if (resume.num_devices == 0 && resume.steps == 0 && resume.samples.empty()) return;
   if (resume.num_devices != num_devices)
     throw InvalidArgument(fmt::format("{}: the resume state was taken with {} devices, this schedule has {}", who,

@@ -52,7 +52,11 @@ struct RankScheduleOptions {
   int prefetch_depth = 2;                           ///< batches built ahead on this rank (>= 1)
   int num_workers = 0;                              ///< threads pulling this rank's generators; 0 = one per generator
   EndPolicy end = EndPolicy::stop_at_shortest;      ///< unequal lengths (decided over all ranks)
-  bool count_unread = true;                         ///< stop_at_shortest: read this rank's generators to their end to count unread samples
+  /// stop_at_shortest: after the end, read this rank's generators on to count their unread samples
+  /// exactly (see ScheduleOptions::count_unread); off by default, as a generator may be endless.
+  bool count_unread = false;
+  /// With count_unread: read at most this many samples per generator after the end (> 0).
+  std::int64_t count_unread_limit = kDefaultCountUnreadLimit;
   ScheduleState resume = {};                        ///< start from this rank's saved state
   at::Device collective_device = at::kCPU;          ///< device of the agreement tensors (a CUDA device for NCCL)
 };
@@ -137,6 +141,8 @@ class RankScheduler {
   std::default_sentinel_t end() const noexcept { return {}; }
 
   /// How the schedule ended (this rank's generators); shortest_generator is the same on every rank.
+  /// Waits for this rank's workers (with count_unread: their counting, at most count_unread_limit
+  /// samples per generator). No collective.
   /// Throws: loom::InvalidArgument before the end; the schedule's error if it failed.
   EndReport report() {
     if (error_) std::rethrow_exception(error_);
@@ -186,7 +192,8 @@ class RankScheduler {
   void prepare() {
     rank_ = comm_.rank();
     world_ = comm_.world_size();
-    detail::check_common_options(options_.prefetch_depth, options_.resume, num_generators_, world_, "RankScheduler");
+    detail::check_common_options(options_.prefetch_depth, options_.count_unread_limit, options_.resume, num_generators_, world_,
+                                 "RankScheduler");
     if (options_.num_workers < 0)
       throw InvalidArgument(fmt::format("RankScheduler: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
     generators_ = generators_of(options_.assignment, num_generators_, world_, rank_);
@@ -203,6 +210,7 @@ class RankScheduler {
     cfg.workers = options_.num_workers;
     cfg.end = options_.end;
     cfg.count_unread = options_.count_unread;
+    cfg.count_limit = options_.count_unread_limit;
     cfg.start_step = options_.resume.steps;
     cfg.skip = options_.resume.samples;
     core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), merge, transfer);

@@ -8,7 +8,7 @@
 //     for (auto& db : step.devices)                              // db.device == 0..7
 //       losses[db.device] = model[db.device]->forward(db.batch.data);   // data: 2 x (sample shape)
 //   }
-//   auto report = sched.report();                                // unread samples per generator
+//   auto report = sched.report();                                // delivered / unread per generator
 //
 // Time alignment: the k-th batch of device d holds the k-th sample of each of d's generators
 // (loom::assign gives them, increasing), in that order, merged by the Merge step (CollateMerge,
@@ -76,7 +76,7 @@ class Scheduler {
     if (m < 1) throw InvalidArgument(fmt::format("Scheduler: num_devices is {}, must be >= 1", m));
     if (options_.num_workers < 0)
       throw InvalidArgument(fmt::format("Scheduler: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
-    detail::check_common_options(options_.prefetch_depth, options_.resume, n, m, "Scheduler");
+    detail::check_common_options(options_.prefetch_depth, options_.count_unread_limit, options_.resume, n, m, "Scheduler");
     assignment_ = assign(options_.assignment, n, m);
     delivered_ = options_.resume.samples;
     delivered_.resize(static_cast<std::size_t>(n), 0);
@@ -92,6 +92,7 @@ class Scheduler {
     cfg.workers = options_.num_workers;
     cfg.end = options_.end;
     cfg.count_unread = options_.count_unread;
+    cfg.count_limit = options_.count_unread_limit;
     cfg.start_step = options_.resume.steps;
     cfg.skip = options_.resume.samples;
     core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), merge, transfer);
@@ -165,7 +166,8 @@ class Scheduler {
   std::default_sentinel_t end() const noexcept { return {}; }
 
   /// How the schedule ended: steps, the generator that stopped it, delivered and unread samples
-  /// per generator. Waits for the workers (they may still be counting unread samples).
+  /// per generator. Waits for the workers; with count_unread they may still be counting unread
+  /// samples (at most count_unread_limit per generator), otherwise they have stopped already.
   /// Throws: loom::InvalidArgument before the end (next() has not returned std::nullopt yet);
   ///         the generator's error if the schedule failed.
   EndReport report() {
