@@ -29,28 +29,10 @@
 #include <c10/core/Device.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/device.hpp>
 #include <loom/error.hpp>
 
 namespace loom::detail {
-
-/// The device a communicator's collective tensors must live on: `comm.device()` when it returns a
-/// c10::Device; a CUDA device of that ordinal when it returns an integer (NcclCommunicator::device());
-/// else the CPU (LocalCommunicator, GlooCommunicator).
-template <class C>
-[[nodiscard]] c10::Device collective_device(const C& comm) {
-  if constexpr (requires {
-                  { comm.device() } -> std::same_as<c10::Device>;
-                }) {
-    return comm.device();
-  } else if constexpr (requires {
-                         { comm.device() } -> std::integral;
-                       }) {
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
-  } else {
-    (void)comm;
-    return c10::Device(c10::kCPU);
-  }
-}
 
 /// Every rank's `text`, indexed by rank. Two collectives (all_gather of lengths, then of bytes).
 template <Communicator C>

@@ -128,6 +128,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/device.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/buckets.hpp>
 #include <loom/reduce/concepts.hpp>
@@ -303,13 +304,6 @@ template <class Comm>
 struct WorkOf<Comm, true> {
   using type = std::decay_t<decltype(std::declval<Comm&>().all_reduce_async(std::declval<at::Tensor&>(), ReduceOp::sum))>;
 };
-
-/// The device a communicator's collectives take: `comm.device()` when it says, else the CPU.
-template <class Comm>
-c10::Device collective_device(const Comm& comm) {
-  if constexpr (requires { { comm.device() } -> std::convertible_to<c10::Device>; }) return comm.device();
-  else return c10::Device(c10::kCPU);
-}
 
 struct GradSlot {
   std::size_t param = 0;        // index into ParameterList::params
