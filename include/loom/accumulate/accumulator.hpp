@@ -29,9 +29,11 @@
 //   nothing. Batches a distributed sampler repeated only to even out ranks (Batch::weight == 0)
 //   count 0 samples: multiply their loss by the weight.
 // Boundaries: after every `micro_batches_per_step` micro-batches and/or once the window holds
-//   `samples_per_step` samples, whichever comes first (0 disables a rule). A window never carries
-//   into the next epoch: end_epoch() reduces what is left (fewer than K micro-batches) with its
-//   true sample count.
+//   `samples_per_step` samples, whichever comes first (0 disables a rule), and after a micro-batch
+//   opened with closes_step (a batch with step_end: GlobalBatchSampler defines steps itself; set
+//   K = 0 and S = 0 with it, so the steps do not depend on the world size). A rank with no batch in
+//   such a step calls join_step(). A window never carries into the next epoch: end_epoch()
+//   reduces what is left (fewer than K micro-batches) with its true sample count.
 // Uneven ranks: ranks may run different numbers of micro-batches and samples. Each rank calls
 //   end_epoch() until it returns std::nullopt; while another rank still has steps, end_epoch()
 //   joins them (contributing zero gradients and zero samples) and returns a Step the caller must
@@ -157,14 +159,17 @@ class Accumulator {
   Accumulator& operator=(const Accumulator&) = delete;
 
   /// Opens a micro-batch of `num_samples` samples (0 allowed: a rank with nothing still takes part).
+  /// With `closes_step`, this micro-batch's backward closes the window whatever K and S say (a
+  /// sampler that defines the steps, e.g. GlobalBatchSampler, knows where they end).
   /// Throws: loom::InvalidArgument (negative count), loom::Error (previous micro-batch still open).
-  [[nodiscard]] MicroBatch micro_batch(std::int64_t num_samples) {
+  [[nodiscard]] MicroBatch micro_batch(std::int64_t num_samples, bool closes_step = false) {
     check_usable("micro_batch");
     if (num_samples < 0) throw InvalidArgument(fmt::format("Accumulator::micro_batch: num_samples = {} (must be >= 0)", num_samples));
     all_final_seen_ = false;
     ++window_micro_batches_;
     window_samples_ += num_samples;
-    const bool boundary = (options_.micro_batches_per_step > 0 && window_micro_batches_ >= options_.micro_batches_per_step) ||
+    const bool boundary = closes_step ||
+                          (options_.micro_batches_per_step > 0 && window_micro_batches_ >= options_.micro_batches_per_step) ||
                           (options_.samples_per_step > 0 && window_samples_ >= options_.samples_per_step);
     open_ = true;
     try {
@@ -177,8 +182,28 @@ class Accumulator {
     return MicroBatch(this, boundary);
   }
 
-  /// Opens a micro-batch for a collated batch: counts batch.num_samples, or 0 when batch.weight == 0.
-  [[nodiscard]] MicroBatch micro_batch(const Batch& batch) { return micro_batch(batch.weight == 0 ? 0 : batch.num_samples); }
+  /// Opens a micro-batch for a collated batch: counts batch.num_samples, or 0 when batch.weight == 0;
+  /// closes the window after it when batch.step_end is set.
+  [[nodiscard]] MicroBatch micro_batch(const Batch& batch) {
+    return micro_batch(batch.weight == 0 ? 0 : batch.num_samples, batch.step_end);
+  }
+
+  /// For a rank with no micro-batch in a step another rank runs (an idle item of
+  /// GlobalBatchSampler): closes this rank's window now, without a backward, joining the others'
+  /// synchronisation with its zero gradients (and whatever samples its window already holds). Apply
+  /// the returned Step like any other.
+  /// Throws: loom::Error (a micro-batch still open), the reducer's errors.
+  Step join_step() {
+    check_usable("join_step");
+    all_final_seen_ = false;
+    try {
+      reducer_->prepare_backward({.sync = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
+      return close_window(reducer_->finish_window());
+    } catch (const std::exception& e) {
+      break_with(fmt::format("a collective failed in join_step ({})", e.what()));
+      throw;
+    }
+  }
 
   /// Callable form: opens a micro-batch, calls `fn(mb)` (or `fn()`), which runs forward and
   /// backward, and returns mb.finish().

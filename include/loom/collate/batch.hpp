@@ -15,6 +15,8 @@
 // Weight: `weight` is 1 for an ordinary batch and 0 for a batch a distributed batch sampler
 //        repeated only so every rank runs the same number of steps (its samples were already
 //        counted elsewhere; multiply the loss by it, or skip it in metrics).
+// Step end: `step_end` is set by samplers that define optimizer steps themselves
+//        (GlobalBatchSampler): the batch is this rank's last of its step.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +34,8 @@ struct Batch {
   std::vector<int64_t> indices;   ///< dataset index of each row, in row order (size N)
   int64_t num_samples = 0;        ///< N, in samples
   double weight = 1.0;            ///< 1 = counts; 0 = a repeated (padding) batch that must not count
+  bool step_end = false;          ///< this rank's last batch of its optimizer step (GlobalBatchSampler):
+                                  ///< loom::Accumulator closes the window after it
 };
 
 }  // namespace loom

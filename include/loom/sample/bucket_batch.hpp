@@ -93,6 +93,7 @@ struct SampledBatch {
   bool idle = false;                    ///< no samples this step (SurplusPolicy::idle)
   int64_t step = 0;                     ///< step within the epoch
   int64_t batch_id = -1;                ///< position in the epoch's plan (-1 when idle)
+  bool step_end = false;                ///< this rank's last batch of its optimizer step (GlobalBatchSampler)
 
   friend bool operator==(const SampledBatch&, const SampledBatch&) = default;
 };
@@ -309,7 +310,7 @@ class DistributedBucketBatchSampler {
 static_assert(ResumableSampler<DistributedBucketBatchSampler>);
 
 /// Collates the samples of a SampledBatch: fetches each index, pads to its padded_shape, and
-/// copies the batch's weight. Idle batches give an empty Batch (num_samples 0, weight 0).
+/// copies the batch's weight and step_end. Idle batches give an empty Batch (num_samples 0, weight 0).
 ///
 /// Example: `loom::Batch b = loom::collate_sampled(*s.next(), [&](int64_t i) { return dataset.get(i); });`
 /// Shape: data indices.size() x padded_shape; mask when `o.mask`.
@@ -319,6 +320,7 @@ Batch collate_sampled(const SampledBatch& sb, Fetch&& fetch, CollateOptions o = 
   if (sb.idle) {
     Batch b;
     b.weight = 0.0;
+    b.step_end = sb.step_end;
     return b;
   }
   using Sample = std::remove_cvref_t<std::invoke_result_t<Fetch&, int64_t>>;
@@ -328,6 +330,7 @@ Batch collate_sampled(const SampledBatch& sb, Fetch&& fetch, CollateOptions o = 
   if (o.padded_shape.empty()) o.padded_shape = sb.padded_shape;
   Batch b = collate(samples, std::span<const int64_t>(sb.indices), o, proj);
   b.weight = sb.weight;
+  b.step_end = sb.step_end;
   return b;
 }
 
