@@ -3,8 +3,12 @@
 // through a c10d store, tensor checks) runs here on every machine; the behaviour without a device
 // (a clear loom::CudaError, not a crash) is checked where no device exists.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <mutex>
+#include <set>
+#include <string>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -246,3 +250,209 @@ static_assert(!loom::WorkHandle<loom::cuda::Event>, "an Event has no wait(): use
 static_assert(!loom::Communicator<loom::cuda::Stream>);
 static_assert(!std::is_copy_constructible_v<loom::NcclCommunicator> && std::is_move_constructible_v<loom::NcclCommunicator>);
 static_assert(!std::is_copy_constructible_v<loom::cuda::Stream> && !std::is_copy_constructible_v<loom::cuda::DeviceBuffer>);
+
+// ---- the communicator's lifecycle under a watchdog, through the NcclApi seam ------------------
+// NCCL allows one thread at a time to operate a communicator; ncclCommAbort frees it. These
+// tests drive loom's state machine (detail::BasicNcclState, the code NcclCommunicator runs) with
+// a fake NCCL whose calls take a little time, so that a watchdog thread's abort() lands while
+// another thread polls a pending collective, and they count what NCCL forbids: two threads
+// inside calls on one communicator at once, and any call on a communicator after its abort.
+namespace {
+
+struct FakeNccl {
+  static inline std::mutex table_mutex;
+  static inline std::set<ncclComm_t> live;        // created and neither aborted nor destroyed
+  static inline std::atomic<int> inside{0};       // threads inside a call right now
+  static inline std::atomic<int> overlaps{0};     // calls that began while another was inside
+  static inline std::atomic<int> dead_uses{0};    // calls on a communicator that is not live
+  static inline std::atomic<int> aborts{0};
+  static inline std::atomic<int> polls{0};
+  static inline std::atomic<ncclResult_t> async_state{ncclSuccess};  // what get_async_error reports
+  static inline std::atomic<ncclResult_t> finalize_result{ncclSuccess};
+  static constexpr auto kCallTime = std::chrono::microseconds(300);
+
+  static void reset() {
+    std::lock_guard lk(table_mutex);
+    live.clear();
+    inside = 0;
+    overlaps = 0;
+    dead_uses = 0;
+    aborts = 0;
+    polls = 0;
+    async_state = ncclSuccess;
+    finalize_result = ncclSuccess;
+  }
+  static ncclComm_t create() {
+    static char handles[64];
+    static std::atomic<int> next{0};
+    auto c = reinterpret_cast<ncclComm_t>(&handles[next++ % 64]);
+    std::lock_guard lk(table_mutex);
+    live.insert(c);
+    return c;
+  }
+
+  struct Call {
+    explicit Call(ncclComm_t c) {
+      if (inside.fetch_add(1) != 0) ++overlaps;
+      std::lock_guard lk(table_mutex);
+      if (live.count(c) == 0) ++dead_uses;
+    }
+    ~Call() { --inside; }
+  };
+  static void free(ncclComm_t c) {
+    std::lock_guard lk(table_mutex);
+    live.erase(c);
+  }
+
+  struct DeviceGuard {
+    explicit DeviceGuard(int) {}
+  };
+  static ncclResult_t get_async_error(ncclComm_t c, ncclResult_t* state) {
+    Call call(c);
+    ++polls;
+    std::this_thread::sleep_for(kCallTime);
+    *state = async_state.load();
+    return ncclSuccess;
+  }
+  static ncclResult_t abort(ncclComm_t c) {
+    Call call(c);
+    std::this_thread::sleep_for(kCallTime);
+    free(c);
+    ++aborts;
+    return ncclSuccess;
+  }
+  static ncclResult_t finalize(ncclComm_t c) {
+    Call call(c);
+    return finalize_result.load();
+  }
+  static ncclResult_t destroy(ncclComm_t c) {
+    Call call(c);
+    free(c);
+    return ncclSuccess;
+  }
+  static const char* last_error(ncclComm_t c) {
+    if (c != nullptr) Call call(c);
+    return "";
+  }
+};
+using FakeState = loom::detail::BasicNcclState<FakeNccl>;
+
+std::shared_ptr<FakeState> fake_state(std::chrono::milliseconds timeout) {
+  auto st = std::make_shared<FakeState>();
+  st->comm = FakeNccl::create();
+  st->site = {.rank = 1, .world_size = 2, .device = 0};
+  st->timeout = timeout;
+  st->poll_interval = std::chrono::microseconds(50);
+  return st;
+}
+
+// Waits (bounded) until the fake saw at least n polls: the other thread is in its wait loop.
+void wait_for_polls(int n) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (FakeNccl::polls.load() < n && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  REQUIRE(FakeNccl::polls.load() >= n);
+}
+
+}  // namespace
+
+TEST_CASE("NCCL abort() from a watchdog thread while a collective waits: CommError, never a call on a freed communicator") {
+  for (int trial = 0; trial < 20; ++trial) {
+    CAPTURE(trial);
+    FakeNccl::reset();
+    auto st = fake_state(std::chrono::seconds(5));
+    std::string error;
+    std::thread waiter([&] {
+      try {
+        st->wait_event([] { return false; }, "all_reduce", std::chrono::steady_clock::now());  // a hung collective
+        error = "wait returned";
+      } catch (const loom::TimeoutError& e) {
+        error = std::string("TimeoutError: ") + e.what();
+      } catch (const loom::CommError& e) {
+        error = e.what();
+      }
+    });
+    wait_for_polls(3 + trial % 5);
+    st->abort("watchdog: all_reduce exceeded its deadline");
+    waiter.join();
+    CHECK(error.find("all_reduce on rank 1: the NCCL communicator was aborted while this collective was pending") != std::string::npos);
+    CHECK(error.find("watchdog: all_reduce exceeded its deadline") != std::string::npos);
+    CHECK(FakeNccl::overlaps.load() == 0);
+    CHECK(FakeNccl::dead_uses.load() == 0);
+    CHECK(FakeNccl::aborts.load() == 1);
+    CHECK(st->phase == FakeState::Phase::aborted);
+    CHECK(st->comm == nullptr);
+  }
+}
+
+TEST_CASE("NCCL abort() from two threads at once: ncclCommAbort runs once, the first reason stays") {
+  for (int trial = 0; trial < 20; ++trial) {
+    CAPTURE(trial);
+    FakeNccl::reset();
+    auto st = fake_state(std::chrono::seconds(5));
+    std::atomic<int> ready{0};
+    auto aborter = [&](const char* why) {
+      ++ready;
+      while (ready.load() < 2) {
+      }
+      st->abort(why);
+    };
+    std::thread a(aborter, "watchdog A");
+    std::thread b(aborter, "watchdog B");
+    a.join();
+    b.join();
+    CHECK(FakeNccl::aborts.load() == 1);
+    CHECK(FakeNccl::overlaps.load() == 0);
+    CHECK(FakeNccl::dead_uses.load() == 0);
+    CHECK((st->abort_reason == "watchdog A" || st->abort_reason == "watchdog B"));
+    const std::string expected = "broadcast on rank 1: the NCCL communicator was aborted earlier (" + st->abort_reason + ")";
+    CHECK_THROWS_WITH_AS(st->ensure_live("broadcast"), doctest::Contains(expected.c_str()), loom::CommError);
+  }
+}
+
+TEST_CASE("NCCL abort() from a watchdog while finalize() polls an in-progress call: finalize stops with CommError") {
+  for (int trial = 0; trial < 5; ++trial) {
+    CAPTURE(trial);
+    FakeNccl::reset();
+    FakeNccl::finalize_result = ncclInProgress;  // non-blocking finalize: polled until done
+    FakeNccl::async_state = ncclInProgress;      // ... and it never finishes (a peer is gone)
+    auto st = fake_state(std::chrono::seconds(2));
+    std::string error;
+    std::thread finalizer([&] {
+      try {
+        st->finalize();
+        error = "finalize returned";
+      } catch (const loom::TimeoutError& e) {
+        error = std::string("TimeoutError: ") + e.what();
+      } catch (const loom::CommError& e) {
+        error = e.what();
+      }
+    });
+    wait_for_polls(3);
+    st->abort("watchdog: finalize took too long");
+    finalizer.join();
+    CHECK(error.find("nccl_finalize on rank 1: the NCCL communicator was aborted") != std::string::npos);
+    CHECK(error.find("watchdog: finalize took too long") != std::string::npos);
+    CHECK(FakeNccl::overlaps.load() == 0);
+    CHECK(FakeNccl::dead_uses.load() == 0);
+    CHECK(FakeNccl::aborts.load() == 1);
+  }
+}
+
+TEST_CASE("NCCL lifecycle through the seam: finalize then destroy; abort after destroy changes nothing") {
+  FakeNccl::reset();
+  auto st = fake_state(std::chrono::seconds(5));
+  const ncclComm_t c = st->comm;
+  st->finalize();
+  CHECK(st->phase == FakeState::Phase::finalized);
+  st->destroy();
+  CHECK(st->phase == FakeState::Phase::destroyed);
+  CHECK(st->comm == nullptr);
+  st->abort("late watchdog");
+  CHECK(st->phase == FakeState::Phase::destroyed);
+  CHECK(FakeNccl::aborts.load() == 0);
+  CHECK(FakeNccl::dead_uses.load() == 0);
+  {
+    std::lock_guard lk(FakeNccl::table_mutex);
+    CHECK(FakeNccl::live.count(c) == 0);
+  }
+}

@@ -9,6 +9,12 @@
 // timeout, then aborts the communicator (ncclCommAbort) and throws loom::TimeoutError naming the
 // collective and the rank, so a dead peer never hangs the process.
 //
+// Threads: one thread at a time runs collectives, finalize() and destroy() (NCCL's own rule for
+// a communicator). abort() is safe from any thread at any time, the tool of a watchdog: every
+// NCCL call loom makes on the communicator holds one lock, so the abort waits for the call in
+// progress (in non-blocking mode, a short one), frees the communicator, and the waiting thread's
+// next poll throws loom::CommError naming the abort's reason (detail::BasicNcclState).
+//
 // Example:
 //   auto env = loom::Environment::from_env();          // torchrun / mpirun / srun variables
 //   loom::NcclCommunicator comm(env, {.timeout = std::chrono::seconds(60)});  // device: LOCAL_RANK
@@ -44,6 +50,7 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -243,50 +250,105 @@ inline std::atomic<std::uint64_t>& nccl_comm_sequence() noexcept {
   return n;
 }
 
+/// The NCCL calls the communicator's lifecycle makes, as static functions: the seam through which
+/// tests drive BasicNcclState's state machine without a GPU (tests/gpu/test_gpu_host.cpp).
+struct NcclApi {
+  using DeviceGuard = cuda::DeviceGuard;
+  static ncclResult_t get_async_error(ncclComm_t comm, ncclResult_t* state) { return ncclCommGetAsyncError(comm, state); }
+  static ncclResult_t abort(ncclComm_t comm) { return ncclCommAbort(comm); }
+  static ncclResult_t finalize(ncclComm_t comm) { return ncclCommFinalize(comm); }
+  static ncclResult_t destroy(ncclComm_t comm) { return ncclCommDestroy(comm); }
+  static const char* last_error(ncclComm_t comm) { return ncclGetLastError(comm); }
+};
+
 /// Shared state of a communicator and its work handles (a handle may outlive the communicator
 /// object; the NCCL communicator lives until the last of them is gone).
-struct NcclState {
-  ncclComm_t comm = nullptr;
+///
+/// Thread safety (abort() is a watchdog's tool, called from another thread while a collective
+/// waits):
+///  - `mutex` guards `comm` and `abort_reason`; `phase` changes only under `mutex` and may be read
+///    without it. Every NCCL call that takes `comm` is made with `mutex` held, so at most one
+///    thread is inside NCCL on this communicator at a time (NCCL's rule: one thread operates a
+///    communicator at a time) and no call ever gets a communicator that ncclCommAbort freed.
+///  - Waits and polls (a collective's completion event, a non-blocking call in progress) hold the
+///    lock for one poll at a time. An abort() from another thread takes it between two polls; the
+///    waiting thread's next poll throws loom::CommError naming the abort's reason. A collective
+///    not waited for before the abort reports that error too, even if its kernel had finished:
+///    after ncclCommAbort a finished event no longer shows that the data is complete.
+///  - abort() is idempotent: the first call runs ncclCommAbort and keeps its reason; later calls,
+///    and calls after destroy(), change nothing.
+///  - In NCCL's non-blocking mode (NcclOptions::nonblocking, the default) every NCCL call other
+///    than ncclCommAbort and ncclCommDestroy returns at once, so abort() waits at most for one
+///    short call. In blocking mode a call may block for long (connection setup, finalize) and an
+///    abort() from another thread waits for it to return: a watchdog needs the non-blocking mode.
+/// Api is the seam for the NCCL calls (NcclApi in production, a fake in the host tests).
+template <class Api>
+struct BasicNcclState {
+  enum class Phase { live, finalized, destroyed, aborted };
+
+  mutable std::mutex mutex;
+  ncclComm_t comm = nullptr;                // guarded by mutex
+  std::atomic<Phase> phase{Phase::live};    // written with mutex held
+  std::string abort_reason;                 // guarded by mutex
+  // Set before the state is shared, constant afterwards:
   NcclSite site;
   std::chrono::milliseconds timeout{};
   std::chrono::microseconds poll_interval{};
   std::optional<cuda::Stream> stream;
-  std::optional<cuda::Event> ready;       // re-recorded on the producer stream before each collective
+  std::optional<cuda::Event> ready;       // re-recorded on the producer stream before each collective (one calling thread)
   std::optional<cuda::DeviceBuffer> barrier_word;
   std::string name;                       // kept alive for ncclConfig_t::commName
   c10::intrusive_ptr<c10d::Store> store;  // the rendezvous store, when the communicator owns a handle
-  enum class Phase { live, finalized, destroyed, aborted } phase = Phase::live;
-  std::string abort_reason;
 
-  NcclState() = default;
-  NcclState(const NcclState&) = delete;
-  NcclState& operator=(const NcclState&) = delete;
+  BasicNcclState() = default;
+  BasicNcclState(const BasicNcclState&) = delete;
+  BasicNcclState& operator=(const BasicNcclState&) = delete;
 
-  /// Throws loom::NcclError for a failed call; for ncclInProgress (non-blocking communicator)
-  /// polls ncclCommGetAsyncError until the call completed, failed, or `deadline` passed (then
-  /// aborts and throws loom::TimeoutError naming `what`).
-  void check(ncclResult_t rc, const char* call, const char* file, int line, std::string_view what,
-             std::chrono::steady_clock::time_point start) {
-    if (rc == ncclSuccess) return;
-    if (rc != ncclInProgress) fail(rc, call, file, line);
+  /// Runs `call(comm)`, one NCCL call on this communicator (e.g. an enqueue), with the lock held,
+  /// after checking that the communicator is live. A failure aborts and throws loom::NcclError;
+  /// ncclInProgress (non-blocking mode) is polled by poll_in_progress. `what` names the
+  /// operation in errors, `start` is when it began (the timeout counts from there).
+  template <class Call>
+  void run(Call&& call, const char* text, const char* file, int line, std::string_view what,
+           std::chrono::steady_clock::time_point start) {
+    ncclResult_t rc = ncclSuccess;
+    {
+      std::lock_guard lk(mutex);
+      ensure_live_locked(what);
+      rc = call(comm);
+      if (rc != ncclSuccess && rc != ncclInProgress) fail_locked(rc, text, file, line);
+    }
+    if (rc == ncclInProgress) poll_in_progress(text, file, line, what, start);
+  }
+
+  /// Polls ncclCommGetAsyncError until the non-blocking call `text` completed (returns), failed
+  /// (aborts, throws loom::NcclError), the communicator was aborted by another thread (throws
+  /// loom::CommError naming the reason), or start + timeout passed (aborts, throws
+  /// loom::TimeoutError naming `what`).
+  void poll_in_progress(const char* text, const char* file, int line, std::string_view what,
+                        std::chrono::steady_clock::time_point start) {
     const auto deadline = start + timeout;
     for (int spins = 0;; ++spins) {
-      ncclResult_t state = ncclSuccess;
-      const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
-      if (q != ncclSuccess) fail(q, "ncclCommGetAsyncError(comm, &state)", file, line);
-      if (state == ncclSuccess) return;
-      if (state != ncclInProgress) fail(state, call, file, line);
-      if (std::chrono::steady_clock::now() > deadline) time_out(what, start, fmt::format("{} still in progress", call));
+      {
+        std::lock_guard lk(mutex);
+        if (phase != Phase::live)
+          throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted while {} was in progress ({})", what,
+                                      site.rank, text, phase == Phase::aborted ? abort_reason : std::string("finalized/destroyed")));
+        ncclResult_t state = ncclSuccess;
+        const ncclResult_t q = Api::get_async_error(comm, &state);
+        if (q != ncclSuccess) fail_locked(q, "ncclCommGetAsyncError(comm, &state)", file, line);
+        if (state == ncclSuccess) return;
+        if (state != ncclInProgress) fail_locked(state, text, file, line);
+      }
+      if (std::chrono::steady_clock::now() > deadline) time_out(what, start, fmt::format("{} still in progress", text));
       pause(spins);
     }
   }
 
   /// Aborts (if still possible) and throws NcclError for `rc`.
   [[noreturn]] void fail(ncclResult_t rc, const char* call, const char* file, int line) {
-    const char* last = comm != nullptr ? ncclGetLastError(comm) : nullptr;
-    std::string message = format_nccl_error(rc, call, file, line, last != nullptr ? last : "", nccl_runtime_version(), site);
-    abort(message);
-    throw NcclError(rc, message + "; the communicator was aborted");
+    std::lock_guard lk(mutex);
+    fail_locked(rc, call, file, line);
   }
 
   /// Aborts and throws TimeoutError for `what` started at `start`.
@@ -298,21 +360,26 @@ struct NcclState {
     throw TimeoutError(std::string(what), site.rank, waited.count(), d);
   }
 
-  /// Polls `done` until it completes; between polls checks the communicator's async error and
-  /// the deadline `start + timeout`.
-  void wait_event(const cuda::Event& done, std::string_view what, std::chrono::steady_clock::time_point start) {
+  /// Polls `done()` (true once the collective's completion event fired; called with the lock
+  /// held) until it is true; between polls checks for an abort, the communicator's asynchronous
+  /// error and the deadline `start + timeout`.
+  template <class Done>
+  void wait_event(Done&& done, std::string_view what, std::chrono::steady_clock::time_point start) {
     const auto deadline = start + timeout;
     for (int spins = 0;; ++spins) {
-      if (done.query()) return;
-      if (phase == Phase::aborted)
-        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted while this collective was pending ({})",
-                                    what, site.rank, abort_reason));
-      if (comm != nullptr && phase == Phase::live) {
-        ncclResult_t state = ncclSuccess;
-        const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
-        if (q != ncclSuccess) fail(q, "ncclCommGetAsyncError(comm, &state)", __FILE__, __LINE__);
-        if (state != ncclSuccess && state != ncclInProgress)
-          fail(state, "<asynchronous error of the communicator>", __FILE__, __LINE__);
+      {
+        std::lock_guard lk(mutex);
+        if (phase == Phase::aborted)
+          throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted while this collective was pending ({})",
+                                      what, site.rank, abort_reason));
+        if (done()) return;
+        if (phase == Phase::live) {
+          ncclResult_t state = ncclSuccess;
+          const ncclResult_t q = Api::get_async_error(comm, &state);
+          if (q != ncclSuccess) fail_locked(q, "ncclCommGetAsyncError(comm, &state)", __FILE__, __LINE__);
+          if (state != ncclSuccess && state != ncclInProgress)
+            fail_locked(state, "<asynchronous error of the communicator>", __FILE__, __LINE__);
+        }
       }
       if (std::chrono::steady_clock::now() > deadline) time_out(what, start, "its CUDA event did not complete");
       pause(spins);
@@ -326,46 +393,56 @@ struct NcclState {
 
   /// Throws loom::CommError when the communicator can no longer run collectives.
   void ensure_live(std::string_view what) const {
-    switch (phase) {
-      case Phase::live: return;
-      case Phase::aborted:
-        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted earlier ({})", what, site.rank, abort_reason));
-      case Phase::finalized:
-      case Phase::destroyed:
-        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was finalized/destroyed", what, site.rank));
-    }
+    std::lock_guard lk(mutex);
+    ensure_live_locked(what);
   }
 
-  /// ncclCommAbort: stops outstanding work, frees resources, never blocks on peers.
+  /// ncclCommAbort: stops outstanding work, frees resources, never blocks on peers. The first
+  /// call's reason is kept; later calls and calls after destroy() do nothing.
   void abort(std::string reason) noexcept {
-    if (comm != nullptr && phase != Phase::destroyed) (void)ncclCommAbort(comm);
-    comm = nullptr;
-    phase = Phase::aborted;
-    abort_reason = std::move(reason);
+    std::lock_guard lk(mutex);
+    abort_locked(std::move(reason));
   }
 
   /// ncclCommFinalize, polled up to the timeout (then abort + TimeoutError "nccl_finalize").
   void finalize() {
-    if (phase == Phase::finalized) return;
-    ensure_live("finalize");
+    {
+      std::lock_guard lk(mutex);
+      if (phase == Phase::finalized) return;
+      ensure_live_locked("finalize");
+    }
     const auto start = std::chrono::steady_clock::now();
-    cuda::DeviceGuard on(site.device);
-    check(ncclCommFinalize(comm), "ncclCommFinalize(comm)", __FILE__, __LINE__, "nccl_finalize", start);
-    phase = Phase::finalized;
+    typename Api::DeviceGuard on(site.device);
+    run([](ncclComm_t c) { return Api::finalize(c); }, "ncclCommFinalize(comm)", __FILE__, __LINE__, "nccl_finalize", start);
+    std::lock_guard lk(mutex);
+    if (phase == Phase::live) phase = Phase::finalized;  // unless an abort came in meanwhile
   }
 
   /// ncclCommDestroy after finalize() (so destroy never waits on peers without a bound).
   void destroy() {
-    if (phase == Phase::destroyed || (phase == Phase::aborted && comm == nullptr)) return;
+    {
+      std::lock_guard lk(mutex);
+      if (phase == Phase::destroyed || phase == Phase::aborted) return;
+    }
     finalize();
-    cuda::DeviceGuard on(site.device);
-    const ncclResult_t rc = ncclCommDestroy(comm);
-    comm = nullptr;
-    phase = Phase::destroyed;
-    if (rc != ncclSuccess) throw_nccl_error(rc, "ncclCommDestroy(comm)", __FILE__, __LINE__, nullptr, site);
+    typename Api::DeviceGuard on(site.device);
+    ncclResult_t rc = ncclSuccess;
+    {
+      std::lock_guard lk(mutex);
+      if (phase != Phase::finalized) return;  // aborted by another thread after finalize(): freed there
+      rc = Api::destroy(comm);
+      comm = nullptr;
+      phase = Phase::destroyed;
+    }
+    if (rc != ncclSuccess) {
+      const char* last = Api::last_error(nullptr);
+      throw NcclError(rc, format_nccl_error(rc, "ncclCommDestroy(comm)", __FILE__, __LINE__, last != nullptr ? last : "",
+                                            nccl_runtime_version(), site));
+    }
   }
 
-  ~NcclState() {
+  // Only the last owner runs the destructor: no other thread can hold the state any more.
+  ~BasicNcclState() {
     if (comm == nullptr) return;
     if (std::uncaught_exceptions() > 0) {  // unwinding from a failure: peers may be gone
       abort("destroyed during exception unwinding");
@@ -378,7 +455,38 @@ struct NcclState {
       abort(e.what());
     }
   }
+
+ private:
+  void ensure_live_locked(std::string_view what) const {
+    switch (phase.load()) {
+      case Phase::live: return;
+      case Phase::aborted:
+        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted earlier ({})", what, site.rank, abort_reason));
+      case Phase::finalized:
+      case Phase::destroyed:
+        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was finalized/destroyed", what, site.rank));
+    }
+  }
+
+  void abort_locked(std::string reason) noexcept {
+    const Phase p = phase.load();
+    if (p == Phase::aborted || p == Phase::destroyed) return;
+    if (comm != nullptr) (void)Api::abort(comm);
+    comm = nullptr;
+    abort_reason = std::move(reason);
+    phase = Phase::aborted;
+  }
+
+  [[noreturn]] void fail_locked(ncclResult_t rc, const char* call, const char* file, int line) {
+    const char* last = comm != nullptr ? Api::last_error(comm) : nullptr;
+    std::string message = format_nccl_error(rc, call, file, line, last != nullptr ? last : "", nccl_runtime_version(), site);
+    abort_locked(message);
+    throw NcclError(rc, message + "; the communicator was aborted");
+  }
 };
+
+/// The state NcclCommunicator uses: the real NCCL calls.
+using NcclState = BasicNcclState<NcclApi>;
 
 }  // namespace detail
 
@@ -403,11 +511,12 @@ class NcclWork {
   /// was issued; then aborts the communicator and throws loom::TimeoutError.
   void wait() {
     if (pending_->finished) return;
-    state_->wait_event(pending_->done, pending_->collective, pending_->start);
+    state_->wait_event([this] { return pending_->done.query(); }, pending_->collective, pending_->start);
     pending_->finished = true;
     pending_->keep = at::Tensor();
   }
-  /// Whether the collective has finished (no blocking).
+  /// Whether the collective has finished (no blocking). After an abort it may be true for a
+  /// collective whose wait() then throws CommError (the data is not known to be complete).
   [[nodiscard]] bool is_completed() const { return pending_->finished || pending_->done.query(); }
   /// Makes `stream` wait for the collective on the GPU; the host does not block (no timeout:
   /// call wait() or is_completed() somewhere to notice a hang).
@@ -431,8 +540,9 @@ class NcclWork {
 
 /// A process group of one GPU per rank over NCCL. Models loom::AsyncCommunicator. Move-only.
 ///
-/// Lifecycle: usable after construction; abort() stops it at once (outstanding collectives are
-/// cancelled, peers see an error); finalize() waits (bounded) for outstanding collectives;
+/// Lifecycle: usable after construction; abort() stops it at once, from any thread (outstanding
+/// collectives are cancelled, their waits throw CommError, peers see an error); finalize() waits
+/// (bounded) for outstanding collectives;
 /// destroy() finalizes then frees the NCCL communicator. The destructor does destroy() (abort()
 /// when an exception is in flight or destroy fails) and never throws.
 ///
@@ -475,12 +585,15 @@ class NcclCommunicator {
     config.blocking = options.nonblocking ? 0 : 1;
     if (!s.name.empty()) config.commName = s.name.c_str();
     const auto start = std::chrono::steady_clock::now();
+    // No other thread can see the state yet: init writes s.comm without the lock.
     const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, world_size, id, rank, &config);
     if (rc != ncclSuccess && rc != ncclInProgress && s.comm == nullptr)
       detail::throw_nccl_error(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, nullptr, s.site);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      s.fail(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__);
     // Non-blocking: init may still run in NCCL's threads even after ncclSuccess; poll its state.
-    s.check(rc == ncclSuccess && options.nonblocking ? ncclInProgress : rc,
-            "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, "nccl_init", start);
+    if (rc == ncclInProgress || options.nonblocking)
+      s.poll_in_progress("ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, "nccl_init", start);
   }
 
   NcclCommunicator(NcclCommunicator&&) noexcept = default;
@@ -496,10 +609,15 @@ class NcclCommunicator {
   [[nodiscard]] int device() const noexcept { return state_->site.device; }
   /// The stream the collectives run on.
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_->stream->get(); }
-  /// The raw NCCL communicator (nullptr after abort/destroy), for calls loom does not wrap.
-  [[nodiscard]] ncclComm_t native_handle() const noexcept { return state_->comm; }
-  /// True after abort() or after a timeout/failure aborted the communicator.
-  [[nodiscard]] bool aborted() const noexcept { return state_->phase == detail::NcclState::Phase::aborted; }
+  /// The raw NCCL communicator (nullptr after abort/destroy), for calls loom does not wrap. The
+  /// handle is read under the state's lock, but using it is outside loom's locking: do not pass
+  /// it to NCCL while another thread may call abort().
+  [[nodiscard]] ncclComm_t native_handle() const {
+    std::lock_guard lk(state_->mutex);
+    return state_->comm;
+  }
+  /// True after abort() or after a timeout/failure aborted the communicator (any thread).
+  [[nodiscard]] bool aborted() const noexcept { return state_->phase.load() == detail::NcclState::Phase::aborted; }
 
   // ---- tensors (CUDA tensors of a LibTorch built with CUDA) ---------------------------------
 
@@ -566,8 +684,8 @@ class NcclCommunicator {
     check_pointer(data, count, collective);
     cuda::DeviceGuard on(s.site.device);
     auto start = begin(collective, after);
-    s.check(ncclAllReduce(data, data, count, type, detail::to_nccl_op(op), s.comm, stream()),
-            "ncclAllReduce(data, data, count, dtype, op, comm, stream)", __FILE__, __LINE__, collective, start);
+    s.run([&](ncclComm_t c) { return ncclAllReduce(data, data, count, type, detail::to_nccl_op(op), c, stream()); },
+          "ncclAllReduce(data, data, count, dtype, op, comm, stream)", __FILE__, __LINE__, collective, start);
     return finish(collective, start, std::move(keep_alive));
   }
 
@@ -586,8 +704,8 @@ class NcclCommunicator {
     check_pointer(data, count, "broadcast");
     cuda::DeviceGuard on(s.site.device);
     auto start = begin("broadcast", after);
-    s.check(ncclBroadcast(data, data, count, type, root, s.comm, stream()),
-            "ncclBroadcast(data, data, count, dtype, root, comm, stream)", __FILE__, __LINE__, "broadcast", start);
+    s.run([&](ncclComm_t c) { return ncclBroadcast(data, data, count, type, root, c, stream()); },
+          "ncclBroadcast(data, data, count, dtype, root, comm, stream)", __FILE__, __LINE__, "broadcast", start);
     return finish("broadcast", start, std::move(keep_alive));
   }
 
@@ -606,14 +724,17 @@ class NcclCommunicator {
     check_pointer(recv, count, "all_gather");
     cuda::DeviceGuard on(s.site.device);
     auto start = begin("all_gather", after);
-    s.check(ncclAllGather(send, recv, count, type, s.comm, stream()),
-            "ncclAllGather(send, recv, count, dtype, comm, stream)", __FILE__, __LINE__, "all_gather", start);
+    s.run([&](ncclComm_t c) { return ncclAllGather(send, recv, count, type, c, stream()); },
+          "ncclAllGather(send, recv, count, dtype, comm, stream)", __FILE__, __LINE__, "all_gather", start);
     return finish("all_gather", start, std::move(keep_alive));
   }
 
   // ---- lifecycle ------------------------------------------------------------------------------
 
   /// ncclCommAbort now: outstanding collectives are cancelled; later calls throw CommError.
+  /// Thread-safe: a watchdog thread may call it while another thread waits in a collective (that
+  /// wait then throws CommError "aborted while this collective was pending"); see
+  /// detail::BasicNcclState for the locking. Idempotent.
   void abort() noexcept { state_->abort("abort() called"); }
   /// Waits (up to timeout()) for outstanding collectives with ncclCommFinalize; collectives are
   /// no longer allowed afterwards. Throws loom::TimeoutError (after aborting) or NcclError.
