@@ -2,12 +2,15 @@
 // ordering after a slow producer, timeouts (collective and init) in child processes, two ranks
 // on one GPU (does NCCL refuse them?), pinned memory and host-to-device transfers.
 //
-// gpu_main.cpp skips the whole executable (exit 77) where no CUDA device exists. Inputs are
+// gpu_main.cpp skips the whole executable (exit 77) where no CUDA device exists, and reports a
+// run in which no test case matched (e.g. the torch_cuda suite of a build whose LibTorch has no
+// CUDA) as skipped too, never as passed. Inputs are
 // small integers, exact in every dtype, so results are compared bit for bit (tolerance 0).
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -140,6 +143,51 @@ int child_timeout_collective() {
   std::_Exit(0);  // the stalled stream still holds work of the aborted communicator
 }
 
+/// A collective queued behind a 3 s stall, a 30 s timeout, and a watchdog thread that calls
+/// abort() once the main thread waits: the wait must end at once with CommError naming the
+/// abort (not wait for the stall or the timeout), and later collectives are refused.
+int child_watchdog_abort() {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 30s});
+  auto producer = loom::cuda::Stream::create(0);
+  loom::cuda::DeviceBuffer buf(0, 256 * sizeof(float));
+  static int stall_ms = 3000;
+  LOOM_CUDA_CHECK(cudaLaunchHostFunc(producer.get(), sleep_on_stream, &stall_ms));
+  loom::NcclWork work = comm.all_reduce_async(buf.get(), 256, at::kFloat, loom::ReduceOp::sum, producer.get());
+  std::atomic<bool> waiting{false};
+  std::thread watchdog([&] {
+    while (!waiting.load()) std::this_thread::yield();
+    std::this_thread::sleep_for(100ms);  // let the main thread enter its poll loop
+    comm.abort();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    waiting = true;
+    work.wait();
+    std::cerr << "child watchdog_abort: wait() returned although its input stream was stalled\n";
+    watchdog.join();
+    std::_Exit(1);
+  } catch (const loom::TimeoutError& e) {
+    std::cerr << "child watchdog_abort: TimeoutError instead of the abort: " << e.what() << "\n";
+    watchdog.join();
+    std::_Exit(2);
+  } catch (const loom::CommError& e) {
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::cerr << "child watchdog_abort: caught as expected after " << waited << " s: " << e.what() << "\n";
+    watchdog.join();
+    if (std::string(e.what()).find("aborted while this collective was pending (abort() called)") == std::string::npos) std::_Exit(3);
+    if (waited > 2.5 || !comm.aborted()) std::_Exit(4);  // the abort ended the wait, not the 3 s stall
+  }
+  try {
+    comm.barrier();
+    std::_Exit(5);
+  } catch (const loom::CommError& e) {
+    if (std::string(e.what()).find("aborted earlier") == std::string::npos) std::_Exit(6);
+  }
+  std::cout << "watchdog_abort: OK" << std::endl;
+  std::_Exit(0);  // the stalled stream still holds work of the aborted communicator
+}
+
 /// Rank 0 of a world of 2 whose rank 1 never comes: init must time out, not hang.
 int child_timeout_init() {
   ncclUniqueId id{};
@@ -195,6 +243,7 @@ int loom_gpu_test_child(int argc, char** argv) {
   try {
     if (mode == "timeout_collective") return child_timeout_collective();
     if (mode == "timeout_init") return child_timeout_init();
+    if (mode == "watchdog_abort") return child_watchdog_abort();
     if (mode == "two_ranks" && argc == 3) return child_two_ranks(std::stoi(argv[1]), argv[2]);
   } catch (const std::exception& e) {
     std::cerr << "child " << mode << ": unexpected exception: " << e.what() << "\n";
@@ -297,6 +346,11 @@ TEST_CASE("NCCL timeouts: a stalled collective and an init missing a rank raise 
   CHECK(wait_child(a, 60s) == 0);
   const pid_t b = spawn_child({"timeout_init"});
   CHECK(wait_child(b, 60s) == 0);
+}
+
+TEST_CASE("NCCL timeouts: abort() from a watchdog thread ends a pending wait at once with CommError") {
+  const pid_t c = spawn_child({"watchdog_abort"});
+  CHECK(wait_child(c, 60s) == 0);
 }
 
 TEST_CASE("NCCL with two processes on one GPU: works, or NCCL refuses with a loom error (no hang, no crash)") {
@@ -426,7 +480,10 @@ TEST_CASE("collation into pinned memory: the collators' allocator hook with loom
   }
 }
 
+// Tests of LibTorch CUDA tensors: compiled only with a LibTorch built with CUDA, in the test suite
+// torch_cuda (meson test gpu_device_torch; skipped, exit 77, where they are not compiled).
 #if LOOM_TORCH_HAS_CUDA
+TEST_SUITE_BEGIN("torch_cuda");
 TEST_CASE("NCCL on CUDA tensors: every dtype, ordered after LibTorch's current stream") {
   auto store = c10::make_intrusive<c10d::HashStore>();
   loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 60s});
@@ -540,8 +597,5 @@ TEST_CASE("Scheduler with CollateMerge into pinned memory and CudaTransfer: no s
   CHECK(transfer.staging().stats().host_allocs == 0);  // batches were collated into pinned memory
   CHECK(pinned->allocations() > 0);
 }
-#else
-TEST_CASE("CUDA tensor tests need a LibTorch built with CUDA") {
-  MESSAGE("LOOM_TORCH_HAS_CUDA is 0: NCCL-on-tensor and transfer_batch tests not built (raw-pointer tests ran)");
-}
-#endif
+TEST_SUITE_END();
+#endif  // LOOM_TORCH_HAS_CUDA

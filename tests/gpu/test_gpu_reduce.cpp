@@ -59,6 +59,7 @@ struct HostStagingNccl {
 static_assert(loom::AsyncCommunicator<HostStagingNccl>);
 }  // namespace
 
+TEST_SUITE_BEGIN("torch_cuda");  // see test_gpu_device.cpp: skipped where LibTorch has no CUDA
 TEST_CASE("Reducer + Accumulator over NCCL on CUDA tensors: sample-weighted gradients equal the float64 reference") {
   auto store = c10::make_intrusive<c10d::HashStore>();
   loom::NcclCommunicator nccl(*store, 0, 1, {.device = 0, .timeout = 60s});
@@ -101,4 +102,5 @@ TEST_CASE("Reducer + Accumulator over NCCL on CUDA tensors: sample-weighted grad
     CHECK(rel(b.grad(), br.grad()) <= tol);
   }
 }
+TEST_SUITE_END();
 #endif  // LOOM_TORCH_HAS_CUDA
