@@ -77,6 +77,15 @@ requires requires(const E& e) {
   return r;
 }
 
+/// RankInfo of a process group that knows its job (loom::ProcessGroup: `g.environment()`).
+///
+/// Example:  auto me = loom::rank_info(pg);
+template <class G>
+requires requires(const G& g) { rank_info(g.environment()); }
+[[nodiscard]] RankInfo rank_info(const G& g) {
+  return rank_info(g.environment());
+}
+
 /// Which rank leads: runs a main-process-first block first, shows the progress bar.
 enum class Leader {
   global_rank_zero,  ///< one leader for the job: global rank 0

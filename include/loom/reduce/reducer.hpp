@@ -525,6 +525,7 @@ class ReducerState {
 
   void on_grad_ready(std::size_t k) {
     std::lock_guard lock(mutex_);
+    ++arrivals_;
     in_hook_ = true;
     try {
       mark_ready_locked(k);
@@ -565,6 +566,7 @@ class ReducerState {
   }
   [[nodiscard]] bool rebuilt() const noexcept { return rebuilt_; }
   [[nodiscard]] HostReads host_reads() const noexcept { return reads_; }
+  [[nodiscard]] std::int64_t gradient_arrivals() const noexcept { return arrivals_; }
   [[nodiscard]] const ParameterList& parameters() const noexcept { return list_; }
   [[nodiscard]] const ReducerOptions& options() const noexcept { return options_; }
   [[nodiscard]] Comm& communicator() const noexcept { return *comm_; }
@@ -908,6 +910,7 @@ class ReducerState {
   std::mutex mutex_;
   std::size_t next_launch_ = 0;
   HostReads reads_;
+  std::int64_t arrivals_ = 0;  // gradients delivered by autograd hooks since construction
   double grad_scale_ = 1.0;  // of the current sync window
   bool divide_ = true;       // divide by the divisor (exact) rather than multiply by grad_scale / divisor
   std::int64_t next_ready_pos_ = 0;
@@ -963,6 +966,10 @@ class Reducer {
   [[nodiscard]] bool rebuilt() const noexcept { return state_->rebuilt(); }
   /// Reads of collective results to the host so far (see HostReads).
   [[nodiscard]] HostReads host_reads() const noexcept { return state_->host_reads(); }
+  /// Gradients autograd delivered to this reducer's hooks since construction (one per parameter
+  /// per backward that reached it). A caller that knows how many backward passes it ran can tell
+  /// from it whether a backward ran behind its back (loom::Trainer does).
+  [[nodiscard]] std::int64_t gradient_arrivals() const noexcept { return state_->gradient_arrivals(); }
   [[nodiscard]] const ParameterList& parameters() const noexcept { return state_->parameters(); }
   [[nodiscard]] const ReducerOptions& options() const noexcept { return state_->options(); }
   [[nodiscard]] Comm& communicator() const noexcept { return state_->communicator(); }

@@ -1,0 +1,257 @@
+// loom/dist/process_group.hpp — ProcessGroup: the communicator a training loop asks for, with the
+// backend picked from the device: NCCL on a GPU, Gloo on the CPU, any world size (1 included).
+//
+// One sentence: `loom::ProcessGroup pg(env)` joins the job an Environment describes and holds the
+// one communicator that fits this machine — so a loop never branches between LocalCommunicator,
+// GlooCommunicator and NcclCommunicator — and says which device its tensors live on.
+//
+// Example:
+//   loom::ProcessGroup pg(loom::Environment::from_env());   // or loom::run gives you one
+//   auto t = torch::ones({4}, torch::TensorOptions().device(pg.device()));
+//   pg.all_reduce(t, loom::ReduceOp::sum);                  // world_size() in every element
+//
+// Backend (ProcessGroupOptions::backend):
+//   automatic (default): NCCL when this build has NCCL and a CUDA LibTorch and the CUDA runtime
+//     sees a device (the rank's GPU is chosen by loom::rank_cuda_device: its LOCAL_RANK among
+//     CUDA_VISIBLE_DEVICES); else Gloo on the CPU; else (no Gloo in the build) a LocalCommunicator,
+//     which needs world size 1.
+//   gloo, nccl, local: that backend, or loom::ConfigError saying why it is not available.
+// Device: NCCL: cuda:<ordinal>; Gloo and local: the CPU (Gloo also moves CUDA tensors, staged
+//   through host memory, but loom's parts allocate on device()).
+// Cost: each collective dispatches on the held backend once (a std::variant visit, no virtual
+//   call); the backends' own costs are unchanged.
+//
+// Throws: loom::ConfigError (an unavailable backend, too few GPUs for the node's ranks), and the
+//         backend's rendezvous / connect errors (loom::TimeoutError, loom::CommError).
+// Source: torch.distributed.init_process_group(backend=...) and its "cuda:nccl,cpu:gloo" device
+//         mapping; torchrun's LOCAL_RANK device convention.
+#pragma once
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <fmt/format.h>
+
+#include <loom/comm/communicator.hpp>
+#include <loom/comm/local.hpp>
+#include <loom/config.hpp>
+#include <loom/dist/environment.hpp>
+#include <loom/dist/rank_device.hpp>
+#include <loom/error.hpp>
+
+#if LOOM_HAS_GLOO
+#include <loom/comm/gloo.hpp>
+#endif
+#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
+#define LOOM_PROCESS_GROUP_HAS_NCCL 1
+#include <loom/comm/nccl.hpp>
+#include <loom/cuda/device.hpp>
+#else
+#define LOOM_PROCESS_GROUP_HAS_NCCL 0
+#endif
+
+namespace loom {
+
+/// Which communicator a ProcessGroup holds.
+enum class Backend {
+  automatic,  ///< NCCL on a GPU, else Gloo, else local (see the file comment)
+  gloo,       ///< GlooCommunicator (CPU tensors over TCP)
+  nccl,       ///< NcclCommunicator (one GPU per rank)
+  local,      ///< LocalCommunicator (world size 1 only)
+};
+
+/// "automatic", "gloo", "nccl" or "local".
+constexpr std::string_view to_string(Backend b) noexcept {
+  switch (b) {
+    case Backend::automatic: return "automatic";
+    case Backend::gloo: return "gloo";
+    case Backend::nccl: return "nccl";
+    case Backend::local: return "local";
+  }
+  return "?";
+}
+
+/// Parses "auto" / "automatic", "gloo", "nccl", "local". Throws loom::ConfigError naming the text.
+inline Backend parse_backend(std::string_view text) {
+  if (text == "auto" || text == "automatic") return Backend::automatic;
+  if (text == "gloo") return Backend::gloo;
+  if (text == "nccl") return Backend::nccl;
+  if (text == "local") return Backend::local;
+  throw ConfigError(fmt::format("backend '{}' is not one of auto, gloo, nccl, local", text));
+}
+
+/// Options of ProcessGroup; use with designated initializers.
+///
+/// Example: `loom::ProcessGroupOptions{.backend = loom::Backend::gloo, .timeout = std::chrono::seconds(30)}`.
+/// Units: timeout is wall-clock, per collective and for the rendezvous.
+struct ProcessGroupOptions {
+  Backend backend = Backend::automatic;                 ///< see the file comment
+  std::chrono::milliseconds timeout = kDefaultTimeout;  ///< bound on rendezvous and every collective
+  std::string interface{};                              ///< Gloo: network interface (GlooOptions::interface)
+};
+
+/// A pending collective of any backend; models WorkHandle.
+class ProcessGroupWork {
+ public:
+  using Variant = std::variant<CompletedWork
+#if LOOM_HAS_GLOO
+                               , GlooWork
+#endif
+#if LOOM_PROCESS_GROUP_HAS_NCCL
+                               , NcclWork
+#endif
+                               >;
+  explicit ProcessGroupWork(Variant w) : w_(std::move(w)) {}
+  /// Blocks until the collective finished. Throws: the backend's TimeoutError / CommError.
+  void wait() {
+    std::visit([](auto& w) { w.wait(); }, w_);
+  }
+  [[nodiscard]] bool is_completed() const {
+    return std::visit([](const auto& w) { return static_cast<bool>(w.is_completed()); }, w_);
+  }
+
+ private:
+  Variant w_;
+};
+
+/// The job's communicator, backend chosen from the device. Models AsyncCommunicator. Move-only.
+///
+/// Example: see the file comment.
+/// Throws: see the file comment.
+/// Source: see the file comment.
+class ProcessGroup {
+  template <class F>
+  decltype(auto) visit(F&& f) {
+    return std::visit(std::forward<F>(f), comm_);
+  }
+  template <class F>
+  decltype(auto) visit(F&& f) const {
+    return std::visit(std::forward<F>(f), comm_);
+  }
+
+ public:
+  using Variant = std::variant<LocalCommunicator
+#if LOOM_HAS_GLOO
+                               , GlooCommunicator
+#endif
+#if LOOM_PROCESS_GROUP_HAS_NCCL
+                               , NcclCommunicator
+#endif
+                               >;
+
+  /// Joins the job `env` describes (rendezvous at MASTER_ADDR:MASTER_PORT unless world size 1).
+  explicit ProcessGroup(const Environment& env, ProcessGroupOptions options = {})
+      : env_(env), options_(std::move(options)), backend_(resolve(env_, options_)), comm_(make(env_, options_, backend_)) {}
+
+  ProcessGroup(ProcessGroup&&) noexcept = default;
+  ProcessGroup& operator=(ProcessGroup&&) noexcept = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  [[nodiscard]] int rank() const { return visit([](const auto& c) { return c.rank(); }); }
+  [[nodiscard]] int world_size() const { return visit([](const auto& c) { return c.world_size(); }); }
+  [[nodiscard]] std::chrono::milliseconds timeout() const { return visit([](const auto& c) { return c.timeout(); }); }
+  /// The device every tensor handed to this group's collectives must live on.
+  [[nodiscard]] c10::Device device() const { return device_; }
+  /// The backend in use (never Backend::automatic).
+  [[nodiscard]] Backend backend() const noexcept { return backend_; }
+  /// The job this group belongs to (rank, local rank, launcher, ...).
+  [[nodiscard]] const Environment& environment() const noexcept { return env_; }
+  /// The communicator itself, for calls loom does not wrap: std::get<loom::GlooCommunicator>(pg.native()).
+  [[nodiscard]] Variant& native() noexcept { return comm_; }
+
+  void all_reduce(at::Tensor& t, ReduceOp op) {
+    visit([&](auto& c) { c.all_reduce(t, op); });
+  }
+  [[nodiscard]] ProcessGroupWork all_reduce_async(at::Tensor& t, ReduceOp op) {
+    return visit([&](auto& c) { return ProcessGroupWork(ProcessGroupWork::Variant(c.all_reduce_async(t, op))); });
+  }
+  void broadcast(at::Tensor& t, int root) {
+    visit([&](auto& c) { c.broadcast(t, root); });
+  }
+  [[nodiscard]] std::vector<at::Tensor> all_gather(const at::Tensor& t) {
+    return visit([&](auto& c) { return c.all_gather(t); });
+  }
+  void barrier() {
+    visit([](auto& c) { c.barrier(); });
+  }
+
+  /// The backend `options.backend` resolves to for `env` on this machine (no connection made).
+  /// Throws: loom::ConfigError when the backend asked for is not available.
+  static Backend resolve(const Environment& env, const ProcessGroupOptions& options) {
+    const bool gloo = LOOM_HAS_GLOO != 0;
+    const bool nccl_built = LOOM_PROCESS_GROUP_HAS_NCCL != 0;
+    switch (options.backend) {
+      case Backend::automatic:
+        if (nccl_built && cuda_device_count() > 0) return Backend::nccl;
+        if (gloo) return Backend::gloo;
+        if (env.world_size == 1) return Backend::local;
+        throw ConfigError(fmt::format("ProcessGroup: world size {} needs Gloo or NCCL, and this build has neither "
+                                      "(install libgloo-dev and reconfigure)",
+                                      env.world_size));
+      case Backend::gloo:
+        if (!gloo) throw ConfigError("ProcessGroup: backend gloo asked for, but this build has no Gloo (install libgloo-dev)");
+        return Backend::gloo;
+      case Backend::nccl:
+        if (!nccl_built)
+          throw ConfigError(fmt::format("ProcessGroup: backend nccl asked for, but this build has {} (LOOM_HAS_NCCL={}, "
+                                        "LOOM_TORCH_HAS_CUDA={})",
+                                        LOOM_HAS_NCCL ? "a LibTorch without CUDA" : "no NCCL", LOOM_HAS_NCCL,
+                                        LOOM_TORCH_HAS_CUDA));
+        if (cuda_device_count() == 0) throw ConfigError("ProcessGroup: backend nccl asked for, but no CUDA device is visible");
+        return Backend::nccl;
+      case Backend::local:
+        if (env.world_size != 1)
+          throw ConfigError(fmt::format("ProcessGroup: backend local is for world size 1, not {}", env.world_size));
+        return Backend::local;
+    }
+    return Backend::local;
+  }
+
+ private:
+  static int cuda_device_count() {
+#if LOOM_PROCESS_GROUP_HAS_NCCL
+    return cuda::probe_devices().count;
+#else
+    return 0;
+#endif
+  }
+
+  Variant make(const Environment& env, const ProcessGroupOptions& o, Backend b) {
+    switch (b) {
+#if LOOM_HAS_GLOO
+      case Backend::gloo:
+        device_ = c10::Device(c10::kCPU);
+        return Variant(std::in_place_type<GlooCommunicator>, env, GlooOptions{.timeout = o.timeout, .interface = o.interface});
+#endif
+#if LOOM_PROCESS_GROUP_HAS_NCCL
+      case Backend::nccl: {
+        const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+        const RankDevice d = rank_cuda_device(env, cuda_device_count(), visible ? visible : "");
+        device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d.ordinal));
+        return Variant(std::in_place_type<NcclCommunicator>, env, NcclOptions{.device = d.ordinal, .timeout = o.timeout});
+      }
+#endif
+      default:
+        device_ = c10::Device(c10::kCPU);
+        return Variant(std::in_place_type<LocalCommunicator>, o.timeout);
+    }
+  }
+
+  Environment env_;
+  ProcessGroupOptions options_;
+  Backend backend_;
+  c10::Device device_{c10::kCPU};
+  Variant comm_;
+};
+
+static_assert(AsyncCommunicator<ProcessGroup>, "ProcessGroup must model loom::AsyncCommunicator");
+static_assert(WorkHandle<ProcessGroupWork>);
+
+}  // namespace loom

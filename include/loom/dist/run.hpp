@@ -1,0 +1,73 @@
+// loom/dist/run.hpp — one entry point for "run this function as my rank": inside a job started by
+// torchrun, mpirun or srun it joins that job; started by hand it spawns local ranks itself.
+//
+// One sentence: `loom::run(fn, {.nproc = 2})` reads the launcher's variables; when there are any,
+// it builds this process's ProcessGroup and calls fn(group) once; when there are none, it forks
+// `nproc` ranks on this machine (loom::spawn, with torchrun's variables) and calls fn(group) in
+// each — so a program has no branch between "launched" and "standalone".
+//
+// Example:
+//   int main(int argc, char** argv) try {
+//     loom::run([](loom::ProcessGroup& pg) {
+//       loom::Logger log(loom::StreamSink{stdout}, pg);
+//       log.info("rank {} of {} on {}", pg.rank(), pg.world_size(), pg.device().str());
+//     }, {.nproc = 2});
+//   } catch (const loom::Error& e) { std::fprintf(stderr, "%s\n", e.what()); return 1; }
+//   //   ./train                       -> 2 local ranks (spawned)
+//   //   torchrun --nproc-per-node 4 ./train, mpirun -np 4 ./train, srun -n 4 ./train -> joins as one rank
+//
+// Rules: nproc == 1 without a launcher runs fn in this process (rank 0 of 1, no fork, no port).
+//   With a launcher, nproc is ignored (the launcher decided). Children of spawn follow spawn's
+//   fork rule (one intra-op thread each by default; see loom/dist/spawn.hpp).
+// Throws: loom::InvalidArgument (nproc < 1); loom::ConfigError (bad launcher variables); the
+//         ProcessGroup's errors; loom::SpawnError naming the rank that failed when spawning.
+// Source: torch.multiprocessing.spawn for the standalone case and torch.distributed.run's
+//         environment for the launched one; Accelerate's `notebook_launcher` / `accelerate launch`
+//         split, folded into one call.
+#pragma once
+
+#include <concepts>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include <loom/dist/environment.hpp>
+#include <loom/dist/process_group.hpp>
+#include <loom/dist/spawn.hpp>
+#include <loom/error.hpp>
+
+namespace loom {
+
+/// Options of run(); use with designated initializers.
+///
+/// Example: `loom::RunOptions{.nproc = 4, .group = {.backend = loom::Backend::gloo}}`.
+struct RunOptions {
+  int nproc = 1;                   ///< local ranks to spawn when no launcher variables are set
+  ProcessGroupOptions group{};     ///< backend and timeout of each rank's ProcessGroup
+  SpawnOptions spawn{};            ///< supervision of spawned ranks (timeout, grace, environment)
+};
+
+/// Runs `fn(ProcessGroup&)` as this process's rank, or as `options.nproc` spawned local ranks.
+///
+/// Example: see the file comment.
+/// Throws: see the file comment.
+template <class F>
+  requires std::invocable<F&, ProcessGroup&>
+void run(F&& fn, const RunOptions& options = {}) {
+  if (options.nproc < 1) throw InvalidArgument(fmt::format("run: nproc = {} (need >= 1)", options.nproc));
+  const Environment env = Environment::from_env();
+  if (env.launcher != Launcher::none || options.nproc == 1) {
+    ProcessGroup group(env, options.group);
+    fn(group);
+    return;
+  }
+  spawn(
+      options.nproc,
+      [&](const Environment& rank_env) {
+        ProcessGroup group(rank_env, options.group);
+        fn(group);
+      },
+      options.spawn);
+}
+
+}  // namespace loom

@@ -1,0 +1,109 @@
+// loom/train/loader.hpp — BatchLoader: a GlobalBatchSampler, a fetch function and collation in one
+// object, handing the training loop collated batches on the process group's device.
+//
+// One sentence: `loom::BatchLoader loader(pg, shapes, fetch, {.max_samples = 16, .batches_per_step = 4})`
+// plans world-size-invariant optimizer steps over the dataset's shapes, and `load(item)` turns one
+// of the sampler's items into a Batch (samples fetched, padded to the planned shape, moved to the
+// device) — the input side of loom::Trainer::epoch.
+//
+// Example:
+//   std::vector<std::pair<at::Tensor, int64_t>> data = ...;                 // (C x H x W image, label)
+//   loom::BatchLoader loader(pg, shapes, [&](int64_t i) { return data[i]; },
+//                            {.seed = 1, .max_samples = 32, .batches_per_step = 2});
+//   for (loom::Batch& b : trainer.epoch(loader, epoch)) { ... }             // see loom/train/trainer.hpp
+//
+// Device: batches are collated on the CPU; when the process group's device is a GPU (or
+//   LoaderOptions::device says so), they are collated into pinned memory and copied with
+//   non_blocking = true (the copy overlaps with the host's next work; the pinned buffer lives
+//   until the copy finished: LibTorch's host allocator records the stream).
+// Shape: as loom::collate_sampled (Batch::data N x planned padded shape, targets, mask on demand).
+// Throws: the sampler's, the fetch function's and collation's errors (naming the sample index).
+// Source: torch.utils.data.DataLoader with pin_memory=True and a batch_sampler.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/Device.h>
+
+#include <loom/collate/batch.hpp>
+#include <loom/collate/collator.hpp>
+#include <loom/collate/sample.hpp>
+#include <loom/comm/communicator.hpp>
+#include <loom/comm/device.hpp>
+#include <loom/sample/bucket_batch.hpp>
+#include <loom/sample/global_batch.hpp>
+
+namespace loom {
+
+/// Options of BatchLoader beyond the plan; use with designated initializers.
+struct LoaderOptions {
+  CollateOptions collate{};            ///< pad value, mask, pool / allocator (padded_shape comes from the plan)
+  std::optional<c10::Device> device{}; ///< where batches go; default: the process group's device
+};
+
+/// Sampler + fetch + collate. See the file comment.
+///
+/// Example: see the file comment.
+/// Throws: see the file comment.
+template <class Fetch, class Projection = DefaultProjection>
+class BatchLoader {
+ public:
+  /// Plans over `shapes` (shapes[i]: sample i's shape) for `comm`'s world size and rank.
+  template <Communicator C>
+  BatchLoader(const C& comm, std::vector<std::vector<int64_t>> shapes, Fetch fetch, GlobalBatchOptions plan = {},
+              LoaderOptions options = {}, Projection projection = {})
+      : sampler_(comm, std::move(shapes), std::move(plan)),
+        fetch_(std::move(fetch)),
+        options_(std::move(options)),
+        projection_(std::move(projection)),
+        device_(options_.device.value_or(detail::collective_device(comm))) {
+    if (device_.is_cuda() && !options_.collate.allocate && !options_.collate.pool)
+      options_.collate.allocate = [](c10::IntArrayRef sizes, c10::ScalarType dtype) {
+        return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(true));
+      };
+  }
+
+  /// The collated batch of one sampler item (an idle item gives an empty Batch with weight 0).
+  [[nodiscard]] Batch load(const SampledBatch& item) {
+    Batch b = collate_sampled(item, fetch_, options_.collate, projection_);
+    if (!device_.is_cpu() && b.data.defined()) {
+      b.data = b.data.to(device_, /*non_blocking=*/true);
+      if (b.targets.defined()) b.targets = b.targets.to(device_, /*non_blocking=*/true);
+      if (b.mask.defined()) b.mask = b.mask.to(device_, /*non_blocking=*/true);
+    }
+    return b;
+  }
+
+  [[nodiscard]] GlobalBatchSampler& sampler() noexcept { return sampler_; }
+  [[nodiscard]] const GlobalBatchSampler& sampler() const noexcept { return sampler_; }
+  /// Where batches are delivered.
+  [[nodiscard]] c10::Device device() const noexcept { return device_; }
+
+  /// Continues at a saved cursor: the next Trainer::epoch(loader, cursor.epoch) starts at its step
+  /// instead of the epoch's first. Throws as GlobalBatchSampler::resume.
+  void resume(const GlobalCursor& cursor) {
+    sampler_.resume(cursor);
+    resumed_epoch_ = cursor.epoch;
+  }
+
+  /// Prepares epoch `epoch` (rewinds, unless resume() pointed into it); used by Trainer::epoch.
+  void begin_epoch(int64_t epoch) {
+    if (resumed_epoch_ != epoch) sampler_.set_epoch(epoch);
+    resumed_epoch_.reset();
+  }
+
+ private:
+  GlobalBatchSampler sampler_;
+  Fetch fetch_;
+  LoaderOptions options_;
+  Projection projection_;
+  c10::Device device_;
+  std::optional<int64_t> resumed_epoch_;
+};
+
+}  // namespace loom

@@ -1,0 +1,262 @@
+// loom::Trainer, BatchLoader, Metrics and run() in one process: the short path equals the
+// hand-written low-level loop bit for bit, and each protocol step a loop could forget is a loom
+// error naming it (or does not compile). Multi-rank twins: test_trainer_dist.cpp.
+#include <iterator>
+#include <ranges>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
+#include <loom/comm/local.hpp>
+#include <loom/dist/run.hpp>
+#include <loom/log/named_metrics.hpp>
+
+#include "trainer_fixture.hpp"
+
+namespace {
+
+bool equal_lists(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t k = 0; k < a.size(); ++k)
+    if (!torch::equal(a[k], b[k])) return false;
+  return true;
+}
+
+struct Setup {
+  loom::LocalCommunicator comm;
+  loom::test::Mlp model{at::kDouble};
+  torch::optim::SGD sgd{model.params, torch::optim::SGDOptions(0.05)};
+  loom::BatchLoader<decltype(loom::test::trainer_fetch())> loader{comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                                                   loom::test::kTrainerPlan};
+  loom::Trainer<loom::LocalCommunicator, torch::optim::SGD> trainer{comm, model.list(), sgd};
+  at::Tensor loss(const loom::Batch& b) const { return loom::test::mean_loss(model, b); }
+};
+
+using Loader = loom::BatchLoader<decltype(loom::test::trainer_fetch())>;
+
+}  // namespace
+
+TEST_CASE("Trainer: the short path's parameters equal the hand-written low-level loop's, bit for bit") {
+  loom::LocalCommunicator comm;
+  const auto short_path = loom::test::train_short(comm, 3);
+  const auto by_hand = loom::test::train_by_hand(comm, 3);
+  CHECK(equal_lists(short_path, by_hand));
+  // And training moved them.
+  loom::test::Mlp untouched(at::kDouble);
+  CHECK_FALSE(torch::equal(short_path[0], untouched.params[0]));
+}
+
+TEST_CASE("Trainer: one epoch runs every planned batch once and steps once per planned step") {
+  Setup s;
+  int64_t batches = 0, samples = 0;
+  for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+    s.trainer.backward(s.loss(b), b);
+    ++batches;
+    samples += b.num_samples;
+  }
+  const auto& plan = s.loader.sampler().plan();
+  CHECK(batches == static_cast<int64_t>(plan.batches.size()));
+  CHECK(samples == loom::test::kTrainerSamples);
+  CHECK(s.trainer.steps() == static_cast<int64_t>(plan.steps.size()));
+}
+
+TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error naming it") {
+  SUBCASE("a batch never passed to backward") {
+    Setup s;
+    auto run = [&] {
+      int k = 0;
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0))
+        if (k++ != 1) s.trainer.backward(s.loss(b), b);  // batch 1 forgotten
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("was never passed to trainer.backward"), loom::Error);
+  }
+  SUBCASE("the last batch never passed to backward: caught when the loop ends") {
+    Setup s;
+    auto run = [&] {
+      auto range = s.trainer.epoch(s.loader, 0);
+      const auto total = static_cast<int64_t>(s.loader.sampler().plan().batches.size());
+      int64_t k = 0;
+      for (loom::Batch& b : range)
+        if (++k < total) s.trainer.backward(s.loss(b), b);
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("was never passed to trainer.backward"), loom::Error);
+  }
+  SUBCASE("loss.backward() by hand instead of trainer.backward") {
+    Setup s;
+    auto run = [&] {
+      int k = 0;
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        if (k++ == 2) s.loss(b).backward();
+        else s.trainer.backward(s.loss(b), b);
+      }
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("a backward ran outside trainer.backward"), loom::Error);
+  }
+  SUBCASE("loss.backward() by hand as well as trainer.backward") {
+    Setup s;
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        auto loss = s.loss(b);
+        s.trainer.backward(loss, b);
+        s.loss(b).backward();
+      }
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("a backward ran outside trainer.backward"), loom::Error);
+  }
+  SUBCASE("backward twice for one batch") {
+    Setup s;
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        s.trainer.backward(s.loss(b), b);
+        s.trainer.backward(s.loss(b), b);
+      }
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("called twice"), loom::Error);
+  }
+  SUBCASE("backward for a batch the loop did not yield") {
+    Setup s;
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        loom::Batch other = b;
+        other.data = b.data.clone();
+        s.trainer.backward(s.loss(other), other);
+      }
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("not the one the epoch loop just yielded"), loom::Error);
+  }
+  SUBCASE("a break inside a step, then the next epoch") {
+    Setup s;
+    for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+      s.trainer.backward(s.loss(b), b);
+      break;  // the first step has 2 batches: the window is open
+    }
+    CHECK_THROWS_WITH_AS((void)s.trainer.epoch(s.loader, 1), doctest::Contains("ended inside an optimizer step"), loom::Error);
+  }
+  SUBCASE("a break right after a step boundary is fine") {
+    Setup s;
+    for (loom::Batch& b : s.trainer.epoch(s.loader, 0))
+      if (s.trainer.backward(s.loss(b), b).boundary) break;
+    CHECK(s.trainer.steps() == 1);
+    int64_t batches = 0;
+    for (loom::Batch& b : s.trainer.epoch(s.loader, 1)) {
+      s.trainer.backward(s.loss(b), b);
+      ++batches;
+    }
+    CHECK(batches == static_cast<int64_t>(s.loader.sampler().plan().batches.size()));
+  }
+  SUBCASE("a loss of the wrong kind") {
+    Setup s;
+    for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+      auto per_sample = (s.model.forward(b.data.mean(1)) - b.targets).pow(2);  // N x 2: reduction none
+      CHECK_THROWS_WITH_AS(s.trainer.backward(per_sample, b), doctest::Contains("pass one number per batch"), loom::InvalidArgument);
+      CHECK_THROWS_WITH_AS(s.trainer.backward(s.loss(b).detach(), b), doctest::Contains("does not require grad"),
+                           loom::InvalidArgument);
+      s.trainer.backward(s.loss(b), b);
+    }
+  }
+  SUBCASE("a loader is not a range: the epoch loop must go through trainer.epoch (compile-time)") {
+    static_assert(!std::ranges::range<Loader>);
+    static_assert(std::ranges::input_range<loom::EpochRange<loom::Trainer<loom::LocalCommunicator, torch::optim::SGD>, Loader>>);
+    static_assert(!loom::StepOptimizer<int>);
+    static_assert(loom::StepOptimizer<loom::StepFunctions>);
+    CHECK(true);
+  }
+}
+
+TEST_CASE("Trainer: a loss summed over the batch (LossReduction::sum) gives the same step as its mean") {
+  loom::LocalCommunicator comm;
+  auto run = [&](loom::LossReduction r) {
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+    loom::Trainer trainer(comm, model.list(), sgd, {.loss = r});
+    for (loom::Batch& b : trainer.epoch(loader, 0)) {
+      auto mean = loom::test::mean_loss(model, b);
+      trainer.backward(r == loom::LossReduction::sum ? mean * static_cast<double>(b.num_samples) : mean, b);
+    }
+    return model.params;
+  };
+  const auto a = run(loom::LossReduction::mean), b = run(loom::LossReduction::sum);
+  for (std::size_t k = 0; k < a.size(); ++k) CHECK(torch::allclose(a[k], b[k], 1e-13, 0));
+}
+
+TEST_CASE("Metrics: weighted by real samples, by name; misuse named") {
+  loom::LocalCommunicator comm;
+  loom::Metrics metrics(comm);
+  loom::Batch big, small, repeated;
+  big.data = torch::zeros({256, 1});
+  big.num_samples = 256;
+  small.data = torch::zeros({10, 1});
+  small.num_samples = 10;
+  repeated.data = torch::zeros({256, 1});
+  repeated.num_samples = 256;
+  repeated.weight = 0;
+  metrics.add("loss", torch::tensor(0.7, torch::kDouble), big);
+  metrics.add("acc", 0.5, 4);
+  metrics.add("loss", torch::tensor(0.8, torch::kFloat), big);
+  metrics.add("loss", torch::tensor(0.9, torch::kDouble), small);
+  metrics.add("loss", torch::tensor(100.0, torch::kDouble), repeated);  // counts nothing
+  // (0.7 * 256 + 0.8 * 256 + 0.9 * 10) / 522 = 393 / 522, not the mean of means 0.8.
+  CHECK(metrics.mean("loss") == doctest::Approx(393.0 / 522.0).epsilon(1e-7));
+  CHECK(metrics.weight("loss") == 522.0);
+  CHECK(metrics.mean("acc") == 0.5);
+  CHECK(metrics.means().size() == 2);
+  CHECK_THROWS_WITH_AS((void)metrics.mean("nope"), doctest::Contains("no rank added a metric named 'nope'"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(metrics.add("loss", 1.0, 1), doctest::Contains("already reduced"), loom::Error);
+  loom::Metrics other(comm, {.capacity = 1});
+  other.add("a", 1.0, 1);
+  CHECK_THROWS_WITH_AS(other.add("b", 1.0, 1), doctest::Contains("more than 1 names"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(other.add("a", 1.0, -2), doctest::Contains("weight -2"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(other.add("a", torch::ones({2}), big), doctest::Contains("one-element tensor"), loom::InvalidArgument);
+}
+
+TEST_CASE("run: nproc 1 without a launcher runs in this process as rank 0 of 1") {
+  int calls = 0;
+  loom::run([&](loom::ProcessGroup& pg) {
+    ++calls;
+    CHECK(pg.rank() == 0);
+    CHECK(pg.world_size() == 1);
+    CHECK(pg.device().is_cpu());
+    CHECK(pg.backend() != loom::Backend::nccl);
+    auto t = torch::ones({3});
+    pg.all_reduce(t, loom::ReduceOp::sum);
+    CHECK(torch::equal(t, torch::ones({3})));
+    // The short path over the process group equals the hand-written loop here too.
+    CHECK(equal_lists(loom::test::train_short(pg, 1), loom::test::train_by_hand(pg, 1)));
+  });
+  CHECK(calls == 1);
+  CHECK_THROWS_WITH_AS(loom::run([](loom::ProcessGroup&) {}, {.nproc = 0}), doctest::Contains("nproc = 0"), loom::InvalidArgument);
+}
+
+TEST_CASE("rank_cuda_device: LOCAL_RANK among CUDA_VISIBLE_DEVICES; too few GPUs is an error on every rank") {
+  auto env = [](int local_rank, int local_world) {
+    return loom::Environment::from_map({{"RANK", std::to_string(local_rank)}, {"WORLD_SIZE", std::to_string(local_world)},
+                                        {"LOCAL_RANK", std::to_string(local_rank)},
+                                        {"LOCAL_WORLD_SIZE", std::to_string(local_world)},
+                                        {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+  };
+  auto d = loom::rank_cuda_device(env(1, 2), 2, "4,5");
+  CHECK(d.ordinal == 1);
+  CHECK(d.visible_as == "5");
+  d = loom::rank_cuda_device(env(2, 3), 8, "");
+  CHECK(d.ordinal == 2);
+  CHECK(d.visible_as == "2");
+  d = loom::rank_cuda_device(env(0, 2), 2, " GPU-aa , GPU-bb ");
+  CHECK(d.visible_as == "GPU-aa");
+  for (int r = 0; r < 4; ++r)  // every rank of the node throws, not only the ones without a GPU
+    CHECK_THROWS_WITH_AS(loom::rank_cuda_device(env(r, 4), 2, "0,1"),
+                         doctest::Contains("4 ranks on this node (LOCAL_WORLD_SIZE=4) need one GPU each, but 2 are visible "
+                                           "(CUDA_VISIBLE_DEVICES '0,1')"),
+                         loom::ConfigError);
+  CHECK_THROWS_WITH_AS(loom::rank_cuda_device(env(0, 1), 0, ""), doctest::Contains("CUDA_VISIBLE_DEVICES unset"), loom::ConfigError);
+  CHECK(loom::parse_visible_devices("0,,2") == std::vector<std::string>{"0", "2"});
+  CHECK(loom::parse_backend("auto") == loom::Backend::automatic);
+  CHECK_THROWS_WITH_AS(loom::parse_backend("mpi"), doctest::Contains("backend 'mpi'"), loom::ConfigError);
+  // This build: no CUDA LibTorch, so nccl is refused with the reason.
+#if !LOOM_TORCH_HAS_CUDA
+  CHECK_THROWS_WITH_AS(loom::ProcessGroup::resolve(env(0, 1), {.backend = loom::Backend::nccl}), doctest::Contains("LibTorch without CUDA"),
+                       loom::ConfigError);
+#endif
+  CHECK_THROWS_WITH_AS(loom::ProcessGroup::resolve(env(0, 2), {.backend = loom::Backend::local}), doctest::Contains("world size 1, not 2"),
+                       loom::ConfigError);
+}

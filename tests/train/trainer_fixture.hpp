@@ -1,0 +1,97 @@
+// tests/train/trainer_fixture.hpp — data, model and the two loops (loom::Trainer, and the same
+// protocol written by hand over Reducer + Accumulator) that the trainer tests compare.
+//
+// Data: 29 sequences of lengths 2, 3 or 5 with 3 features and 2 float64 targets, closed forms of
+// the index (tests/reduce/models.hpp). Model: the 2-layer float64 MLP of models.hpp applied to each
+// sequence's mean. Loss: the batch mean of the per-sample squared error (PyTorch's default
+// reduction), so the trainer multiplies it by the batch's samples.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <loom/accumulate/accumulator.hpp>
+#include <loom/reduce/reducer.hpp>
+#include <loom/sample/global_batch.hpp>
+#include <loom/train/loader.hpp>
+#include <loom/train/trainer.hpp>
+
+#include "../reduce/models.hpp"
+
+namespace loom::test {
+
+inline constexpr int64_t kTrainerSamples = 29;
+
+inline int64_t trainer_length(int64_t i) { return i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5; }
+
+/// Sample i: (L x 3 sequence, 2 targets), float64.
+inline std::pair<at::Tensor, at::Tensor> trainer_sample(int64_t i) {
+  auto steps = torch::arange(trainer_length(i), torch::kDouble).mul(0.1).unsqueeze(1);
+  return {sample_x(i).unsqueeze(0) + steps, sample_y(i)};
+}
+
+inline std::vector<std::vector<int64_t>> trainer_shapes() {
+  std::vector<std::vector<int64_t>> s;
+  for (int64_t i = 0; i < kTrainerSamples; ++i) s.push_back({trainer_length(i), kIn});
+  return s;
+}
+
+inline const GlobalBatchOptions kTrainerPlan{.seed = 3, .max_samples = 3, .batches_per_step = 2};
+
+/// The batch mean of the per-sample squared error.
+inline at::Tensor mean_loss(const Mlp& model, const Batch& b) {
+  return (model.forward(b.data.mean(1)) - b.targets).pow(2).sum(1).mean();
+}
+
+inline auto trainer_fetch() {
+  return [](int64_t i) { return trainer_sample(i); };
+}
+
+/// `epochs` epochs with loom::Trainer; returns the final parameters.
+template <class Comm>
+std::vector<at::Tensor> train_short(Comm& comm, int epochs) {
+  Mlp model(at::kDouble);
+  torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  BatchLoader loader(comm, trainer_shapes(), trainer_fetch(), kTrainerPlan);
+  Trainer trainer(comm, model.list(), sgd);
+  for (int64_t epoch = 0; epoch < epochs; ++epoch)
+    for (Batch& b : trainer.epoch(loader, epoch)) trainer.backward(mean_loss(model, b), b);
+  return model.params;
+}
+
+/// The same protocol by hand, over the low-level layer; returns the final parameters.
+template <class Comm>
+std::vector<at::Tensor> train_by_hand(Comm& comm, int epochs) {
+  Mlp model(at::kDouble);
+  torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  GlobalBatchSampler sampler(comm, trainer_shapes(), kTrainerPlan);
+  Reducer reducer(comm, model.list());
+  Accumulator acc(reducer, {.micro_batches_per_step = 0});
+  auto fetch = trainer_fetch();
+  for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+    sampler.set_epoch(epoch);
+    while (auto item = sampler.next()) {
+      Step step;
+      if (item->idle) {
+        step = acc.join_step();
+      } else {
+        Batch b = collate_sampled(*item, fetch);
+        auto mb = acc.micro_batch(b);
+        mb.scale(mean_loss(model, b).reshape({}) * static_cast<double>(b.num_samples)).backward();
+        step = mb.finish();
+      }
+      if (step.apply) sgd.step();
+      if (step.boundary) sgd.zero_grad();
+    }
+    while (auto s = acc.end_epoch()) {
+      if (*s) sgd.step();
+      sgd.zero_grad();
+    }
+  }
+  return model.params;
+}
+
+}  // namespace loom::test
