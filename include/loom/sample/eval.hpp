@@ -166,7 +166,8 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
   padded_shape.insert(padded_shape.end(), trailing.begin(), trailing.end());
   at::Tensor rows = at::empty(padded_shape, at::TensorOptions(dtype));
   const at::Tensor local = values.cpu().contiguous();
-  std::memcpy(rows.data_ptr(), local.data_ptr(), static_cast<std::size_t>(n) * row_bytes);
+  // A rank with no rows has a null data pointer, and memcpy from null is undefined even for 0 bytes.
+  if (n > 0) std::memcpy(rows.data_ptr(), local.data_ptr(), static_cast<std::size_t>(n) * row_bytes);
   std::memset(static_cast<std::byte*>(rows.data_ptr()) + static_cast<std::size_t>(n) * row_bytes, 0,
               static_cast<std::size_t>(max_n - n) * row_bytes);
   std::vector<at::Tensor> all_idx = comm.all_gather(to_device(idx));
