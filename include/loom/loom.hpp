@@ -5,17 +5,18 @@
 // own header (listed below) is the narrower choice when compile time matters.
 //
 // Example (the README's loop, examples/readme_loop.cpp):
-//   loom::spawn(2, [](const loom::Environment& env) {
-//     loom::GlooCommunicator comm(env);
-//     loom::Reducer reducer(comm, loom::parameters_of(*model));
-//     loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
-//     ...
-//   });
+//   loom::run([](loom::ProcessGroup& pg) {
+//     loom::BatchLoader loader(pg, shapes, fetch, {.max_samples = 8, .batches_per_step = 2});
+//     loom::Trainer trainer(pg, *model, opt);
+//     for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
+//   }, {.nproc = 2});
 //
 // Included: error.hpp, config.hpp, comm/communicator.hpp, comm/local.hpp, comm/gloo.hpp (when
-// LOOM_HAS_GLOO), dist.hpp, collate/collate.hpp, sample/sample.hpp, schedule/all.hpp,
-// accumulate/accumulator.hpp, reduce/reducer.hpp, reduce/module.hpp, log/all.hpp.
-// Not included (opt in): comm/nccl.hpp and cuda/ (need CUDA and NCCL at link time),
+// LOOM_HAS_GLOO), dist.hpp (with the ProcessGroup, which includes comm/nccl.hpp when the build has
+// NCCL and a CUDA LibTorch), collate/collate.hpp, sample/sample.hpp, schedule/all.hpp,
+// accumulate/accumulator.hpp, reduce/reducer.hpp, reduce/module.hpp, log/all.hpp, train/loader.hpp,
+// train/trainer.hpp.
+// Not included (opt in): comm/nccl.hpp and cuda/ otherwise (need CUDA and NCCL at link time),
 // reduce/jit.hpp (TorchScript modules), data/ (dataset readers; need libpng and zlib).
 #pragma once
 
@@ -38,3 +39,6 @@
 #include <loom/reduce/reducer.hpp>
 
 #include <loom/log/all.hpp>
+
+#include <loom/train/loader.hpp>
+#include <loom/train/trainer.hpp>

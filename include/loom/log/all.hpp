@@ -11,6 +11,7 @@
 #include <loom/log/logger.hpp>
 #include <loom/log/main_process_first.hpp>
 #include <loom/log/metrics.hpp>
+#include <loom/log/named_metrics.hpp>
 #include <loom/log/progress.hpp>
 #include <loom/log/rank.hpp>
 #include <loom/log/sink.hpp>

@@ -81,9 +81,10 @@ class Logger {
   Logger(Sink sink, RankInfo me, LogOptions options = {}) : Logger(std::move(sink), Policy{}, me, options) {}
   /// A logger for the rank an Environment or a ProcessGroup describes (see rank_info).
   /// Example: `loom::Logger log(loom::StreamSink{stdout}, pg);`
+  /// (Unconstrained so that class template argument deduction works with GCC 12; a `who` that
+  /// loom::rank_info cannot read fails in the initializer below.)
   template <class Who>
-    requires requires(const Who& w) { { rank_info(w) } -> std::same_as<RankInfo>; }
-  Logger(Sink sink, const Who& who, LogOptions options = {}) : Logger(std::move(sink), Policy{}, rank_info(who), options) {}
+  Logger(Sink sink, const Who& who, LogOptions options = {}) : Logger(std::move(sink), Policy{}, ::loom::rank_info(who), options) {}
 
   Logger(Logger&& other) noexcept(
       std::is_nothrow_move_constructible_v<Sink>&& std::is_nothrow_move_constructible_v<Policy>)

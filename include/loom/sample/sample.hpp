@@ -13,3 +13,5 @@
 #include <loom/sample/concepts.hpp>
 #include <loom/sample/distributed.hpp>
 #include <loom/sample/eval.hpp>
+#include <loom/sample/global_batch.hpp>
+#include <loom/sample/sample_seed.hpp>
