@@ -273,6 +273,29 @@ TEST_CASE("bucket batch sampler: the plan is the collator's, and collate_sampled
   CHECK(e.weight == 0.0);
 }
 
+TEST_CASE("collate_sampled: a fetch that decodes every sample into one reused buffer gives correct rows") {
+  // The decoder writes sample i (lengths[i] elements, all i + 1) into one buffer and returns a
+  // view of it, so each fetch overwrites the previous sample's bytes.
+  const std::vector<int64_t> lengths{5, 3, 8, 6, 2};
+  at::Tensor buffer = torch::empty({8}, torch::kFloat);
+  auto fetch = [&](int64_t i) {
+    at::Tensor view = buffer.narrow(0, 0, lengths[static_cast<std::size_t>(i)]);
+    view.fill_(static_cast<float>(i + 1));
+    return std::pair<at::Tensor, int64_t>(view, 10 * i);
+  };
+  const loom::SampledBatch sb{.indices = {3, 0, 4, 2}, .padded_shape = {8}};
+  const loom::Batch b = loom::collate_sampled(sb, fetch, {.pad_value = -1, .mask = true});
+  // By hand: row r = index i: i + 1 on lengths[i] elements, then -1.
+  const at::Tensor expected = torch::tensor({{4.f, 4.f, 4.f, 4.f, 4.f, 4.f, -1.f, -1.f},
+                                             {1.f, 1.f, 1.f, 1.f, 1.f, -1.f, -1.f, -1.f},
+                                             {5.f, 5.f, -1.f, -1.f, -1.f, -1.f, -1.f, -1.f},
+                                             {3.f, 3.f, 3.f, 3.f, 3.f, 3.f, 3.f, 3.f}});
+  CHECK(torch::equal(b.data, expected));
+  CHECK(torch::equal(b.mask, expected.ne(-1.f)));
+  CHECK(torch::equal(b.targets, torch::tensor({30, 0, 40, 20}, torch::kLong)));
+  CHECK(b.indices == sb.indices);
+}
+
 TEST_CASE("bucket batch sampler: resume equals the uninterrupted sequence; epochs reshuffle") {
   const auto lengths = random_lengths(150, 5);
   const loom::BucketBatchSamplerOptions o{.num_replicas = 3, .rank = 2, .seed = 11, .pad = {{.dim = 0}}, .max_elements = 200};

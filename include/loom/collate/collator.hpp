@@ -607,7 +607,9 @@ struct CollateOptions {
 /// Every sample is read when the walk over `samples` reaches it. A forward range whose elements
 /// are lvalues (a std::vector of samples) holds its samples for the whole call, so they are read
 /// in place; any other range (a view that decodes on demand, perhaps into one reused buffer) has
-/// each sample copied into a staging buffer as it is reached, and from there into the batch.
+/// each sample copied into a staging buffer as it is reached, and from there into the batch. A
+/// view whose elements are references to one object it overwrites is not a range that holds its
+/// samples: make it yield samples by value (as collate_sampled does for its fetch).
 ///
 /// Example: `auto b = loom::collate(samples, planned.indices, {.padded_shape = planned.padded_shape});`
 /// Shape: data N x padded shape (samples' dtype), targets as for BucketCollator, mask when asked.

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <numeric>
 #include <optional>
+#include <ranges>
 #include <span>
 #include <utility>
 #include <vector>
@@ -311,6 +312,8 @@ static_assert(ResumableSampler<DistributedBucketBatchSampler>);
 
 /// Collates the samples of a SampledBatch: fetches each index, pads to its padded_shape, and
 /// copies the batch's weight and step_end. Idle batches give an empty Batch (num_samples 0, weight 0).
+/// Each sample's bytes are copied (to a staging buffer, then into the batch) before the next
+/// fetch, so a `fetch` that decodes into one reused output buffer gives correct rows.
 ///
 /// Example: `loom::Batch b = loom::collate_sampled(*s.next(), [&](int64_t i) { return dataset.get(i); });`
 /// Shape: data indices.size() x padded_shape; mask when `o.mask`.
@@ -324,11 +327,12 @@ Batch collate_sampled(const SampledBatch& sb, Fetch&& fetch, CollateOptions o = 
     return b;
   }
   using Sample = std::remove_cvref_t<std::invoke_result_t<Fetch&, int64_t>>;
-  std::vector<Sample> samples;
-  samples.reserve(sb.indices.size());
-  for (int64_t i : sb.indices) samples.push_back(fetch(i));
+  // Fetched during collate's walk, one at a time, and returned by value: collate copies each
+  // sample as it arrives (a by-value range is never read in place), before the next fetch.
+  const std::span<const int64_t> indices(sb.indices);
+  auto samples = std::views::transform(indices, [&fetch](int64_t i) -> Sample { return fetch(i); });
   if (o.padded_shape.empty()) o.padded_shape = sb.padded_shape;
-  Batch b = collate(samples, std::span<const int64_t>(sb.indices), o, proj);
+  Batch b = collate(samples, indices, o, proj);
   b.weight = sb.weight;
   b.step_end = sb.step_end;
   return b;
