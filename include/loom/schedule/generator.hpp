@@ -56,6 +56,11 @@ struct is_optional<std::optional<T>> : std::true_type {};
 ///  3. S is an object type that is move-constructible. Reason: samples travel from the worker
 ///     thread to the merge step by move.
 ///  4. G is move-constructible. Reason: the scheduler takes ownership of its generators.
+///  5. A returned sample stays unchanged after later calls: its tensors are not overwritten by
+///     the generator's next samples. Reason: the scheduler holds up to prefetch_depth samples of
+///     each generator until their step is merged, while the generator runs ahead. A generator
+///     that decodes into one reused output tensor must return a copy (e.g. `buffer.clone()`);
+///     the scheduler cannot see the reuse (this requirement is not checked).
 /// Not required: copyability, const-callability, thread safety (one thread calls a generator at
 /// a time), noexcept (a generator may throw; the scheduler reports it), a known length.
 template <class G>
