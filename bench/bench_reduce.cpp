@@ -40,6 +40,9 @@
 #include <loom/dist/spawn.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
+#include <loom/sample/global_batch.hpp>
+#include <loom/train/loader.hpp>
+#include <loom/train/trainer.hpp>
 
 namespace {
 
@@ -380,7 +383,76 @@ at::Tensor mlp_loss(torch::nn::Sequential& net, const at::Tensor& x, const at::T
 
 constexpr int kOverheadFirst = 8, kOverheadMicroBatches = 40, kOverheadK = 4;
 
+// The short path against the same protocol written over the low-level layer: 48 x 32 samples of
+// 128 features (one shape), batches of 32, 4 batches per step; the first 2 steps warm up. Both
+// loops fetch, collate, run the same loss and the same optimizer; what differs is loom::Trainer.
+struct OverheadSamples {
+  std::vector<std::pair<at::Tensor, std::int64_t>> samples;
+  std::vector<std::vector<std::int64_t>> shapes;
+  OverheadSamples() {
+    OverheadData d;
+    for (int b = 0; b < 48; ++b)
+      for (int r = 0; r < 32; ++r) {
+        samples.emplace_back(d.xs[static_cast<std::size_t>(b)][r].clone(), d.ys[static_cast<std::size_t>(b)][r].item<std::int64_t>());
+        shapes.push_back({128});
+      }
+  }
+};
+
+const loom::GlobalBatchOptions kOverheadPlan{.shuffle = false, .max_samples = 32, .batches_per_step = kOverheadK};
+
+at::Tensor mlp_mean_loss(torch::nn::Sequential& net, const loom::Batch& b) {
+  return torch::nn::functional::cross_entropy(net->forward(b.data), b.targets);
+}
+
+auto overhead_fetch(const OverheadSamples& d) {
+  return [&d](std::int64_t i) { return d.samples[static_cast<std::size_t>(i)]; };
+}
+using OverheadLoader = loom::BatchLoader<decltype(overhead_fetch(std::declval<const OverheadSamples&>()))>;
+using OverheadTrainer = loom::Trainer<loom::LocalCommunicator, torch::optim::SGD>;
+
+void trainer_epoch(torch::nn::Sequential& net, OverheadTrainer& trainer, OverheadLoader& loader, std::int64_t epoch) {
+  for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(mlp_mean_loss(net, b), b);
+}
+
+/// The same protocol over Reducer + Accumulator + GlobalBatchSampler, written by hand.
+struct LowLevel {
+  loom::GlobalBatchSampler sampler;
+  loom::Reducer<loom::LocalCommunicator> reducer;
+  loom::Accumulator<loom::Reducer<loom::LocalCommunicator>> acc;
+  LowLevel(loom::LocalCommunicator& comm, const OverheadSamples& d, torch::nn::Sequential& net)
+      : sampler(comm, d.shapes, kOverheadPlan), reducer(comm, loom::parameters_of(*net)), acc(reducer, {.micro_batches_per_step = 0}) {}
+};
+
+void lowlevel_epoch(torch::nn::Sequential& net, LowLevel& l, const OverheadSamples& d, torch::optim::SGD& sgd, std::int64_t epoch) {
+  auto fetch = overhead_fetch(d);
+  l.sampler.set_epoch(epoch);
+  while (auto item = l.sampler.next()) {
+    loom::Batch b = loom::collate_sampled(*item, fetch);
+    auto mb = l.acc.micro_batch(b);
+    mb.scale(mlp_mean_loss(net, b).reshape({}) * static_cast<double>(b.num_samples)).backward();
+    const loom::Step step = mb.finish();
+    if (step.apply) sgd.step();
+    if (step.boundary) sgd.zero_grad();
+  }
+  while (auto s = l.acc.end_epoch()) {
+    if (*s) sgd.step();
+    sgd.zero_grad();
+  }
+}
+
 }  // namespace
+
+extern "C" __attribute__((noinline)) void loom_overhead_trainer_loop(torch::nn::Sequential& net, OverheadTrainer& trainer,
+                                                                      OverheadLoader& loader) {
+  trainer_epoch(net, trainer, loader, 1);
+}
+
+extern "C" __attribute__((noinline)) void loom_overhead_lowlevel_loop(torch::nn::Sequential& net, LowLevel& l,
+                                                                       const OverheadSamples& d, torch::optim::SGD& sgd) {
+  lowlevel_epoch(net, l, d, sgd, 1);
+}
+
 
 extern "C" __attribute__((noinline)) void loom_overhead_loom_loop(torch::nn::Sequential& net, OverheadData& data,
                                                                    loom::Accumulator<loom::Reducer<loom::LocalCommunicator>>& acc,
@@ -445,8 +517,21 @@ int run_overhead(const std::string& which) {
       }
     }
     loom_overhead_hand_loop(net, data, flat, sgd);
+  } else if (which == "trainer") {  // epoch 0 warms up (and rebuilds the buckets); epoch 1 is measured
+    OverheadSamples d;
+    loom::LocalCommunicator comm;
+    OverheadLoader loader(comm, d.shapes, overhead_fetch(d), kOverheadPlan);
+    OverheadTrainer trainer(comm, *net, sgd);
+    trainer_epoch(net, trainer, loader, 0);
+    loom_overhead_trainer_loop(net, trainer, loader);
+  } else if (which == "lowlevel") {
+    OverheadSamples d;
+    loom::LocalCommunicator comm;
+    LowLevel l(comm, d, net);
+    lowlevel_epoch(net, l, d, sgd, 0);
+    loom_overhead_lowlevel_loop(net, l, d, sgd);
   } else {
-    std::fprintf(stderr, "bench_reduce: --overhead=loom or --overhead=hand\n");
+    std::fprintf(stderr, "bench_reduce: --overhead=loom, hand, trainer or lowlevel\n");
     return 2;
   }
   for (const auto& p : net->parameters()) checksum += p.sum().item<double>();

@@ -29,6 +29,7 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/device.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -117,12 +118,14 @@ template <Communicator Comm>
 void check_same_parameters(Comm& comm, const ParameterList& list) {
   if (comm.world_size() == 1) return;
   const auto desc = detail::descriptors(list);
+  const auto device = detail::collective_device(comm);
   auto summary = at::empty({3}, at::kLong);
   auto* s = summary.data_ptr<std::int64_t>();
   s[0] = static_cast<std::int64_t>(list.params.size());
   s[1] = static_cast<std::int64_t>(list.buffers.size());
   s[2] = detail::fnv1a(desc);
-  const std::vector<at::Tensor> all = comm.all_gather(summary);
+  std::vector<at::Tensor> all = comm.all_gather(summary.to(device));
+  for (auto& t : all) t = t.to(at::kCPU);
   bool same = true;
   std::int64_t max_entries = 0;
   for (const auto& r : all) {
@@ -135,7 +138,8 @@ void check_same_parameters(Comm& comm, const ParameterList& list) {
   // Every rank saw the difference: fetch all descriptions (padded to the longest list).
   auto mine = at::full({max_entries * detail::kDescriptorLen}, -2, at::kLong);
   std::copy(desc.begin(), desc.end(), mine.data_ptr<std::int64_t>());
-  const std::vector<at::Tensor> streams = comm.all_gather(mine);
+  std::vector<at::Tensor> streams = comm.all_gather(mine.to(device));
+  for (auto& t : streams) t = t.to(at::kCPU);
   const auto* ref = streams[0].data_ptr<std::int64_t>();
   const auto* ref_counts = all[0].data_ptr<std::int64_t>();
   for (std::size_t r = 1; r < streams.size(); ++r) {
@@ -159,6 +163,8 @@ void check_same_parameters(Comm& comm, const ParameterList& list) {
 
 /// Copies rank 0's parameters and buffers into every rank, coalesced: one broadcast per dtype and
 /// device per ~256 MiB. Dtypes the communicator cannot move (bool, uint8, int8, int16) travel as int64.
+/// The coalesced buffers live on the communicator's device (NcclCommunicator: its GPU) and are
+/// copied back to each tensor's own device.
 ///
 /// Example: `loom::broadcast_from_rank0(comm, list);`
 /// Throws: communicator errors; loom::InvalidArgument for an undefined tensor.
@@ -167,6 +173,7 @@ template <Communicator Comm>
 void broadcast_from_rank0(Comm& comm, const ParameterList& list, std::size_t piece_bytes = std::size_t{256} << 20) {
   if (comm.world_size() == 1) return;
   at::NoGradGuard no_grad;
+  const auto device = detail::collective_device(comm);
   std::vector<at::Tensor> all;
   all.reserve(list.params.size() + list.buffers.size());
   for (std::size_t i = 0; i < list.params.size(); ++i) {
@@ -201,7 +208,7 @@ void broadcast_from_rank0(Comm& comm, const ParameterList& list, std::size_t pie
         ++end;
       }
       std::vector<at::Tensor> flat;
-      for (std::size_t k = begin; k < end; ++k) flat.push_back(all[g.members[k]].reshape({-1}).to(g.wire));
+      for (std::size_t k = begin; k < end; ++k) flat.push_back(all[g.members[k]].reshape({-1}).to(device, g.wire));
       auto buffer = at::cat(flat);
       comm.broadcast(buffer, 0);
       std::int64_t offset = 0;
