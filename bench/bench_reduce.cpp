@@ -15,19 +15,32 @@
 // overlap_cnn/*: a small CNN's forward + backward + reduce step (batch 16 of 3x32x32, ~5.3 M
 //   parameters, 4 MiB buckets), reduction after backward (ReducerOptions::overlap = false) vs
 //   launched from hooks while backward runs.
+// sweep/{flat,loom}/params:N: how cost grows with the model: N = 1 M, 10 M, 25 M, 100 M float32
+//   parameters as 512 x 512 layers, loom (gradients marked ready) against one flat all-reduce of
+//   the same bytes.
 //
-// Method: loom::spawn starts 2 ranks; both run every benchmark with the same fixed iteration and
-// repetition counts (the collectives must match), after one untimed warm-up step; rank 0
-// reports wall time (real_time), algbw = bytes / time and busbw = algbw * 2(n-1)/n like
-// nccl-tests, and a ratio table at the end. Nothing is allocated in the timed loops except what the
-// variant itself allocates. One intra-op thread per rank. Run: build-dir/bench/bench_reduce.
+// Method (able to see a 5 % change on a noisy machine): loom::spawn starts 2 ranks; rank 0 runs
+// Google Benchmark, and before each run broadcasts (variant, iterations) so rank 1 performs the
+// same collectives; each variant is built once, on first use, in the same order on both ranks;
+// every run starts with one untimed step. Defaults: 5 iterations per run, 11 repetitions, random
+// interleaving (each repetition of each variant and size runs at a random point of the session,
+// so a burst of load hits all of them alike). Rank 0 reports wall time, algbw = bytes / time and
+// busbw = algbw x 2(n-1)/n like nccl-tests, and at the end one line per ratio:
+//   RATIO <name> median=<m> min=<a> max=<b> n=<repetitions> goal>=<g> met|NOT-met
+// where each of the n values is baseline time / loom time of repetition i (higher is better for
+// loom), so the spread of the ratio itself is visible. `--benchmark_out=FILE.json
+// --benchmark_out_format=json` also writes every repetition (scripts/plot_benchmarks.sh draws the
+// sweep from it). One intra-op thread per rank. Run: build-dir/bench/bench_reduce.
 //
-// `bench_reduce --overhead=loom|hand` runs one of the two training loops compared by instruction
-// count in scripts/callgrind_overhead.sh (one process, no benchmark framework).
+// `bench_reduce --overhead=loom|hand|trainer|lowlevel` runs one of the training loops compared by
+// instruction count in scripts/callgrind_overhead.sh (one process, no benchmark framework).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -115,74 +128,85 @@ const std::vector<Shape>& resnet50_shapes() {
 
 constexpr int kWorld = 2;
 constexpr int kIterations = 5;
-constexpr int kRepetitions = 3;
 loom::GlooCommunicator* g_comm = nullptr;
 
-std::vector<at::Tensor> make_tensors(bool requires_grad, float value) {
+std::vector<at::Tensor> tensors_like(const std::vector<std::vector<std::int64_t>>& shapes, bool requires_grad, float value) {
   std::vector<at::Tensor> out;
-  for (const auto& s : resnet50_shapes()) {
-    auto t = torch::full(s.sizes, value);
+  for (const auto& s : shapes) {
+    auto t = torch::full(s, value);
     out.push_back(requires_grad ? t.requires_grad_() : t);
   }
   return out;
 }
 
-std::int64_t resnet50_bytes() {
+std::vector<std::vector<std::int64_t>> resnet50_sizes() {
+  std::vector<std::vector<std::int64_t>> out;
+  for (const auto& s : resnet50_shapes()) out.push_back(s.sizes);
+  return out;
+}
+
+/// A model of about `params` float32 parameters as layers of a 512 x 512 weight and a 512 bias
+/// (many tensors, like a real model), for the size sweep.
+std::vector<std::vector<std::int64_t>> sweep_sizes(std::int64_t params) {
+  std::vector<std::vector<std::int64_t>> out;
+  const std::int64_t layer = 512 * 512 + 512;
+  for (std::int64_t k = 0; k < std::max<std::int64_t>(1, params / layer); ++k) {
+    out.push_back({512, 512});
+    out.push_back({512});
+  }
+  return out;
+}
+
+std::int64_t bytes_of(const std::vector<std::vector<std::int64_t>>& shapes) {
   std::int64_t n = 0;
-  for (const auto& s : resnet50_shapes()) n += c10::multiply_integers(s.sizes);
+  for (const auto& s : shapes) n += c10::multiply_integers(s);
   return n * 4;
 }
 
-void set_bandwidth(benchmark::State& state, std::int64_t bytes) {
-  state.counters["bytes"] = static_cast<double>(bytes);
-  state.counters["algbw_GBps"] = benchmark::Counter(static_cast<double>(bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["busbw_GBps"] = benchmark::Counter(static_cast<double>(bytes) * 1e-9 * 2.0 * (kWorld - 1) / kWorld,
-                                                    benchmark::Counter::kIsIterationInvariantRate);
-}
+// ---- the variants: one step each; built lazily, in the same order on both ranks ----------------
 
-// ---- reduce_resnet50: gradients already computed -------------------------------------------
+struct Variant {
+  virtual ~Variant() = default;
+  virtual void step() = 0;
+  std::int64_t bytes = 0;  // gradient bytes reduced per step (0: not a reduction benchmark)
+};
 
-void per_tensor(benchmark::State& state) {
-  auto grads = make_tensors(false, 1e-3f);
-  auto step = [&] {
+// One blocking all-reduce (and divide) per gradient tensor: the naive loop.
+struct PerTensor : Variant {
+  std::vector<at::Tensor> grads;
+  explicit PerTensor(const std::vector<std::vector<std::int64_t>>& shapes) : grads(tensors_like(shapes, false, 1e-3f)) { bytes = bytes_of(shapes); }
+  void step() override {
     for (auto& g : grads) {
       g_comm->all_reduce(g, loom::ReduceOp::sum);
       g.div_(kWorld);
     }
-  };
-  g_comm->barrier();
-  step();
-  for (auto _ : state) step();
-  set_bandwidth(state, resnet50_bytes());
-}
+  }
+};
 
-void flat(benchmark::State& state) {
-  auto buffer = torch::full({resnet50_bytes() / 4}, 1e-3f);
-  g_comm->barrier();
-  g_comm->all_reduce(buffer, loom::ReduceOp::sum);
-  for (auto _ : state) g_comm->all_reduce(buffer, loom::ReduceOp::sum);
-  set_bandwidth(state, resnet50_bytes());
-}
+// One all-reduce of one preallocated flat buffer of the same bytes: the limit.
+struct Flat : Variant {
+  at::Tensor buffer;
+  explicit Flat(std::int64_t b) : buffer(torch::full({b / 4}, 1e-3f)) { bytes = b; }
+  void step() override { g_comm->all_reduce(buffer, loom::ReduceOp::sum); }
+};
 
-void loom_reducer(benchmark::State& state) {
-  auto params = make_tensors(true, 0.5f);
-  loom::Reducer reducer(*g_comm, {.params = params}, {.average = loom::Average::world_size});
-  auto step = [&] {
+// loom::Reducer on gradients marked ready by hand: only the reduction is timed.
+struct LoomMarked : Variant {
+  std::vector<at::Tensor> params;
+  loom::Reducer<loom::GlooCommunicator> reducer;
+  explicit LoomMarked(const std::vector<std::vector<std::int64_t>>& shapes)
+      : params(tensors_like(shapes, true, 0.5f)), reducer(*g_comm, {.params = params}, {.average = loom::Average::world_size}) {
+    bytes = bytes_of(shapes);
+    reducer.prepare_backward({.sync = false});  // gradients become bucket views
+    for (auto& p : params) p.mutable_grad().fill_(1e-3f);
+    step();  // the one-time bucket rebuild happens at the next window
+  }
+  void step() override {
     reducer.prepare_backward({.sync = true, .window_samples = 32});
     reducer.mark_all_ready();
     reducer.finish_window();
-  };
-  reducer.prepare_backward({.sync = false});  // gradients become bucket views
-  for (auto& p : params) p.mutable_grad().fill_(1e-3f);
-  g_comm->barrier();
-  step();  // warm-up; also the one-time bucket rebuild
-  step();
-  for (auto _ : state) step();
-  state.counters["buckets"] = static_cast<double>(reducer.bucket_params().size());
-  set_bandwidth(state, resnet50_bytes());
-}
-
-// ---- the same gradients from a backward pass ---------------------------------------------------
+  }
+};
 
 std::vector<at::Tensor>* g_source = nullptr;
 
@@ -196,65 +220,58 @@ struct GradSource : torch::autograd::Function<GradSource> {
   }
 };
 
-void backward_only(benchmark::State& state) {
-  auto params = make_tensors(true, 0.5f);
-  auto grads = make_tensors(false, 1e-3f);
-  g_source = &grads;
-  auto step = [&] { GradSource::apply(at::TensorList(params)).backward(); };
-  g_comm->barrier();
-  step();
-  for (auto _ : state) step();
-  set_bandwidth(state, resnet50_bytes());
-}
+// The ResNet-50 gradients delivered by a backward pass (subtract it from the next two).
+struct BackwardOnly : Variant {
+  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f), grads = tensors_like(resnet50_sizes(), false, 1e-3f);
+  BackwardOnly() { bytes = bytes_of(resnet50_sizes()); }
+  void step() override {
+    g_source = &grads;
+    GradSource::apply(at::TensorList(params)).backward();
+  }
+};
 
-void loom_hooks(benchmark::State& state) {
-  auto params = make_tensors(true, 0.5f);
-  auto grads = make_tensors(false, 1e-3f);
-  g_source = &grads;
-  loom::Reducer reducer(*g_comm, {.params = params}, {.average = loom::Average::world_size});
-  auto step = [&] {
+// loom::Reducer launched from its hooks during that backward.
+struct LoomHooks : Variant {
+  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f), grads = tensors_like(resnet50_sizes(), false, 1e-3f);
+  loom::Reducer<loom::GlooCommunicator> reducer{*g_comm, {.params = params}, {.average = loom::Average::world_size}};
+  LoomHooks() { bytes = bytes_of(resnet50_sizes()); }
+  void step() override {
+    g_source = &grads;
     reducer.prepare_backward({.sync = true, .window_samples = 32});
     GradSource::apply(at::TensorList(params)).backward();
     reducer.finish_window();
-  };
-  g_comm->barrier();
-  step();
-  step();
-  for (auto _ : state) step();
-  set_bandwidth(state, resnet50_bytes());
-}
+  }
+};
 
-void ddp(benchmark::State& state) {
-  auto params = make_tensors(true, 0.5f);
-  auto grads = make_tensors(false, 1e-3f);
-  g_source = &grads;
-  // As torch.nn.parallel.DistributedDataParallel (1.13) sets it up: assignment in parameter
-  // order with [1 MiB, 25 MiB] caps, then buckets reversed.
-  const std::vector<bool> sparse(params.size(), false);
-  auto [indices, limits] = c10d::compute_bucket_assignment_by_size(params, {std::size_t{1} << 20, std::size_t{25} << 20}, sparse);
-  std::reverse(indices.begin(), indices.end());
-  std::reverse(limits.begin(), limits.end());
-  std::unordered_map<std::size_t, std::string> names;
-  for (std::size_t i = 0; i < params.size(); ++i) names[i] = resnet50_shapes()[i].name;
-  auto reducer = std::make_unique<c10d::Reducer>(params, indices, limits, g_comm->process_group(), sparse,
-                                                    /*bucket_bytes_cap=*/std::int64_t{25} << 20, /*find_unused_parameters=*/false,
-                                                    /*gradient_as_bucket_view=*/true, names,
-                                                    /*first_bucket_bytes_cap=*/std::int64_t{1} << 20);
-  auto step = [&] {
+// c10d::Reducer (DistributedDataParallel's reducer; 25 MiB / 1 MiB buckets, gradient_as_bucket_view)
+// driven the way DDP's Python wrapper drives it, on the same backward.
+struct Ddp : Variant {
+  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f), grads = tensors_like(resnet50_sizes(), false, 1e-3f);
+  std::unique_ptr<c10d::Reducer> reducer;
+  Ddp() {
+    bytes = bytes_of(resnet50_sizes());
+    // As torch.nn.parallel.DistributedDataParallel (1.13) sets it up: assignment in parameter
+    // order with [1 MiB, 25 MiB] caps, then buckets reversed.
+    const std::vector<bool> sparse(params.size(), false);
+    auto [indices, limits] = c10d::compute_bucket_assignment_by_size(params, {std::size_t{1} << 20, std::size_t{25} << 20}, sparse);
+    std::reverse(indices.begin(), indices.end());
+    std::reverse(limits.begin(), limits.end());
+    std::unordered_map<std::size_t, std::string> names;
+    for (std::size_t i = 0; i < params.size(); ++i) names[i] = resnet50_shapes()[i].name;
+    reducer = std::make_unique<c10d::Reducer>(params, indices, limits, g_comm->process_group(), sparse,
+                                              /*bucket_bytes_cap=*/std::int64_t{25} << 20, /*find_unused_parameters=*/false,
+                                              /*gradient_as_bucket_view=*/true, names,
+                                              /*first_bucket_bytes_cap=*/std::int64_t{1} << 20);
+  }
+  void step() override {
+    g_source = &grads;
     reducer->rebuild_buckets();
     reducer->prepare_for_forward();
     auto out = GradSource::apply(at::TensorList(params));
     reducer->prepare_for_backward({out});
     out.backward();  // DDP's hooks reduce; its end-of-backward callback waits for every bucket
-  };
-  g_comm->barrier();
-  step();
-  step();
-  for (auto _ : state) step();
-  set_bandwidth(state, resnet50_bytes());
-}
-
-// ---- overlap_cnn ------------------------------------------------------------------------------
+  }
+};
 
 // Small convolutions, large fully connected layers: ~5.3 M parameters (21 MB of gradients), whose
 // largest gradients (fc) are ready first in backward while the convolutions' backward still runs.
@@ -268,28 +285,90 @@ torch::nn::Sequential make_cnn() {
                         nn::Linear(1024, 10));
 }
 
-void overlap_cnn(benchmark::State& state, bool overlap) {
-  auto net = make_cnn();
-  // 4 MiB buckets: fc1's 16 MiB gradient gets a bucket of its own that can leave before the
-  // convolutions' gradients exist (with 25 MiB it would share one with them).
-  loom::Reducer reducer(*g_comm, loom::parameters_of(*net), {.bucket_cap_bytes = 4 * loom::kMiB, .overlap = overlap});
-  loom::Accumulator acc(reducer);
-  auto x = torch::randn({16, 3, 32, 32});
-  auto y = torch::randint(0, 10, {16});
-  auto step = [&] {
+// A small CNN's forward + backward + reduce step (batch 16 of 3x32x32), 4 MiB buckets: reduction
+// after backward (overlap = false) or launched from hooks while backward runs.
+struct OverlapCnn : Variant {
+  torch::nn::Sequential net = make_cnn();
+  loom::Reducer<loom::GlooCommunicator> reducer;
+  loom::Accumulator<loom::Reducer<loom::GlooCommunicator>> acc;
+  at::Tensor x = torch::randn({16, 3, 32, 32}), y = torch::randint(0, 10, {16});
+  explicit OverlapCnn(bool overlap)
+      : reducer(*g_comm, loom::parameters_of(*net), {.bucket_cap_bytes = 4 * loom::kMiB, .overlap = overlap}), acc(reducer) {}
+  void step() override {
     acc.run(16, [&] {
       torch::nn::functional::cross_entropy(net->forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
           .backward();
     });
-  };
-  std::int64_t numel = 0;
-  for (const auto& p : net->parameters()) numel += p.numel();
-  g_comm->barrier();
-  step();
-  step();
-  for (auto _ : state) step();
-  state.counters["params"] = static_cast<double>(numel);
-  state.counters["buckets"] = static_cast<double>(reducer.bucket_params().size());
+  }
+};
+
+// ---- the registry: ids, names, factories ---------------------------------------------------------
+
+const std::vector<std::int64_t> kSweep = {1'000'000, 10'000'000, 25'000'000, 100'000'000};
+
+struct Entry {
+  std::string name;
+  std::function<std::unique_ptr<Variant>()> make;
+};
+
+const std::vector<Entry>& entries() {
+  static const std::vector<Entry> all = [] {
+    std::vector<Entry> e;
+    e.push_back({"reduce_resnet50/per_tensor", [] { return std::make_unique<PerTensor>(resnet50_sizes()); }});
+    e.push_back({"reduce_resnet50/flat", [] { return std::make_unique<Flat>(bytes_of(resnet50_sizes())); }});
+    e.push_back({"reduce_resnet50/loom", [] { return std::make_unique<LoomMarked>(resnet50_sizes()); }});
+    e.push_back({"reduce_resnet50/backward_only", [] { return std::make_unique<BackwardOnly>(); }});
+    e.push_back({"reduce_resnet50/loom_hooks", [] { return std::make_unique<LoomHooks>(); }});
+    e.push_back({"reduce_resnet50/ddp", [] { return std::make_unique<Ddp>(); }});
+    e.push_back({"overlap_cnn/after_backward", [] { return std::make_unique<OverlapCnn>(false); }});
+    e.push_back({"overlap_cnn/overlapped", [] { return std::make_unique<OverlapCnn>(true); }});
+    for (std::int64_t n : kSweep) {
+      const auto shapes = sweep_sizes(n);
+      e.push_back({fmt::format("sweep/flat/params:{}", n), [shapes] { return std::make_unique<Flat>(bytes_of(shapes)); }});
+      e.push_back({fmt::format("sweep/loom/params:{}", n), [shapes] { return std::make_unique<LoomMarked>(shapes); }});
+    }
+    return e;
+  }();
+  return all;
+}
+
+std::map<std::int64_t, std::unique_ptr<Variant>> g_variants;
+
+Variant& variant(std::int64_t id) {
+  auto& v = g_variants[id];
+  if (!v) v = entries()[static_cast<std::size_t>(id)].make();
+  return *v;
+}
+
+/// Rank 0 -> rank 1: [variant id (-1: stop), steps]. Returns the command as seen on this rank.
+std::pair<std::int64_t, std::int64_t> exchange_command(std::int64_t id, std::int64_t steps) {
+  auto t = at::tensor(std::vector<std::int64_t>{id, steps}, at::kLong);
+  g_comm->broadcast(t, 0);
+  return {t.data_ptr<std::int64_t>()[0], t.data_ptr<std::int64_t>()[1]};
+}
+
+void serve() {  // rank 1: run what rank 0 runs
+  for (;;) {
+    auto [id, steps] = exchange_command(-1, 0);
+    if (id < 0) return;
+    Variant& v = variant(id);
+    v.step();  // untimed warm-up, as on rank 0
+    for (std::int64_t i = 0; i < steps; ++i) v.step();
+  }
+}
+
+void run_variant(benchmark::State& state, std::int64_t id) {
+  const auto steps = static_cast<std::int64_t>(state.max_iterations);
+  exchange_command(id, steps);
+  Variant& v = variant(id);
+  v.step();  // untimed warm-up
+  for (auto _ : state) v.step();
+  if (v.bytes > 0) {
+    state.counters["bytes"] = static_cast<double>(v.bytes);
+    state.counters["algbw_GBps"] = benchmark::Counter(static_cast<double>(v.bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["busbw_GBps"] = benchmark::Counter(static_cast<double>(v.bytes) * 1e-9 * 2.0 * (kWorld - 1) / kWorld,
+                                                      benchmark::Counter::kIsIterationInvariantRate);
+  }
 }
 
 // ---- reporting ----------------------------------------------------------------------------------
@@ -300,56 +379,64 @@ class NullReporter : public benchmark::BenchmarkReporter {
   void ReportRuns(const std::vector<Run>&) override {}
 };
 
-// The console output plus the median real time (seconds per iteration) of each benchmark.
+// The console output, plus every repetition's time (seconds per iteration) of each benchmark.
 class RatioReporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const auto& r : runs)
-      if (r.run_type == Run::RT_Aggregate && r.aggregate_name == "median")
-        median[r.run_name.function_name] = r.real_accumulated_time / static_cast<double>(r.iterations);
+      if (r.run_type == Run::RT_Iteration)
+        times[r.run_name.function_name].push_back(r.real_accumulated_time / static_cast<double>(r.iterations));
   }
-  std::map<std::string, double> median;
+  std::map<std::string, std::vector<double>> times;
 };
 
-void print_ratios(const std::map<std::string, double>& t) {
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const auto n = v.size();
+  return n == 0 ? 0.0 : n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Prints one machine-readable line per ratio: baseline time / loom time for each repetition
+/// (repetition i of each, in the random interleaving), their median, min and max.
+void print_ratio(const std::map<std::string, std::vector<double>>& t, const std::string& label, const std::string& base,
+                 const std::string& loom, double goal) {
+  auto b = t.find(base), l = t.find(loom);
+  if (b == t.end() || l == t.end()) return;
+  std::vector<double> r;
+  for (std::size_t i = 0; i < std::min(b->second.size(), l->second.size()); ++i) r.push_back(b->second[i] / l->second[i]);
+  if (r.empty()) return;
+  const double med = median(r);
+  std::printf("RATIO %-34s median=%.3f min=%.3f max=%.3f n=%zu goal>=%.2f %s\n", label.c_str(), med,
+              *std::min_element(r.begin(), r.end()), *std::max_element(r.begin(), r.end()), r.size(), goal,
+              med >= goal ? "met" : "NOT-met");
+}
+
+void print_ratios(const std::map<std::string, std::vector<double>>& t) {
+  std::printf("\n");
+  print_ratio(t, "loom_vs_flat", "reduce_resnet50/flat", "reduce_resnet50/loom", 0.95);
+  print_ratio(t, "loom_vs_per_tensor", "reduce_resnet50/per_tensor", "reduce_resnet50/loom", 2.5);
+  print_ratio(t, "loom_hooks_vs_ddp", "reduce_resnet50/ddp", "reduce_resnet50/loom_hooks", 1.1);
+  print_ratio(t, "overlapped_vs_after_backward", "overlap_cnn/after_backward", "overlap_cnn/overlapped", 1.0);
+  for (std::int64_t n : kSweep)
+    print_ratio(t, fmt::format("sweep_loom_vs_flat/params:{}", n), fmt::format("sweep/flat/params:{}", n),
+                fmt::format("sweep/loom/params:{}", n), 0.9);
   auto get = [&](const char* name) {
     auto it = t.find(name);
-    return it == t.end() ? 0.0 : it->second;
+    return it == t.end() ? 0.0 : median(it->second);
   };
-  const double per = get("reduce_resnet50/per_tensor"), fl = get("reduce_resnet50/flat"), lo = get("reduce_resnet50/loom");
   const double bw = get("reduce_resnet50/backward_only"), hooks = get("reduce_resnet50/loom_hooks"), dd = get("reduce_resnet50/ddp");
-  const double after = get("overlap_cnn/after_backward"), over = get("overlap_cnn/overlapped");
-  std::printf("\nmedians (ms): per_tensor %.1f  flat %.1f  loom %.1f | backward_only %.1f  loom_hooks %.1f  ddp %.1f | cnn after %.1f  overlapped %.1f\n",
-              per * 1e3, fl * 1e3, lo * 1e3, bw * 1e3, hooks * 1e3, dd * 1e3, after * 1e3, over * 1e3);
-  if (lo > 0) {
-    std::printf("loom speed-up over per_tensor      : %.2fx (goal >= 2)\n", per / lo);
-    std::printf("loom speed relative to flat         : %.2fx (goal >= 0.9)\n", fl / lo);
-  }
-  if (hooks > 0) std::printf("loom_hooks speed relative to ddp    : %.2fx (goal >= 1; same backward in both)\n", dd / hooks);
   if (hooks > bw && dd > bw)
-    std::printf("  reduction part (minus backward_only): loom %.1f ms, ddp %.1f ms -> %.2fx\n", (hooks - bw) * 1e3, (dd - bw) * 1e3,
-                (dd - bw) / (hooks - bw));
-  if (over > 0) std::printf("overlap_cnn: overlapped vs after_backward: %.2fx\n", after / over);
+    std::printf("reduction part of loom_hooks / ddp (medians minus backward_only): loom %.1f ms, ddp %.1f ms -> %.2fx\n",
+                (hooks - bw) * 1e3, (dd - bw) * 1e3, (dd - bw) / (hooks - bw));
 }
 
 void register_all() {
-  auto add = [](const char* name, auto fn) {
-    benchmark::RegisterBenchmark(name, fn)
+  for (std::size_t id = 0; id < entries().size(); ++id)
+    benchmark::RegisterBenchmark(entries()[id].name.c_str(), run_variant, static_cast<std::int64_t>(id))
         ->Iterations(kIterations)
-        ->Repetitions(kRepetitions)
-        ->ReportAggregatesOnly(true)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
-  };
-  add("reduce_resnet50/per_tensor", per_tensor);
-  add("reduce_resnet50/flat", flat);
-  add("reduce_resnet50/loom", loom_reducer);
-  add("reduce_resnet50/backward_only", backward_only);
-  add("reduce_resnet50/loom_hooks", loom_hooks);
-  add("reduce_resnet50/ddp", ddp);
-  add("overlap_cnn/after_backward", [](benchmark::State& s) { overlap_cnn(s, false); });
-  add("overlap_cnn/overlapped", [](benchmark::State& s) { overlap_cnn(s, true); });
 }
 
 // ---- composition overhead under callgrind (scripts/callgrind_overhead.sh) ------------------------
@@ -545,23 +632,33 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);
   if (argc == 2 && args[1].rfind("--overhead=", 0) == 0) return run_overhead(args[1].substr(11));
   loom::spawn(kWorld, [&](const loom::Environment& env) {
-    std::vector<char*> argv_copy;
-    for (auto& a : args) argv_copy.push_back(a.data());
-    int argc_copy = static_cast<int>(argv_copy.size());
-    benchmark::Initialize(&argc_copy, argv_copy.data());
-    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(120), .check_metadata = false});
+    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(300), .check_metadata = false});
     g_comm = &comm;
-    register_all();
     if (env.rank == 0) {
+      // Defaults for a noisy machine: 11 repetitions in random interleaving (every variant and size
+      // alternates, so a burst of load hits all of them); the ratios pair repetition i of each.
+      std::vector<char*> cargs;
+      for (auto& a : args) cargs.push_back(a.data());
+      std::string reps = "--benchmark_repetitions=11", interleave = "--benchmark_enable_random_interleaving=true";
+      for (auto* flag : {&reps, &interleave}) {
+        const std::string name = flag->substr(0, flag->find('='));
+        bool given = false;
+        for (const auto& a : args) given = given || a.rfind(name, 0) == 0;
+        if (!given) cargs.insert(cargs.begin() + 1, flag->data());
+      }
+      int ac = static_cast<int>(cargs.size());
+      benchmark::Initialize(&ac, cargs.data());
+      register_all();
       RatioReporter reporter;
       benchmark::RunSpecifiedBenchmarks(&reporter);
-      print_ratios(reporter.median);
+      benchmark::Shutdown();
+      exchange_command(-1, 0);
+      print_ratios(reporter.times);
     } else {
-      NullReporter quiet;
-      benchmark::RunSpecifiedBenchmarks(&quiet);
+      serve();
     }
-    comm.barrier();
+    g_variants.clear();
     g_comm = nullptr;
-  }, {.timeout = std::chrono::minutes(20)});
+  }, {.timeout = std::chrono::hours(2)});
   return 0;
 }
