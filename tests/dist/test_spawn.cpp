@@ -84,13 +84,20 @@ TEST_CASE("spawn: children start with default signal handling, not the parent's 
   sigaction(SIGTERM, nullptr, &parent_action);
   const bool parent_has_handler = parent_action.sa_handler != SIG_DFL;
   CHECK(parent_has_handler);  // otherwise this test proves nothing
+  // A signal the parent ignores stays ignored in the ranks, as across execve(2).
+  struct sigaction ignore {}, saved {};
+  ignore.sa_handler = SIG_IGN;
+  REQUIRE(sigaction(SIGUSR2, &ignore, &saved) == 0);
   loom::spawn(1, [](int) {
     struct sigaction a {};
     sigaction(SIGTERM, nullptr, &a);
     if (a.sa_handler != SIG_DFL) throw std::runtime_error("SIGTERM handler inherited from the parent");
     sigaction(SIGSEGV, nullptr, &a);
     if (a.sa_handler != SIG_DFL) throw std::runtime_error("SIGSEGV handler inherited from the parent");
+    sigaction(SIGUSR2, nullptr, &a);
+    if (a.sa_handler != SIG_IGN) throw std::runtime_error("SIGUSR2 is ignored in the parent but not in the rank");
   });
+  sigaction(SIGUSR2, &saved, nullptr);
 }
 
 TEST_CASE("spawn: fn(int) form, one rank, and SpawnOptions::env") {

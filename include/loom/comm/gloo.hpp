@@ -30,8 +30,20 @@
 // Timeouts: a collective not finished within `timeout()` (a peer never called it) throws
 //      loom::TimeoutError naming the collective, the rank and the seconds waited; a peer that exited
 //      or crashed closes its connection and the survivors get the same TimeoutError at once (the
-//      collective can never complete). After a TimeoutError or CommError the communicator is
-//      broken: destroy it (c10d behaves the same).
+//      collective can never complete). The message names the peer ("peer rank 2") when Gloo's error
+//      names one of this rank's connections (a closed or reset socket), or when there is only one
+//      peer; a plain timeout in a larger job names no peer (Gloo does not say which one was silent).
+//      To read Gloo's socket addresses, construction ends with one small all-to-all (a few hundred
+//      bytes per peer; see loom/comm/detail/gloo_peers.hpp).
+//      After a TimeoutError or CommError the communicator is broken: destroy it (c10d behaves the same).
+// SIGPIPE: constructing a GlooCommunicator sets SIGPIPE to SIG_IGN for the whole process when its
+//      disposition is still the default (a handler the program installed is kept). Gloo writes to its
+//      sockets without MSG_NOSIGNAL, so a write to a dead peer would otherwise kill the rank with
+//      SIGPIPE instead of ending in the TimeoutError above; this holds however the rank was started
+//      (torchrun, mpirun and srun leave SIGPIPE at its default in a C++ rank; loom::spawn's ranks
+//      keep the parent's setting, as an exec'd process would).
+//      Consequence: a write to a closed pipe (`./train | head`) fails with EPIPE instead of killing
+//      the program, as in every Python program.
 //
 // Throws: loom::InvalidArgument (undefined / non-contiguous / unsupported-dtype tensor, bad root),
 //         loom::CommError (backend failure, metadata mismatch), loom::TimeoutError (see above).
@@ -71,6 +83,7 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/detail/gloo_peers.hpp>
 #include <loom/dist/environment.hpp>
 #include <loom/dist/rendezvous.hpp>
 #include <loom/error.hpp>
@@ -179,15 +192,26 @@ class GlooWork {
     int world_size = 1;
     std::chrono::milliseconds timeout{0};
     std::function<void()> finish;
+    std::shared_ptr<const detail::GlooPeerTable> peers;
     std::chrono::steady_clock::time_point issued{};
     bool done = false;
     std::exception_ptr error;
   };
 
   GlooWork(c10::intrusive_ptr<c10d::Work> work, std::string collective, int rank, int world_size,
-           std::chrono::milliseconds timeout, std::function<void()> finish)
+           std::chrono::milliseconds timeout, std::function<void()> finish,
+           std::shared_ptr<const detail::GlooPeerTable> peers)
       : state_(std::make_shared<State>(State{std::move(work), std::move(collective), rank, world_size, timeout,
-                                             std::move(finish), std::chrono::steady_clock::now(), false, nullptr})) {}
+                                             std::move(finish), std::move(peers), std::chrono::steady_clock::now(),
+                                             false, nullptr})) {}
+
+  /// "peer rank p" when Gloo's message names one of this rank's connections or when there is only one
+  /// peer; "a peer" otherwise.
+  static std::string peer_of(const State& s, const std::string& text) {
+    int peer = s.peers ? s.peers->rank_named_in(text) : -1;
+    if (peer < 0 && s.world_size == 2) peer = 1 - s.rank;
+    return peer >= 0 ? fmt::format("peer rank {}", peer) : std::string("a peer (Gloo's message names none)");
+  }
 
   /// Turns a Gloo failure into loom's error: timeouts and vanished peers are TimeoutErrors.
   static std::exception_ptr error_for(const State& s, const std::string& text, double waited) {
@@ -196,15 +220,15 @@ class GlooWork {
     if (detail::mentions_timeout(text))
       return std::make_exception_ptr(TimeoutError(
           s.collective, s.rank, since_issue,
-          fmt::format("no answer from a peer within the {:.3f} s timeout ({}; Gloo: {})", s.timeout.count() / 1000.0,
-                      where, text)));
+          fmt::format("no answer from {} within the {:.3f} s timeout ({}; Gloo: {})", peer_of(s, text),
+                      s.timeout.count() / 1000.0, where, text)));
     if (detail::mentions_peer_gone(text))
       return std::make_exception_ptr(TimeoutError(
           s.collective, s.rank, since_issue,
-          fmt::format("a peer closed its connection (it exited or crashed), so the collective can never complete "
-                      "({}; Gloo: {})", where, text)));
-    return std::make_exception_ptr(
-        CommError(fmt::format("{} failed on {} after {:.3f} s: {}", s.collective, where, waited, text)));
+          fmt::format("{} closed its connection (it exited, crashed or gave up after an error of its own), so the "
+                      "collective can never complete ({}; Gloo: {})", peer_of(s, text), where, text)));
+    return std::make_exception_ptr(CommError(
+        fmt::format("{} failed on {} after {:.3f} s ({}): {}", s.collective, where, waited, peer_of(s, text), text)));
   }
 
   std::shared_ptr<State> state_;
@@ -237,6 +261,7 @@ class GlooCommunicator {
       throw InvalidArgument(fmt::format("GlooCommunicator: rank {} is outside [0, world size {})", rank, world_size));
     if (!store) throw InvalidArgument("GlooCommunicator: the store is null");
     if (options_.threads < 1) throw InvalidArgument(fmt::format("GlooCommunicator: threads = {} (need >= 1)", options_.threads));
+    detail::ignore_sigpipe_if_default();  // before Gloo opens a socket; see the header comment
     const auto start = std::chrono::steady_clock::now();
     try {
       auto pg_options = c10d::ProcessGroupGloo::Options::create(options_.timeout);
@@ -247,9 +272,11 @@ class GlooCommunicator {
       else
         pg_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
       pg_options->threads = options_.threads;
-      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+      const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
           fmt::format("loom/gloo/{}", detail::gloo_generation().fetch_add(1)), std::move(store));
       pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, pg_options);
+      peers_ = std::make_shared<const detail::GlooPeerTable>(
+          detail::GlooPeerTable::build(*pg_, *prefixed, rank, world_size, options_.timeout));
     } catch (const std::exception& e) {
       const std::string text = detail::exception_text(e);
       if (detail::mentions_timeout(text) || detail::mentions_peer_gone(text))
@@ -333,7 +360,7 @@ class GlooCommunicator {
   }
 
   GlooWork make_work(const char* collective, c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish) {
-    return GlooWork(std::move(work), collective, rank_, world_size_, options_.timeout, std::move(finish));
+    return GlooWork(std::move(work), collective, rank_, world_size_, options_.timeout, std::move(finish), peers_);
   }
 
   GlooWork start_all_reduce(at::Tensor& t, ReduceOp op) {
@@ -425,6 +452,7 @@ class GlooCommunicator {
   int world_size_ = 1;
   GlooOptions options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  std::shared_ptr<const detail::GlooPeerTable> peers_;  ///< which peer a Gloo error's socket address is
 };
 
 static_assert(WorkHandle<GlooWork>, "GlooWork must model loom::WorkHandle");

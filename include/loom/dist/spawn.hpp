@@ -17,6 +17,8 @@
 //   MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port spawn picked>, OMP_NUM_THREADS=<threads_per_rank>,
 //   then SpawnOptions::env on top (it may override any of these). TORCHELASTIC_* variables inherited
 //   from the parent are removed (a spawned job is not a torchrun job) unless SpawnOptions::env sets them.
+//   Signals as after execve(2): the parent's handlers are reset to SIG_DFL, signals the parent
+//   ignores stay ignored; the signal mask is emptied.
 //
 // Failure handling: a rank fails when fn throws (the exception's type and what() travel to the parent
 // through a pipe), when it exits with a non-zero code (std::exit, abort), or when a signal kills it.
@@ -215,10 +217,17 @@ inline std::string read_all(int fd) {
 inline void prepare_child(int rank, int nprocs, std::uint16_t port, const SpawnOptions& options, pid_t parent) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != parent) ::_exit(111);  // the parent died between fork and prctl
-  // Start from default signal handling, as an exec'd rank would: handlers installed by the parent
-  // (a test framework's crash reporter, an application's SIGTERM handler) belong to the parent.
-  for (int sig = 1; sig < NSIG; ++sig)
-    if (sig != SIGKILL && sig != SIGSTOP) ::signal(sig, SIG_DFL);
+  // Signal dispositions as an exec'd rank would have them: handlers installed by the parent (a test
+  // framework's crash reporter, an application's SIGTERM handler) belong to the parent and become
+  // SIG_DFL; signals the parent ignores (SIGPIPE under a Python launcher, SIGHUP under nohup) stay
+  // ignored, as execve(2) keeps them.
+  for (int sig = 1; sig < NSIG; ++sig) {
+    if (sig == SIGKILL || sig == SIGSTOP) continue;
+    struct sigaction current {};
+    if (::sigaction(sig, nullptr, &current) != 0) continue;
+    if ((current.sa_flags & SA_SIGINFO) == 0 && current.sa_handler == SIG_IGN) continue;
+    ::signal(sig, SIG_DFL);
+  }
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
