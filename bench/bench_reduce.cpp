@@ -446,7 +446,7 @@ void register_all() {
 // same tensor work as loom: gradients are views into one flat buffer, and at each boundary the
 // buffer is divided by the sample count and scanned for inf/NaN with the same kernel
 // (loom::detail::scale_and_check); what it leaves out is loom itself (hooks, buckets and flags,
-// the sample-count collective on a LocalCommunicator, the accumulator's bookkeeping and Step).
+// the sample-count collective on a LocalCommunicator, the accumulator's bookkeeping and SyncResult).
 
 struct OverheadData {
   std::vector<at::Tensor> xs, ys;
@@ -518,7 +518,7 @@ void lowlevel_epoch(torch::nn::Sequential& net, LowLevel& l, const OverheadSampl
     loom::Batch b = loom::collate_sampled(*item, fetch);
     auto mb = l.acc.micro_batch(b);
     mb.scale(mlp_mean_loss(net, b).reshape({}) * static_cast<double>(b.num_samples)).backward();
-    const loom::Step step = mb.finish();
+    const loom::SyncResult step = mb.finish();
     if (step.apply) sgd.step();
     if (step.boundary) sgd.zero_grad();
   }

@@ -160,7 +160,7 @@ void train(Comm& comm, const loom::Environment& env, const Options& o, torch::De
                                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
                                  b.weight;
       mb.scale(loss).backward();
-      if (const loom::Step step = mb.finish(); step.boundary) {
+      if (const loom::SyncResult step = mb.finish(); step.boundary) {
         if (step) opt.step();
         opt.zero_grad();
       }

@@ -396,7 +396,7 @@ class Trainer {
     loom::WeightedMean loss_mean;
     opt.zero_grad();
     int64_t done = position;
-    auto apply = [&](const loom::Step& step) {
+    auto apply = [&](const loom::SyncResult& step) {
       if (step) opt.step();
       opt.zero_grad();
     };
@@ -410,7 +410,7 @@ class Trainer {
                                                torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
           b.weight;
       mb.scale(loss).backward();
-      const loom::Step step = mb.finish();
+      const loom::SyncResult step = mb.finish();
       ++done;
       if (b.weight > 0) loss_mean.add(loss.item<double>() / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
       progress.step(comm_, b.weight > 0 ? b.num_samples : 0);

@@ -331,7 +331,7 @@ void run_in_process(const Options& o, Clock::time_point start) {
           train_loss.add(mse_step(model, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
           loss.backward();
         }
-        if (const loom::Step s = mb.finish(); s.boundary) {  // after the last device of the step
+        if (const loom::SyncResult s = mb.finish(); s.boundary) {  // after the last device of the step
           if (s) opt.step();
           opt.zero_grad();
         }

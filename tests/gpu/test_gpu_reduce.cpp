@@ -85,7 +85,7 @@ TEST_CASE("Reducer + Accumulator over NCCL on CUDA tensors: sample-weighted grad
     loom::Accumulator acc(reducer, {.micro_batches_per_step = 3});
     const auto x = x64.to(opts);
     const auto y = y64.to(opts);
-    loom::Step step;
+    loom::SyncResult step;
     for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, 4}, {4, 8}, {8, 10}}) {
       step = acc.run(end - begin, [&] {
         (x.slice(0, begin, end).matmul(w.t()) + b - y.slice(0, begin, end)).pow(2).sum().backward();

@@ -19,7 +19,7 @@ struct Scalar {
 double accumulate(const std::vector<std::vector<double>>& micro_batches) {
   Scalar s;
   loom::Accumulator acc(s.reducer, {.micro_batches_per_step = static_cast<std::int64_t>(micro_batches.size())});
-  loom::Step step;
+  loom::SyncResult step;
   for (const auto& xs : micro_batches) {
     step = acc.run(static_cast<std::int64_t>(xs.size()), [&] {
       (s.w * torch::tensor(xs, torch::kDouble)).sum().backward();  // loss summed over the micro-batch
@@ -87,7 +87,7 @@ TEST_CASE("field: remainder — 10 micro-batches with K = 4 make 3 steps (window
     torch::optim::SGD sgd({s.w}, torch::optim::SGDOptions(0.0));  // lr 0: keeps w = 1
     std::vector<std::int64_t> windows;
     std::vector<double> grads;
-    auto record = [&](const loom::Step& step) {
+    auto record = [&](const loom::SyncResult& step) {
       windows.push_back(step.micro_batches);
       grads.push_back(s.grad());
       sgd.step();

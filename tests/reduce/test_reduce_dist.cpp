@@ -122,7 +122,7 @@ TEST_CASE("join: rank 0 has 10 micro-batches, rank 1 has 7, K = 4: three identic
     loom::Accumulator acc(reducer, {.micro_batches_per_step = 4});
     std::vector<double> got;
     std::vector<std::int64_t> counts;
-    auto record = [&](const loom::Step& s) {
+    auto record = [&](const loom::SyncResult& s) {
       REQUIRE(s.apply);
       got.push_back(w.grad().item<double>());
       counts.push_back(s.global_samples);
@@ -229,7 +229,7 @@ TEST_CASE("clipping: the global norm over 2 ranks equals the single-process clip
     // rank 0: samples 0..2 and 3..6; rank 1: samples 7..7 and 8..12.
     const std::vector<std::pair<std::int64_t, std::int64_t>> mbs = rank == 0 ? std::vector<std::pair<std::int64_t, std::int64_t>>{{0, 3}, {3, 4}}
                                                                              : std::vector<std::pair<std::int64_t, std::int64_t>>{{7, 1}, {8, 5}};
-    loom::Step step;
+    loom::SyncResult step;
     for (auto [f, n] : mbs)
       step = acc.run(n, [&] { model.loss_sum(loom::test::batch_x(f, n), loom::test::batch_y(f, n)).backward(); });
     REQUIRE(step.apply);

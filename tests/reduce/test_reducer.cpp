@@ -70,7 +70,7 @@ TEST_CASE("Reducer + Accumulator in one process: micro-batches [2, 3, 5] give th
     loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = cap, .first_bucket_cap_bytes = cap});
     loom::Accumulator acc(reducer, {.micro_batches_per_step = 3});
     std::int64_t first = 0;
-    loom::Step step;
+    loom::SyncResult step;
     for (std::int64_t n : {2, 3, 5}) {
       step = acc.run(n, [&] { model.loss_sum(loom::test::batch_x(first, n), loom::test::batch_y(first, n)).backward(); });
       first += n;

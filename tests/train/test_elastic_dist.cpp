@@ -127,7 +127,7 @@ void train(const loom::Environment& env, const fs::path& dir, int steps, const s
       sampler.set_epoch(sampler.epoch() + 1);
       continue;
     }
-    loom::Step step;
+    loom::SyncResult step;
     if (item->idle) {
       step = acc.join_step();
     } else {

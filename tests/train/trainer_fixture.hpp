@@ -74,7 +74,7 @@ std::vector<at::Tensor> train_by_hand(Comm& comm, int epochs) {
   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
     sampler.set_epoch(epoch);
     while (auto item = sampler.next()) {
-      Step step;
+      SyncResult step;
       if (item->idle) {
         step = acc.join_step();
       } else {

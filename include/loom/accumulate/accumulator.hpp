@@ -13,7 +13,7 @@
 //     auto mb = acc.micro_batch(b);                          // counts b.num_samples
 //     auto loss = loss_fn_sum(model->forward(b.data), b.targets);
 //     mb.scale(loss).backward();                             // scale() = loss scale, or 1
-//     loom::Step step = mb.finish();
+//     loom::SyncResult step = mb.finish();
 //     if (step) optimizer.step();                            // a finite, averaged step
 //     if (step.boundary) optimizer.zero_grad();
 //   }
@@ -36,12 +36,12 @@
 //   reduces what is left (fewer than K micro-batches) with its true sample count.
 // Uneven ranks: ranks may run different numbers of micro-batches and samples. Each rank calls
 //   end_epoch() until it returns std::nullopt; while another rank still has steps, end_epoch()
-//   joins them (contributing zero gradients and zero samples) and returns a Step the caller must
+//   joins them (contributing zero gradients and zero samples) and returns a SyncResult the caller must
 //   apply like any other, so replicas stay identical. A rank with no sample at all contributes
 //   nothing and divides by the global count: no NaN, no hang.
 // Loss scaling (loss_scaling set): losses are multiplied by scale() (use mb.scale(loss)), the
 //   reduction unscales once per step, then clips (ReducerOptions::max_grad_norm); when any rank
-//   produced inf/NaN every rank skips the step (Step::apply false, gradients zeroed, window
+//   produced inf/NaN every rank skips the step (SyncResult::apply false, gradients zeroed, window
 //   cleared) and the scale backs off once.
 //
 // Units: samples are whatever the loss sums over (rows, tokens).
@@ -79,11 +79,14 @@ struct AccumulatorOptions {
   std::optional<LossScalerOptions> loss_scaling{}; ///< dynamic loss scaling (see LossScaler)
 };
 
-/// The outcome of a micro-batch or a flush. Converts to true when the optimizer should step.
+/// What a micro-batch (MicroBatch::finish), a join (join_step) or an end-of-epoch flush
+/// (end_epoch) reports: whether it synchronised the gradients across ranks (`boundary`: the window
+/// was reduced) and whether the caller should apply them. Converts to true when the optimizer
+/// should step.
 ///
-/// Example: `if (loom::Step s = mb.finish()) optimizer.step();`
+/// Example: `if (loom::SyncResult s = mb.finish()) optimizer.step();`
 /// Units: samples; grad_norm in gradient units (after averaging and unscaling, before clipping).
-struct Step {
+struct SyncResult {
   bool boundary = false;            ///< this call closed a window: gradients were reduced
   bool apply = false;               ///< the gradients are the global average: call optimizer.step()
   bool skipped_non_finite = false;  ///< inf/NaN on some rank: every rank skipped (gradients zeroed)
@@ -131,9 +134,9 @@ class Accumulator {
       LOOM_ASSERT(acc_ != nullptr, "MicroBatch::scale after finish()");
       return acc_->scaler_ ? acc_->scaler_->scale(loss) : loss;
     }
-    /// Call after backward. At a boundary: reduces and returns the step; otherwise a Step with
+    /// Call after backward. At a boundary: reduces and returns the step; otherwise a SyncResult with
     /// boundary == false. Throws: the reducer's errors; loom::Error when called twice.
-    Step finish() {
+    SyncResult finish() {
       if (!acc_) throw Error("MicroBatch::finish called twice (or on a moved-from micro-batch)");
       return std::exchange(acc_, nullptr)->finish_micro_batch(boundary_);
     }
@@ -191,9 +194,9 @@ class Accumulator {
   /// For a rank with no micro-batch in a step another rank runs (an idle item of
   /// GlobalBatchSampler): closes this rank's window now, without a backward, joining the others'
   /// synchronisation with its zero gradients (and whatever samples its window already holds). Apply
-  /// the returned Step like any other.
+  /// the returned SyncResult like any other.
   /// Throws: loom::Error (a micro-batch still open), the reducer's errors.
-  Step join_step() {
+  SyncResult join_step() {
     check_usable("join_step");
     all_final_seen_ = false;
     try {
@@ -208,7 +211,7 @@ class Accumulator {
   /// Callable form: opens a micro-batch, calls `fn(mb)` (or `fn()`), which runs forward and
   /// backward, and returns mb.finish().
   template <class F>
-  Step run(std::int64_t num_samples, F&& fn) {
+  SyncResult run(std::int64_t num_samples, F&& fn) {
     auto mb = micro_batch(num_samples);
     if constexpr (std::invocable<F&, MicroBatch&>) std::forward<F>(fn)(mb);
     else std::forward<F>(fn)();
@@ -216,10 +219,10 @@ class Accumulator {
   }
 
   /// End of epoch: reduces this rank's remainder (or zeros) together with every other rank, until
-  /// no rank has anything left. Call it until it returns std::nullopt; apply each returned Step
+  /// no rank has anything left. Call it until it returns std::nullopt; apply each returned SyncResult
   /// like any other (`if (*step) optimizer.step();`).
   /// Throws: loom::Error (a micro-batch still open), the reducer's errors.
-  std::optional<Step> end_epoch() {
+  std::optional<SyncResult> end_epoch() {
     check_usable("end_epoch");
     if (all_final_seen_) {  // every rank saw the last reduction report all ranks final
       all_final_seen_ = false;
@@ -261,10 +264,10 @@ class Accumulator {
     if (open_) throw Error(fmt::format("Accumulator::{}: the previous micro-batch was not finished (call finish())", what));
   }
 
-  Step finish_micro_batch(bool boundary) {
+  SyncResult finish_micro_batch(bool boundary) {
     open_ = false;
     if (!boundary) {
-      Step s;
+      SyncResult s;
       s.micro_batches = window_micro_batches_;
       s.local_samples = window_samples_;
       s.loss_scale = loss_scale();
@@ -278,8 +281,8 @@ class Accumulator {
     }
   }
 
-  Step close_window(const Reduction& r) {
-    Step s;
+  SyncResult close_window(const Reduction& r) {
+    SyncResult s;
     s.boundary = r.reduced;
     s.skipped_non_finite = r.non_finite;
     s.apply = r.reduced && !r.non_finite && !r.no_samples;

@@ -48,7 +48,7 @@ struct ReducerOptions {
   bool overlap = true;                            ///< send full buckets from autograd hooks (false: all in finish_window)
   bool check_parameters = true;                   ///< construction: same parameters on every rank (one all-gather)
   bool broadcast_parameters = true;               ///< construction: copy rank 0's parameters and buffers everywhere
-  bool skip_non_finite = true;                    ///< detect inf/NaN in the reduced gradient (Reduction::non_finite)
+  bool detect_non_finite = true;                  ///< scan for inf/NaN and report Reduction::non_finite (the caller skips)
   std::optional<double> max_grad_norm{};            ///< clip by the global L2 norm (after averaging and unscaling)
   bool broadcast_buffers = true;                  ///< copy rank 0's buffers to every rank at each step boundary
 };

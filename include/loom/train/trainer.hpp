@@ -154,11 +154,11 @@ class Trainer {
 
   /// Backward of `loss` for `batch`, the batch the epoch loop just yielded; at the end of this rank's
   /// share of a step: the reduction, optimizer.step() (unless inf/NaN anywhere) and zero_grad().
-  /// Returns the Step (boundary, apply, global samples, norm).
+  /// Returns the SyncResult (boundary, apply, global samples, norm).
   /// Shape: `loss` has one element (the batch mean, or the sum with LossReduction::sum).
   /// Throws: loom::InvalidArgument (a bad loss), loom::Error (a protocol step out of order, see the
   ///         file comment), the reducer's errors.
-  Step backward(const at::Tensor& loss, const Batch& batch) {
+  SyncResult backward(const at::Tensor& loss, const Batch& batch) {
     check_no_stray_backward("Trainer::backward");
     if (!current_ || !same_batch(*current_, batch))
       throw Error("Trainer::backward: this batch is not the one the epoch loop just yielded (pass each batch of "
@@ -184,8 +184,8 @@ class Trainer {
   [[nodiscard]] int64_t steps() const noexcept { return steps_; }
   /// Steps skipped because some rank had inf/NaN gradients.
   [[nodiscard]] int64_t skipped_steps() const noexcept { return skipped_; }
-  /// The Step of the last boundary or micro-batch.
-  [[nodiscard]] const Step& last_step() const noexcept { return last_; }
+  /// The SyncResult of the last boundary or micro-batch.
+  [[nodiscard]] const SyncResult& last_step() const noexcept { return last_; }
   [[nodiscard]] ReducerType& reducer() noexcept { return reducer_; }
   [[nodiscard]] Accumulator<ReducerType>& accumulator() noexcept { return accumulator_; }
   [[nodiscard]] Comm& communicator() const noexcept { return *comm_; }
@@ -220,7 +220,7 @@ class Trainer {
                               where));
   }
 
-  void apply(const Step& s) {
+  void apply(const SyncResult& s) {
     if (!s.boundary) return;
     if (s.apply) {
       optimizer_->step();
@@ -270,7 +270,7 @@ class Trainer {
   ReducerType reducer_;
   Accumulator<ReducerType> accumulator_;
   std::optional<Batch> current_;
-  Step last_{};
+  SyncResult last_{};
   int64_t epoch_ = 0;
   int64_t current_step_ = 0;
   int64_t batch_number_ = 0;

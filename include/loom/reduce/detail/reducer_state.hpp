@@ -514,7 +514,7 @@ class ReducerState {
       const double value = host_factor(/*post_wire=*/false);
       if (has_fused_scan(b.flat)) {
         AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_scale_bucket", [&] {
-          const bool bad = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide_, options_.skip_non_finite);
+          const bool bad = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide_, options_.detect_non_finite);
           b.flat.data_ptr<scalar_t>()[b.head.numel() + n] = bad ? scalar_t(1) : scalar_t(0);
         });
         return;
@@ -529,7 +529,7 @@ class ReducerState {
       else b.head.mul_(f);
     }
     auto verdict = b.tail.narrow(0, n, 1);
-    if (options_.skip_non_finite) verdict.copy_(non_finite_flag(b.head, b.tail.scalar_type()));
+    if (options_.detect_non_finite) verdict.copy_(non_finite_flag(b.head, b.tail.scalar_type()));
     else verdict.zero_();
   }
 
