@@ -130,6 +130,7 @@ class ReducerState {
     }
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
+    meta_on_stream_ = false;
     const std::int64_t values[2] = {plan.window_samples, plan.final ? 1 : 0};  // [count, final]
     if (meta_.is_cpu()) std::copy(values, values + 2, meta_.data_ptr<std::int64_t>());
     else meta_.copy_(at::tensor(std::vector<std::int64_t>(values, values + 2), at::kLong), /*non_blocking=*/false);
@@ -572,11 +573,20 @@ class ReducerState {
     }
   }
 
+  /// Waits for the window's count all-reduce. Inside an autograd hook, a handle that can make the
+  /// current GPU stream wait (NcclWork::wait_on_current_stream) does that instead of blocking the
+  /// host, once; the host wait (which reports timeouts and failures) then happens in finish_window.
   void wait_meta() {
-    if (meta_work_) {
-      meta_work_->wait();
-      meta_work_.reset();
+    if (!meta_work_) return;
+    if constexpr (requires(Work& w) { w.wait_on_current_stream(); }) {
+      if (in_hook_) {
+        if (!meta_on_stream_) meta_work_->wait_on_current_stream();
+        meta_on_stream_ = true;
+        return;
+      }
     }
+    meta_work_->wait();
+    meta_work_.reset();
   }
 
   // Head of a bucket's tail: one used-flag per gradient (host-known; a GPU bucket copies them from
@@ -672,6 +682,7 @@ class ReducerState {
   bool divide_ = true;       // divide by the divisor (exact) rather than multiply by grad_scale / divisor
   std::int64_t next_ready_pos_ = 0;
   bool in_hook_ = false;
+  bool meta_on_stream_ = false;  // this window's count all-reduce was waited for on the GPU stream (hooks)
   bool window_open_ = false;
   bool sync_ = false;
   bool final_ = false;
