@@ -6,6 +6,8 @@
 #include <loom/dist/run.hpp>
 #include <loom/dist/spawn.hpp>
 #include <loom/log/named_metrics.hpp>
+#include <loom/log/progress.hpp>
+#include <loom/log/sink.hpp>
 
 #include "trainer_fixture.hpp"
 
@@ -75,6 +77,39 @@ TEST_CASE("run with nproc 1 and 2 train to the same parameters (world-size invar
   }
   MESSAGE(fmt::format("nproc 1 vs 2: max relative difference {:.3g}", worst / scale));
   CHECK(worst / scale < 1e-12);
+}
+
+TEST_CASE("on_step runs equally often on every rank although the loop body does not; Progress::add_global needs no collective") {
+  loom::run(
+      [](loom::ProcessGroup& pg) {
+        loom::test::Mlp model(at::kDouble);
+        torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+        loom::BatchLoader loader(pg, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+        loom::Trainer trainer(pg, model.list(), sgd);
+        loom::MemorySink sink;
+        loom::Progress progress{sink, loom::rank_info(pg), {.total = loom::test::kTrainerSamples, .label = "train"}};
+        int64_t steps = 0, global = 0, bodies = 0;
+        trainer.on_step([&](const loom::SyncResult& r) {
+          ++steps;
+          global += r.global_samples;
+          progress.add_global(r.global_samples);
+        });
+        for (loom::Batch& b : trainer.epoch(loader, 0)) {
+          trainer.backward(loom::test::mean_loss(model, b), b);
+          ++bodies;
+        }
+        progress.finish(pg);
+        const auto plan_steps = static_cast<int64_t>(loader.sampler().plan().steps.size());
+        expect(steps == plan_steps, fmt::format("rank {}: on_step ran {} times for {} steps", pg.rank(), steps, plan_steps));
+        expect(global == loom::test::kTrainerSamples, fmt::format("rank {}: global samples {}", pg.rank(), global));
+        expect(progress.global_samples() == loom::test::kTrainerSamples, "Progress counted every sample once");
+        // The loop bodies differ between ranks (the dealing is uneven), which is why on_step exists.
+        auto t = torch::tensor({static_cast<double>(bodies)}, torch::kDouble);
+        auto all = pg.all_gather(t);
+        expect(all[0].item<double>() + all[1].item<double>() == static_cast<double>(loader.sampler().plan().batches.size()),
+               "every batch ran once over the ranks");
+      },
+      {.nproc = 2, .spawn = {.timeout = std::chrono::seconds(120)}});
 }
 
 TEST_CASE("Metrics by name on 2 ranks: different orders, a name only one rank saw, one collective") {

@@ -143,16 +143,20 @@ class Progress {
     local_ += local_samples;
     if (++steps_ % options_.sync_every != 0) return;
     sync(comm);
-    if (!shown_) return;
-    const auto now = clock_.now();
-    if (now < next_output_) return;
-    if (bar_) {
-      draw_bar(now, false);
-      next_output_ = now + options_.redraw_interval;
-    } else {
-      sink_.write(prefix_ + line(now) + "\n");
-      next_output_ = now + options_.line_interval;
-    }
+    show();
+  }
+
+  /// Counts `samples` done over ALL ranks, a number every rank already knows (e.g. the
+  /// global_samples of a loom::SyncResult at each step of loom::Trainer, reported on every rank):
+  /// no collective, so it may be called where ranks run different numbers of batches (a
+  /// GlobalBatchSampler deals a step's batches unevenly). The leader may write a line or redraw.
+  /// Throws: loom::InvalidArgument for a negative count or a call after finish().
+  void add_global(std::int64_t samples) {
+    if (samples < 0) throw InvalidArgument(fmt::format("Progress::add_global: samples {} is negative", samples));
+    if (finished_) throw InvalidArgument("Progress::add_global: called after finish()");
+    known_ += samples;
+    global_ += samples;
+    show();
   }
 
   /// Ends the run: a final sum over ranks (a collective: every rank calls it once) and, on the
@@ -198,10 +202,24 @@ class Progress {
   }
 
  private:
+  /// On the showing rank: a line or a redraw, when the interval since the last one has passed.
+  void show() {
+    if (!shown_) return;
+    const auto now = clock_.now();
+    if (now < next_output_) return;
+    if (bar_) {
+      draw_bar(now, false);
+      next_output_ = now + options_.redraw_interval;
+    } else {
+      sink_.write(prefix_ + line(now) + "\n");
+      next_output_ = now + options_.line_interval;
+    }
+  }
+
   template <Communicator C>
   void sync(C& comm) {
     const double mine = static_cast<double>(local_);
-    global_ = static_cast<std::int64_t>(detail::all_reduce_sums(comm, std::span<const double>(&mine, 1))[0]);
+    global_ = known_ + static_cast<std::int64_t>(detail::all_reduce_sums(comm, std::span<const double>(&mine, 1))[0]);
   }
 
   [[nodiscard]] double seconds_since_start(typename Clock::time_point now) const {
@@ -245,6 +263,7 @@ class Progress {
   std::string prefix_;
   std::int64_t local_ = 0;
   std::int64_t global_ = 0;
+  std::int64_t known_ = 0;  // samples added with add_global (the same on every rank)
   std::int64_t steps_ = 0;
   bool shown_ = false;
   bool bar_ = false;

@@ -41,6 +41,9 @@
 //   - a loss that is not a one-element floating tensor requiring grad;
 //   - a new epoch while the previous loop ended early (break) inside a step (leaving right after
 //     a step boundary is fine).
+// One rule the loop keeps: no collective in the loop body. A step's batches are dealt to the ranks
+// by cost, so ranks run the body different numbers of times; per-step work that talks to the other
+// ranks (a progress count, a checkpoint) goes into on_step(), which every rank runs at every step.
 // The low-level layer (loom::Reducer, loom::Accumulator) stays public for loops of another shape.
 //
 // Cost: one Accumulator micro-batch per batch (the callgrind comparison of
@@ -53,6 +56,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -180,6 +184,14 @@ class Trainer {
     return last_;
   }
 
+  /// Calls `fn(result)` after every step boundary on this rank — applied or skipped, including
+  /// steps this rank only joined and the epoch's end — so every rank calls it equally often
+  /// (unlike the loop body: a step's batches are dealt unevenly). The place for per-step work that
+  /// must stay in step across ranks: a progress count (Progress::add_global(r.global_samples)), a
+  /// learning-rate schedule, a checkpoint every N steps.
+  /// Example: `trainer.on_step([&](const loom::SyncResult& r) { progress.add_global(r.global_samples); });`
+  void on_step(std::function<void(const SyncResult&)> fn) { on_step_ = std::move(fn); }
+
   /// Optimizer steps applied so far (skipped inf/NaN steps not counted).
   [[nodiscard]] int64_t steps() const noexcept { return steps_; }
   /// Steps skipped because some rank had inf/NaN gradients.
@@ -229,6 +241,7 @@ class Trainer {
       ++skipped_;
     }
     optimizer_->zero_grad();
+    if (on_step_) on_step_(s);
   }
 
   // Called by EpochRange.
@@ -271,6 +284,7 @@ class Trainer {
   Accumulator<ReducerType> accumulator_;
   std::optional<Batch> current_;
   SyncResult last_{};
+  std::function<void(const SyncResult&)> on_step_;
   int64_t epoch_ = 0;
   int64_t current_step_ = 0;
   int64_t batch_number_ = 0;
