@@ -5,12 +5,13 @@
 //
 // Data: Debian's dataset-fashion-mnist (gzipped IDX files in /usr/share/datasets/fashion-mnist),
 // read with loom::data::read_fashion_mnist (zlib, no unpacking).
-// Loop, assembled from loom's public parts: loom::spawn (or a launcher's variables) ->
-// loom::GlooCommunicator -> per epoch, a size drawn per image (seeded by seed, epoch, index) and a
-// loom::DistributedBucketBatchSampler over those shapes (exact-shape buckets, whole batches per
-// rank, the same step count everywhere) -> loom::collate_sampled -> loom::Accumulator +
-// loom::Reducer -> loom::Logger / loom::Progress. Test: loom::DistributedSampler shards the test
-// set, loom::gather_results brings every prediction back once, in dataset order.
+// Loop, on loom's short path: loom::run (spawns --nproc ranks, or joins torchrun / mpirun / srun)
+// -> loom::ProcessGroup (NCCL on a GPU, Gloo on the CPU) -> per epoch, a size drawn per image
+// (loom::sample_seed of seed, epoch, index: the same on any world size) and a loom::BatchLoader
+// over those shapes (exact-shape buckets; --batches-per-step batches per optimizer step, dealt to
+// the ranks) -> loom::Trainer -> loom::Metrics, loom::Progress (through Trainer::on_step), loom::Logger.
+// Test: loom::DistributedSampler shards the test set, loom::gather_results brings every prediction
+// back once, in dataset order.
 //
 // Run:   build/examples/fashion_mnist_multiscale                 (2 ranks, defaults)
 // Output (rank 0): one line per epoch with test accuracy at each size, then
@@ -28,16 +29,14 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
-#include <loom/accumulate/accumulator.hpp>
-#include <loom/comm/gloo.hpp>
-#include <loom/comm/local.hpp>
 #include <loom/data/idx.hpp>
-#include <loom/dist/environment.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
-#include <loom/reduce/module.hpp>
-#include <loom/reduce/reducer.hpp>
 #include <loom/sample/sample.hpp>
+#include <loom/train/loader.hpp>
+#include <loom/train/trainer.hpp>
+
+#include "../common/placement.hpp"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -52,10 +51,12 @@ struct Options {
   double lr = 2e-3;
   int width = 32;
   int64_t max_batch = 64;
-  int64_t accumulate = 1;
+  int64_t batches_per_step = 2;  // batches per optimizer step, of the whole job (the same steps on any world size)
   uint64_t seed = 1;
   int threads = 1;
-  std::string device = "auto";  // auto | cpu | cuda
+  std::string device = "auto";   // auto | cpu | cuda
+  std::string backend = "auto";  // auto | gloo | nccl
+  double timeout = 300;          // seconds: rendezvous and every collective
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -82,39 +83,35 @@ torch::Tensor image_at(const torch::Tensor& images, int64_t i, int64_t s) {
       .squeeze(0);
 }
 
-/// The size of training image `i` in epoch `epoch`: one of `sizes`, the same on every rank.
+/// The size of training image `i` in epoch `epoch`: one of `sizes`, the same on every rank and world size.
 int64_t size_of(const std::vector<int>& sizes, uint64_t seed, int64_t epoch, int64_t i) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(epoch) * 0xBF58476D1CE4E5B9ull + static_cast<uint64_t>(i);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;  // splitmix64 finalizer
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return sizes[static_cast<std::size_t>(z % sizes.size())];
+  return sizes[static_cast<std::size_t>(loom::sample_seed(seed, epoch, i) % sizes.size())];
 }
 
-template <class Comm>
-void train(Comm& comm, const loom::Environment& env, const Options& o, torch::Device device, Clock::time_point start) {
-  const loom::RankInfo me = loom::rank_info(env);
-  loom::Logger log{loom::StreamSink{stdout}, me};
+void train(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
+  at::set_num_threads(o.threads);
+  const torch::Device device = examples::model_device(pg, o.device);
+  loom::Logger log(loom::StreamSink{stdout}, pg);
   auto train_set = loom::data::read_fashion_mnist(o.data, loom::data::MnistSplit::train);
   auto test_set = loom::data::read_fashion_mnist(o.data, loom::data::MnistSplit::test);
   const int64_t n_train = o.train_subset > 0 ? std::min<int64_t>(o.train_subset, train_set.images.size(0)) : train_set.images.size(0);
   const int64_t n_test = o.test_subset > 0 ? std::min<int64_t>(o.test_subset, test_set.images.size(0)) : test_set.images.size(0);
   const torch::Tensor test_labels = test_set.labels.slice(0, 0, n_test);
   const double baseline = torch::bincount(test_labels).max().item<double>() / static_cast<double>(n_test);
-  log.info("fashion_mnist_multiscale: {} rank(s), {} training and {} test images, sizes {} px, baseline (majority class) {:.4f}",
-           env.world_size, n_train, n_test, fmt::join(o.sizes, ","), baseline);
+  log.info("fashion_mnist_multiscale: {} rank(s), backend {}, device {}; {} training and {} test images, sizes {} px, "
+           "baseline (majority class) {:.4f}",
+           pg.world_size(), loom::to_string(pg.backend()), device.str(), n_train, n_test, fmt::join(o.sizes, ","), baseline);
 
   torch::manual_seed(o.seed);
   auto model = make_cnn(o.width);
   model->to(device);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(1e-4));
-  loom::Reducer reducer(comm, loom::parameters_of(*model));
-  loom::Accumulator acc(reducer, {.micro_batches_per_step = o.accumulate});
+  loom::Trainer trainer(pg, *model, opt);
 
   auto evaluate = [&](int64_t s) {
     torch::NoGradGuard no_grad;
     model->eval();
-    loom::DistributedSampler sampler({.dataset_size = n_test, .num_replicas = env.world_size, .rank = env.rank, .shuffle = false});
+    loom::DistributedSampler sampler({.dataset_size = n_test, .num_replicas = pg.world_size(), .rank = pg.rank(), .shuffle = false});
     std::vector<int64_t> seen;
     std::vector<torch::Tensor> preds;
     std::vector<torch::Tensor> xs;
@@ -130,7 +127,7 @@ void train(Comm& comm, const loom::Environment& env, const Options& o, torch::De
     }
     flush();
     const torch::Tensor mine = preds.empty() ? torch::empty({0}, torch::kLong) : torch::cat(preds);
-    const auto all = loom::gather_results(comm, seen, mine.unsqueeze(1), {.dataset_size = n_test});
+    const auto all = loom::gather_results(pg, seen, mine.unsqueeze(1), {.dataset_size = n_test});
     model->train();
     const torch::Tensor predicted = all.values.squeeze(1);
     return predicted.eq(test_labels).to(torch::kDouble).mean().item<double>();
@@ -144,35 +141,24 @@ void train(Comm& comm, const loom::Environment& env, const Options& o, torch::De
       const int64_t s = size_of(o.sizes, o.seed, epoch, i);
       shapes[static_cast<std::size_t>(i)] = {1, s, s};
     }
-    loom::DistributedBucketBatchSampler sampler(std::move(shapes), {.num_replicas = env.world_size, .rank = env.rank,
-                                                                    .seed = o.seed, .max_samples = o.max_batch});
-    sampler.set_epoch(epoch);
-    loom::Progress progress{loom::StreamSink{stdout}, me, {.total = n_train, .label = fmt::format("epoch {}", epoch + 1), .sync_every = 16}};
-    loom::WeightedMean loss_mean;
-    while (auto planned = sampler.next()) {
-      loom::Batch b = loom::collate_sampled(*planned, [&](int64_t i) {
-        return std::pair<torch::Tensor, int64_t>(image_at(train_set.images, i, planned->padded_shape[1]),
-                                                 train_set.labels[i].item<int64_t>());
-      });
-      auto mb = acc.micro_batch(b);  // 0 samples for a repeated (weight-0) batch
-      const torch::Tensor loss = torch::nn::functional::cross_entropy(
-                                     model->forward(b.data.to(device)), b.targets.to(device),
-                                     torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
-                                 b.weight;
-      mb.scale(loss).backward();
-      if (const loom::SyncResult step = mb.finish(); step.boundary) {
-        if (step) opt.step();
-        opt.zero_grad();
-      }
-      if (b.weight > 0) loss_mean.add(loss.item<double>() / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
-      progress.step(comm, b.weight > 0 ? b.num_samples : 0);
+    // This epoch's shapes: a loader of its own (the plan is a function of the shapes).
+    loom::BatchLoader loader(
+        pg, std::move(shapes),
+        [&](int64_t i) {
+          const int64_t s = size_of(o.sizes, o.seed, epoch, i);
+          return std::pair<torch::Tensor, int64_t>(image_at(train_set.images, i, s), train_set.labels[i].item<int64_t>());
+        },
+        {.seed = o.seed, .max_samples = o.max_batch, .batches_per_step = o.batches_per_step}, {.device = device});
+    loom::Progress progress{loom::StreamSink{stdout}, loom::rank_info(pg), {.total = n_train, .label = fmt::format("epoch {}", epoch + 1)}};
+    trainer.on_step([&](const loom::SyncResult& r) { progress.add_global(r.global_samples); });
+    loom::Metrics metrics(pg);
+    for (loom::Batch& b : trainer.epoch(loader, epoch)) {
+      const torch::Tensor loss = torch::nn::functional::cross_entropy(model->forward(b.data), b.targets);
+      trainer.backward(loss, b);
+      metrics.add("loss", loss, b);
     }
-    while (auto step = acc.end_epoch()) {
-      if (*step) opt.step();
-      opt.zero_grad();
-    }
-    progress.finish(comm);
-    const double train_loss = loom::global_mean(comm, loss_mean);
+    progress.finish(pg);
+    const double train_loss = metrics.mean("loss");
     std::vector<std::string> per_size;
     accuracy = 0;
     for (int s : o.sizes) {
@@ -187,24 +173,6 @@ void train(Comm& comm, const loom::Environment& env, const Options& o, torch::De
            std::chrono::duration<double>(Clock::now() - start).count());
 }
 
-/// One rank: the device (`--device cuda`: GPU local_rank, ranks still talk through Gloo), then training.
-void run_rank(const loom::Environment& env, const Options& o, Clock::time_point start) {
-  at::set_num_threads(o.threads);
-  const bool cuda = torch::cuda::is_available();
-  if (o.device == "cuda" && !cuda)
-    throw loom::ConfigError("--device cuda: this LibTorch or machine has no CUDA device; use --device cpu");
-  const torch::Device device = (o.device == "cuda" || (o.device == "auto" && cuda))
-                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
-                                   : torch::Device(torch::kCPU);
-  if (env.world_size == 1) {
-    loom::LocalCommunicator comm;
-    train(comm, env, o, device, start);
-  } else {
-    loom::GlooCommunicator comm(env);
-    train(comm, env, o, device, start);
-  }
-}
-
 int main(int argc, char** argv) {
   const auto start = Clock::now();
   Options o;
@@ -217,23 +185,28 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", o.epochs, "epochs")->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "AdamW learning rate");
   app.add_option("--width", o.width, "channels of the first conv layer; a multiple of 8");
-  app.add_option("--max-batch", o.max_batch, "samples per micro-batch")->check(CLI::PositiveNumber);
-  app.add_option("--accumulate", o.accumulate, "micro-batches per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--max-batch", o.max_batch, "samples per batch")->check(CLI::PositiveNumber);
+  app.add_option("--batches-per-step", o.batches_per_step,
+                 "batches per optimizer step, for the whole job (dealt to the ranks: the same steps on any number of ranks)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--seed", o.seed, "seed of the weights, the sizes and the shuffles");
   app.add_option("--threads", o.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
-  app.add_option("--device", o.device, "auto | cpu | cuda (GPU local_rank; ranks talk through Gloo)")
+  app.add_option("--device", o.device, "auto | cpu | cuda (the model's device; a GPU is LOCAL_RANK among CUDA_VISIBLE_DEVICES)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--backend", o.backend, "auto | gloo | nccl (auto: NCCL for a GPU model, Gloo for a CPU one)")
+      ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous and in any collective")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (o.width % 8 != 0) {
     fmt::print(stderr, "--width {} must be a multiple of 8 (GroupNorm groups)\n", o.width);
     return 2;
   }
   try {
-    const loom::Environment env = loom::Environment::from_env();
-    if (env.launcher == loom::Launcher::none && o.nproc > 1)
-      loom::spawn(o.nproc, [&](const loom::Environment& child) { run_rank(child, o, start); }, {.threads_per_rank = o.threads});
-    else
-      run_rank(env, o, start);
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000));
+    loom::run([&](loom::ProcessGroup& pg) { train(pg, o, start); },
+              {.nproc = o.nproc,
+               .group = {.backend = examples::group_backend(o.backend, o.device), .timeout = timeout},
+               .spawn = {.threads_per_rank = o.threads}});
   } catch (const loom::Error& e) {
     fmt::print(stderr, "fashion_mnist_multiscale: {}\n", e.what());
     return 1;
