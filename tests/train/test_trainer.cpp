@@ -163,6 +163,31 @@ TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error n
   }
 }
 
+TEST_CASE("Trainer: stop() from on_step ends the loop at that step; the next epoch runs in full") {
+  Setup s;
+  int64_t calls = 0;
+  s.trainer.on_step([&](const loom::SyncResult& r) {
+    CHECK(r.boundary);
+    if (++calls == 2) s.trainer.stop();
+  });
+  int64_t batches = 0;
+  for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+    s.trainer.backward(s.loss(b), b);
+    ++batches;
+  }
+  CHECK(s.trainer.stopped());
+  CHECK(s.trainer.steps() == 2);
+  CHECK(calls == 2);
+  CHECK(batches == 4);  // 2 steps of 2 batches
+  int64_t more = 0;
+  for (loom::Batch& b : s.trainer.epoch(s.loader, 1)) {
+    s.trainer.backward(s.loss(b), b);
+    ++more;
+  }
+  CHECK_FALSE(s.trainer.stopped());
+  CHECK(more == static_cast<int64_t>(s.loader.sampler().plan().batches.size()));
+}
+
 TEST_CASE("Trainer: a loss summed over the batch (LossReduction::sum) gives the same step as its mean") {
   loom::LocalCommunicator comm;
   auto run = [&](loom::LossReduction r) {

@@ -151,6 +151,8 @@ class Trainer {
                               "after a step boundary (trainer.backward(...).boundary)",
                               epoch, accumulator_.window_micro_batches()));
     current_.reset();
+    stop_ = false;
+    stopped_ = false;
     loader.begin_epoch(epoch);
     epoch_ = epoch;
     return EpochRange<Trainer, Loader>(this, &loader);
@@ -191,6 +193,15 @@ class Trainer {
   /// learning-rate schedule, a checkpoint every N steps.
   /// Example: `trainer.on_step([&](const loom::SyncResult& r) { progress.add_global(r.global_samples); });`
   void on_step(std::function<void(const SyncResult&)> fn) { on_step_ = std::move(fn); }
+
+  /// Ends the running epoch loop at the current step boundary: the range stops yielding batches
+  /// without running further steps (and without the end-of-epoch flush, which has nothing to do at
+  /// a boundary). Call it from on_step, which every rank runs at the same step, so every rank stops
+  /// there; called between boundaries it takes effect at the next one. The next epoch() clears it.
+  /// Example: `trainer.on_step([&](const loom::SyncResult&) { if (++n == max_steps) trainer.stop(); });`
+  void stop() noexcept { stop_ = true; }
+  /// Whether the last epoch loop ended by stop().
+  [[nodiscard]] bool stopped() const noexcept { return stopped_; }
 
   /// Optimizer steps applied so far (skipped inf/NaN steps not counted).
   [[nodiscard]] int64_t steps() const noexcept { return steps_; }
@@ -292,6 +303,8 @@ class Trainer {
   int64_t skipped_ = 0;
   int64_t arrivals_seen_ = 0;
   bool backward_done_ = false;
+  bool stop_ = false;     // stop() was called
+  bool stopped_ = false;  // the last epoch loop ended by stop()
 };
 
 /// The loop over this rank's batches of one epoch, made by Trainer::epoch. Iterating it yields
@@ -344,6 +357,11 @@ class EpochRange {
  private:
   void advance() {
     for (;;) {
+      if (trainer_->stop_ && trainer_->accumulator_.window_micro_batches() == 0) {  // stop() at a step boundary
+        trainer_->stopped_ = true;
+        done_ = true;
+        return;
+      }
       auto item = loader_->sampler().next();
       if (!item) {
         trainer_->end_epoch();
