@@ -66,9 +66,10 @@ class BucketView : public ranges::view_base {
     // For in-memory inputs (a forward range of lvalues, e.g. a std::vector of samples) the tensors'
     // metadata (TensorImpl: dtype, sizes, storage pointer) is usually cold in cache, and touching
     // it costs a memory round trip per sample. Prefetching the next sample's TensorImpl (its first
-    // four cache lines) while this one is copied hides that: on bench_collate's collate_mixed it
-    // took loom from 0.73x to 1.0x of a bare memcpy loop. Never used for ranges that compute their
-    // elements (that would compute them twice).
+    // four cache lines) while this one is copied hides that (bench_collate's collate_mixed, 4096
+    // shuffled float32 samples of 3 x h x w: 0.70-0.75x of a bare memcpy loop without it,
+    // 0.98-1.02x with it). Never used for ranges that compute their elements (that would compute
+    // them twice).
     static constexpr bool kPrefetch =
         ranges::forward_range<V> && std::is_lvalue_reference_v<ranges::range_reference_t<V>> &&
         std::is_reference_v<decltype(std::declval<const Projection&>().data(std::declval<ranges::range_reference_t<V>>()))>;
@@ -76,9 +77,16 @@ class BucketView : public ranges::view_base {
     void prefetch_next() {
       if constexpr (kPrefetch) {
         auto next = ranges::next(it);
-        if (next == end) return;
-        const auto* impl = reinterpret_cast<const char*>(proj.data(*next).unsafeGetTensorImpl());
-        for (int line = 0; line < 4; ++line) __builtin_prefetch(impl + 64 * line);
+        if (next != end) {
+          const auto* impl = reinterpret_cast<const char*>(proj.data(*next).unsafeGetTensorImpl());
+          __builtin_prefetch(impl);
+          __builtin_prefetch(impl + 64);
+          __builtin_prefetch(impl + 128);
+          __builtin_prefetch(impl + 192);
+          // GCC 12 finds this function free of side effects (prefetches do not count) and deletes
+          // the call; an empty volatile asm that uses the pointer keeps it.
+          asm volatile("" : : "r"(impl));
+        }
       }
     }
 
