@@ -11,9 +11,9 @@
 //   h2d_cuda_transfer_pinned/BYTES     CudaTransfer start/finish of a Batch in pinned memory
 //                                      (device tensor from the caching allocator), stream sync
 //   h2d_cuda_transfer_staged/BYTES     same from pageable memory (+ staging memcpy into pinned)
-//   h2d_scheduler_end_to_end/BYTES     Scheduler<..., StackMerge, CudaTransfer>: 64 generators,
+//   h2d_scheduler_end_to_end/BYTES     GeneratorLoader<..., StackCollate, CudaTransfer>: 64 generators,
 //                                      one step = merge (host copy) + staging + H2D; steady state
-//   h2d_scheduler_pinned_merge/BYTES   Scheduler<..., CollateMerge into a pinned BufferPool,
+//   h2d_scheduler_pinned_merge/BYTES   GeneratorLoader<..., DefaultCollate into a pinned BufferPool,
 //                                      CudaTransfer>: merge (host copy) + H2D, no staging
 //
 // Without a CUDA device every benchmark reports an error saying why (SkipWithError).
@@ -44,7 +44,7 @@ int main() {
 #if LOOM_TORCH_HAS_CUDA
 #include <c10/cuda/CUDAStream.h>
 
-#include <loom/schedule/scheduler.hpp>
+#include <loom/schedule/generator_loader.hpp>
 #endif
 
 namespace {
@@ -133,7 +133,7 @@ void BM_h2d_scheduler_end_to_end(benchmark::State& state) {
     at::Tensor sample = at::full({per_sample}, static_cast<float>(g));
     gens.emplace_back([sample]() -> std::optional<at::Tensor> { return sample; });  // endless, no generation cost
   }
-  loom::Scheduler<Gen, loom::StackMerge, loom::cuda::CudaTransfer> sched(
+  loom::GeneratorLoader<Gen, loom::StackCollate, loom::cuda::CudaTransfer> sched(
       std::move(gens), {.num_devices = 1, .prefetch_depth = 4, .num_workers = 1, .count_unread = false}, {},
       loom::cuda::CudaTransfer{});
   auto consumer = c10::cuda::getCurrentCUDAStream(0);
@@ -163,9 +163,9 @@ void BM_h2d_scheduler_pinned_merge(benchmark::State& state) {
     gens.emplace_back([sample]() -> std::optional<at::Tensor> { return sample; });
   }
   auto pinned = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = loom::cuda::pinned_empty});
-  loom::Scheduler<Gen, loom::CollateMerge<>, loom::cuda::CudaTransfer> sched(
+  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(
       std::move(gens), {.num_devices = 1, .prefetch_depth = 4, .num_workers = 1, .count_unread = false},
-      loom::CollateMerge<>{.options = {.pool = pinned}}, loom::cuda::CudaTransfer{});
+      loom::DefaultCollate<>{.options = {.pool = pinned}}, loom::cuda::CudaTransfer{});
   auto consumer = c10::cuda::getCurrentCUDAStream(0);
   for (auto _ : state) {
     auto step = sched.next();

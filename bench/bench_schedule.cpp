@@ -1,4 +1,4 @@
-// bench_schedule — the generator-to-device scheduler against its bound and a hand-written loop.
+// bench_schedule — the generator-to-device loader against its bound and a hand-written loop.
 //
 // schedule_io: 16 generators, each taking 2 ms per sample (a sleep, modelling I/O), onto 8
 // logical devices (2 generators per device), 200 steps.
@@ -6,7 +6,7 @@
 //               200 steps take 0.4 s; reported through manual time so it sits in the table.
 //   sequential  the hand-written loop: on the training thread, for each device, pull each of its
 //               generators one after another, then stack the batch (32 ms per step).
-//   loom        loom::Scheduler (one worker per generator), prefetch depth 2 (the default) and 4.
+//   loom        loom::GeneratorLoader (one worker per generator), prefetch depth 2 (the default) and 4.
 // Counters: steps_per_s; on loom, vs_ideal (goal >= 0.9) and vs_sequential (goal >= 5), from
 // the rates measured earlier in the same run. sequential also reports ms_per_sample, the time
 // one 2 ms sleep really took in this run (timer slack and a loaded machine make it longer), and
@@ -15,8 +15,8 @@
 // cpu_png: CPU-bound generators that decode real PNG icons (Debian's adwaita-icon-theme,
 // 96x96 RGBA, libpng through loom::data::read_png): 4 generators onto 2 devices.
 //   sequential  decode on the training thread
-//   loom/1      loom::Scheduler with 1 worker thread
-//   loom/2      loom::Scheduler with 2 worker threads (the machine has 2 cores)
+//   loom/1      loom::GeneratorLoader with 1 worker thread
+//   loom/2      loom::GeneratorLoader with 2 worker threads (the machine has 2 cores)
 // Counters: images_per_s; on loom/2, vs_1_worker.
 #include <algorithm>
 #include <chrono>
@@ -31,7 +31,7 @@
 #include <benchmark/benchmark.h>
 
 #include <loom/data/png.hpp>
-#include <loom/schedule/scheduler.hpp>
+#include <loom/schedule/generator_loader.hpp>
 
 namespace {
 
@@ -74,7 +74,7 @@ void schedule_io_ideal(benchmark::State& state) {
 
 void schedule_io_sequential(benchmark::State& state) {
   const auto assignment = loom::assign(loom::Assignment::contiguous(), kGenerators, kDevices);
-  loom::StackMerge merge;
+  loom::StackCollate collate_fn;
   double total = 0;
   int64_t steps = 0;
   for (auto _ : state) {
@@ -84,7 +84,7 @@ void schedule_io_sequential(benchmark::State& state) {
       for (int d = 0; d < kDevices; ++d) {
         std::vector<at::Tensor> samples;
         for (int g : assignment[static_cast<size_t>(d)]) samples.push_back(*gens[static_cast<size_t>(g)]());
-        loom::Batch b = merge(std::span(samples), {.device = d, .step = k, .generators = assignment[static_cast<size_t>(d)]});
+        loom::Batch b = collate_fn(std::span(samples), {.device = d, .step = k, .generators = assignment[static_cast<size_t>(d)]});
         benchmark::DoNotOptimize(b.data.data_ptr());
       }
       ++steps;
@@ -102,7 +102,7 @@ void schedule_io_loom(benchmark::State& state) {
   int64_t steps = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    loom::Scheduler<SleepyGenerator> sched(sleepy_generators(),
+    loom::GeneratorLoader<SleepyGenerator> sched(sleepy_generators(),
                                            {.num_devices = kDevices, .prefetch_depth = static_cast<int>(state.range(0))});
     for (auto& step : sched) {
       benchmark::DoNotOptimize(step.devices.back().batch.data.data_ptr());
@@ -159,7 +159,7 @@ std::vector<PngGenerator> png_generators() {
 void cpu_png_sequential(benchmark::State& state) {
   if (icon_files().size() < kPngGenerators) return state.SkipWithError("no icons under /usr/share/icons/Adwaita/96x96");
   const auto assignment = loom::assign(loom::Assignment::contiguous(), kPngGenerators, kPngDevices);
-  loom::StackMerge merge;
+  loom::StackCollate collate_fn;
   int64_t images = 0;
   double total = 0;
   for (auto _ : state) {
@@ -178,7 +178,7 @@ void cpu_png_sequential(benchmark::State& state) {
           samples.push_back(std::move(*s));
         }
         if (done) break;
-        loom::Batch b = merge(std::span(samples), {.device = d, .step = k, .generators = assignment[static_cast<size_t>(d)]});
+        loom::Batch b = collate_fn(std::span(samples), {.device = d, .step = k, .generators = assignment[static_cast<size_t>(d)]});
         images += b.num_samples;
       }
       if (done) break;
@@ -196,7 +196,7 @@ void cpu_png_loom(benchmark::State& state) {
   double total = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    loom::Scheduler<PngGenerator> sched(png_generators(), {.num_devices = kPngDevices, .prefetch_depth = 4, .num_workers = workers});
+    loom::GeneratorLoader<PngGenerator> sched(png_generators(), {.num_devices = kPngDevices, .prefetch_depth = 4, .num_workers = workers});
     for (auto& step : sched)
       for (auto& db : step.devices) images += db.batch.num_samples;
     total += std::chrono::duration<double>(Clock::now() - t0).count();

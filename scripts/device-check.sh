@@ -296,7 +296,7 @@ if [ -x "$DEV" ]; then
     "collation into pinned memory*"
     "NCCL on CUDA tensors*"
     "transfer_batch*"
-    "Scheduler with CudaTransfer*"
+    "GeneratorLoader with CudaTransfer*"
     "Reducer + Accumulator over NCCL*"
     "CUDA tensor tests need a LibTorch built with CUDA*"
   )

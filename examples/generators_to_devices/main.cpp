@@ -1,6 +1,6 @@
 // examples/generators_to_devices — 16 real time series, each a generator that yields one window
 // at a time, scheduled onto 8 devices (2 generators per device), one small forecaster trained on
-// every device's merged batch with gradients reduced across devices, weighted exactly by samples.
+// every device's collated batch with gradients reduced across devices, weighted exactly by samples.
 //
 // Data: CSV files of Debian's python3-vega-datasets (read with loom::data::read_csv): hourly
 // temperatures (Seattle, San Francisco), daily Seattle weather, monthly stock prices (5 symbols)
@@ -11,12 +11,12 @@
 // step so one model fits every series (see window_at); short series end early.
 // Loop, assembled from loom's public parts:
 //   --mode ranks (default): loom::spawn starts --devices ranks (or run under torchrun / mpirun);
-//     loom::RankScheduler gives rank r generators 2r and 2r+1 and merges their k-th windows into
-//     one 2-row batch (loom::CollateMerge); every rank runs the same number of steps
+//     loom::RankGeneratorLoader gives rank r generators 2r and 2r+1 and collates their k-th windows into
+//     one 2-row batch (loom::DefaultCollate); every rank runs the same number of steps
 //     (EndPolicy::drain: a rank whose series ended gets 0-row batches and contributes nothing);
 //     loom::Accumulator + loom::Reducer all-reduce the gradients over loom::GlooCommunicator,
 //     divided by the global sample count of the step (exact weighting when batches differ).
-//   --mode in-process: one process drives --devices logical devices with loom::Scheduler
+//   --mode in-process: one process drives --devices logical devices with loom::GeneratorLoader
 //     (a prefetching worker per generator); each device's batch is a micro-batch of one
 //     accumulation window, so the step's gradient is again the mean over all devices' samples.
 // Evaluation: every held-out window of every series, model vs the naive last-value forecast
@@ -51,8 +51,8 @@
 #include <loom/log/all.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
-#include <loom/schedule/rank_scheduler.hpp>
-#include <loom/schedule/scheduler.hpp>
+#include <loom/schedule/rank_generator_loader.hpp>
+#include <loom/schedule/generator_loader.hpp>
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -249,7 +249,7 @@ void run_ranks(Comm& comm, const loom::Environment& env, const Options& o, Clock
 
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     const auto t0 = Clock::now();
-    loom::RankScheduler<WindowGenerator, Comm> sched(
+    loom::RankGeneratorLoader<WindowGenerator, Comm> sched(
         comm, n, [&](int g) { return WindowGenerator(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed); },
         {.end = loom::EndPolicy::drain});
     loom::WeightedMean train_loss;
@@ -319,11 +319,11 @@ void run_in_process(const Options& o, Clock::time_point start) {
     const auto t0 = Clock::now();
     std::vector<WindowGenerator> gens;
     for (int g = 0; g < n; ++g) gens.emplace_back(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed);
-    loom::Scheduler sched(std::move(gens), {.num_devices = o.devices, .end = loom::EndPolicy::drain});
+    loom::GeneratorLoader sched(std::move(gens), {.num_devices = o.devices, .end = loom::EndPolicy::drain});
     loom::WeightedMean train_loss;
     int64_t steps = 0;
     for (auto& step : sched) {
-      for (auto& db : step.devices) {  // device d's merged batch: rows from its 2 generators
+      for (auto& db : step.devices) {  // device d's collated batch: rows from its 2 generators
         const loom::Batch& b = db.batch;
         auto mb = acc.micro_batch(b);
         if (b.num_samples > 0) {
@@ -354,7 +354,7 @@ void run_in_process(const Options& o, Clock::time_point start) {
 int main(int argc, char** argv) {
   const auto start = Clock::now();
   Options o;
-  CLI::App app{"16 time-series generators onto 8 devices: a forecaster trained on per-device merged batches."};
+  CLI::App app{"16 time-series generators onto 8 devices: a forecaster trained on per-device collated batches."};
   app.add_option("--mode", o.mode, "ranks: one process per device; in-process: one process, logical devices")
       ->check(CLI::IsMember({"ranks", "in-process"}));
   app.add_option("--devices", o.devices, "devices (ranks, or logical devices in-process); must divide 16")

@@ -33,7 +33,7 @@
 #include <loom/cuda/transfer.hpp>
 #include <loom/dist/spawn.hpp>
 #if LOOM_TORCH_HAS_CUDA
-#include <loom/schedule/scheduler.hpp>
+#include <loom/schedule/generator_loader.hpp>
 #endif
 
 extern char** environ;
@@ -538,7 +538,7 @@ TEST_CASE("transfer_batch: pinned batch to the device on a copy stream; consumer
   CHECK_THROWS_WITH_AS(loom::cuda::transfer_batch(host, 0, copy), doctest::Contains("batch.data is already on cuda:0"),
                        loom::InvalidArgument);
 }
-TEST_CASE("Scheduler with CudaTransfer: batches arrive on the GPU, equal to the host merge") {
+TEST_CASE("GeneratorLoader with CudaTransfer: batches arrive on the GPU, equal to the host merge") {
   // 4 generators x 6 steps; sample k of generator g is (g*100 + k) + arange(16); two logical
   // devices both mapped to cuda:0 (one worker and copy stream each).
   using Gen = std::function<std::optional<std::pair<at::Tensor, int64_t>>()>;
@@ -550,7 +550,7 @@ TEST_CASE("Scheduler with CudaTransfer: batches arrive on the GPU, equal to the 
       return std::make_pair(t, static_cast<int64_t>(g * 10 + k++));
     });
   loom::cuda::CudaTransfer transfer(loom::cuda::CudaTransferOptions{.cuda_devices = {0, 0}});
-  loom::Scheduler<Gen, loom::StackMerge, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 2}, {}, transfer);
+  loom::GeneratorLoader<Gen, loom::StackCollate, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 2}, {}, transfer);
   int steps = 0;
   for (auto& step : sched) {
     for (auto& db : step.devices) {
@@ -565,10 +565,10 @@ TEST_CASE("Scheduler with CudaTransfer: batches arrive on the GPU, equal to the 
     ++steps;
   }
   CHECK(steps == 6);
-  CHECK(transfer.staging().stats().host_allocs > 0);  // pageable StackMerge output was staged
+  CHECK(transfer.staging().stats().host_allocs > 0);  // pageable StackCollate output was staged
 }
 
-TEST_CASE("Scheduler with CollateMerge into pinned memory and CudaTransfer: no staging copy") {
+TEST_CASE("GeneratorLoader with DefaultCollate into pinned memory and CudaTransfer: no staging copy") {
   using Gen = std::function<std::optional<std::pair<at::Tensor, int64_t>>()>;
   std::vector<Gen> gens;
   for (int g = 0; g < 3; ++g)
@@ -578,9 +578,9 @@ TEST_CASE("Scheduler with CollateMerge into pinned memory and CudaTransfer: no s
       return std::make_pair(t, static_cast<int64_t>(g * 10 + k++));
     });
   auto pinned = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = loom::cuda::pinned_empty});
-  loom::CollateMerge<> merge{.options = {.pool = pinned}};
+  loom::DefaultCollate<> merge{.options = {.pool = pinned}};
   loom::cuda::CudaTransfer transfer;
-  loom::Scheduler<Gen, loom::CollateMerge<>, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 1}, merge, transfer);
+  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 1}, merge, transfer);
   int steps = 0;
   for (auto& step : sched) {
     auto& db = step.devices[0];

@@ -1,4 +1,4 @@
-// Test generators for the scheduler tests: streams whose sample k of generator g is the int64
+// Test generators for the loader tests: streams whose sample k of generator g is the int64
 // tensor [g, k], with optional per-sample delays (to shake thread timing), a length, and a sample
 // index at which they throw.
 #pragma once

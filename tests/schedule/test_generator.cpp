@@ -1,5 +1,5 @@
 // Concepts of loom/schedule (which types model them and which do not), the assignment
-// policies, and the default merge step.
+// policies, and the default collate step.
 #include <functional>
 #include <istream>
 #include <list>
@@ -7,7 +7,7 @@
 
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/generator.hpp>
-#include <loom/schedule/merge.hpp>
+#include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/transfer.hpp>
 
 #include "helpers.hpp"
@@ -97,7 +97,7 @@ TEST_CASE("SampleGenerator: callables returning optional and input ranges model 
   static_assert(!loom::SampleGenerator<int>);
   static_assert(!loom::SampleGenerator<NotOptional>, "no std::optional: no way to signal the end");
   static_assert(!loom::SampleGenerator<NeedsArgument>, "must be callable with no arguments");
-  static_assert(!loom::SampleGenerator<Immovable>, "the scheduler takes ownership by move");
+  static_assert(!loom::SampleGenerator<Immovable>, "the loader takes ownership by move");
   static_assert(!loom::SampleGenerator<std::optional<at::Tensor>>, "an optional is a value, not a stream");
 
   static_assert(loom::SkippableSampleGenerator<WithSkip>);
@@ -189,19 +189,19 @@ TEST_CASE("assign: bad input names the value") {
   CHECK_THROWS_AS(loom::generators_of(loom::Assignment::contiguous(), 4, 2, 2), loom::InvalidArgument);
 }
 
-// ---- merge and transfer ------------------------------------------------------------------------
+// ---- collate and transfer ------------------------------------------------------------------------
 
-TEST_CASE("StackMerge: rows in sample order, targets, generator ids; shape mismatch names the generator") {
-  static_assert(loom::BatchMerger<loom::StackMerge, at::Tensor>);
-  static_assert(loom::BatchMerger<loom::StackMerge, std::pair<at::Tensor, int64_t>>);
-  static_assert(!loom::BatchMerger<loom::StackMerge, int>, "StackMerge needs a tensor in the sample");
+TEST_CASE("StackCollate: rows in sample order, targets, generator ids; shape mismatch names the generator") {
+  static_assert(loom::CollateFunction<loom::StackCollate, at::Tensor>);
+  static_assert(loom::CollateFunction<loom::StackCollate, std::pair<at::Tensor, int64_t>>);
+  static_assert(!loom::CollateFunction<loom::StackCollate, int>, "StackCollate needs a tensor in the sample");
   static_assert(loom::BatchTransfer<loom::HostTransfer, loom::Batch>);
   static_assert(!loom::BatchTransfer<NoTicket, loom::Batch>, "a transfer names its Ticket type");
 
-  loom::StackMerge merge;
+  loom::StackCollate collate_fn;
   std::vector<std::pair<at::Tensor, int64_t>> samples = {{torch::tensor({1.0f, 2.0f}), 7}, {torch::tensor({3.0f, 4.0f}), 9}};
   std::vector<int> ids = {4, 6};
-  loom::Batch b = merge(std::span(samples), loom::MergeContext{.device = 2, .step = 5, .generators = ids});
+  loom::Batch b = collate_fn(std::span(samples), loom::CollateContext{.device = 2, .step = 5, .generators = ids});
   CHECK(b.data.equal(torch::tensor({{1.0f, 2.0f}, {3.0f, 4.0f}})));
   CHECK(b.targets.equal(torch::tensor({int64_t{7}, int64_t{9}})));
   CHECK(b.indices == std::vector<int64_t>{4, 6});
@@ -211,18 +211,18 @@ TEST_CASE("StackMerge: rows in sample order, targets, generator ids; shape misma
   // non-contiguous sample: copied through the strided path
   std::vector<at::Tensor> nc = {torch::arange(6).reshape({2, 3}).t(), torch::arange(6, 12).reshape({2, 3}).t()};
   std::vector<int> ids2 = {0, 1};
-  loom::Batch b2 = merge(std::span(nc), loom::MergeContext{.generators = ids2});
+  loom::Batch b2 = collate_fn(std::span(nc), loom::CollateContext{.generators = ids2});
   CHECK(b2.data.equal(torch::stack({nc[0], nc[1]})));
 
   std::vector<at::Tensor> bad = {torch::zeros({2, 3}), torch::zeros({3, 2})};
   std::vector<int> ids3 = {10, 11};
-  CHECK_THROWS_WITH_AS(merge(std::span(bad), loom::MergeContext{.device = 1, .step = 3, .generators = ids3}),
+  CHECK_THROWS_WITH_AS(collate_fn(std::span(bad), loom::CollateContext{.device = 1, .step = 3, .generators = ids3}),
                        doctest::Contains("device 1, step 3: generator 10 gave a data tensor of shape [2, 3] Float, generator 11 gave [3, 2] Float"),
                        loom::InvalidArgument);
   std::vector<at::Tensor> mixed = {torch::zeros({2}), torch::zeros({2}, torch::kLong)};
-  CHECK_THROWS_WITH_AS(merge(std::span(mixed), loom::MergeContext{.generators = ids3}),
+  CHECK_THROWS_WITH_AS(collate_fn(std::span(mixed), loom::CollateContext{.generators = ids3}),
                        doctest::Contains("generator 11"), loom::InvalidArgument);
-  CHECK(merge.empty({}).weight == 0.0);
+  CHECK(collate_fn.empty({}).weight == 0.0);
 }
 
 namespace {
@@ -233,17 +233,17 @@ struct Tagged {  // a sample that carries its own dataset index
 };
 }  // namespace
 
-TEST_CASE("CollateMerge: loom's collator — exact by default, padding with a mask when asked, projection index") {
-  static_assert(loom::BatchMerger<loom::CollateMerge<>, at::Tensor>);
-  static_assert(loom::BatchMerger<loom::CollateMerge<>, std::pair<at::Tensor, int64_t>>);
-  static_assert(loom::BatchMerger<loom::CollateMerge<>, Tagged>);
-  static_assert(!loom::BatchMerger<loom::CollateMerge<>, int>, "the projection cannot read an int");
-  static_assert(std::same_as<loom::merge_result_t<loom::CollateMerge<>, at::Tensor>, loom::Batch>);
+TEST_CASE("DefaultCollate: loom's collator — exact by default, padding with a mask when asked, projection index") {
+  static_assert(loom::CollateFunction<loom::DefaultCollate<>, at::Tensor>);
+  static_assert(loom::CollateFunction<loom::DefaultCollate<>, std::pair<at::Tensor, int64_t>>);
+  static_assert(loom::CollateFunction<loom::DefaultCollate<>, Tagged>);
+  static_assert(!loom::CollateFunction<loom::DefaultCollate<>, int>, "the projection cannot read an int");
+  static_assert(std::same_as<loom::collate_result_t<loom::DefaultCollate<>, at::Tensor>, loom::Batch>);
 
   std::vector<int> ids = {3, 5};
   SUBCASE("same shapes: stacked, generator ids as indices, integer targets") {
     std::vector<std::pair<at::Tensor, int64_t>> s = {{torch::tensor({1.0f, 2.0f}), 7}, {torch::tensor({3.0f, 4.0f}), 9}};
-    loom::Batch b = loom::CollateMerge<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids});
+    loom::Batch b = loom::DefaultCollate<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids});
     CHECK(b.data.equal(torch::tensor({{1.0f, 2.0f}, {3.0f, 4.0f}})));
     CHECK(b.targets.equal(torch::tensor({int64_t{7}, int64_t{9}})));
     CHECK(b.indices == std::vector<int64_t>{3, 5});
@@ -251,27 +251,27 @@ TEST_CASE("CollateMerge: loom's collator — exact by default, padding with a ma
   }
   SUBCASE("different shapes without pad: the error names device, step and both generators") {
     std::vector<at::Tensor> s = {torch::zeros({2}), torch::zeros({3})};
-    CHECK_THROWS_WITH_AS(loom::CollateMerge<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids}),
+    CHECK_THROWS_WITH_AS(loom::DefaultCollate<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids}),
                          doctest::Contains("device 1, step 2: generator 3 gave a data tensor of shape [2] Float, generator 5 gave [3] Float"),
                          loom::InvalidArgument);
   }
   SUBCASE("different shapes with pad: padded to the step's largest, mask marks real elements") {
     std::vector<at::Tensor> s = {torch::tensor({1.0f, 2.0f}), torch::tensor({3.0f, 4.0f, 5.0f})};
-    loom::CollateMerge<> merge{.pad = true, .options = {.pad_value = -1.0, .mask = true}};
-    loom::Batch b = merge(std::span(s), {.generators = ids});
+    loom::DefaultCollate<> collate_fn{.pad = true, .options = {.pad_value = -1.0, .mask = true}};
+    loom::Batch b = collate_fn(std::span(s), {.generators = ids});
     CHECK(b.data.equal(torch::tensor({{1.0f, 2.0f, -1.0f}, {3.0f, 4.0f, 5.0f}})));
     CHECK(b.mask.equal(torch::tensor({{true, true, false}, {true, true, true}})));
   }
   SUBCASE("a projection with index(): the sample's own index, not the generator id") {
     std::vector<Tagged> s = {{torch::ones({2}), 1, 100}, {torch::zeros({2}), 0, 200}};
-    loom::Batch b = loom::CollateMerge<>{}(std::span(s), {.generators = ids});
+    loom::Batch b = loom::DefaultCollate<>{}(std::span(s), {.generators = ids});
     CHECK(b.indices == std::vector<int64_t>{100, 200});
     CHECK(b.targets.equal(torch::tensor({int64_t{1}, int64_t{0}})));
   }
   SUBCASE("collate's own errors carry the device and step") {
     std::vector<at::Tensor> s = {torch::zeros({0}), torch::zeros({0})};
-    CHECK_THROWS_WITH_AS(loom::CollateMerge<>{}(std::span(s), {.device = 4, .step = 6, .generators = ids}),
-                         doctest::Contains("CollateMerge: device 4, step 6 (sample index = generator id)"),
+    CHECK_THROWS_WITH_AS(loom::DefaultCollate<>{}(std::span(s), {.device = 4, .step = 6, .generators = ids}),
+                         doctest::Contains("DefaultCollate: device 4, step 6 (sample index = generator id)"),
                          loom::InvalidArgument);
   }
 }

@@ -1,11 +1,11 @@
-// The in-process Scheduler: exact time alignment, end-of-data policies, failures, early stop,
-// bounded memory, determinism, resume, and the merge / transfer seams.
+// The in-process GeneratorLoader: exact time alignment, end-of-data policies, failures, early stop,
+// bounded memory, determinism, resume, and the collate step / transfer seams.
 #include <functional>
 #include <mutex>
 #include <set>
 #include <thread>
 
-#include <loom/schedule/scheduler.hpp>
+#include <loom/schedule/generator_loader.hpp>
 
 #include "helpers.hpp"
 
@@ -18,7 +18,7 @@ namespace {
 
 // Runs a schedule to its end and checks every step against the hand-written assignment:
 // step k, device d = rows [g, k] for g in `hand[d]`. Returns the number of steps.
-int64_t run_and_check(loom::Scheduler<Stream>& sched, const V& hand, int64_t expected_steps) {
+int64_t run_and_check(loom::GeneratorLoader<Stream>& sched, const V& hand, int64_t expected_steps) {
   int64_t k = 0;
   for (auto& step : sched) {
     REQUIRE(step.index == k);
@@ -41,46 +41,46 @@ int64_t run_and_check(loom::Scheduler<Stream>& sched, const V& hand, int64_t exp
 
 }  // namespace
 
-TEST_CASE("Scheduler: 16 onto 8, 10 onto 4, 3 onto 1 — exact ordering and time alignment") {
+TEST_CASE("GeneratorLoader: 16 onto 8, 10 onto 4, 3 onto 1 — exact ordering and time alignment") {
   SUBCASE("16 onto 8, contiguous: device d gets generators 2d and 2d+1") {
-    loom::Scheduler<Stream> s(streams(16, 6, 300), {.num_devices = 8});
+    loom::GeneratorLoader<Stream> s(streams(16, 6, 300), {.num_devices = 8});
     V hand;
     for (int d = 0; d < 8; ++d) hand.push_back({2 * d, 2 * d + 1});
     CHECK(s.assignment() == hand);
     run_and_check(s, hand, 6);
   }
   SUBCASE("16 onto 8, round-robin: device d gets d and d+8") {
-    loom::Scheduler<Stream> s(streams(16, 5, 300), {.num_devices = 8, .assignment = loom::Assignment::round_robin()});
+    loom::GeneratorLoader<Stream> s(streams(16, 5, 300), {.num_devices = 8, .assignment = loom::Assignment::round_robin()});
     V hand;
     for (int d = 0; d < 8; ++d) hand.push_back({d, d + 8});
     run_and_check(s, hand, 5);
   }
   SUBCASE("10 onto 4, contiguous") {
-    loom::Scheduler<Stream> s(streams(10, 7, 300), {.num_devices = 4, .prefetch_depth = 1});
+    loom::GeneratorLoader<Stream> s(streams(10, 7, 300), {.num_devices = 4, .prefetch_depth = 1});
     run_and_check(s, V{{0, 1, 2}, {3, 4, 5}, {6, 7}, {8, 9}}, 7);
   }
   SUBCASE("10 onto 4, round-robin, 3 workers") {
-    loom::Scheduler<Stream> s(streams(10, 7, 300),
+    loom::GeneratorLoader<Stream> s(streams(10, 7, 300),
                               {.num_devices = 4, .assignment = loom::Assignment::round_robin(), .num_workers = 3});
     run_and_check(s, V{{0, 4, 8}, {1, 5, 9}, {2, 6}, {3, 7}}, 7);
   }
   SUBCASE("10 onto 4, explicit map, 1 worker for all devices") {
     std::vector<int> map = {3, 0, 0, 1, 2, 3, 1, 2, 0, 3};
-    loom::Scheduler<Stream> s(streams(10, 4, 300),
+    loom::GeneratorLoader<Stream> s(streams(10, 4, 300),
                               {.num_devices = 4, .assignment = loom::Assignment::explicit_map(map), .num_workers = 1});
     run_and_check(s, V{{1, 2, 8}, {3, 6}, {4, 7}, {0, 5, 9}}, 4);
   }
   SUBCASE("3 onto 1") {
-    loom::Scheduler<Stream> s(streams(3, 9, 300), {.num_devices = 1, .prefetch_depth = 4});
+    loom::GeneratorLoader<Stream> s(streams(3, 9, 300), {.num_devices = 1, .prefetch_depth = 4});
     run_and_check(s, V{{0, 1, 2}}, 9);
   }
 }
 
-TEST_CASE("Scheduler: input-range generators and pair samples with targets") {
+TEST_CASE("GeneratorLoader: input-range generators and pair samples with targets") {
   std::vector<std::vector<std::pair<at::Tensor, int64_t>>> gens(4);
   for (int g = 0; g < 4; ++g)
     for (int k = 0; k < 3; ++k) gens[static_cast<size_t>(g)].push_back({torch::full({2, 2}, 10.0 * g + k), 100 * g + k});
-  loom::Scheduler s(std::move(gens), {.num_devices = 2, .assignment = loom::Assignment::round_robin()});
+  loom::GeneratorLoader s(std::move(gens), {.num_devices = 2, .assignment = loom::Assignment::round_robin()});
   int64_t k = 0;
   while (auto step = s.next()) {
     for (int d = 0; d < 2; ++d) {
@@ -94,16 +94,16 @@ TEST_CASE("Scheduler: input-range generators and pair samples with targets") {
   CHECK(k == 3);
 }
 
-TEST_CASE("Scheduler: stop_at_shortest ends at the shortest generator and reports unread samples") {
+TEST_CASE("GeneratorLoader: stop_at_shortest ends at the shortest generator and reports unread samples") {
   // lengths 5, 7, 3, 9 onto 2 devices (contiguous: {0,1}, {2,3}): 3 steps.
   std::vector<Stream> gens = streams(4, 0, 200);
   const std::vector<int64_t> lengths = {5, 7, 3, 9};
   for (size_t g = 0; g < 4; ++g) gens[g].length = lengths[g];
   SUBCASE("count_unread on: exact counts") {
-    loom::Scheduler<Stream> s(gens, {.num_devices = 2, .count_unread = true});
+    loom::GeneratorLoader<Stream> s(gens, {.num_devices = 2, .count_unread = true});
     run_and_check(s, V{{0, 1}, {2, 3}}, 3);
     CHECK_FALSE(s.next().has_value());  // stays ended
-    const loom::EndReport r = s.report();
+    const loom::GeneratorLoaderReport r = s.report();
     CHECK(r.steps == 3);
     CHECK(r.shortest_generator == 2);
     REQUIRE(r.generators.size() == 4);
@@ -118,9 +118,9 @@ TEST_CASE("Scheduler: stop_at_shortest ends at the shortest generator and report
     }
   }
   SUBCASE("count_unread off (the default): lower bounds, flagged") {
-    loom::Scheduler<Stream> s(gens, {.num_devices = 2, .prefetch_depth = 1});
+    loom::GeneratorLoader<Stream> s(gens, {.num_devices = 2, .prefetch_depth = 1});
     run_and_check(s, V{{0, 1}, {2, 3}}, 3);
-    const loom::EndReport r = s.report();
+    const loom::GeneratorLoaderReport r = s.report();
     CHECK(r.shortest_generator == 2);
     CHECK(r.generators[2].unread == 0);
     CHECK(r.generators[2].unread_exact);  // generator 2 ended: nothing left
@@ -133,13 +133,13 @@ TEST_CASE("Scheduler: stop_at_shortest ends at the shortest generator and report
     std::vector<Stream> tie = streams(4, 4, 300);
     tie[3].length = 2;
     tie[1].length = 2;
-    loom::Scheduler<Stream> s(tie, {.num_devices = 2});
+    loom::GeneratorLoader<Stream> s(tie, {.num_devices = 2});
     run_and_check(s, V{{0, 1}, {2, 3}}, 2);
     CHECK(s.report().shortest_generator == 1);
   }
 }
 
-TEST_CASE("Scheduler: stop_at_shortest with an endless generator — report() returns; counting is opt-in and bounded") {
+TEST_CASE("GeneratorLoader: stop_at_shortest with an endless generator — report() returns; counting is opt-in and bounded") {
   using namespace std::chrono_literals;
   using Gen = std::function<std::optional<at::Tensor>()>;
   // generator 0 ends after 4 samples, generator 1 never ends; both on device 0: 4 steps
@@ -149,14 +149,14 @@ TEST_CASE("Scheduler: stop_at_shortest with an endless generator — report() re
     gens.emplace_back(loom_test::EndlessStream{.g = 1});
     return gens;
   };
-  auto run = [](loom::Scheduler<Gen>& s) {
+  auto run = [](loom::GeneratorLoader<Gen>& s) {
     int64_t k = 0;
     for (auto& step : s) {
       CHECK(step.devices[0].batch.data.equal(expected_rows({0, 1}, k)));
       ++k;
     }
     CHECK(k == 4);
-    const loom::EndReport r = loom_test::within(20s, "Scheduler::report()", [&] { return s.report(); });
+    const loom::GeneratorLoaderReport r = loom_test::within(20s, "GeneratorLoader::report()", [&] { return s.report(); });
     CHECK(r.steps == 4);
     CHECK(r.shortest_generator == 0);
     REQUIRE(r.generators.size() == 2);
@@ -170,24 +170,24 @@ TEST_CASE("Scheduler: stop_at_shortest with an endless generator — report() re
     return r.generators[1].unread;
   };
   SUBCASE("default options: no counting; unread = samples prefetched and dropped (at most prefetch_depth)") {
-    loom::Scheduler<Gen> s(make(), {.num_devices = 1, .prefetch_depth = 2});
+    loom::GeneratorLoader<Gen> s(make(), {.num_devices = 1, .prefetch_depth = 2});
     const int64_t unread = run(s);
     CHECK(unread >= 0);
     CHECK(unread <= 2);
   }
   SUBCASE("count_unread on: reads at most count_unread_limit more samples per generator") {
-    loom::Scheduler<Gen> s(make(), {.num_devices = 1, .prefetch_depth = 2, .count_unread = true, .count_unread_limit = 50});
+    loom::GeneratorLoader<Gen> s(make(), {.num_devices = 1, .prefetch_depth = 2, .count_unread = true, .count_unread_limit = 50});
     const int64_t unread = run(s);
     CHECK(unread >= 50);
     CHECK(unread <= 52);
   }
 }
 
-TEST_CASE("Scheduler: drain delivers every sample, partial batches flagged, dry devices empty") {
+TEST_CASE("GeneratorLoader: drain delivers every sample, partial batches flagged, dry devices empty") {
   std::vector<Stream> gens = streams(4, 0, 200);
   const std::vector<int64_t> lengths = {5, 7, 3, 9};
   for (size_t g = 0; g < 4; ++g) gens[g].length = lengths[g];
-  loom::Scheduler<Stream> s(gens, {.num_devices = 2, .end = loom::EndPolicy::drain});
+  loom::GeneratorLoader<Stream> s(gens, {.num_devices = 2, .end = loom::EndPolicy::drain});
   int64_t k = 0;
   int64_t rows = 0;
   for (auto& step : s) {
@@ -223,12 +223,12 @@ TEST_CASE("Scheduler: drain delivers every sample, partial batches flagged, dry 
   }
 }
 
-TEST_CASE("Scheduler: a generator that throws at sample 5 reaches the consumer, naming it; no hang") {
+TEST_CASE("GeneratorLoader: a generator that throws at sample 5 reaches the consumer, naming it; no hang") {
   for (int workers : {0, 1}) {
     CAPTURE(workers);
     std::vector<Stream> gens = streams(8, 1'000'000, 500);
     gens[3].throw_at = 5;  // device 1 (contiguous, 2 per device)
-    loom::Scheduler<Stream> s(std::move(gens), {.num_devices = 4, .num_workers = workers});
+    loom::GeneratorLoader<Stream> s(std::move(gens), {.num_devices = 4, .num_workers = workers});
     int64_t delivered = 0;
     try {
       while (auto step = s.next()) {
@@ -250,22 +250,22 @@ TEST_CASE("Scheduler: a generator that throws at sample 5 reaches the consumer, 
   }
 }
 
-TEST_CASE("Scheduler: a merge error (shapes differ) reaches the consumer with its own type") {
-  static_assert(std::same_as<loom::Scheduler<Stream>::BatchType, loom::Batch>, "the default merge is CollateMerge");
+TEST_CASE("GeneratorLoader: a collate error (shapes differ) reaches the consumer with its own type") {
+  static_assert(std::same_as<loom::GeneratorLoader<Stream>::BatchType, loom::Batch>, "the default collate function is DefaultCollate");
   std::vector<std::function<std::optional<at::Tensor>()>> gens;
   for (int g = 0; g < 4; ++g)
     gens.emplace_back([g, k = 0]() mutable -> std::optional<at::Tensor> {
       ++k;
       return torch::zeros({g == 2 && k == 4 ? 3 : 2});
     });
-  loom::Scheduler s(std::move(gens), {.num_devices = 2});
+  loom::GeneratorLoader s(std::move(gens), {.num_devices = 2});
   CHECK(s.next().has_value());
   CHECK(s.next().has_value());
   CHECK(s.next().has_value());
-  CHECK_THROWS_WITH_AS(s.next(), doctest::Contains("CollateMerge: device 1, step 3: generator 2 gave a data tensor of shape [3] Float, generator 3 gave [2] Float"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(s.next(), doctest::Contains("DefaultCollate: device 1, step 3: generator 2 gave a data tensor of shape [3] Float, generator 3 gave [2] Float"), loom::InvalidArgument);
 }
 
-TEST_CASE("Scheduler: samples of differing shapes through the collator's padding rules") {
+TEST_CASE("GeneratorLoader: samples of differing shapes through the collator's padding rules") {
   // generator g yields vectors of length g + 1 filled with k: padded to 3 per device step
   std::vector<std::function<std::optional<at::Tensor>()>> gens;
   for (int g = 0; g < 4; ++g)
@@ -273,9 +273,9 @@ TEST_CASE("Scheduler: samples of differing shapes through the collator's padding
       if (k == 3) return std::nullopt;
       return torch::full({g + 1}, static_cast<double>(k++));
     });
-  using Sched = loom::Scheduler<std::function<std::optional<at::Tensor>()>>;
+  using Sched = loom::GeneratorLoader<std::function<std::optional<at::Tensor>()>>;
   Sched s(std::move(gens), {.num_devices = 2, .assignment = loom::Assignment::round_robin()},
-          loom::CollateMerge<>{.pad = true, .options = {.padded_shape = {4}, .mask = true}});
+          loom::DefaultCollate<>{.pad = true, .options = {.padded_shape = {4}, .mask = true}});
   int64_t k = 0;
   for (auto& step : s) {
     for (int d = 0; d < 2; ++d) {
@@ -294,7 +294,7 @@ TEST_CASE("Scheduler: samples of differing shapes through the collator's padding
   CHECK(k == 3);
 }
 
-TEST_CASE("Scheduler: early stop (break, exception, destructor) stops and joins the workers") {
+TEST_CASE("GeneratorLoader: early stop (break, exception, destructor) stops and joins the workers") {
   auto pulls = std::make_shared<std::atomic<int64_t>>(0);
   auto endless = [&] {
     std::vector<Stream> gens = streams(6, 1'000'000, 1000);
@@ -303,7 +303,7 @@ TEST_CASE("Scheduler: early stop (break, exception, destructor) stops and joins 
   };
   SUBCASE("exception in the loop") {
     try {
-      loom::Scheduler<Stream> s(endless(), {.num_devices = 3});
+      loom::GeneratorLoader<Stream> s(endless(), {.num_devices = 3});
       for (auto& step : s)
         if (step.index == 2) throw std::logic_error("consumer gives up");
     } catch (const std::logic_error&) {
@@ -311,13 +311,13 @@ TEST_CASE("Scheduler: early stop (break, exception, destructor) stops and joins 
   }
   SUBCASE("break, then destruction") {
     {
-      loom::Scheduler<Stream> s(endless(), {.num_devices = 3, .prefetch_depth = 3});
+      loom::GeneratorLoader<Stream> s(endless(), {.num_devices = 3, .prefetch_depth = 3});
       for (auto& step : s)
         if (step.index == 1) break;
     }
   }
   SUBCASE("stop()") {
-    loom::Scheduler<Stream> s(endless(), {.num_devices = 3});
+    loom::GeneratorLoader<Stream> s(endless(), {.num_devices = 3});
     CHECK(s.next().has_value());
     s.stop();
     CHECK_FALSE(s.next().has_value());
@@ -331,7 +331,7 @@ TEST_CASE("Scheduler: early stop (break, exception, destructor) stops and joins 
 
 namespace {
 // A sample that counts live instances (the bounded-memory test keeps samples alive inside its
-// batches with VectorMerge, so every queued batch counts).
+// batches with VectorCollate, so every queued batch counts).
 struct Counted {
   // live = samples that exist as values (a moved-from husk no longer counts), so the count is
   // the number of logical samples alive anywhere: in a generator's return value, a queue, a batch.
@@ -363,20 +363,20 @@ struct CountedStream {
     return Counted(g, k++);
   }
 };
-// Merges by keeping the samples (moved) in a vector: a non-Batch batch type through the seam.
-struct VectorMerge {
-  std::vector<Counted> operator()(std::span<Counted> s, const loom::MergeContext&) const {
+// Collates by keeping the samples (moved) in a vector: a non-Batch batch type through the seam.
+struct VectorCollate {
+  std::vector<Counted> operator()(std::span<Counted> s, const loom::CollateContext&) const {
     return {std::make_move_iterator(s.begin()), std::make_move_iterator(s.end())};
   }
 };
 }  // namespace
 
-TEST_CASE("Scheduler: bounded memory — the workers fill exactly depth batches per device ahead, never more") {
+TEST_CASE("GeneratorLoader: bounded memory — the workers fill exactly depth batches per device ahead, never more") {
   // While the consumer holds step k, the workers build the next min(depth, 39 - k) steps of every
   // device and then stop: live samples reach exactly (1 + min(depth, 39 - k)) x 6 (the held step
   // plus the prefetched ones) and never exceed (depth + 1) x 6. Waiting for the exact count (an
-  // event, with a generous deadline that only a broken scheduler reaches) makes the lower bound
-  // testable: a scheduler that prefetched less (or not at all) never reaches it.
+  // event, with a generous deadline that only a broken loader reaches) makes the lower bound
+  // testable: a loader that prefetched less (or not at all) never reaches it.
   for (int depth : {1, 3}) {
     CAPTURE(depth);
     Counted::live = 0;
@@ -384,7 +384,7 @@ TEST_CASE("Scheduler: bounded memory — the workers fill exactly depth batches 
     std::vector<CountedStream> gens;
     for (int g = 0; g < 6; ++g) gens.push_back({g, 40});
     {
-      loom::Scheduler<CountedStream, VectorMerge> s(std::move(gens), {.num_devices = 3, .prefetch_depth = depth});
+      loom::GeneratorLoader<CountedStream, VectorCollate> s(std::move(gens), {.num_devices = 3, .prefetch_depth = depth});
       int64_t k = 0;
       for (auto& step : s) {
         const int64_t ahead = std::min<int64_t>(depth, 39 - k);
@@ -403,19 +403,19 @@ TEST_CASE("Scheduler: bounded memory — the workers fill exactly depth batches 
       }
       CHECK(k == 40);
     }
-    // inside the scheduler: at most `depth` batches per device (queued or being built), 2 samples
+    // inside the loader: at most `depth` batches per device (queued or being built), 2 samples
     // each; plus the step the consumer holds (6 samples).
     CHECK(Counted::peak.load() <= (depth + 1) * 6);
     CHECK(Counted::live.load() == 0);
   }
 }
 
-TEST_CASE("Scheduler: determinism — the same batches on every run whatever the thread timing") {
+TEST_CASE("GeneratorLoader: determinism — the same batches on every run whatever the thread timing") {
   auto collect = [](uint64_t seed, int workers, int depth) {
     std::vector<Stream> gens = streams(10, 12, 400, seed);
     gens[7].length = 9;
     std::vector<at::Tensor> out;
-    loom::Scheduler<Stream> s(std::move(gens), {.num_devices = 4, .assignment = loom::Assignment::round_robin(),
+    loom::GeneratorLoader<Stream> s(std::move(gens), {.num_devices = 4, .assignment = loom::Assignment::round_robin(),
                                                .prefetch_depth = depth, .num_workers = workers,
                                                .end = loom::EndPolicy::drain});
     for (auto& step : s)
@@ -431,11 +431,11 @@ TEST_CASE("Scheduler: determinism — the same batches on every run whatever the
   }
 }
 
-TEST_CASE("Scheduler: a saved state resumes to the uninterrupted sequence") {
+TEST_CASE("GeneratorLoader: a saved state resumes to the uninterrupted sequence") {
   const V hand = {{0, 1, 2}, {3, 4, 5}, {6, 7}, {8, 9}};
-  loom::ScheduleState saved;
+  loom::GeneratorLoaderState saved;
   {
-    loom::Scheduler<Stream> s(streams(10, 8, 200), {.num_devices = 4});
+    loom::GeneratorLoader<Stream> s(streams(10, 8, 200), {.num_devices = 4});
     for (int i = 0; i < 3; ++i) REQUIRE(s.next().has_value());
     saved = s.state();
   }
@@ -443,7 +443,7 @@ TEST_CASE("Scheduler: a saved state resumes to the uninterrupted sequence") {
   CHECK(saved.samples == std::vector<int64_t>(10, 3));
   CHECK(saved.num_devices == 4);
   SUBCASE("replaying generators (pull and drop)") {
-    loom::Scheduler<Stream> s(streams(10, 8, 200), {.num_devices = 4, .resume = saved});
+    loom::GeneratorLoader<Stream> s(streams(10, 8, 200), {.num_devices = 4, .resume = saved});
     int64_t k = 3;
     for (auto& step : s) {
       CHECK(step.index == k);
@@ -461,7 +461,7 @@ TEST_CASE("Scheduler: a saved state resumes to the uninterrupted sequence") {
       gens[static_cast<size_t>(g)].length = 8;
       gens[static_cast<size_t>(g)].skipped = skipped;
     }
-    loom::Scheduler s(std::move(gens), {.num_devices = 4, .resume = saved});
+    loom::GeneratorLoader s(std::move(gens), {.num_devices = 4, .resume = saved});
     auto step = s.next();
     REQUIRE(step.has_value());
     CHECK(step->index == 3);
@@ -469,7 +469,7 @@ TEST_CASE("Scheduler: a saved state resumes to the uninterrupted sequence") {
     CHECK(skipped->load() == 30);
   }
   SUBCASE("a state from another device count is refused") {
-    CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(10), {.num_devices = 5, .resume = saved}),
+    CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(10), {.num_devices = 5, .resume = saved}),
                          doctest::Contains("taken with 4 devices"), loom::InvalidArgument);
   }
 }
@@ -491,9 +491,9 @@ struct ThreadCheckTransfer {
 };
 }  // namespace
 
-TEST_CASE("Scheduler: the transfer seam — start on the worker thread, finish on the consumer's") {
+TEST_CASE("GeneratorLoader: the transfer seam — start on the worker thread, finish on the consumer's") {
   auto bad = std::make_shared<std::atomic<int>>(0);
-  loom::Scheduler<Stream, loom::StackMerge, ThreadCheckTransfer> s(streams(4, 5), {.num_devices = 2}, {},
+  loom::GeneratorLoader<Stream, loom::StackCollate, ThreadCheckTransfer> s(streams(4, 5), {.num_devices = 2}, {},
                                                                     ThreadCheckTransfer{bad});
   int64_t steps = 0;
   for (auto& step : s) {
@@ -514,25 +514,25 @@ struct FailingFinish {  // finish() throws at step 2: the consumer gets it, then
 };
 }  // namespace
 
-TEST_CASE("Scheduler: a transfer that fails on the consumer's side ends the schedule, no hang") {
-  loom::Scheduler<Stream, loom::CollateMerge<>, FailingFinish> s(streams(4, 10, 200), {.num_devices = 2});
+TEST_CASE("GeneratorLoader: a transfer that fails on the consumer's side ends the schedule, no hang") {
+  loom::GeneratorLoader<Stream, loom::DefaultCollate<>, FailingFinish> s(streams(4, 10, 200), {.num_devices = 2});
   CHECK(s.next().has_value());
   CHECK(s.next().has_value());
   CHECK_THROWS_WITH_AS(s.next(), "copy failed at step 2", std::runtime_error);
   CHECK_THROWS_WITH_AS(s.next(), "copy failed at step 2", std::runtime_error);
 }
 
-TEST_CASE("Scheduler: bad options name the value") {
-  CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 0}), doctest::Contains("num_devices is 0"),
+TEST_CASE("GeneratorLoader: bad options name the value") {
+  CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 0}), doctest::Contains("num_devices is 0"),
                        loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 2, .prefetch_depth = 0}),
+  CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 2, .prefetch_depth = 0}),
                        doctest::Contains("prefetch_depth is 0"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(3), {.num_devices = 4}),
+  CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(3), {.num_devices = 4}),
                        doctest::Contains("3 generators onto 4 devices"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 2, .count_unread = true, .count_unread_limit = 0}),
+  CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 2, .count_unread = true, .count_unread_limit = 0}),
                        doctest::Contains("count_unread_limit is 0"), loom::InvalidArgument);
-  CHECK_THROWS_AS(loom::Scheduler<Stream>(streams(4), {.num_devices = 2, .num_workers = -1}), loom::InvalidArgument);
-  CHECK_THROWS_AS(loom::Scheduler<Stream>(std::vector<Stream>{}, {}), loom::InvalidArgument);
-  loom::Scheduler<Stream> s(streams(2, 3), {.num_devices = 1});
+  CHECK_THROWS_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 2, .num_workers = -1}), loom::InvalidArgument);
+  CHECK_THROWS_AS(loom::GeneratorLoader<Stream>(std::vector<Stream>{}, {}), loom::InvalidArgument);
+  loom::GeneratorLoader<Stream> s(streams(2, 3), {.num_devices = 1});
   CHECK_THROWS_WITH_AS(s.report(), doctest::Contains("has not ended"), loom::InvalidArgument);
 }

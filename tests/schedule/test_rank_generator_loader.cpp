@@ -1,10 +1,10 @@
-// RankScheduler: the per-rank mode with 2 real processes over Gloo on loopback (loom::spawn).
+// RankGeneratorLoader: the per-rank mode with 2 real processes over Gloo on loopback (loom::spawn).
 // Inside a spawned rank, failures must throw (REQUIRE or loom errors): a CHECK in a child cannot
 // fail the parent's test; spawn turns a child's exception into a SpawnError.
 #include <loom/comm/gloo.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/dist/spawn.hpp>
-#include <loom/schedule/rank_scheduler.hpp>
+#include <loom/schedule/rank_generator_loader.hpp>
 
 #include <functional>
 
@@ -28,9 +28,9 @@ int64_t all_rows(loom::GlooCommunicator& comm, int64_t rows) {
 }
 }  // namespace
 
-TEST_CASE("RankScheduler: with a LocalCommunicator it is the 1-device schedule") {
+TEST_CASE("RankGeneratorLoader: with a LocalCommunicator it is the 1-device schedule") {
   loom::LocalCommunicator comm;
-  loom::RankScheduler s(comm, 3, [](int g) { return Stream{.g = g, .length = 4, .jitter_us = 200}; });
+  loom::RankGeneratorLoader s(comm, 3, [](int g) { return Stream{.g = g, .length = 4, .jitter_us = 200}; });
   CHECK(s.generators() == std::vector<int>{0, 1, 2});
   int64_t k = 0;
   for (auto& db : s) {
@@ -42,7 +42,7 @@ TEST_CASE("RankScheduler: with a LocalCommunicator it is the 1-device schedule")
   CHECK(s.report().generators[1].unread == 0);
 }
 
-TEST_CASE("RankScheduler: 2 ranks — each rank's generators and batches, as the assignment says") {
+TEST_CASE("RankGeneratorLoader: 2 ranks — each rank's generators and batches, as the assignment says") {
   loom::spawn(2, [](const loom::Environment& env) {
     loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
     for (auto policy : {loom::Assignment::contiguous(), loom::Assignment::round_robin()}) {
@@ -51,7 +51,7 @@ TEST_CASE("RankScheduler: 2 ranks — each rank's generators and batches, as the
                                         ? (env.rank == 0 ? std::vector<int>{0, 1, 2} : std::vector<int>{3, 4, 5})
                                         : (env.rank == 0 ? std::vector<int>{0, 2, 4} : std::vector<int>{1, 3, 5});
       int built = 0;
-      loom::RankScheduler s(comm, 6, [&](int g) {
+      loom::RankGeneratorLoader s(comm, 6, [&](int g) {
         ++built;
         return Stream{.g = g, .length = 6, .jitter_us = 300, .seed = static_cast<uint64_t>(env.rank + 1)};
       }, {.assignment = policy, .prefetch_depth = 3});
@@ -71,11 +71,11 @@ TEST_CASE("RankScheduler: 2 ranks — each rank's generators and batches, as the
   }, spawn_opts());
 }
 
-TEST_CASE("RankScheduler: 2 ranks, unequal lengths, stop_at_shortest — same step count, unread reported") {
+TEST_CASE("RankGeneratorLoader: 2 ranks, unequal lengths, stop_at_shortest — same step count, unread reported") {
   loom::spawn(2, [](const loom::Environment& env) {
     loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
     // lengths 5, 7, 3, 9: rank 0 runs {0, 1}, rank 1 runs {2, 3}; generator 2 is the shortest (3)
-    loom::RankScheduler s(comm, 4, [&](int g) {
+    loom::RankGeneratorLoader s(comm, 4, [&](int g) {
       return Stream{.g = g, .length = kLengths[static_cast<size_t>(g)], .jitter_us = 300};
     }, {.count_unread = true});
     const std::vector<int> mine = env.rank == 0 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
@@ -109,7 +109,7 @@ AnyStream four_or_endless(int g) {
 
 // Runs the schedule of `s` (this rank's generator `g`, 4 steps), then report() under a deadline.
 template <class Sched>
-loom::EndReport run_four_steps_and_report(Sched& s, int g, loom::GlooCommunicator* comm) {
+loom::GeneratorLoaderReport run_four_steps_and_report(Sched& s, int g, loom::GlooCommunicator* comm) {
   using namespace std::chrono_literals;
   int64_t k = 0;
   for (auto& db : s) {
@@ -118,7 +118,7 @@ loom::EndReport run_four_steps_and_report(Sched& s, int g, loom::GlooCommunicato
     ++k;
   }
   REQUIRE(k == 4);
-  const loom::EndReport r = loom_test::within(20s, "RankScheduler::report()", [&] { return s.report(); });
+  const loom::GeneratorLoaderReport r = loom_test::within(20s, "RankGeneratorLoader::report()", [&] { return s.report(); });
   REQUIRE(r.steps == 4);
   REQUIRE(r.shortest_generator == 0);
   REQUIRE(r.generators.size() == 1);
@@ -132,10 +132,10 @@ loom::EndReport run_four_steps_and_report(Sched& s, int g, loom::GlooCommunicato
 }
 }  // namespace
 
-TEST_CASE("RankScheduler: stop_at_shortest with an endless generator — report() returns (1 rank)") {
+TEST_CASE("RankGeneratorLoader: stop_at_shortest with an endless generator — report() returns (1 rank)") {
   loom::LocalCommunicator comm;
   // one rank runs both: generator 0 stops the schedule after 4 steps, generator 1 is endless
-  loom::RankScheduler s(comm, 2, four_or_endless, {.prefetch_depth = 2});
+  loom::RankGeneratorLoader s(comm, 2, four_or_endless, {.prefetch_depth = 2});
   int64_t k = 0;
   for (auto& db : s) {
     CHECK(db.batch.data.equal(expected_rows({0, 1}, k)));
@@ -143,7 +143,7 @@ TEST_CASE("RankScheduler: stop_at_shortest with an endless generator — report(
   }
   CHECK(k == 4);
   using namespace std::chrono_literals;
-  const loom::EndReport r = loom_test::within(20s, "RankScheduler::report()", [&] { return s.report(); });
+  const loom::GeneratorLoaderReport r = loom_test::within(20s, "RankGeneratorLoader::report()", [&] { return s.report(); });
   REQUIRE(r.generators.size() == 2);
   CHECK(r.generators[0].unread == 0);
   CHECK(r.generators[0].unread_exact);
@@ -153,18 +153,18 @@ TEST_CASE("RankScheduler: stop_at_shortest with an endless generator — report(
   CHECK(r.generators[1].unread <= 2);  // prefetched and dropped: at most prefetch_depth
 }
 
-TEST_CASE("RankScheduler: 2 ranks, stop_at_shortest with an endless generator on rank 1 — report() returns on both") {
+TEST_CASE("RankGeneratorLoader: 2 ranks, stop_at_shortest with an endless generator on rank 1 — report() returns on both") {
   loom::spawn(2, [](const loom::Environment& env) {
     loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
     // rank 0 runs generator 0 (4 samples), rank 1 runs generator 1 (endless)
     {  // default: no counting; unread = prefetched and dropped, at most prefetch_depth
-      loom::RankScheduler s(comm, 2, four_or_endless, {.prefetch_depth = 2});
-      const loom::EndReport r = run_four_steps_and_report(s, env.rank, &comm);
+      loom::RankGeneratorLoader s(comm, 2, four_or_endless, {.prefetch_depth = 2});
+      const loom::GeneratorLoaderReport r = run_four_steps_and_report(s, env.rank, &comm);
       if (env.rank == 1) REQUIRE(r.generators[0].unread <= 2);
     }
     {  // counting on: rank 1 reads 30 more samples, then reports a lower bound
-      loom::RankScheduler s(comm, 2, four_or_endless, {.prefetch_depth = 2, .count_unread = true, .count_unread_limit = 30});
-      const loom::EndReport r = run_four_steps_and_report(s, env.rank, &comm);
+      loom::RankGeneratorLoader s(comm, 2, four_or_endless, {.prefetch_depth = 2, .count_unread = true, .count_unread_limit = 30});
+      const loom::GeneratorLoaderReport r = run_four_steps_and_report(s, env.rank, &comm);
       if (env.rank == 1) {
         REQUIRE(r.generators[0].unread >= 30);
         REQUIRE(r.generators[0].unread <= 32);
@@ -173,11 +173,11 @@ TEST_CASE("RankScheduler: 2 ranks, stop_at_shortest with an endless generator on
   }, spawn_opts());
 }
 
-TEST_CASE("RankScheduler: 2 ranks, unequal lengths, drain — every sample once, dry rank gets empty batches") {
+TEST_CASE("RankGeneratorLoader: 2 ranks, unequal lengths, drain — every sample once, dry rank gets empty batches") {
   loom::spawn(2, [](const loom::Environment& env) {
     loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
     // round-robin: rank 0 runs {0, 2} (lengths 5, 3), rank 1 runs {1, 3} (lengths 7, 9): 9 steps
-    loom::RankScheduler s(comm, 4, [&](int g) {
+    loom::RankGeneratorLoader s(comm, 4, [&](int g) {
       return Stream{.g = g, .length = kLengths[static_cast<size_t>(g)], .jitter_us = 300};
     }, {.assignment = loom::Assignment::round_robin(), .prefetch_depth = 2, .end = loom::EndPolicy::drain});
     const std::vector<int> mine = env.rank == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
@@ -206,10 +206,10 @@ TEST_CASE("RankScheduler: 2 ranks, unequal lengths, drain — every sample once,
   }, spawn_opts());
 }
 
-TEST_CASE("RankScheduler: a generator throwing at sample 5 on rank 1 reaches both ranks, naming it") {
+TEST_CASE("RankGeneratorLoader: a generator throwing at sample 5 on rank 1 reaches both ranks, naming it") {
   loom::spawn(2, [](const loom::Environment& env) {
     loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
-    loom::RankScheduler s(comm, 4, [&](int g) {
+    loom::RankGeneratorLoader s(comm, 4, [&](int g) {
       return Stream{.g = g, .throw_at = g == 3 ? 5 : -1, .jitter_us = 500};
     });
     int64_t k = 0;
@@ -235,11 +235,11 @@ TEST_CASE("RankScheduler: a generator throwing at sample 5 on rank 1 reaches bot
   }, spawn_opts());
 }
 
-TEST_CASE("RankScheduler: ranks configured differently get a ConfigError, not a hang") {
+TEST_CASE("RankGeneratorLoader: ranks configured differently get a ConfigError, not a hang") {
   loom::spawn(2, [](const loom::Environment& env) {
     loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
     const int n = env.rank == 0 ? 4 : 6;
-    loom::RankScheduler s(comm, n, [&](int g) { return Stream{.g = g, .length = 3}; });
+    loom::RankGeneratorLoader s(comm, n, [&](int g) { return Stream{.g = g, .length = 3}; });
     bool threw = false;
     try {
       (void)s.next();

@@ -2,8 +2,8 @@
 //
 // Example:
 //   #include <loom/schedule/all.hpp>
-//   loom::Scheduler sched(std::move(generators), {.num_devices = 8});   // in-process mode
-//   loom::RankScheduler per_rank(comm, 16, make_generator);            // per-rank mode
+//   loom::GeneratorLoader sched(std::move(generators), {.num_devices = 8});   // in-process mode
+//   loom::RankGeneratorLoader per_rank(comm, 16, make_generator);            // per-rank mode
 //
 // See docs/schedule.md for the guide.
 #pragma once
@@ -11,7 +11,7 @@
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/core.hpp>
 #include <loom/schedule/generator.hpp>
-#include <loom/schedule/merge.hpp>
-#include <loom/schedule/rank_scheduler.hpp>
-#include <loom/schedule/scheduler.hpp>
+#include <loom/schedule/collate_fn.hpp>
+#include <loom/schedule/rank_generator_loader.hpp>
+#include <loom/schedule/generator_loader.hpp>
 #include <loom/schedule/transfer.hpp>

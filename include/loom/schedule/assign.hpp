@@ -31,9 +31,9 @@
 namespace loom {
 
 /// How generators are spread over devices. Build one with contiguous(), round_robin() or
-/// explicit_map(); pass it in the scheduler's options.
+/// explicit_map(); pass it in the loader's options.
 ///
-/// Example: `loom::ScheduleOptions{.assignment = loom::Assignment::round_robin()}`.
+/// Example: `loom::GeneratorLoaderOptions{.assignment = loom::Assignment::round_robin()}`.
 struct Assignment {
   enum class Kind { contiguous, round_robin, explicit_map };
 

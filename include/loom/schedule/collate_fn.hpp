@@ -1,24 +1,24 @@
-// loom/schedule/merge.hpp — the merge step of the scheduler: the k-th samples of one device's
+// loom/schedule/collate_fn.hpp — the collate step of the loader: the k-th samples of one device's
 // generators become that device's k-th batch.
 //
-// The scheduler calls a BatchMerger on a worker thread with the samples in generator order;
-// whatever it returns is what the consumer receives for that device. CollateMerge (the default)
+// The loader calls a CollateFunction on a worker thread with the samples in generator order;
+// whatever it returns is what the consumer receives for that device. DefaultCollate (the default)
 // goes through loom's collator (loom::collate, loom/collate/collator.hpp): each sample's bytes are
 // copied once into one N x (sample shape) batch, samples are read through a SampleProjection, and
-// samples of differing shapes follow the collator's padding rules when `pad` is on. StackMerge is
+// samples of differing shapes follow the collator's padding rules when `pad` is on. StackCollate is
 // a self-contained alternative (plain stacking, no projection).
 //
 // Example:
-//   loom::CollateMerge<> merge;
+//   loom::DefaultCollate<> collate_fn;
 //   std::vector<at::Tensor> samples = {at::ones({3}), at::zeros({3})};
 //   std::vector<int> ids = {4, 5};
-//   loom::Batch b = merge(std::span(samples), loom::MergeContext{.device = 2, .step = 0, .generators = ids});
+//   loom::Batch b = collate_fn(std::span(samples), loom::CollateContext{.device = 2, .step = 0, .generators = ids});
 //   // b.data: 2 x 3 float32, rows [1 1 1], [0 0 0]; b.indices == {4, 5}; b.num_samples == 2
 //
 // In: the k-th sample of each generator of a device, in generator order (N samples).
 // Out: one batch of N rows, row i from the i-th sample.
 //
-// Source: the "merge = stack along a new leading batch dimension" convention of
+// Source: the "collate = stack along a new leading batch dimension" convention of
 // torch.utils.data.default_collate; padding and masks follow loom::collate.
 #pragma once
 
@@ -44,27 +44,27 @@
 
 namespace loom {
 
-/// Where a merge happens: the device, the step, and the generator of each sample.
+/// Where a collate happens: the device, the step, and the generator of each sample.
 ///
-/// Example: `MergeContext{.device = 1, .step = 7, .generators = ids}`; ids[i] produced sample i.
+/// Example: `CollateContext{.device = 1, .step = 7, .generators = ids}`; ids[i] produced sample i.
 /// Units: device is a logical device index (in the per-rank mode: the rank); step counts batches
-/// from 0 (from the resumed step when resuming); generator ids index the scheduler's generators.
-struct MergeContext {
+/// from 0 (from the resumed step when resuming); generator ids index the loader's generators.
+struct CollateContext {
   int device = 0;
   std::int64_t step = 0;
   std::span<const int> generators;  ///< generator id of each sample, same length as the samples
 };
 
-/// A callable that merges one device's samples of one step into a batch of type B.
+/// A callable that collates one device's samples of one step into a batch of type B.
 ///
-/// Example: `[](std::span<at::Tensor> s, const loom::MergeContext&) { return at::stack(...); }`
+/// Example: `[](std::span<at::Tensor> s, const loom::CollateContext&) { return at::stack(...); }`
 ///
 /// Requirements:
-///  1. `m(std::span<S> samples, const MergeContext& ctx)` returns a move-constructible object
+///  1. `m(std::span<S> samples, const CollateContext& ctx)` returns a move-constructible object
 ///     type B. Reason: B travels from the worker thread through the prefetch queue to the consumer.
-///     The samples are passed as a mutable span so the merger may move from them; the scheduler
+///     The samples are passed as a mutable span so the collate function may move from them; the loader
 ///     destroys them right after the call.
-///  2. M is copy-constructible. Reason: each device's worker gets its own copy, so a merger may
+///  2. M is copy-constructible. Reason: each device's worker gets its own copy, so a collate function may
 ///     keep reusable buffers without locks.
 ///  3. The call may throw; the exception reaches the consumer's thread unchanged (it is a
 ///     data-layout error of the user's, e.g. two shapes in one stacked batch).
@@ -72,14 +72,14 @@ struct MergeContext {
 /// Optional: `m.empty(ctx)` returning B: the batch a device with no rows left gets under
 /// EndPolicy::drain (without it, a value-initialised B{} is used).
 template <class M, class S>
-concept BatchMerger = std::copy_constructible<M> && requires(M& m, std::span<S> samples, const MergeContext& ctx) {
+concept CollateFunction = std::copy_constructible<M> && requires(M& m, std::span<S> samples, const CollateContext& ctx) {
   { m(samples, ctx) } -> std::move_constructible;
 };
 
-/// The batch type a merger M makes from samples of type S.
+/// The batch type a collate function M makes from samples of type S.
 template <class M, class S>
-  requires BatchMerger<M, S>
-using merge_result_t = std::remove_cvref_t<std::invoke_result_t<M&, std::span<S>, const MergeContext&>>;
+  requires CollateFunction<M, S>
+using collate_result_t = std::remove_cvref_t<std::invoke_result_t<M&, std::span<S>, const CollateContext&>>;
 
 namespace detail {
 
@@ -127,17 +127,17 @@ decltype(auto) sample_target(const S& s) {
 
 namespace detail {
 /// The message for two samples of one step whose data differ in shape or dtype.
-inline std::string shape_mismatch(const MergeContext& ctx, std::size_t i, const at::Tensor& first, const at::Tensor& t,
+inline std::string shape_mismatch(const CollateContext& ctx, std::size_t i, const at::Tensor& first, const at::Tensor& t,
                                   const char* what) {
   return fmt::format(
       "device {}, step {}: generator {} gave a {} tensor of shape [{}] {}, generator {} gave [{}] {}; "
-      "one batch needs one shape and dtype (merge with padding: CollateMerge{{.pad = true}})",
+      "one batch needs one shape and dtype (collate with padding: DefaultCollate{{.pad = true}})",
       ctx.device, ctx.step, ctx.generators[0], what, fmt::join(first.sizes(), ", "), c10::toString(first.scalar_type()),
       ctx.generators[i], fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
 }
 }  // namespace detail
 
-/// A sample StackMerge can merge: an at::Tensor, a pair (tensor, target) with an integral or
+/// A sample StackCollate can collate: an at::Tensor, a pair (tensor, target) with an integral or
 /// tensor target, or a struct with a `data` tensor member (and optionally a `target`).
 ///
 /// Example: `static_assert(loom::StackableSample<std::pair<at::Tensor, int64_t>>);`
@@ -146,7 +146,7 @@ concept StackableSample = requires(const S& s) {
   { detail::sample_data(s) } -> std::convertible_to<const at::Tensor&>;
 };
 
-/// A self-contained merger: stacks the samples of one step into one new N x (sample shape) tensor,
+/// A self-contained collate function: stacks the samples of one step into one new N x (sample shape) tensor,
 /// copying each sample's bytes once; targets (if the sample has them) into an N x (target
 /// shape) tensor (integral targets: int64, shape N).
 ///
@@ -158,9 +158,9 @@ concept StackableSample = requires(const S& s) {
 ///         target is undefined, or its shape or dtype differs from the first sample's (use a
 ///         padding collator for samples of different shapes).
 /// Source: torch.utils.data.default_collate (stack along a new leading dimension).
-struct StackMerge {
+struct StackCollate {
   template <StackableSample S>
-  Batch operator()(std::span<S> samples, const MergeContext& ctx) const {
+  Batch operator()(std::span<S> samples, const CollateContext& ctx) const {
     LOOM_ASSERT(samples.size() == ctx.generators.size(), "one generator id per sample");
     LOOM_ASSERT(!samples.empty(), "a device step has at least one sample");
     Batch b;
@@ -181,7 +181,7 @@ struct StackMerge {
   }
 
   /// The batch of a device with no rows left (EndPolicy::drain): undefined tensors, 0 samples, weight 0.
-  Batch empty(const MergeContext& /*ctx*/) const {
+  Batch empty(const CollateContext& /*ctx*/) const {
     Batch b;
     b.weight = 0.0;
     return b;
@@ -189,7 +189,7 @@ struct StackMerge {
 
  private:
   template <class S, class Get>
-  static at::Tensor stack_rows(std::span<S> samples, const MergeContext& ctx, Get get, const char* what) {
+  static at::Tensor stack_rows(std::span<S> samples, const CollateContext& ctx, Get get, const char* what) {
     const at::Tensor& first = get(samples[0]);
     check_defined(first, ctx, 0, what);
     std::vector<int64_t> shape;
@@ -203,7 +203,7 @@ struct StackMerge {
       const at::Tensor& t = get(samples[i]);
       check_defined(t, ctx, i, what);
       if (t.sizes() != first.sizes() || t.scalar_type() != first.scalar_type())
-        throw InvalidArgument("StackMerge: " + detail::shape_mismatch(ctx, i, first, t, what));
+        throw InvalidArgument("StackCollate: " + detail::shape_mismatch(ctx, i, first, t, what));
       if (t.is_contiguous() && t.device().is_cpu()) {
         if (row_bytes != 0) std::memcpy(dst + i * row_bytes, t.data_ptr(), row_bytes);
       } else {
@@ -213,16 +213,16 @@ struct StackMerge {
     return out;
   }
 
-  static void check_defined(const at::Tensor& t, const MergeContext& ctx, std::size_t i, const char* what) {
+  static void check_defined(const at::Tensor& t, const CollateContext& ctx, std::size_t i, const char* what) {
     if (!t.defined())
-      throw InvalidArgument(fmt::format("StackMerge: generator {} (device {}, step {}) gave an undefined {} tensor",
+      throw InvalidArgument(fmt::format("StackCollate: generator {} (device {}, step {}) gave an undefined {} tensor",
                                         ctx.generators[i], ctx.device, ctx.step, what));
   }
 };
 
-/// The default merger: loom's collator over the k-th samples of a device (loom::collate).
+/// The default collate function: loom's collator over the k-th samples of a device (loom::collate).
 ///
-/// Example: `loom::Scheduler<Gen, loom::CollateMerge<>> s(gens, {.num_devices = 2}, {.pad = true, .options = {.mask = true}});`
+/// Example: `loom::GeneratorLoader<Gen, loom::DefaultCollate<>> s(gens, {.num_devices = 2}, {.pad = true, .options = {.mask = true}});`
 /// Shape: data N x (sample shape) in the samples' dtype — with `pad`, N x options.padded_shape (or
 ///        the step's per-dimension maximum) and, with options.mask, a bool mask like data (true =
 ///        real); targets as loom::collate makes them (int64 N-vector for integer targets);
@@ -234,14 +234,14 @@ struct StackMerge {
 ///         padded_shape), prefixed with the device and step ("sample i" there = generator id i).
 /// Source: loom::collate (copy once into preallocated storage; padding and masks).
 template <class Projection = DefaultProjection>
-struct CollateMerge {
+struct DefaultCollate {
   bool pad = false;              ///< false: one shape per batch required; true: pad as loom::collate does
   CollateOptions options{};      ///< padded_shape, pad_value, mask, pool, allocate (see loom::collate)
   Projection projection{};       ///< reads data / target (/ index) from a sample
 
   template <class S>
     requires SampleProjection<Projection, S>
-  Batch operator()(std::span<S> samples, const MergeContext& ctx) const {
+  Batch operator()(std::span<S> samples, const CollateContext& ctx) const {
     LOOM_ASSERT(samples.size() == ctx.generators.size(), "one generator id per sample");
     LOOM_ASSERT(!samples.empty(), "a device step has at least one sample");
     if (!pad) {
@@ -249,7 +249,7 @@ struct CollateMerge {
       for (std::size_t i = 1; i < samples.size(); ++i) {
         const at::Tensor& t = projection.data(samples[i]);
         if (first.defined() && t.defined() && (t.sizes() != first.sizes() || t.scalar_type() != first.scalar_type()))
-          throw InvalidArgument("CollateMerge: " + detail::shape_mismatch(ctx, i, first, t, "data"));
+          throw InvalidArgument("DefaultCollate: " + detail::shape_mismatch(ctx, i, first, t, "data"));
       }
     }
     std::vector<int64_t> indices(samples.size());
@@ -260,14 +260,14 @@ struct CollateMerge {
     try {
       return collate(samples, std::span<const int64_t>(indices), options, projection);
     } catch (const InvalidArgument& e) {
-      throw InvalidArgument(fmt::format("CollateMerge: device {}, step {} (sample index = {}): {}", ctx.device, ctx.step,
+      throw InvalidArgument(fmt::format("DefaultCollate: device {}, step {} (sample index = {}): {}", ctx.device, ctx.step,
                                         SampleProjectionWithIndex<Projection, S> ? "the sample's index" : "generator id",
                                         e.what()));
     }
   }
 
   /// The batch of a device with no rows left (EndPolicy::drain): undefined tensors, 0 samples, weight 0.
-  Batch empty(const MergeContext& /*ctx*/) const {
+  Batch empty(const CollateContext& /*ctx*/) const {
     Batch b;
     b.weight = 0.0;
     return b;

@@ -1,11 +1,11 @@
-// loom/schedule/core.hpp — types shared by both scheduler modes (options, batches, reports,
-// errors, resumable state) and the worker machinery behind them (loom::detail::ScheduleCore).
+// loom/schedule/core.hpp — types shared by both loader modes (options, batches, reports,
+// errors, resumable state) and the worker machinery behind them (loom::detail::LoaderEngine).
 //
-// Users include loom/schedule/scheduler.hpp (one process, M logical devices) or
-// loom/schedule/rank_scheduler.hpp (one process per rank); this header comes with either.
+// Users include loom/schedule/generator_loader.hpp (one process, M logical devices) or
+// loom/schedule/rank_generator_loader.hpp (one process per rank); this header comes with either.
 //
 // Example:
-//   loom::ScheduleOptions opts{.num_devices = 8, .prefetch_depth = 2, .end = loom::EndPolicy::drain};
+//   loom::GeneratorLoaderOptions opts{.num_devices = 8, .prefetch_depth = 2, .end = loom::EndPolicy::drain};
 //
 // Source: the producer/consumer design with a bounded queue per device follows
 // torch.utils.data.DataLoader's prefetch_factor (batches prefetched per worker).
@@ -33,16 +33,16 @@
 #include <loom/error.hpp>
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/generator.hpp>
-#include <loom/schedule/merge.hpp>
+#include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/transfer.hpp>
 
 namespace loom {
 
 /// What happens when generators have different lengths.
 ///
-/// Example: `loom::ScheduleOptions{.end = loom::EndPolicy::drain}`.
+/// Example: `loom::GeneratorLoaderOptions{.end = loom::EndPolicy::drain}`.
 ///  - stop_at_shortest: the schedule ends at the first step k at which any generator has no k-th
-///    sample; every delivered batch is full. The EndReport says how many samples each generator
+///    sample; every delivered batch is full. The GeneratorLoaderReport says how many samples each generator
 ///    had left unread: exactly with count_unread (which reads the other generators on after the
 ///    end, up to count_unread_limit samples each), else a lower bound. (Per-rank mode: the
 ///    shortest generator over all ranks.)
@@ -53,32 +53,32 @@ namespace loom {
 /// Source: stop_at_shortest is Python's zip(); drain is itertools.zip_longest without fill values.
 enum class EndPolicy { stop_at_shortest, drain };
 
-/// Default of ScheduleOptions::count_unread_limit and RankScheduleOptions::count_unread_limit:
+/// Default of GeneratorLoaderOptions::count_unread_limit and RankGeneratorLoaderOptions::count_unread_limit:
 /// samples read per generator, after a stop_at_shortest end, to count the unread ones.
 inline constexpr std::int64_t kDefaultCountUnreadLimit = 1'000'000;
 
 /// Where a schedule stands, to resume it later: steps delivered and samples delivered per generator.
 ///
-/// Example: `auto s = sched.state(); ... ScheduleOptions{.resume = s}` continues with step s.steps.
+/// Example: `auto s = sched.state(); ... GeneratorLoaderOptions{.resume = s}` continues with step s.steps.
 /// Units: steps and samples count from the beginning of the streams (resumes included).
 /// Resuming skips `samples[g]` samples of generator g: with g.skip(n) when the generator has it
 /// (SkippableSampleGenerator), else by pulling and dropping them — so a resumed schedule equals
 /// the uninterrupted one when the generators replay the same streams.
-struct ScheduleState {
+struct GeneratorLoaderState {
   std::int64_t steps = 0;              ///< steps delivered
   std::vector<std::int64_t> samples{}; ///< samples delivered per generator id (size = number of generators)
   int num_devices = 0;                 ///< devices (or world size) when taken; 0 = a fresh start
 };
 
-/// Options of the in-process Scheduler (one process, `num_devices` logical devices).
+/// Options of the in-process GeneratorLoader (one process, `num_devices` logical devices).
 ///
-/// Example: `loom::ScheduleOptions{.num_devices = 8, .assignment = loom::Assignment::round_robin()}`.
+/// Example: `loom::GeneratorLoaderOptions{.num_devices = 8, .assignment = loom::Assignment::round_robin()}`.
 /// Units: prefetch_depth in batches per device; num_workers in threads.
-/// Host memory: at most prefetch_depth batches per device exist inside the scheduler (samples
-/// being gathered, or merged batches), plus the step the consumer holds.
+/// Host memory: at most prefetch_depth batches per device exist inside the loader (samples
+/// being gathered, or collated batches), plus the step the consumer holds.
 /// Threads: I/O-bound generators (sleeps, reads) want one worker per generator (the default), so
 /// the generators of one device are pulled at the same time; CPU-bound ones want about one per core.
-struct ScheduleOptions {
+struct GeneratorLoaderOptions {
   int num_devices = 1;                              ///< logical devices M (>= 1)
   Assignment assignment = Assignment::contiguous(); ///< which generators feed which device
   int prefetch_depth = 2;                           ///< batches per device built ahead (>= 1)
@@ -91,17 +91,17 @@ struct ScheduleOptions {
   /// With count_unread: read at most this many samples per generator after the end (> 0); a
   /// generator that has not ended by then gets a lower bound (GeneratorReport::unread_exact false).
   std::int64_t count_unread_limit = kDefaultCountUnreadLimit;
-  ScheduleState resume = {};                        ///< start from a saved state (default: the beginning)
+  GeneratorLoaderState resume = {};                        ///< start from a saved state (default: the beginning)
 };
 
 /// The batch of one device at one step, with where its rows came from.
 ///
 /// Example: `for (auto& db : step.devices) loss += model(db.batch.data.to(device(db.device)))`.
-/// Shape: `batch` is what the merger made (CollateMerge: loom::Batch, data N x (sample shape));
+/// Shape: `batch` is what the collate function made (DefaultCollate: loom::Batch, data N x (sample shape));
 ///        `generators` has N entries, the generator id of each row, increasing.
 template <class B>
 struct DeviceBatch {
-  B batch{};                     ///< the merged batch (an empty one if the device ran dry under drain)
+  B batch{};                     ///< the collated batch (an empty one if the device ran dry under drain)
   int device = 0;                ///< logical device index (per-rank mode: the rank)
   std::int64_t step = 0;         ///< step index k (the k-th samples of the device's generators)
   std::vector<int> generators{}; ///< generator id of each row, in row order
@@ -110,11 +110,11 @@ struct DeviceBatch {
   [[nodiscard]] std::int64_t num_rows() const noexcept { return static_cast<std::int64_t>(generators.size()); }
 };
 
-/// One step of the in-process Scheduler: the k-th batch of every device.
+/// One step of the in-process GeneratorLoader: the k-th batch of every device.
 ///
 /// Example: `while (auto s = sched.next()) for (auto& db : s->devices) ...;` (db.device == index).
 template <class B>
-struct ScheduledStep {
+struct GeneratorLoaderStep {
   std::int64_t index = 0;                 ///< step k, counted from the start of the streams
   std::vector<DeviceBatch<B>> devices{};  ///< devices[d] is device d's batch
   /// True when any device's batch is partial or empty (drain only).
@@ -138,7 +138,7 @@ struct GeneratorReport {
 /// How a schedule ended, available from report() once next() returned std::nullopt.
 ///
 /// Example: `for (auto& g : sched.report().generators) fmt::print("{}: {} unread\n", g.generator, g.unread);`
-struct EndReport {
+struct GeneratorLoaderReport {
   EndPolicy policy = EndPolicy::stop_at_shortest;
   std::int64_t steps = 0;                  ///< steps delivered, counted from the beginning of the streams
   int shortest_generator = -1;             ///< stop_at_shortest: the generator whose end stopped the schedule; -1 under drain
@@ -185,7 +185,7 @@ inline std::string exception_message(const std::exception_ptr& e) {
   }
 }
 
-/// Calls `owner.next()` until it returns std::nullopt; lets range-for walk a scheduler.
+/// Calls `owner.next()` until it returns std::nullopt; lets range-for walk a loader.
 /// The previous value is destroyed before the next one is made (keeps the memory bound).
 template <class Owner, class Value>
 class NextIterator {
@@ -215,18 +215,18 @@ class NextIterator {
 /// The first event that stops production, ordered by (step, device, position of the generator
 /// in its device): a stop_at_shortest end, a failure, or an external stop (device -1) requested
 /// by the per-rank agreement.
-struct ScheduleEvent {
+struct StopEvent {
   std::int64_t step = 0;
   int device = 0;              ///< core device slot; -1 = external stop (before every device)
-  int position = 0;            ///< generator's position in its device; the device's size for a merge failure
+  int position = 0;            ///< generator's position in its device; the device's size for a collate failure
   bool failure = false;
-  int generator = -1;          ///< failing / ending generator; -1 for merge/transfer failures and external stops
+  int generator = -1;          ///< failing / ending generator; -1 for collate/transfer failures and external stops
   std::int64_t sample = -1;    ///< failure: index of the sample the generator was asked for
   std::exception_ptr error{};  ///< failure: what the consumer throws
 };
 
 /// Everything the core needs besides the generators.
-struct CoreConfig {
+struct EngineConfig {
   std::vector<std::vector<int>> device_generators{};  ///< per core device slot, global generator ids
   std::vector<int> device_labels{};                   ///< per slot, the device index shown to users
   int depth = 2;                                      ///< batches per device inside the core
@@ -242,16 +242,16 @@ struct CoreConfig {
 ///
 /// Workers pull generators (generator i of this core always on worker i % W, one sample at a
 /// time, in step order) into the window of its device: `depth` slots for the steps
-/// [consumed, consumed + depth), each holding the samples of one step or their merged batch.
-/// The worker that completes a step merges it (one merge at a time per device, in step order).
+/// [consumed, consumed + depth), each holding the samples of one step or their collated batch.
+/// The worker that completes a step collates it (one collate at a time per device, in step order).
 /// Determinism: a sample's place depends only on (generator, step); the stop event is the first
 /// in (step, device, position) order, and the consumer acts on it only once every generator
 /// before it has resolved that step, so thread timing never changes what the consumer sees.
-template <class G, class Merge, class Transfer>
-class ScheduleCore {
+template <class G, class Collate, class Transfer>
+class LoaderEngine {
  public:
   using Sample = generator_sample_t<G>;
-  using B = merge_result_t<Merge, Sample>;
+  using B = collate_result_t<Collate, Sample>;
   using Ticket = typename Transfer::Ticket;
   using Cursor = GeneratorCursor<G>;
 
@@ -265,7 +265,7 @@ class ScheduleCore {
 
   /// `cursors` is indexed by global generator id; entries of generators this core does not run
   /// may be null.
-  ScheduleCore(CoreConfig config, std::vector<std::unique_ptr<Cursor>> cursors, const Merge& merge,
+  LoaderEngine(EngineConfig config, std::vector<std::unique_ptr<Cursor>> cursors, const Collate& collate_fn,
                const Transfer& transfer)
       : config_(std::move(config)), cursors_(std::move(cursors)) {
     const std::size_t n = cursors_.size();
@@ -287,8 +287,8 @@ class ScheduleCore {
         position_in_device_[g] = static_cast<int>(p);
         active.push_back(gens[p]);
       }
-      auto dev = std::make_unique<Device>(merge, transfer);
-      dev->consumed = dev->next_merge = config_.start_step;
+      auto dev = std::make_unique<Device>(collate_fn, transfer);
+      dev->consumed = dev->next_collate = config_.start_step;
       for (int i = 0; i < config_.depth; ++i) dev->window.emplace_back(gens.size());
       devices_.push_back(std::move(dev));
     }
@@ -304,21 +304,21 @@ class ScheduleCore {
     }
   }
 
-  ScheduleCore(const ScheduleCore&) = delete;
-  ScheduleCore& operator=(const ScheduleCore&) = delete;
-  ~ScheduleCore() { abort(); }
+  LoaderEngine(const LoaderEngine&) = delete;
+  LoaderEngine& operator=(const LoaderEngine&) = delete;
+  ~LoaderEngine() { abort(); }
 
   [[nodiscard]] int num_devices() const noexcept { return static_cast<int>(devices_.size()); }
   [[nodiscard]] int num_workers() const noexcept { return static_cast<int>(threads_.size()); }
 
-  /// Blocks until step k of device slot d is resolved: its batch is merged, the device ran dry
+  /// Blocks until step k of device slot d is resolved: its batch is collated, the device ran dry
   /// (drain: all its generators ended at or before k), or the stop event at (k, d) is final.
   /// The caller has taken every step < k of every device, and step k of devices < d.
   Resolved wait(int d, std::int64_t k) {
     std::unique_lock lk(mutex_);
     Resolved r = Resolved::batch;
     consumer_cv_.wait(lk, [&] {
-      if (merged(d, k)) r = Resolved::batch;
+      if (collated(d, k)) r = Resolved::batch;
       else if (dry(d, k)) r = Resolved::dry;
       else if (event_final(d, k)) r = Resolved::event;
       else return false;
@@ -327,7 +327,7 @@ class ScheduleCore {
     return r;
   }
 
-  /// Merged batches ready for device slot d (consecutive steps from the one the consumer is at).
+  /// Collated batches ready for device slot d (consecutive steps from the one the consumer is at).
   std::size_t ready(int d) {
     std::lock_guard lk(mutex_);
     std::size_t n = 0;
@@ -359,22 +359,22 @@ class ScheduleCore {
   void release() { worker_cv_.notify_all(); }
 
   /// The stop event (valid after wait() returned event).
-  ScheduleEvent event() {
+  StopEvent event() {
     std::lock_guard lk(mutex_);
     LOOM_ASSERT(event_.has_value(), "event() without an event");
     return *event_;
   }
 
-  /// The batch a dry device gets under drain: merger.empty(ctx) if it has one, else B{}.
+  /// The batch a dry device gets under drain: collate function.empty(ctx) if it has one, else B{}.
   B empty_batch(int d, std::int64_t k) {
     Device& dev = *devices_[static_cast<std::size_t>(d)];
-    MergeContext ctx{.device = label(d), .step = k, .generators = {}};
-    if constexpr (requires { { dev.merge.empty(ctx) } -> std::convertible_to<B>; }) {
-      return dev.merge.empty(ctx);
+    CollateContext ctx{.device = label(d), .step = k, .generators = {}};
+    if constexpr (requires { { dev.collate_fn.empty(ctx) } -> std::convertible_to<B>; }) {
+      return dev.collate_fn.empty(ctx);
     } else if constexpr (std::default_initializable<B>) {
       return B{};
     } else {
-      throw InvalidArgument("schedule: EndPolicy::drain needs a batch type with a default constructor or a merger with empty(ctx)");
+      throw InvalidArgument("schedule: EndPolicy::drain needs a batch type with a default constructor or a collate function with empty(ctx)");
     }
   }
 
@@ -382,13 +382,13 @@ class ScheduleCore {
   void stop_at(std::int64_t k) {
     {
       std::lock_guard lk(mutex_);
-      record(ScheduleEvent{.step = k, .device = -1, .position = 0, .failure = false, .generator = -1, .sample = -1, .error = {}});
+      record(StopEvent{.step = k, .device = -1, .position = 0, .failure = false, .generator = -1, .sample = -1, .error = {}});
     }
     worker_cv_.notify_all();
   }
 
   /// Stops every worker now and joins them (promptly: each finishes at most the sample it is
-  /// pulling or the batch it is merging). Safe to call more than once.
+  /// pulling or the batch it is collating). Safe to call more than once.
   void abort() noexcept {
     {
       std::lock_guard lk(mutex_);
@@ -418,26 +418,26 @@ class ScheduleCore {
   struct Slot {
     explicit Slot(std::size_t n) : samples(n) {}
     std::vector<std::optional<Sample>> samples;  // by position in the device
-    std::optional<Item> item;                    // the merged batch
+    std::optional<Item> item;                    // the collated batch
   };
   struct Device {
-    Device(const Merge& m, const Transfer& t) : merge(m), transfer(t) {}
-    Merge merge;                // used by one merging worker at a time (merging flag)
+    Device(const Collate& m, const Transfer& t) : collate_fn(m), transfer(t) {}
+    Collate collate_fn;                // used by one collating worker at a time (collating flag)
     Transfer transfer;
     std::deque<Slot> window;    // guarded by mutex_: steps [consumed, consumed + depth)
     std::int64_t consumed = 0;  // guarded by mutex_
-    std::int64_t next_merge = 0;
-    bool merging = false;
+    std::int64_t next_collate = 0;
+    bool collating = false;
   };
 
-  static bool before(std::int64_t k, int d, int p, const ScheduleEvent& e) {
+  static bool before(std::int64_t k, int d, int p, const StopEvent& e) {
     if (k != e.step) return k < e.step;
     if (d != e.device) return d < e.device;
     return p < e.position;
   }
   // Generator at (device d, position p) may still pull step k.
   bool may_pull(std::int64_t k, int d, int p) const { return !event_ || before(k, d, p, *event_); }
-  void record(ScheduleEvent e) {
+  void record(StopEvent e) {
     if (!event_ || before(e.step, e.device, e.position, *event_)) event_ = std::move(e);
   }
 
@@ -447,7 +447,7 @@ class ScheduleCore {
     if (i < 0 || i >= static_cast<std::int64_t>(dev.window.size())) return nullptr;
     return &dev.window[static_cast<std::size_t>(i)];
   }
-  bool merged(int d, std::int64_t k) {
+  bool collated(int d, std::int64_t k) {
     Slot* s = slot(d, k);
     return s != nullptr && s->item.has_value();
   }
@@ -462,7 +462,7 @@ class ScheduleCore {
   // The event stops the consumer at (k, d) and no earlier event can still appear.
   bool event_final(int d, std::int64_t k) const {
     if (!event_) return false;
-    const ScheduleEvent& e = *event_;
+    const StopEvent& e = *event_;
     if (e.device == -1) return e.step <= k;
     if (e.step != k) return e.step < k;
     if (e.device != d) return e.device < d;
@@ -519,13 +519,13 @@ class ScheduleCore {
         tell_consumer = event_.has_value() || !s;
         if (error) {
           failed_[gi] = 1;
-          record(ScheduleEvent{.step = k, .device = d, .position = p, .failure = true, .generator = g, .sample = position_[gi],
+          record(StopEvent{.step = k, .device = d, .position = p, .failure = true, .generator = g, .sample = position_[gi],
                                .error = std::make_exception_ptr(GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
           stop_others = true;
         } else if (!s) {
           ended_at_[gi] = k;
           if (config_.end == EndPolicy::stop_at_shortest) {
-            record(ScheduleEvent{.step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
+            record(StopEvent{.step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
             stop_others = true;
           }
         } else {
@@ -540,13 +540,13 @@ class ScheduleCore {
       s.reset();
       if (tell_consumer) consumer_cv_.notify_all();
       if (stop_others) worker_cv_.notify_all();
-      merge_ready(d);
+      collate_ready(d);
     }
     if (config_.count_unread && config_.end == EndPolicy::stop_at_shortest) count_unread(mine);
   }
 
-  // Merges the device's complete steps, in step order, one merge at a time per device.
-  void merge_ready(int d) {
+  // Collates the device's complete steps, in step order, one collate at a time per device.
+  void collate_ready(int d) {
     Device& dev = *devices_[static_cast<std::size_t>(d)];
     const auto& gens = generators(d);
     for (;;) {
@@ -555,8 +555,8 @@ class ScheduleCore {
       std::int64_t k = 0;
       {
         std::lock_guard lk(mutex_);
-        if (dev.merging || aborted_) return;
-        k = dev.next_merge;
+        if (dev.collating || aborted_) return;
+        k = dev.next_collate;
         Slot* sl = slot(d, k);
         if (sl == nullptr) return;
         for (std::size_t p = 0; p < gens.size(); ++p) {
@@ -573,13 +573,13 @@ class ScheduleCore {
           ids.push_back(gens[p]);
         }
         if (samples.empty()) return;  // drain: the device ran dry at step k
-        dev.merging = true;
+        dev.collating = true;
       }
       std::optional<Item> item;
       std::exception_ptr error;
       try {
-        MergeContext ctx{.device = label(d), .step = k, .generators = std::span<const int>(ids)};
-        B batch = dev.merge(std::span<Sample>(samples), ctx);
+        CollateContext ctx{.device = label(d), .step = k, .generators = std::span<const int>(ids)};
+        B batch = dev.collate_fn(std::span<Sample>(samples), ctx);
         samples.clear();
         Ticket ticket = dev.transfer.start(batch, label(d));
         const bool partial = ids.size() < gens.size();
@@ -590,13 +590,13 @@ class ScheduleCore {
       samples.clear();
       {
         std::lock_guard lk(mutex_);
-        dev.merging = false;
+        dev.collating = false;
         if (error) {
-          record(ScheduleEvent{.step = k, .device = d, .position = static_cast<int>(gens.size()), .failure = true,
+          record(StopEvent{.step = k, .device = d, .position = static_cast<int>(gens.size()), .failure = true,
                                .generator = -1, .sample = -1, .error = error});
         } else {
           slot(d, k)->item = std::move(item);
-          ++dev.next_merge;
+          ++dev.next_collate;
         }
       }
       consumer_cv_.notify_all();
@@ -633,7 +633,7 @@ class ScheduleCore {
       if (error) {
         failed_[gi] = 1;
         const int d = device_of_[gi];
-        record(ScheduleEvent{.step = config_.start_step, .device = d, .position = position_in_device_[gi], .failure = true,
+        record(StopEvent{.step = config_.start_step, .device = d, .position = position_in_device_[gi], .failure = true,
                              .generator = g, .sample = position_[gi],
                              .error = std::make_exception_ptr(GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
         consumer_cv_.notify_all();
@@ -678,7 +678,7 @@ class ScheduleCore {
     }
   }
 
-  CoreConfig config_;
+  EngineConfig config_;
   std::vector<std::unique_ptr<Cursor>> cursors_;  // by generator id; each pulled by one worker only
   // by generator id:
   std::vector<std::int64_t> position_;            // stream position (skipped + read); written by its worker
@@ -693,13 +693,13 @@ class ScheduleCore {
   std::mutex mutex_;
   std::condition_variable consumer_cv_;
   std::condition_variable worker_cv_;
-  std::optional<ScheduleEvent> event_;            // guarded by mutex_
+  std::optional<StopEvent> event_;            // guarded by mutex_
   bool aborted_ = false;                          // guarded by mutex_
   std::vector<std::thread> threads_;
 };
 
 /// Validates the options both modes share; throws loom::InvalidArgument naming the bad value.
-inline void check_common_options(int prefetch_depth, std::int64_t count_unread_limit, const ScheduleState& resume,
+inline void check_common_options(int prefetch_depth, std::int64_t count_unread_limit, const GeneratorLoaderState& resume,
                                  int num_generators, int num_devices, const char* who) {
   if (prefetch_depth < 1)
     throw InvalidArgument(fmt::format("{}: prefetch_depth is {}, must be >= 1 (batches per device)", who, prefetch_depth));

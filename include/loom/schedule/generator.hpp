@@ -2,7 +2,7 @@
 // sample at a time, may end, and may throw.
 //
 // A generator is a time-correlated stream (a simulator, a sensor log, a video, a market feed):
-// the scheduler asks it for its next sample, in order, from one thread at a time, and never asks
+// the loader asks it for its next sample, in order, from one thread at a time, and never asks
 // again once it has ended.
 //
 // Example:
@@ -50,19 +50,19 @@ struct is_optional<std::optional<T>> : std::true_type {};
 ///
 /// Requirements:
 ///  1. `g()` is valid on an lvalue `G&`. Reason: a generator keeps its position as state
-///     (`mutable` lambdas, objects with an `operator()`), so the scheduler calls it on an lvalue.
+///     (`mutable` lambdas, objects with an `operator()`), so the loader calls it on an lvalue.
 ///  2. It returns exactly `std::optional<S>` for some S. Reason: the empty optional is the one
 ///     unambiguous end-of-stream signal; a sentinel value inside S would be data.
 ///  3. S is an object type that is move-constructible. Reason: samples travel from the worker
-///     thread to the merge step by move.
-///  4. G is move-constructible. Reason: the scheduler takes ownership of its generators.
+///     thread to the collate step by move.
+///  4. G is move-constructible. Reason: the loader takes ownership of its generators.
 ///  5. A returned sample stays unchanged after later calls: its tensors are not overwritten by
-///     the generator's next samples. Reason: the scheduler holds up to prefetch_depth samples of
-///     each generator until their step is merged, while the generator runs ahead. A generator
+///     the generator's next samples. Reason: the loader holds up to prefetch_depth samples of
+///     each generator until their step is collated, while the generator runs ahead. A generator
 ///     that decodes into one reused output tensor must return a copy (e.g. `buffer.clone()`);
-///     the scheduler cannot see the reuse (this requirement is not checked).
+///     the loader cannot see the reuse (this requirement is not checked).
 /// Not required: copyability, const-callability, thread safety (one thread calls a generator at
-/// a time), noexcept (a generator may throw; the scheduler reports it), a known length.
+/// a time), noexcept (a generator may throw; the loader reports it), a known length.
 template <class G>
 concept CallableSampleGenerator =
     std::move_constructible<G> && std::invocable<G&> &&
@@ -76,9 +76,9 @@ concept CallableSampleGenerator =
 /// Requirements:
 ///  1. `std::ranges::input_range<G>`. Reason: samples are read once, front to back; a single-pass
 ///     range (an istream view, a network reader) is enough.
-///  2. Its value type is move-constructible. Reason: the scheduler copies or moves each element
-///     (by `S(*it)`) out of the range before merging.
-///  3. G is move-constructible. Reason: the scheduler takes ownership of the range.
+///  2. Its value type is move-constructible. Reason: the loader copies or moves each element
+///     (by `S(*it)`) out of the range before collating.
+///  3. G is move-constructible. Reason: the loader takes ownership of the range.
 ///  4. G is not also a CallableSampleGenerator. Reason: one type, one meaning.
 /// Not required: forward or sized ranges, a range that can be walked twice, common ranges.
 template <class G>
@@ -92,7 +92,7 @@ concept RangeSampleGenerator =
 ///
 /// Example: `static_assert(loom::SampleGenerator<std::function<std::optional<at::Tensor>()>>);`
 /// (std::function is the type-erased form for generators of different types in one schedule).
-/// Throws: — (a concept). Generators themselves may throw; see GeneratorError in scheduler.hpp.
+/// Throws: — (a concept). Generators themselves may throw; see GeneratorError in core.hpp.
 template <class G>
 concept SampleGenerator = CallableSampleGenerator<G> || RangeSampleGenerator<G>;
 
@@ -121,7 +121,7 @@ using generator_sample_t = typename detail::generator_sample<G>::type;
 ///
 /// Requirements:
 ///  1. CallableSampleGenerator<G>. Reason: a range's position lives in its iterator, which the
-///     scheduler holds; a skip() on the range object could not move that iterator.
+///     loader holds; a skip() on the range object could not move that iterator.
 ///  2. `g.skip(n)` with an `std::int64_t n >= 0` advances the stream by n samples, as if g had
 ///     been asked for n samples that were then dropped. Reason: resuming a schedule from a saved
 ///     state must not replay hours of a simulator; without skip(), loom replays (pulls and drops).

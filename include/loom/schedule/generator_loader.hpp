@@ -1,9 +1,9 @@
-// loom/schedule/scheduler.hpp — Scheduler: N generators onto M logical devices in one process,
+// loom/schedule/generator_loader.hpp — GeneratorLoader: N generators onto M logical devices in one process,
 // one batch per device per step, built ahead of the training loop on worker threads.
 //
 // Example (16 generators onto 8 devices, 2 per device):
 //   std::vector<Sim> sims = make_sims(16);                       // each models SampleGenerator
-//   loom::Scheduler sched(std::move(sims), {.num_devices = 8, .prefetch_depth = 2});
+//   loom::GeneratorLoader sched(std::move(sims), {.num_devices = 8, .prefetch_depth = 2});
 //   for (auto& step : sched) {                                   // step.index == k
 //     for (auto& db : step.devices)                              // db.device == 0..7
 //       losses[db.device] = model[db.device]->forward(db.batch.data);   // data: 2 x (sample shape)
@@ -11,12 +11,12 @@
 //   auto report = sched.report();                                // delivered / unread per generator
 //
 // Time alignment: the k-th batch of device d holds the k-th sample of each of d's generators
-// (loom::assign gives them, increasing), in that order, merged by the Merge step (CollateMerge,
+// (loom::assign gives them, increasing), in that order, collated by the Collate step (DefaultCollate,
 // through loom's collator: stacked along a new leading batch dimension).
 // Prefetch: worker threads (one per generator by default, or `num_workers`, generator g on worker
 // g % W) pull the generators — the generators of one device at the same time — and the worker that
-// completes a device's step merges it, while the consumer trains. At most `prefetch_depth` batches
-// per device exist inside the scheduler, so host memory stays within M x depth x (batch bytes),
+// completes a device's step collates it, while the consumer trains. At most `prefetch_depth` batches
+// per device exist inside the loader, so host memory stays within M x depth x (batch bytes),
 // plus the step the consumer holds.
 // Failure: a generator that throws stops production; the consumer receives every step before
 // the failing one, then loom::GeneratorError (a RemoteError naming generator, device and sample).
@@ -41,42 +41,42 @@
 
 namespace loom {
 
-/// Runs N generators onto M logical devices in one process, yielding one ScheduledStep (a batch per
+/// Runs N generators onto M logical devices in one process, yielding one GeneratorLoaderStep (a batch per
 /// device) per call of next() or per iteration of a range-for.
 ///
 /// Example: see the file comment.
-/// Shape: ScheduledStep::devices[d].batch is Merge's result; with CollateMerge a loom::Batch whose data is
+/// Shape: GeneratorLoaderStep::devices[d].batch is Collate's result; with DefaultCollate a loom::Batch whose data is
 ///        R x (sample shape) with R = the number of device d's generators (fewer under drain).
 /// Units: prefetch_depth in batches per device; steps and samples counted from 0.
 /// Throws: loom::InvalidArgument from the constructor for a bad option (num_devices < 1,
 ///         prefetch_depth < 1, num_workers < 0, more devices than generators, a bad explicit
 ///         map or resume state); from next(): loom::GeneratorError when a generator threw (and on
-///         every later call), or the merger's / transfer's own exception unchanged.
+///         every later call), or the collate function's / transfer's own exception unchanged.
 /// Source: see the file comment.
-template <SampleGenerator G, class Merge = CollateMerge<>, class Transfer = HostTransfer>
-class Scheduler {
-  static_assert(SampleGenerator<G>, "loom::Scheduler: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
-  static_assert(BatchMerger<Merge, generator_sample_t<G>>,
-                "loom::Scheduler: Merge must model loom::BatchMerger for the generators' sample type "
-                "(the default CollateMerge reads at::Tensor, pair<at::Tensor, target>, or structs with .data/.target through loom::DefaultProjection)");
+template <SampleGenerator G, class Collate = DefaultCollate<>, class Transfer = HostTransfer>
+class GeneratorLoader {
+  static_assert(SampleGenerator<G>, "loom::GeneratorLoader: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
+  static_assert(CollateFunction<Collate, generator_sample_t<G>>,
+                "loom::GeneratorLoader: Collate must model loom::CollateFunction for the generators' sample type "
+                "(the default DefaultCollate reads at::Tensor, pair<at::Tensor, target>, or structs with .data/.target through loom::DefaultProjection)");
 
  public:
   using Generator = G;
   using Sample = generator_sample_t<G>;
-  using BatchType = merge_result_t<Merge, Sample>;
-  static_assert(BatchTransfer<Transfer, BatchType>, "loom::Scheduler: Transfer must model loom::BatchTransfer for the merged batch type");
-  using StepType = ScheduledStep<BatchType>;
+  using BatchType = collate_result_t<Collate, Sample>;
+  static_assert(BatchTransfer<Transfer, BatchType>, "loom::GeneratorLoader: Transfer must model loom::BatchTransfer for the collated batch type");
+  using StepType = GeneratorLoaderStep<BatchType>;
 
   /// Takes ownership of the generators (generator id = position in the vector) and starts the
   /// workers at once, so batches are being built before the first next().
-  explicit Scheduler(std::vector<G> generators, ScheduleOptions options = {}, Merge merge = {}, Transfer transfer = {})
+  explicit GeneratorLoader(std::vector<G> generators, GeneratorLoaderOptions options = {}, Collate collate_fn = {}, Transfer transfer = {})
       : options_(std::move(options)) {
     const int n = static_cast<int>(generators.size());
     const int m = options_.num_devices;
-    if (m < 1) throw InvalidArgument(fmt::format("Scheduler: num_devices is {}, must be >= 1", m));
+    if (m < 1) throw InvalidArgument(fmt::format("GeneratorLoader: num_devices is {}, must be >= 1", m));
     if (options_.num_workers < 0)
-      throw InvalidArgument(fmt::format("Scheduler: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
-    detail::check_common_options(options_.prefetch_depth, options_.count_unread_limit, options_.resume, n, m, "Scheduler");
+      throw InvalidArgument(fmt::format("GeneratorLoader: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
+    detail::check_common_options(options_.prefetch_depth, options_.count_unread_limit, options_.resume, n, m, "GeneratorLoader");
     assignment_ = assign(options_.assignment, n, m);
     delivered_ = options_.resume.samples;
     delivered_.resize(static_cast<std::size_t>(n), 0);
@@ -85,7 +85,7 @@ class Scheduler {
     std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors;
     cursors.reserve(generators.size());
     for (auto& g : generators) cursors.push_back(std::make_unique<detail::GeneratorCursor<G>>(std::move(g)));
-    detail::CoreConfig cfg;
+    detail::EngineConfig cfg;
     cfg.device_generators = assignment_;
     for (int d = 0; d < m; ++d) cfg.device_labels.push_back(d);
     cfg.depth = options_.prefetch_depth;
@@ -95,18 +95,18 @@ class Scheduler {
     cfg.count_limit = options_.count_unread_limit;
     cfg.start_step = options_.resume.steps;
     cfg.skip = options_.resume.samples;
-    core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), merge, transfer);
+    core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), collate_fn, transfer);
   }
 
-  Scheduler(const Scheduler&) = delete;
-  Scheduler& operator=(const Scheduler&) = delete;
+  GeneratorLoader(const GeneratorLoader&) = delete;
+  GeneratorLoader& operator=(const GeneratorLoader&) = delete;
   /// Stops and joins the workers (see stop()).
-  ~Scheduler() = default;
+  ~GeneratorLoader() = default;
 
   /// The next step, or std::nullopt at the end of data. Blocks until every device's batch of the
   /// step is ready.
   /// Throws: loom::GeneratorError (a generator threw: naming it, its device and the sample
-  ///         index), the merger's or transfer's exception; the same exception again on later calls.
+  ///         index), the collate function's or transfer's exception; the same exception again on later calls.
   std::optional<StepType> next() {
     if (error_) std::rethrow_exception(error_);
     if (finished_) return std::nullopt;
@@ -116,7 +116,7 @@ class Scheduler {
     for (int d = 0; d < m; ++d) {
       const auto r = core_->wait(d, step_);
       if (r == Core::Resolved::event) {
-        const detail::ScheduleEvent e = core_->event();
+        const detail::StopEvent e = core_->event();
         finished_ = true;
         if (e.failure) {
           error_ = e.error;
@@ -162,7 +162,7 @@ class Scheduler {
   }
 
   /// Range-for support: `for (auto& step : sched)`; each step is destroyed before the next is made.
-  detail::NextIterator<Scheduler, StepType> begin() { return detail::NextIterator<Scheduler, StepType>(*this); }
+  detail::NextIterator<GeneratorLoader, StepType> begin() { return detail::NextIterator<GeneratorLoader, StepType>(*this); }
   std::default_sentinel_t end() const noexcept { return {}; }
 
   /// How the schedule ended: steps, the generator that stopped it, delivered and unread samples
@@ -170,12 +170,12 @@ class Scheduler {
   /// samples (at most count_unread_limit per generator), otherwise they have stopped already.
   /// Throws: loom::InvalidArgument before the end (next() has not returned std::nullopt yet);
   ///         the generator's error if the schedule failed.
-  EndReport report() {
+  GeneratorLoaderReport report() {
     if (error_) std::rethrow_exception(error_);
     if (!finished_)
-      throw InvalidArgument(fmt::format("Scheduler::report(): the schedule has not ended (at step {}); call it after next() returned std::nullopt", step_));
+      throw InvalidArgument(fmt::format("GeneratorLoader::report(): the schedule has not ended (at step {}); call it after next() returned std::nullopt", step_));
     core_->join();
-    EndReport r;
+    GeneratorLoaderReport r;
     r.policy = options_.end;
     r.steps = step_;
     r.shortest_generator = options_.end == EndPolicy::stop_at_shortest ? shortest_ : -1;
@@ -186,8 +186,8 @@ class Scheduler {
   }
 
   /// Where the schedule stands (steps and samples delivered so far), to resume it later with
-  /// ScheduleOptions::resume. Call it on the consumer's thread.
-  [[nodiscard]] ScheduleState state() const { return {step_, delivered_, core_->num_devices()}; }
+  /// GeneratorLoaderOptions::resume. Call it on the consumer's thread.
+  [[nodiscard]] GeneratorLoaderState state() const { return {step_, delivered_, core_->num_devices()}; }
 
   /// Stops and joins the workers now (what the destructor does); next() then returns std::nullopt.
   void stop() noexcept {
@@ -200,7 +200,7 @@ class Scheduler {
   [[nodiscard]] int num_devices() const noexcept { return static_cast<int>(assignment_.size()); }
 
  private:
-  using Core = detail::ScheduleCore<G, Merge, Transfer>;
+  using Core = detail::LoaderEngine<G, Collate, Transfer>;
 
   GeneratorReport make_report(int g, int d) const {
     const auto gi = static_cast<std::size_t>(g);
@@ -214,7 +214,7 @@ class Scheduler {
     return gr;
   }
 
-  ScheduleOptions options_;
+  GeneratorLoaderOptions options_;
   std::vector<std::vector<int>> assignment_;
   std::vector<std::int64_t> delivered_;
   std::int64_t step_ = 0;

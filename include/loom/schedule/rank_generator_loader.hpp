@@ -1,9 +1,9 @@
-// loom/schedule/rank_scheduler.hpp — RankScheduler: the per-rank mode. Rank r of world size W
+// loom/schedule/rank_generator_loader.hpp — RankGeneratorLoader: the per-rank mode. Rank r of world size W
 // runs the generators the assignment gives device r, and all ranks agree on every step.
 //
 // Example (16 generators over 8 ranks: rank r runs generators 2r and 2r+1):
 //   loom::GlooCommunicator comm(loom::Environment::from_env());
-//   loom::RankScheduler sched(comm, 16, [](int g) { return Sim(g); }, {.end = loom::EndPolicy::drain});
+//   loom::RankGeneratorLoader sched(comm, 16, [](int g) { return Sim(g); }, {.end = loom::EndPolicy::drain});
 //   for (auto& db : sched) {                         // db.device == rank, db.step == k
 //     auto loss = model->forward(db.batch.data);     // 2 x (sample shape); 0 rows when this rank ran dry
 //     ... backward; reducer.all_reduce(...);          // every rank runs the same number of steps
@@ -43,28 +43,28 @@
 
 namespace loom {
 
-/// Options of the per-rank RankScheduler (one process per rank; the world size is the number of devices).
+/// Options of the per-rank RankGeneratorLoader (one process per rank; the world size is the number of devices).
 ///
-/// Example: `loom::RankScheduleOptions{.assignment = loom::Assignment::round_robin(), .prefetch_depth = 4}`.
+/// Example: `loom::RankGeneratorLoaderOptions{.assignment = loom::Assignment::round_robin(), .prefetch_depth = 4}`.
 /// Units: prefetch_depth in batches.
-struct RankScheduleOptions {
+struct RankGeneratorLoaderOptions {
   Assignment assignment = Assignment::contiguous(); ///< which generators feed which rank
   int prefetch_depth = 2;                           ///< batches built ahead on this rank (>= 1)
   int num_workers = 0;                              ///< threads pulling this rank's generators; 0 = one per generator
   EndPolicy end = EndPolicy::stop_at_shortest;      ///< unequal lengths (decided over all ranks)
   /// stop_at_shortest: after the end, read this rank's generators on to count their unread samples
-  /// exactly (see ScheduleOptions::count_unread); off by default, as a generator may be endless.
+  /// exactly (see GeneratorLoaderOptions::count_unread); off by default, as a generator may be endless.
   bool count_unread = false;
   /// With count_unread: read at most this many samples per generator after the end (> 0).
   std::int64_t count_unread_limit = kDefaultCountUnreadLimit;
-  ScheduleState resume = {};                        ///< start from this rank's saved state
+  GeneratorLoaderState resume = {};                        ///< start from this rank's saved state
   at::Device collective_device = at::kCPU;          ///< device of the agreement tensors (a CUDA device for NCCL)
 };
 
 /// The per-rank mode: this rank's generators, one batch per step, steps agreed over all ranks.
 ///
 /// Example: see the file comment.
-/// Shape: DeviceBatch::batch is Merge's result (CollateMerge: loom::Batch, data R x (sample shape),
+/// Shape: DeviceBatch::batch is Collate's result (DefaultCollate: loom::Batch, data R x (sample shape),
 ///        R = this rank's generators still running; R = 0 and weight 0 when this rank ran dry).
 /// Throws: loom::InvalidArgument from the constructor (bad options, more ranks than generators,
 ///         a factory result of the wrong type); from next(): loom::GeneratorError on the rank whose
@@ -73,44 +73,44 @@ struct RankScheduleOptions {
 ///         or the step, and the communicator's errors (loom::TimeoutError when a rank stops
 ///         answering).
 /// Source: see the file comment.
-template <SampleGenerator G, Communicator C, class Merge = CollateMerge<>, class Transfer = HostTransfer>
-class RankScheduler {
-  static_assert(SampleGenerator<G>, "loom::RankScheduler: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
-  static_assert(Communicator<C>, "loom::RankScheduler: C must model loom::Communicator");
-  static_assert(BatchMerger<Merge, generator_sample_t<G>>, "loom::RankScheduler: Merge must model loom::BatchMerger for the generators' sample type");
+template <SampleGenerator G, Communicator C, class Collate = DefaultCollate<>, class Transfer = HostTransfer>
+class RankGeneratorLoader {
+  static_assert(SampleGenerator<G>, "loom::RankGeneratorLoader: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
+  static_assert(Communicator<C>, "loom::RankGeneratorLoader: C must model loom::Communicator");
+  static_assert(CollateFunction<Collate, generator_sample_t<G>>, "loom::RankGeneratorLoader: Collate must model loom::CollateFunction for the generators' sample type");
 
  public:
   using Generator = G;
   using Sample = generator_sample_t<G>;
-  using BatchType = merge_result_t<Merge, Sample>;
-  static_assert(BatchTransfer<Transfer, BatchType>, "loom::RankScheduler: Transfer must model loom::BatchTransfer for the merged batch type");
+  using BatchType = collate_result_t<Collate, Sample>;
+  static_assert(BatchTransfer<Transfer, BatchType>, "loom::RankGeneratorLoader: Transfer must model loom::BatchTransfer for the collated batch type");
   using Item = DeviceBatch<BatchType>;
 
   /// Builds only this rank's generators with `make(g)` for its generator ids g, then starts the worker.
   template <class MakeGenerator>
     requires std::invocable<MakeGenerator&, int> && std::same_as<std::invoke_result_t<MakeGenerator&, int>, G>
-  RankScheduler(C& comm, int num_generators, MakeGenerator make, RankScheduleOptions options = {}, Merge merge = {},
+  RankGeneratorLoader(C& comm, int num_generators, MakeGenerator make, RankGeneratorLoaderOptions options = {}, Collate collate_fn = {},
                 Transfer transfer = {})
       : comm_(comm), options_(std::move(options)), num_generators_(num_generators) {
     std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors(static_cast<std::size_t>(std::max(num_generators, 0)));
     prepare();
     for (int g : generators_) cursors[static_cast<std::size_t>(g)] = std::make_unique<detail::GeneratorCursor<G>>(make(g));
-    start(std::move(cursors), merge, transfer);
+    start(std::move(cursors), collate_fn, transfer);
   }
 
   /// Takes all N generators (id = position), keeps this rank's and destroys the others.
-  RankScheduler(C& comm, std::vector<G> generators, RankScheduleOptions options = {}, Merge merge = {}, Transfer transfer = {})
+  RankGeneratorLoader(C& comm, std::vector<G> generators, RankGeneratorLoaderOptions options = {}, Collate collate_fn = {}, Transfer transfer = {})
       : comm_(comm), options_(std::move(options)), num_generators_(static_cast<int>(generators.size())) {
     std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors(generators.size());
     prepare();
     for (int g : generators_) cursors[static_cast<std::size_t>(g)] = std::make_unique<detail::GeneratorCursor<G>>(std::move(generators[static_cast<std::size_t>(g)]));
     generators.clear();
-    start(std::move(cursors), merge, transfer);
+    start(std::move(cursors), collate_fn, transfer);
   }
 
-  RankScheduler(const RankScheduler&) = delete;
-  RankScheduler& operator=(const RankScheduler&) = delete;
-  ~RankScheduler() = default;
+  RankGeneratorLoader(const RankGeneratorLoader&) = delete;
+  RankGeneratorLoader& operator=(const RankGeneratorLoader&) = delete;
+  ~RankGeneratorLoader() = default;
 
   /// This rank's batch of the next step, or std::nullopt once all ranks agreed the schedule ended.
   /// Every rank must call next() the same number of times (it may run a collective).
@@ -137,19 +137,19 @@ class RankScheduler {
   }
 
   /// Range-for support: `for (auto& db : sched)`.
-  detail::NextIterator<RankScheduler, Item> begin() { return detail::NextIterator<RankScheduler, Item>(*this); }
+  detail::NextIterator<RankGeneratorLoader, Item> begin() { return detail::NextIterator<RankGeneratorLoader, Item>(*this); }
   std::default_sentinel_t end() const noexcept { return {}; }
 
   /// How the schedule ended (this rank's generators); shortest_generator is the same on every rank.
   /// Waits for this rank's workers (with count_unread: their counting, at most count_unread_limit
   /// samples per generator). No collective.
   /// Throws: loom::InvalidArgument before the end; the schedule's error if it failed.
-  EndReport report() {
+  GeneratorLoaderReport report() {
     if (error_) std::rethrow_exception(error_);
     if (!finished_)
-      throw InvalidArgument(fmt::format("RankScheduler::report(): the schedule has not ended (rank {} at step {})", rank_, step_));
+      throw InvalidArgument(fmt::format("RankGeneratorLoader::report(): the schedule has not ended (rank {} at step {})", rank_, step_));
     core_->join();
-    EndReport r;
+    GeneratorLoaderReport r;
     r.policy = options_.end;
     r.steps = step_;
     r.shortest_generator = options_.end == EndPolicy::stop_at_shortest ? shortest_ : -1;
@@ -167,8 +167,8 @@ class RankScheduler {
   }
 
   /// This rank's position (steps, samples per generator id; other ranks' entries are passed
-  /// through from the resume state), to resume with RankScheduleOptions::resume.
-  [[nodiscard]] ScheduleState state() const { return {step_, delivered_, world_}; }
+  /// through from the resume state), to resume with RankGeneratorLoaderOptions::resume.
+  [[nodiscard]] GeneratorLoaderState state() const { return {step_, delivered_, world_}; }
 
   /// Stops and joins this rank's worker. Only for leaving early on every rank (or on error): a
   /// later next() returns std::nullopt without a collective.
@@ -183,7 +183,7 @@ class RankScheduler {
   [[nodiscard]] int world_size() const noexcept { return world_; }
 
  private:
-  using Core = detail::ScheduleCore<G, Merge, Transfer>;
+  using Core = detail::LoaderEngine<G, Collate, Transfer>;
   static constexpr int kFields = 8;
   static constexpr int kMessageWords = 64;  // 512 bytes for a failure message
 
@@ -193,17 +193,17 @@ class RankScheduler {
     rank_ = comm_.rank();
     world_ = comm_.world_size();
     detail::check_common_options(options_.prefetch_depth, options_.count_unread_limit, options_.resume, num_generators_, world_,
-                                 "RankScheduler");
+                                 "RankGeneratorLoader");
     if (options_.num_workers < 0)
-      throw InvalidArgument(fmt::format("RankScheduler: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
+      throw InvalidArgument(fmt::format("RankGeneratorLoader: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
     generators_ = generators_of(options_.assignment, num_generators_, world_, rank_);
     delivered_ = options_.resume.samples;
     delivered_.resize(static_cast<std::size_t>(num_generators_), 0);
     step_ = options_.resume.steps;
   }
 
-  void start(std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors, const Merge& merge, const Transfer& transfer) {
-    detail::CoreConfig cfg;
+  void start(std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors, const Collate& collate_fn, const Transfer& transfer) {
+    detail::EngineConfig cfg;
     cfg.device_generators = {generators_};
     cfg.device_labels = {rank_};
     cfg.depth = options_.prefetch_depth;
@@ -213,7 +213,7 @@ class RankScheduler {
     cfg.count_limit = options_.count_unread_limit;
     cfg.start_step = options_.resume.steps;
     cfg.skip = options_.resume.samples;
-    core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), merge, transfer);
+    core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), collate_fn, transfer);
   }
 
   std::vector<std::vector<std::int64_t>> all_gather(const std::vector<std::int64_t>& mine) {
@@ -240,7 +240,7 @@ class RankScheduler {
     } else if (r == Core::Resolved::dry) {
       code = kEnded;
     } else {
-      const detail::ScheduleEvent e = core_->event();
+      const detail::StopEvent e = core_->event();
       code = e.failure ? kFailed : kEnded;
       generator = e.generator;
       sample = e.sample;
@@ -255,7 +255,7 @@ class RankScheduler {
       LOOM_ASSERT(static_cast<int>(row.size()) == kFields);
       if (!std::equal(row.begin() + 4, row.end(), mine.begin() + 4))
         fail_with(std::make_exception_ptr(ConfigError(fmt::format(
-            "RankScheduler: ranks disagree on [generators, assignment, end policy, step]: rank {} has [{}], rank {} has [{}]",
+            "RankGeneratorLoader: ranks disagree on [generators, assignment, end policy, step]: rank {} has [{}], rank {} has [{}]",
             rank_, fmt::join(mine.begin() + 4, mine.end(), ", "), q, fmt::join(row.begin() + 4, row.end(), ", ")))));
     }
     // The first rank whose step is not ready decides, if its event stops the schedule.
@@ -329,7 +329,7 @@ class RankScheduler {
   }
 
   C& comm_;
-  RankScheduleOptions options_;
+  RankGeneratorLoaderOptions options_;
   int num_generators_ = 0;
   int rank_ = 0;
   int world_ = 1;
@@ -345,12 +345,12 @@ class RankScheduler {
 };
 
 template <class C, class MakeGenerator>
-RankScheduler(C&, int, MakeGenerator) -> RankScheduler<std::invoke_result_t<MakeGenerator&, int>, C>;
+RankGeneratorLoader(C&, int, MakeGenerator) -> RankGeneratorLoader<std::invoke_result_t<MakeGenerator&, int>, C>;
 template <class C, class MakeGenerator>
-RankScheduler(C&, int, MakeGenerator, RankScheduleOptions) -> RankScheduler<std::invoke_result_t<MakeGenerator&, int>, C>;
+RankGeneratorLoader(C&, int, MakeGenerator, RankGeneratorLoaderOptions) -> RankGeneratorLoader<std::invoke_result_t<MakeGenerator&, int>, C>;
 template <class C, class G>
-RankScheduler(C&, std::vector<G>) -> RankScheduler<G, C>;
+RankGeneratorLoader(C&, std::vector<G>) -> RankGeneratorLoader<G, C>;
 template <class C, class G>
-RankScheduler(C&, std::vector<G>, RankScheduleOptions) -> RankScheduler<G, C>;
+RankGeneratorLoader(C&, std::vector<G>, RankGeneratorLoaderOptions) -> RankGeneratorLoader<G, C>;
 
 }  // namespace loom

@@ -1,8 +1,8 @@
-// loom/schedule/transfer.hpp — the transfer step of the scheduler: a merged host batch on its
+// loom/schedule/transfer.hpp — the transfer step of the loader: a collated host batch on its
 // way to its device. The seam where CUDA staging plugs in.
 //
-// For every batch the scheduler calls `t.start(batch, device)` on a worker thread right after
-// the merge (for one device: one call at a time, in step order, on whichever worker merged that
+// For every batch the loader calls `t.start(batch, device)` on a worker thread right after
+// the collate step (for one device: one call at a time, in step order, on whichever worker collated that
 // step) (a CUDA transfer copies into pinned staging memory and issues a
 // non-blocking copy on the device's own stream, then records an event), keeps the returned
 // Ticket next to the batch in the prefetch queue, and calls `t.finish(batch, device, ticket)` on
@@ -36,8 +36,8 @@ namespace loom {
 ///     tensors. Called on the worker thread. Reason: the copy overlaps the consumer's compute.
 ///  3. `t.finish(b, device, ticket)` (B&, int, Ticket&). Called on the consumer's thread before b
 ///     is handed out. Reason: the consumer must not read b before the copy landed.
-///  4. T is copy-constructible. Reason: the scheduler keeps one copy per device. Calls of start()
-///     on that copy never overlap (one merge at a time per device) but may come from different
+///  4. T is copy-constructible. Reason: the loader keeps one copy per device. Calls of start()
+///     on that copy never overlap (one collate at a time per device) but may come from different
 ///     worker threads (set the CUDA device inside start()); start() and finish() of that copy may
 ///     run at the same time on two threads (a worker, the consumer).
 ///  5. Either call may throw; the exception reaches the consumer's thread.
@@ -51,7 +51,7 @@ concept BatchTransfer = std::copy_constructible<T> && std::move_constructible<ty
 
 /// The default transfer: batches stay in host memory; both phases do nothing.
 ///
-/// Example: `loom::Scheduler<Gen, loom::CollateMerge<>, loom::HostTransfer>` (the defaults).
+/// Example: `loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::HostTransfer>` (the defaults).
 /// Throws: never.
 struct HostTransfer {
   struct Ticket {};
