@@ -29,7 +29,8 @@
 //      elements (whichever first; 0 turns a rule off). The last step takes what is left.
 // Dealing (per step, identically on every rank): Dealing::balanced gives each batch, largest
 //   padded-element count first (ties: plan order), to the rank with the least load so far (ties:
-//   the lowest rank) — longest-processing-time-first; Dealing::round_robin gives batch j of the step
+//   the lowest rank) — longest-processing-time-first — then moves or swaps single batches between
+//   the busiest and the idlest rank while that lowers the busiest load; Dealing::round_robin gives batch j of the step
 //   to rank j mod world_size. A rank's batches of a step run in plan order. A rank that receives no
 //   batch of a step yields one item with `idle` set (no samples, weight 0): it joins the step's
 //   synchronisation with zero gradients and zero samples. No batch is repeated and none carries
@@ -270,7 +271,8 @@ inline EpochPlan plan_epoch(const std::vector<std::vector<int64_t>>& shapes, con
 ///          round_robin gives {{0, 2}, {1, 3}}, loads 9 and 3).
 /// Units: costs in any additive unit (loom uses padded elements).
 /// Throws: loom::InvalidArgument when world_size < 1 or a cost is negative.
-/// Source: Graham's longest-processing-time-first list scheduling (balanced).
+/// Source: Graham's longest-processing-time-first list scheduling, then a move/swap local search
+///         between the busiest and idlest rank (balanced).
 inline std::vector<std::vector<int64_t>> deal(std::span<const int64_t> costs, int world_size, Dealing dealing) {
   if (world_size < 1) throw InvalidArgument(fmt::format("deal: world_size = {} (need >= 1)", world_size));
   std::vector<std::vector<int64_t>> out(static_cast<std::size_t>(world_size));
@@ -292,6 +294,41 @@ inline std::vector<std::vector<int64_t>> deal(std::span<const int64_t> costs, in
     const auto r = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());  // lowest rank on ties
     out[r].push_back(j);
     load[r] += costs[static_cast<std::size_t>(j)];
+  }
+  // Refinement: while moving one item from the busiest rank to the idlest, or swapping one item of
+  // each, lowers the busier of the two below the busiest load, do the best such move (a bounded
+  // number of times; deterministic: ties by rank and position).
+  for (int round = 0; round < 4 * world_size; ++round) {
+    const auto a = static_cast<std::size_t>(std::max_element(load.begin(), load.end()) - load.begin());
+    const auto b = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    if (a == b) break;
+    int64_t best = load[a];
+    std::ptrdiff_t best_i = -1, best_j = -1;  // j == -1: a move, not a swap
+    for (std::size_t i = 0; i < out[a].size(); ++i) {
+      const int64_t ci = costs[static_cast<std::size_t>(out[a][i])];
+      for (std::ptrdiff_t j = -1; j < static_cast<std::ptrdiff_t>(out[b].size()); ++j) {
+        const int64_t cj = j < 0 ? 0 : costs[static_cast<std::size_t>(out[b][static_cast<std::size_t>(j)])];
+        const int64_t worse = std::max(load[a] - ci + cj, load[b] + ci - cj);
+        if (worse < best) {
+          best = worse;
+          best_i = static_cast<std::ptrdiff_t>(i);
+          best_j = j;
+        }
+      }
+    }
+    if (best_i < 0) break;
+    const int64_t item = out[a][static_cast<std::size_t>(best_i)];
+    out[a].erase(out[a].begin() + best_i);
+    load[a] -= costs[static_cast<std::size_t>(item)];
+    if (best_j >= 0) {
+      const int64_t other = out[b][static_cast<std::size_t>(best_j)];
+      out[b].erase(out[b].begin() + best_j);
+      load[b] -= costs[static_cast<std::size_t>(other)];
+      out[a].push_back(other);
+      load[a] += costs[static_cast<std::size_t>(other)];
+    }
+    out[b].push_back(item);
+    load[b] += costs[static_cast<std::size_t>(item)];
   }
   for (auto& v : out) std::sort(v.begin(), v.end());
   return out;
