@@ -32,6 +32,7 @@
 // --benchmark_out_format=json` also writes every repetition (scripts/plot_benchmarks.sh draws the
 // sweep from it). One intra-op thread per rank. Run: build-dir/bench/bench_reduce.
 //
+// `bench_reduce --cuda` measures the reducer on a GPU at world size 1 over NCCL (see run_cuda).
 // `bench_reduce --overhead=loom|hand|trainer|lowlevel` runs one of the training loops compared by
 // instruction count in scripts/callgrind_overhead.sh (one process, no benchmark framework).
 #include <benchmark/benchmark.h>
@@ -50,6 +51,11 @@
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/gloo.hpp>
 #include <loom/comm/local.hpp>
+#include <loom/config.hpp>
+#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <loom/comm/nccl.hpp>
+#endif
 #include <loom/dist/spawn.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
@@ -628,9 +634,115 @@ int run_overhead(const std::string& which) {
 
 }  // namespace
 
+// ---- on a GPU: `bench_reduce --cuda` ------------------------------------------------------------
+//
+// World size 1 over NCCL (NCCL refuses two ranks on one GPU), the ResNet-50 gradients as CUDA
+// float32 tensors: flat (one NcclCommunicator all-reduce of a flat buffer of the same bytes),
+// loom (Reducer<NcclCommunicator>, gradients marked ready), backward_only and loom_hooks (the same
+// gradients from a backward pass). Each step ends when the host has seen the result (the reducer's
+// finish_window waits; flat waits for its work). RATIO lines as on the CPU. c10d's DDP reducer is
+// left out here: it needs ProcessGroupNCCL's headers, which Debian's LibTorch does not ship.
+
+#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
+namespace {
+
+loom::NcclCommunicator* g_nccl = nullptr;
+
+std::vector<at::Tensor> cuda_tensors(bool requires_grad, float value) {
+  std::vector<at::Tensor> out;
+  for (const auto& s : resnet50_sizes()) {
+    auto t = torch::full(s, value, torch::TensorOptions().device(torch::kCUDA, 0));
+    out.push_back(requires_grad ? t.requires_grad_() : t);
+  }
+  return out;
+}
+
+void cuda_flat(benchmark::State& state) {
+  auto buffer = torch::full({bytes_of(resnet50_sizes()) / 4}, 1e-3f, torch::TensorOptions().device(torch::kCUDA, 0));
+  g_nccl->all_reduce(buffer, loom::ReduceOp::sum);
+  for (auto _ : state) g_nccl->all_reduce(buffer, loom::ReduceOp::sum);
+}
+
+void cuda_loom(benchmark::State& state) {
+  auto params = cuda_tensors(true, 0.5f);
+  loom::Reducer reducer(*g_nccl, {.params = params}, {.average = loom::Average::world_size});
+  reducer.prepare_backward({.sync = false});
+  for (auto& p : params) p.mutable_grad().fill_(1e-3f);
+  auto step = [&] {
+    reducer.prepare_backward({.sync = true, .window_samples = 32});
+    reducer.mark_all_ready();
+    reducer.finish_window();
+  };
+  step();
+  step();
+  for (auto _ : state) step();
+}
+
+void cuda_backward_only(benchmark::State& state) {
+  auto params = cuda_tensors(true, 0.5f), grads = cuda_tensors(false, 1e-3f);
+  g_source = &grads;
+  auto step = [&] {
+    GradSource::apply(at::TensorList(params)).backward();
+    torch::cuda::synchronize();
+  };
+  step();
+  for (auto _ : state) step();
+}
+
+void cuda_loom_hooks(benchmark::State& state) {
+  auto params = cuda_tensors(true, 0.5f), grads = cuda_tensors(false, 1e-3f);
+  g_source = &grads;
+  loom::Reducer reducer(*g_nccl, {.params = params}, {.average = loom::Average::world_size});
+  auto step = [&] {
+    reducer.prepare_backward({.sync = true, .window_samples = 32});
+    GradSource::apply(at::TensorList(params)).backward();
+    reducer.finish_window();
+  };
+  step();
+  step();
+  for (auto _ : state) step();
+}
+
+int run_cuda(int argc, char** argv) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = std::chrono::seconds(120)});
+  g_nccl = &comm;
+  using Fn = void (*)(benchmark::State&);
+  const std::vector<std::pair<const char*, Fn>> all = {{"cuda_resnet50/flat", &cuda_flat},
+                                                       {"cuda_resnet50/loom", &cuda_loom},
+                                                       {"cuda_resnet50/backward_only", &cuda_backward_only},
+                                                       {"cuda_resnet50/loom_hooks", &cuda_loom_hooks}};
+  for (const auto& [name, fn] : all)
+    benchmark::RegisterBenchmark(name, fn)->Iterations(20)->Repetitions(7)->UseRealTime()->Unit(benchmark::kMillisecond);
+  std::vector<char*> cargs{argv[0]};
+  for (int i = 2; i < argc; ++i) cargs.push_back(argv[i]);
+  std::string interleave = "--benchmark_enable_random_interleaving=true";
+  cargs.push_back(interleave.data());
+  int ac = static_cast<int>(cargs.size());
+  benchmark::Initialize(&ac, cargs.data());
+  RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  std::printf("\n");
+  print_ratio(reporter.times, "cuda_loom_vs_flat", "cuda_resnet50/flat", "cuda_resnet50/loom", 0.9);
+  g_nccl = nullptr;
+  return 0;
+}
+
+}  // namespace
+#endif
+
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);
   if (argc == 2 && args[1].rfind("--overhead=", 0) == 0) return run_overhead(args[1].substr(11));
+  if (argc >= 2 && args[1] == "--cuda") {
+#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
+    return run_cuda(argc, argv);
+#else
+    std::fprintf(stderr, "bench_reduce --cuda: this build has no NCCL with a CUDA LibTorch\n");
+    return 77;
+#endif
+  }
   loom::spawn(kWorld, [&](const loom::Environment& env) {
     loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(300), .check_metadata = false});
     g_comm = &comm;
