@@ -13,10 +13,10 @@
 //    stages pageable tensors into pinned memory and queues the copies on that worker's own
 //    stream; finish() on the consumer's thread makes LibTorch's current stream wait on the event.
 //
-// Example (a scheduler whose batches arrive on the GPUs):
-//   loom::Scheduler<Gen, loom::StackMerge, loom::cuda::CudaTransfer> sched(
+// Example (a generator loader whose batches arrive on the GPUs):
+//   loom::GeneratorLoader<Gen, loom::StackCollate, loom::cuda::CudaTransfer> loader(
 //       std::move(gens), {.num_devices = 2}, {}, loom::cuda::CudaTransfer{});
-//   for (auto& step : sched)
+//   for (auto& step : loader)
 //     for (auto& db : step.devices) model[db.device]->forward(db.batch.data);  // on cuda:db.device
 //
 // Example (by hand):
