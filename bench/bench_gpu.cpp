@@ -11,7 +11,7 @@
 //   h2d_cuda_transfer_pinned/BYTES     CudaTransfer start/finish of a Batch in pinned memory
 //                                      (device tensor from the caching allocator), stream sync
 //   h2d_cuda_transfer_staged/BYTES     same from pageable memory (+ staging memcpy into pinned)
-//   h2d_scheduler_end_to_end/BYTES     GeneratorLoader<..., StackCollate, CudaTransfer>: 64 generators,
+//   h2d_scheduler_end_to_end/BYTES     GeneratorLoader<..., DefaultCollate<>, CudaTransfer>: 64 generators,
 //                                      one step = merge (host copy) + staging + H2D; steady state
 //   h2d_scheduler_pinned_merge/BYTES   GeneratorLoader<..., DefaultCollate into a pinned BufferPool,
 //                                      CudaTransfer>: merge (host copy) + H2D, no staging
@@ -133,7 +133,7 @@ void BM_h2d_scheduler_end_to_end(benchmark::State& state) {
     at::Tensor sample = at::full({per_sample}, static_cast<float>(g));
     gens.emplace_back([sample]() -> std::optional<at::Tensor> { return sample; });  // endless, no generation cost
   }
-  loom::GeneratorLoader<Gen, loom::StackCollate, loom::cuda::CudaTransfer> sched(
+  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(
       std::move(gens), {.num_devices = 1, .prefetch_depth = 4, .num_workers = 1, .count_unread = false}, {},
       loom::cuda::CudaTransfer{});
   auto consumer = c10::cuda::getCurrentCUDAStream(0);

@@ -74,7 +74,7 @@ void schedule_io_ideal(benchmark::State& state) {
 
 void schedule_io_sequential(benchmark::State& state) {
   const auto assignment = loom::assign(loom::Assignment::contiguous(), kGenerators, kDevices);
-  loom::StackCollate collate_fn;
+  loom::DefaultCollate<> collate_fn;
   double total = 0;
   int64_t steps = 0;
   for (auto _ : state) {
@@ -159,7 +159,7 @@ std::vector<PngGenerator> png_generators() {
 void cpu_png_sequential(benchmark::State& state) {
   if (icon_files().size() < kPngGenerators) return state.SkipWithError("no icons under /usr/share/icons/Adwaita/96x96");
   const auto assignment = loom::assign(loom::Assignment::contiguous(), kPngGenerators, kPngDevices);
-  loom::StackCollate collate_fn;
+  loom::DefaultCollate<> collate_fn;
   int64_t images = 0;
   double total = 0;
   for (auto _ : state) {

@@ -550,7 +550,7 @@ TEST_CASE("GeneratorLoader with CudaTransfer: batches arrive on the GPU, equal t
       return std::make_pair(t, static_cast<int64_t>(g * 10 + k++));
     });
   loom::cuda::CudaTransfer transfer(loom::cuda::CudaTransferOptions{.cuda_devices = {0, 0}});
-  loom::GeneratorLoader<Gen, loom::StackCollate, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 2}, {}, transfer);
+  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 2}, {}, transfer);
   int steps = 0;
   for (auto& step : sched) {
     for (auto& db : step.devices) {
@@ -565,7 +565,7 @@ TEST_CASE("GeneratorLoader with CudaTransfer: batches arrive on the GPU, equal t
     ++steps;
   }
   CHECK(steps == 6);
-  CHECK(transfer.staging().stats().host_allocs > 0);  // pageable StackCollate output was staged
+  CHECK(transfer.staging().stats().host_allocs > 0);  // pageable DefaultCollate output was staged
 }
 
 TEST_CASE("GeneratorLoader with DefaultCollate into pinned memory and CudaTransfer: no staging copy") {

@@ -4,10 +4,12 @@
 #include <istream>
 #include <list>
 #include <sstream>
+#include <tuple>
 
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/collate_fn.hpp>
+#include <loom/schedule/detail/cursor.hpp>
 #include <loom/schedule/transfer.hpp>
 
 #include "helpers.hpp"
@@ -191,14 +193,15 @@ TEST_CASE("assign: bad input names the value") {
 
 // ---- collate and transfer ------------------------------------------------------------------------
 
-TEST_CASE("StackCollate: rows in sample order, targets, generator ids; shape mismatch names the generator") {
-  static_assert(loom::CollateFunction<loom::StackCollate, at::Tensor>);
-  static_assert(loom::CollateFunction<loom::StackCollate, std::pair<at::Tensor, int64_t>>);
-  static_assert(!loom::CollateFunction<loom::StackCollate, int>, "StackCollate needs a tensor in the sample");
+TEST_CASE("DefaultCollate stacks: rows in sample order, targets, generator ids; shape mismatch names the generator") {
+  static_assert(loom::CollateFunction<loom::DefaultCollate<>, at::Tensor>);
+  static_assert(loom::CollateFunction<loom::DefaultCollate<>, std::pair<at::Tensor, int64_t>>);
+  static_assert(loom::CollateFunction<loom::DefaultCollate<>, std::tuple<at::Tensor, int64_t>>);
+  static_assert(!loom::CollateFunction<loom::DefaultCollate<>, int>, "DefaultCollate needs a tensor in the sample");
   static_assert(loom::BatchTransfer<loom::HostTransfer, loom::Batch>);
   static_assert(!loom::BatchTransfer<NoTicket, loom::Batch>, "a transfer names its Ticket type");
 
-  loom::StackCollate collate_fn;
+  loom::DefaultCollate<> collate_fn;
   std::vector<std::pair<at::Tensor, int64_t>> samples = {{torch::tensor({1.0f, 2.0f}), 7}, {torch::tensor({3.0f, 4.0f}), 9}};
   std::vector<int> ids = {4, 6};
   loom::Batch b = collate_fn(std::span(samples), loom::CollateContext{.device = 2, .step = 5, .generators = ids});
@@ -213,6 +216,12 @@ TEST_CASE("StackCollate: rows in sample order, targets, generator ids; shape mis
   std::vector<int> ids2 = {0, 1};
   loom::Batch b2 = collate_fn(std::span(nc), loom::CollateContext{.generators = ids2});
   CHECK(b2.data.equal(torch::stack({nc[0], nc[1]})));
+
+  // 2-tuples are read like pairs (loom::DefaultProjection, the one reading of a sample)
+  std::vector<std::tuple<at::Tensor, int64_t>> tup = {{torch::tensor({5.0f}), 1}, {torch::tensor({6.0f}), 2}};
+  loom::Batch b3 = collate_fn(std::span(tup), loom::CollateContext{.generators = ids2});
+  CHECK(b3.data.equal(torch::tensor({{5.0f}, {6.0f}})));
+  CHECK(b3.targets.equal(torch::tensor({int64_t{1}, int64_t{2}})));
 
   std::vector<at::Tensor> bad = {torch::zeros({2, 3}), torch::zeros({3, 2})};
   std::vector<int> ids3 = {10, 11};

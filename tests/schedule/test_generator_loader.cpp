@@ -493,7 +493,7 @@ struct ThreadCheckTransfer {
 
 TEST_CASE("GeneratorLoader: the transfer seam — start on the worker thread, finish on the consumer's") {
   auto bad = std::make_shared<std::atomic<int>>(0);
-  loom::GeneratorLoader<Stream, loom::StackCollate, ThreadCheckTransfer> s(streams(4, 5), {.num_devices = 2}, {},
+  loom::GeneratorLoader<Stream, loom::DefaultCollate<>, ThreadCheckTransfer> s(streams(4, 5), {.num_devices = 2}, {},
                                                                     ThreadCheckTransfer{bad});
   int64_t steps = 0;
   for (auto& step : s) {

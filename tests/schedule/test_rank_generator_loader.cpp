@@ -42,6 +42,12 @@ TEST_CASE("RankGeneratorLoader: with a LocalCommunicator it is the 1-device sche
   CHECK(s.report().generators[1].unread == 0);
 }
 
+TEST_CASE("RankGeneratorLoader: num_devices other than 1 is refused, naming the value") {
+  loom::LocalCommunicator comm;
+  CHECK_THROWS_WITH_AS(loom::RankGeneratorLoader(comm, 4, [](int g) { return Stream{.g = g, .length = 4}; }, {.num_devices = 4}),
+                       doctest::Contains("num_devices is 4, must be 1"), loom::InvalidArgument);
+}
+
 TEST_CASE("RankGeneratorLoader: 2 ranks — each rank's generators and batches, as the assignment says") {
   loom::spawn(2, [](const loom::Environment& env) {
     loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});

@@ -1,11 +1,13 @@
 // loom/collate/batch.hpp — Batch: what a collator emits and a training step consumes.
 //
 // Example:
-//   loom::Batch b = ...;                      // from a collator or the scheduler
+//   loom::Batch b = ...;                      // from a collator or a generator loader
+//   auto mb   = accumulator.micro_batch(b);   // counts b.num_samples (0 when b.weight == 0)
 //   auto out  = model->forward(b.data);       // b.data: N x C x H x W (images) or N x L (tokens)
 //   auto loss = torch::nn::functional::cross_entropy(out, b.targets,
 //                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-//   accumulator.add(b.num_samples);           // weight by real samples, not batches
+//   (loss * b.weight).backward();             // a repeated batch (weight 0) adds no gradient
+//   if (mb.finish()) optimizer.step();
 //
 // Shape: `data` is N x (sample shape); for padded buckets the sample shape is the bucket's padded
 //        shape and `mask` (same shape as `data`, dtype bool, true = real element) says which

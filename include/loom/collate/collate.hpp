@@ -1,4 +1,4 @@
-// loom/collate/collate.hpp — everything in loom/collate/, in one include.
+// loom/collate/collate.hpp — every public header of loom/collate/, in one include.
 //
 // Example:
 //   #include <loom/collate/collate.hpp>
@@ -6,13 +6,15 @@
 //
 // Contents: Batch (batch.hpp), SampleProjection / DefaultProjection (sample.hpp), BufferPool and
 // BatchAllocator (pool.hpp), ShapeBucketOptions / PaddedBucketOptions / DimPadding / CollateStats
-// (options.hpp), BucketPlanner / PlannedBatch (planner.hpp), BucketCollator / collate()
-// (collator.hpp), auto_boundaries (boundaries.hpp), views::bucket_by_shape / bucket_padded (views.hpp).
+// (options.hpp), BucketPlanner / PlannedBatch (planner.hpp), BucketCollator (collator.hpp),
+// collate() / CollateOptions (collate_list.hpp), auto_boundaries (boundaries.hpp),
+// views::bucket_by_shape / bucket_padded (views.hpp).
 // Guide: docs/collate.md.
 #pragma once
 
 #include <loom/collate/batch.hpp>
 #include <loom/collate/boundaries.hpp>
+#include <loom/collate/collate_list.hpp>
 #include <loom/collate/collator.hpp>
 #include <loom/collate/options.hpp>
 #include <loom/collate/planner.hpp>

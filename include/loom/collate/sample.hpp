@@ -16,6 +16,8 @@
 // DefaultProjection handles, with no code from the user:
 //   - std::pair<at::Tensor, int64_t>         data = first, target = second (class id)
 //   - std::pair<at::Tensor, at::Tensor>      data = first, target = second (tensor target)
+//   - std::tuple<at::Tensor, T> (any 2-element tuple-like: std::get<0> the data, std::get<1> the
+//     target, an integer or a tensor)
 //   - a struct with `.data` and `.target`    (target: an integer or a tensor), optionally `.index`
 //   - a struct with `.data` only, or a bare at::Tensor     (no target: Batch::targets undefined)
 //
@@ -26,6 +28,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -85,30 +88,34 @@ concept HasIndexMember = requires(const S& s) {
   { s.index } -> std::convertible_to<int64_t>;
 };
 template <class S>
-concept TensorPair = requires(const S& s) {
-  { s.first } -> std::convertible_to<const at::Tensor&>;
-  { s.second } -> CollatableTarget;
-} && !HasDataMember<S>;
+concept TupleOfTwo = requires { typename std::tuple_size<S>::type; } && std::tuple_size_v<S> == 2;
+template <class S>
+concept TensorTuple = !HasDataMember<S> && TupleOfTwo<S> && requires(const S& s) {
+  { std::get<0>(s) } -> std::convertible_to<const at::Tensor&>;
+  { std::get<1>(s) } -> CollatableTarget;
+};
 }  // namespace detail
 
-/// The projection collators use unless given another: reads pairs, `.data/.target[/.index]`
-/// structs and bare tensors (see the file comment).
+/// The projection collators use unless given another: reads (tensor, target) pairs and 2-tuples,
+/// `.data/.target[/.index]` structs and bare tensors (see the file comment). It is loom's one
+/// reading of a sample: the collators, loom::collate and the generator loader's DefaultCollate
+/// all go through it (or through a projection the user gives instead).
 ///
 /// Example: `std::pair<at::Tensor, int64_t> s{torch::zeros({3, 8, 8}), 7};`
 ///          `DefaultProjection{}.target(s) == 7`.
 struct DefaultProjection {
   template <class S>
-    requires detail::TensorPair<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
+    requires detail::TensorTuple<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
   const at::Tensor& data(const S& s) const {
-    if constexpr (detail::TensorPair<S>) return s.first;
+    if constexpr (detail::TensorTuple<S>) return std::get<0>(s);
     else if constexpr (detail::HasDataMember<S>) return s.data;
     else return s;
   }
 
   template <class S>
-    requires detail::TensorPair<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
+    requires detail::TensorTuple<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
   decltype(auto) target(const S& s) const {
-    if constexpr (detail::TensorPair<S>) return (s.second);
+    if constexpr (detail::TensorTuple<S>) return std::get<1>(s);
     else if constexpr (detail::HasTargetMember<S>) return (s.target);
     else return NoTarget{};
   }

@@ -3,12 +3,12 @@
 //
 // Example (16 generators onto 8 devices, 2 per device):
 //   std::vector<Sim> sims = make_sims(16);                       // each models SampleGenerator
-//   loom::GeneratorLoader sched(std::move(sims), {.num_devices = 8, .prefetch_depth = 2});
-//   for (auto& step : sched) {                                   // step.index == k
+//   loom::GeneratorLoader loader(std::move(sims), {.num_devices = 8, .prefetch_depth = 2});
+//   for (auto& step : loader) {                                   // step.index == k
 //     for (auto& db : step.devices)                              // db.device == 0..7
 //       losses[db.device] = model[db.device]->forward(db.batch.data);   // data: 2 x (sample shape)
 //   }
-//   auto report = sched.report();                                // delivered / unread per generator
+//   auto report = loader.report();                                // delivered / unread per generator
 //
 // Time alignment: the k-th batch of device d holds the k-th sample of each of d's generators
 // (loom::assign gives them, increasing), in that order, collated by the Collate step (DefaultCollate,
@@ -30,6 +30,10 @@
 // torch.utils.data.DataLoader's prefetch_factor.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -37,7 +41,16 @@
 
 #include <fmt/format.h>
 
-#include <loom/schedule/core.hpp>
+#include <loom/error.hpp>
+#include <loom/schedule/assign.hpp>
+#include <loom/schedule/collate_fn.hpp>
+#include <loom/schedule/detail/cursor.hpp>
+#include <loom/schedule/detail/engine.hpp>
+#include <loom/schedule/detail/next_iterator.hpp>
+#include <loom/schedule/generator.hpp>
+#include <loom/schedule/options.hpp>
+#include <loom/schedule/results.hpp>
+#include <loom/schedule/transfer.hpp>
 
 namespace loom {
 
@@ -74,9 +87,7 @@ class GeneratorLoader {
     const int n = static_cast<int>(generators.size());
     const int m = options_.num_devices;
     if (m < 1) throw InvalidArgument(fmt::format("GeneratorLoader: num_devices is {}, must be >= 1", m));
-    if (options_.num_workers < 0)
-      throw InvalidArgument(fmt::format("GeneratorLoader: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
-    detail::check_common_options(options_.prefetch_depth, options_.count_unread_limit, options_.resume, n, m, "GeneratorLoader");
+    detail::check_options(options_, n, m, "GeneratorLoader");
     assignment_ = assign(options_.assignment, n, m);
     delivered_ = options_.resume.samples;
     delivered_.resize(static_cast<std::size_t>(n), 0);
@@ -85,17 +96,10 @@ class GeneratorLoader {
     std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors;
     cursors.reserve(generators.size());
     for (auto& g : generators) cursors.push_back(std::make_unique<detail::GeneratorCursor<G>>(std::move(g)));
-    detail::EngineConfig cfg;
-    cfg.device_generators = assignment_;
-    for (int d = 0; d < m; ++d) cfg.device_labels.push_back(d);
-    cfg.depth = options_.prefetch_depth;
-    cfg.workers = options_.num_workers;
-    cfg.end = options_.end;
-    cfg.count_unread = options_.count_unread;
-    cfg.count_limit = options_.count_unread_limit;
-    cfg.start_step = options_.resume.steps;
-    cfg.skip = options_.resume.samples;
-    core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), collate_fn, transfer);
+    std::vector<int> labels(static_cast<std::size_t>(m));
+    for (int d = 0; d < m; ++d) labels[static_cast<std::size_t>(d)] = d;
+    core_ = std::make_unique<Core>(detail::engine_config(options_, assignment_, std::move(labels)), std::move(cursors), collate_fn,
+                                   transfer);
   }
 
   GeneratorLoader(const GeneratorLoader&) = delete;
@@ -161,7 +165,7 @@ class GeneratorLoader {
     return step;
   }
 
-  /// Range-for support: `for (auto& step : sched)`; each step is destroyed before the next is made.
+  /// Range-for support: `for (auto& step : loader)`; each step is destroyed before the next is made.
   detail::NextIterator<GeneratorLoader, StepType> begin() { return detail::NextIterator<GeneratorLoader, StepType>(*this); }
   std::default_sentinel_t end() const noexcept { return {}; }
 

@@ -1,25 +1,29 @@
-// loom/schedule/rank_generator_loader.hpp — RankGeneratorLoader: the per-rank mode. Rank r of world size W
-// runs the generators the assignment gives device r, and all ranks agree on every step.
+// loom/schedule/rank_generator_loader.hpp — RankGeneratorLoader: the per-rank mode. Rank r of world
+// size W runs the generators the assignment gives device r, and all ranks agree on every step.
 //
 // Example (16 generators over 8 ranks: rank r runs generators 2r and 2r+1):
-//   loom::GlooCommunicator comm(loom::Environment::from_env());
-//   loom::RankGeneratorLoader sched(comm, 16, [](int g) { return Sim(g); }, {.end = loom::EndPolicy::drain});
-//   for (auto& db : sched) {                         // db.device == rank, db.step == k
-//     auto loss = model->forward(db.batch.data);     // 2 x (sample shape); 0 rows when this rank ran dry
-//     ... backward; reducer.all_reduce(...);          // every rank runs the same number of steps
-//   }
+//   loom::run([&](loom::ProcessGroup& pg) {
+//     loom::RankGeneratorLoader loader(pg, 16, [](int g) { return Sim(g); }, {.end = loom::EndPolicy::drain});
+//     for (auto& db : loader) {                            // db.device == rank, db.step == k
+//       auto mb = accumulator.micro_batch(db.batch);       // 2 x (sample shape); 0 rows, weight 0 when this rank ran dry
+//       if (db.batch.num_samples > 0) loss_of(db.batch).backward();
+//       if (mb.finish()) opt.step();                       // every rank runs the same number of steps
+//       opt.zero_grad();
+//     }
+//   }, {.nproc = 8});
 //
 // Agreement: at most once per step (fewer when batches are prefetched), every rank contributes
 // [ready batches, end/failure code, generator, sample, config] to one all_gather of 8 int64; from
 // the same numbers every rank decides the same thing: how many steps all can take without talking
-// again (the minimum of the ready counts), or that the schedule ended (stop_at_shortest: some
+// again (the minimum of the ready counts), or that the loading ended (stop_at_shortest: some
 // rank's generator ended; drain: every rank ran dry), or that a rank's generator threw. So no
 // rank waits alone at a later collective, and a rank that is slow or dead shows up as the
 // communicator's loom::TimeoutError. A failure costs one more all_gather that carries the
 // message (up to 511 bytes) to every rank.
 //
 // Collectives: the agreement runs on the consumer's thread, on the same communicator as the
-// training loop's collectives, and in the same order on every rank (decisions are identical).
+// training loop's collectives, and in the same order on every rank (decisions are identical);
+// its tensors live on the communicator's device (loom::detail::collective_device).
 //
 // Source: the agreement on "who still has data" follows DDP's join context (a per-step
 // all-reduce of a has-data flag), batched over the steps that are already prefetched.
@@ -39,27 +43,19 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/schedule/core.hpp>
+#include <loom/comm/device.hpp>
+#include <loom/error.hpp>
+#include <loom/schedule/assign.hpp>
+#include <loom/schedule/collate_fn.hpp>
+#include <loom/schedule/detail/cursor.hpp>
+#include <loom/schedule/detail/engine.hpp>
+#include <loom/schedule/detail/next_iterator.hpp>
+#include <loom/schedule/generator.hpp>
+#include <loom/schedule/options.hpp>
+#include <loom/schedule/results.hpp>
+#include <loom/schedule/transfer.hpp>
 
 namespace loom {
-
-/// Options of the per-rank RankGeneratorLoader (one process per rank; the world size is the number of devices).
-///
-/// Example: `loom::RankGeneratorLoaderOptions{.assignment = loom::Assignment::round_robin(), .prefetch_depth = 4}`.
-/// Units: prefetch_depth in batches.
-struct RankGeneratorLoaderOptions {
-  Assignment assignment = Assignment::contiguous(); ///< which generators feed which rank
-  int prefetch_depth = 2;                           ///< batches built ahead on this rank (>= 1)
-  int num_workers = 0;                              ///< threads pulling this rank's generators; 0 = one per generator
-  EndPolicy end = EndPolicy::stop_at_shortest;      ///< unequal lengths (decided over all ranks)
-  /// stop_at_shortest: after the end, read this rank's generators on to count their unread samples
-  /// exactly (see GeneratorLoaderOptions::count_unread); off by default, as a generator may be endless.
-  bool count_unread = false;
-  /// With count_unread: read at most this many samples per generator after the end (> 0).
-  std::int64_t count_unread_limit = kDefaultCountUnreadLimit;
-  GeneratorLoaderState resume = {};                        ///< start from this rank's saved state
-  at::Device collective_device = at::kCPU;          ///< device of the agreement tensors (a CUDA device for NCCL)
-};
 
 /// The per-rank mode: this rank's generators, one batch per step, steps agreed over all ranks.
 ///
@@ -89,7 +85,7 @@ class RankGeneratorLoader {
   /// Builds only this rank's generators with `make(g)` for its generator ids g, then starts the worker.
   template <class MakeGenerator>
     requires std::invocable<MakeGenerator&, int> && std::same_as<std::invoke_result_t<MakeGenerator&, int>, G>
-  RankGeneratorLoader(C& comm, int num_generators, MakeGenerator make, RankGeneratorLoaderOptions options = {}, Collate collate_fn = {},
+  RankGeneratorLoader(C& comm, int num_generators, MakeGenerator make, GeneratorLoaderOptions options = {}, Collate collate_fn = {},
                 Transfer transfer = {})
       : comm_(comm), options_(std::move(options)), num_generators_(num_generators) {
     std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors(static_cast<std::size_t>(std::max(num_generators, 0)));
@@ -99,7 +95,7 @@ class RankGeneratorLoader {
   }
 
   /// Takes all N generators (id = position), keeps this rank's and destroys the others.
-  RankGeneratorLoader(C& comm, std::vector<G> generators, RankGeneratorLoaderOptions options = {}, Collate collate_fn = {}, Transfer transfer = {})
+  RankGeneratorLoader(C& comm, std::vector<G> generators, GeneratorLoaderOptions options = {}, Collate collate_fn = {}, Transfer transfer = {})
       : comm_(comm), options_(std::move(options)), num_generators_(static_cast<int>(generators.size())) {
     std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors(generators.size());
     prepare();
@@ -136,7 +132,7 @@ class RankGeneratorLoader {
     }
   }
 
-  /// Range-for support: `for (auto& db : sched)`.
+  /// Range-for support: `for (auto& db : loader)`.
   detail::NextIterator<RankGeneratorLoader, Item> begin() { return detail::NextIterator<RankGeneratorLoader, Item>(*this); }
   std::default_sentinel_t end() const noexcept { return {}; }
 
@@ -167,7 +163,7 @@ class RankGeneratorLoader {
   }
 
   /// This rank's position (steps, samples per generator id; other ranks' entries are passed
-  /// through from the resume state), to resume with RankGeneratorLoaderOptions::resume.
+  /// through from the resume state), to resume with GeneratorLoaderOptions::resume.
   [[nodiscard]] GeneratorLoaderState state() const { return {step_, delivered_, world_}; }
 
   /// Stops and joins this rank's worker. Only for leaving early on every rank (or on error): a
@@ -192,10 +188,11 @@ class RankGeneratorLoader {
   void prepare() {
     rank_ = comm_.rank();
     world_ = comm_.world_size();
-    detail::check_common_options(options_.prefetch_depth, options_.count_unread_limit, options_.resume, num_generators_, world_,
-                                 "RankGeneratorLoader");
-    if (options_.num_workers < 0)
-      throw InvalidArgument(fmt::format("RankGeneratorLoader: num_workers is {}, must be >= 0 (0 = one per generator)", options_.num_workers));
+    if (options_.num_devices != 1)
+      throw InvalidArgument(fmt::format("RankGeneratorLoader: num_devices is {}, must be 1 (a rank feeds its own device; the {} "
+                                        "devices are the world size)",
+                                        options_.num_devices, world_));
+    detail::check_options(options_, num_generators_, world_, "RankGeneratorLoader");
     generators_ = generators_of(options_.assignment, num_generators_, world_, rank_);
     delivered_ = options_.resume.samples;
     delivered_.resize(static_cast<std::size_t>(num_generators_), 0);
@@ -203,23 +200,14 @@ class RankGeneratorLoader {
   }
 
   void start(std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors, const Collate& collate_fn, const Transfer& transfer) {
-    detail::EngineConfig cfg;
-    cfg.device_generators = {generators_};
-    cfg.device_labels = {rank_};
-    cfg.depth = options_.prefetch_depth;
-    cfg.workers = options_.num_workers;
-    cfg.end = options_.end;
-    cfg.count_unread = options_.count_unread;
-    cfg.count_limit = options_.count_unread_limit;
-    cfg.start_step = options_.resume.steps;
-    cfg.skip = options_.resume.samples;
-    core_ = std::make_unique<Core>(std::move(cfg), std::move(cursors), collate_fn, transfer);
+    core_ = std::make_unique<Core>(detail::engine_config(options_, {generators_}, {rank_}), std::move(cursors), collate_fn, transfer);
   }
 
   std::vector<std::vector<std::int64_t>> all_gather(const std::vector<std::int64_t>& mine) {
     at::Tensor t = at::empty({static_cast<std::int64_t>(mine.size())}, at::TensorOptions().dtype(at::kLong));
     std::memcpy(t.data_ptr<std::int64_t>(), mine.data(), mine.size() * sizeof(std::int64_t));
-    if (options_.collective_device != at::Device(at::kCPU)) t = t.to(at::TensorOptions().device(options_.collective_device));
+    const c10::Device device = detail::collective_device(comm_);
+    if (device != c10::Device(c10::kCPU)) t = t.to(at::TensorOptions().device(device));
     std::vector<at::Tensor> all = comm_.all_gather(t);
     std::vector<std::vector<std::int64_t>> out;
     for (auto& a : all) {
@@ -329,7 +317,7 @@ class RankGeneratorLoader {
   }
 
   C& comm_;
-  RankGeneratorLoaderOptions options_;
+  GeneratorLoaderOptions options_;
   int num_generators_ = 0;
   int rank_ = 0;
   int world_ = 1;
@@ -347,10 +335,10 @@ class RankGeneratorLoader {
 template <class C, class MakeGenerator>
 RankGeneratorLoader(C&, int, MakeGenerator) -> RankGeneratorLoader<std::invoke_result_t<MakeGenerator&, int>, C>;
 template <class C, class MakeGenerator>
-RankGeneratorLoader(C&, int, MakeGenerator, RankGeneratorLoaderOptions) -> RankGeneratorLoader<std::invoke_result_t<MakeGenerator&, int>, C>;
+RankGeneratorLoader(C&, int, MakeGenerator, GeneratorLoaderOptions) -> RankGeneratorLoader<std::invoke_result_t<MakeGenerator&, int>, C>;
 template <class C, class G>
 RankGeneratorLoader(C&, std::vector<G>) -> RankGeneratorLoader<G, C>;
 template <class C, class G>
-RankGeneratorLoader(C&, std::vector<G>, RankGeneratorLoaderOptions) -> RankGeneratorLoader<G, C>;
+RankGeneratorLoader(C&, std::vector<G>, GeneratorLoaderOptions) -> RankGeneratorLoader<G, C>;
 
 }  // namespace loom

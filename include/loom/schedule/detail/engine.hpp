@@ -1,0 +1,573 @@
+// loom/schedule/detail/engine.hpp — LoaderEngine: the worker threads, the bounded window of
+// batches per device, and the ordered stop event behind both generator loaders.
+//
+// GeneratorLoader runs one engine with M device slots; RankGeneratorLoader runs one with a single
+// slot (its rank) and agrees with the other ranks on top of it.
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include <loom/error.hpp>
+#include <loom/schedule/collate_fn.hpp>
+#include <loom/schedule/detail/cursor.hpp>
+#include <loom/schedule/generator.hpp>
+#include <loom/schedule/options.hpp>
+#include <loom/schedule/results.hpp>
+#include <loom/schedule/transfer.hpp>
+
+namespace loom::detail {
+
+/// The message of an exception_ptr's exception ("unknown exception" for non-std types).
+inline std::string exception_message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception (not derived from std::exception)";
+  }
+}
+
+/// The first event that stops production, ordered by (step, device, position of the generator
+/// in its device): a stop_at_shortest end, a failure, or an external stop (device -1) requested
+/// by the per-rank agreement.
+struct StopEvent {
+  std::int64_t step = 0;
+  int device = 0;              ///< core device slot; -1 = external stop (before every device)
+  int position = 0;            ///< generator's position in its device; the device's size for a collate failure
+  bool failure = false;
+  int generator = -1;          ///< failing / ending generator; -1 for collate/transfer failures and external stops
+  std::int64_t sample = -1;    ///< failure: index of the sample the generator was asked for
+  std::exception_ptr error{};  ///< failure: what the consumer throws
+};
+
+/// Everything the core needs besides the generators.
+struct EngineConfig {
+  std::vector<std::vector<int>> device_generators{};  ///< per core device slot, global generator ids
+  std::vector<int> device_labels{};                   ///< per slot, the device index shown to users
+  int depth = 2;                                      ///< batches per device inside the core
+  int workers = 0;                                    ///< threads; 0 = one per generator
+  EndPolicy end = EndPolicy::stop_at_shortest;
+  bool count_unread = false;
+  std::int64_t count_limit = kDefaultCountUnreadLimit;  ///< count_unread: samples read per generator at most
+  std::int64_t start_step = 0;
+  std::vector<std::int64_t> skip{};                   ///< per global generator id: samples to skip first
+};
+
+/// Worker threads, a bounded window of batches per device, and the ordered stop event.
+///
+/// Workers pull generators (generator i of this core always on worker i % W, one sample at a
+/// time, in step order) into the window of its device: `depth` slots for the steps
+/// [consumed, consumed + depth), each holding the samples of one step or their collated batch.
+/// The worker that completes a step collates it (one collate at a time per device, in step order).
+/// Determinism: a sample's place depends only on (generator, step); the stop event is the first
+/// in (step, device, position) order, and the consumer acts on it only once every generator
+/// before it has resolved that step, so thread timing never changes what the consumer sees.
+template <class G, class Collate, class Transfer>
+class LoaderEngine {
+ public:
+  using Sample = generator_sample_t<G>;
+  using B = collate_result_t<Collate, Sample>;
+  using Ticket = typename Transfer::Ticket;
+  using Cursor = GeneratorCursor<G>;
+
+  struct Item {
+    B batch;
+    Ticket ticket;
+    std::vector<int> generators;
+    bool partial = false;
+  };
+  enum class Resolved { batch, dry, event };
+
+  /// `cursors` is indexed by global generator id; entries of generators this core does not run
+  /// may be null.
+  LoaderEngine(EngineConfig config, std::vector<std::unique_ptr<Cursor>> cursors, const Collate& collate_fn,
+               const Transfer& transfer)
+      : config_(std::move(config)), cursors_(std::move(cursors)) {
+    const std::size_t n = cursors_.size();
+    position_.assign(n, 0);
+    read_.assign(n, 0);
+    counted_.assign(n, 1);
+    next_step_.assign(n, config_.start_step);
+    ended_at_.assign(n, -1);
+    failed_.assign(n, 0);
+    device_of_.assign(n, -1);
+    position_in_device_.assign(n, -1);
+    std::vector<int> active;
+    for (std::size_t d = 0; d < config_.device_generators.size(); ++d) {
+      const auto& gens = config_.device_generators[d];
+      for (std::size_t p = 0; p < gens.size(); ++p) {
+        const auto g = static_cast<std::size_t>(gens[p]);
+        LOOM_ASSERT(g < n && cursors_[g] != nullptr, "every assigned generator has a cursor");
+        device_of_[g] = static_cast<int>(d);
+        position_in_device_[g] = static_cast<int>(p);
+        active.push_back(gens[p]);
+      }
+      auto dev = std::make_unique<Device>(collate_fn, transfer);
+      dev->consumed = dev->next_collate = config_.start_step;
+      for (int i = 0; i < config_.depth; ++i) dev->window.emplace_back(gens.size());
+      devices_.push_back(std::move(dev));
+    }
+    std::sort(active.begin(), active.end());
+    const int w = config_.workers <= 0 ? static_cast<int>(active.size()) : std::min<int>(config_.workers, static_cast<int>(active.size()));
+    std::vector<std::vector<int>> mine(static_cast<std::size_t>(w));
+    for (std::size_t i = 0; i < active.size(); ++i) mine[i % static_cast<std::size_t>(w)].push_back(active[i]);
+    try {
+      for (auto& gens : mine) threads_.emplace_back([this, gens] { run_worker(gens); });
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }
+
+  LoaderEngine(const LoaderEngine&) = delete;
+  LoaderEngine& operator=(const LoaderEngine&) = delete;
+  ~LoaderEngine() { abort(); }
+
+  [[nodiscard]] int num_devices() const noexcept { return static_cast<int>(devices_.size()); }
+  [[nodiscard]] int num_workers() const noexcept { return static_cast<int>(threads_.size()); }
+
+  /// Blocks until step k of device slot d is resolved: its batch is collated, the device ran dry
+  /// (drain: all its generators ended at or before k), or the stop event at (k, d) is final.
+  /// The caller has taken every step < k of every device, and step k of devices < d.
+  Resolved wait(int d, std::int64_t k) {
+    std::unique_lock lk(mutex_);
+    Resolved r = Resolved::batch;
+    consumer_cv_.wait(lk, [&] {
+      if (collated(d, k)) r = Resolved::batch;
+      else if (dry(d, k)) r = Resolved::dry;
+      else if (event_final(d, k)) r = Resolved::event;
+      else return false;
+      return true;
+    });
+    return r;
+  }
+
+  /// Collated batches ready for device slot d (consecutive steps from the one the consumer is at).
+  std::size_t ready(int d) {
+    std::lock_guard lk(mutex_);
+    std::size_t n = 0;
+    for (const Slot& s : devices_[static_cast<std::size_t>(d)]->window) {
+      if (!s.item) break;
+      ++n;
+    }
+    return n;
+  }
+
+  /// Takes the front batch of device slot d (wait() returned batch) and finishes its transfer.
+  /// The freed window slot is handed to the workers by the next release().
+  Item pop(int d) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    std::optional<Item> item;
+    {
+      std::lock_guard lk(mutex_);
+      LOOM_ASSERT(dev.window.front().item.has_value(), "pop() after wait() returned batch");
+      item.emplace(std::move(*dev.window.front().item));
+      dev.window.pop_front();
+      dev.window.emplace_back(generators(d).size());
+      ++dev.consumed;
+    }
+    dev.transfer.finish(item->batch, label(d), item->ticket);
+    return std::move(*item);
+  }
+
+  /// Wakes the workers after pop()s (once per step, not once per device: fewer wake-ups).
+  void release() { worker_cv_.notify_all(); }
+
+  /// The stop event (valid after wait() returned event).
+  StopEvent event() {
+    std::lock_guard lk(mutex_);
+    LOOM_ASSERT(event_.has_value(), "event() without an event");
+    return *event_;
+  }
+
+  /// The batch a dry device gets under drain: collate function.empty(ctx) if it has one, else B{}.
+  B empty_batch(int d, std::int64_t k) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    CollateContext ctx{.device = label(d), .step = k, .generators = {}};
+    if constexpr (requires { { dev.collate_fn.empty(ctx) } -> std::convertible_to<B>; }) {
+      return dev.collate_fn.empty(ctx);
+    } else if constexpr (std::default_initializable<B>) {
+      return B{};
+    } else {
+      throw InvalidArgument("schedule: EndPolicy::drain needs a batch type with a default constructor or a collate function with empty(ctx)");
+    }
+  }
+
+  /// Records an external stop at step k (nothing at or after step k is pulled any more).
+  void stop_at(std::int64_t k) {
+    {
+      std::lock_guard lk(mutex_);
+      record(StopEvent{.step = k, .device = -1, .position = 0, .failure = false, .generator = -1, .sample = -1, .error = {}});
+    }
+    worker_cv_.notify_all();
+  }
+
+  /// Stops every worker now and joins them (promptly: each finishes at most the sample it is
+  /// pulling or the batch it is collating). Safe to call more than once.
+  void abort() noexcept {
+    {
+      std::lock_guard lk(mutex_);
+      aborted_ = true;
+    }
+    worker_cv_.notify_all();
+    consumer_cv_.notify_all();
+    join();
+  }
+
+  /// Waits for the workers to finish on their own (after an end: they may count unread samples).
+  void join() noexcept {
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+
+  /// After join(): position of generator g in its stream (samples skipped + read).
+  [[nodiscard]] std::int64_t position(int g) const { return position_[static_cast<std::size_t>(g)]; }
+  /// After join(): whether generator g reached its end.
+  [[nodiscard]] bool ended(int g) const { return cursors_[static_cast<std::size_t>(g)]->ended(); }
+  /// After join(): whether every sample of g was read (so unread counts are exact).
+  [[nodiscard]] bool counted(int g) const { return counted_[static_cast<std::size_t>(g)] != 0 && ended(g); }
+  [[nodiscard]] int label(int d) const { return config_.device_labels[static_cast<std::size_t>(d)]; }
+  [[nodiscard]] const std::vector<int>& generators(int d) const { return config_.device_generators[static_cast<std::size_t>(d)]; }
+
+ private:
+  struct Slot {
+    explicit Slot(std::size_t n) : samples(n) {}
+    std::vector<std::optional<Sample>> samples;  // by position in the device
+    std::optional<Item> item;                    // the collated batch
+  };
+  struct Device {
+    Device(const Collate& m, const Transfer& t) : collate_fn(m), transfer(t) {}
+    Collate collate_fn;                // used by one collating worker at a time (collating flag)
+    Transfer transfer;
+    std::deque<Slot> window;    // guarded by mutex_: steps [consumed, consumed + depth)
+    std::int64_t consumed = 0;  // guarded by mutex_
+    std::int64_t next_collate = 0;
+    bool collating = false;
+  };
+
+  static bool before(std::int64_t k, int d, int p, const StopEvent& e) {
+    if (k != e.step) return k < e.step;
+    if (d != e.device) return d < e.device;
+    return p < e.position;
+  }
+  // Generator at (device d, position p) may still pull step k.
+  bool may_pull(std::int64_t k, int d, int p) const { return !event_ || before(k, d, p, *event_); }
+  void record(StopEvent e) {
+    if (!event_ || before(e.step, e.device, e.position, *event_)) event_ = std::move(e);
+  }
+
+  Slot* slot(int d, std::int64_t k) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    const std::int64_t i = k - dev.consumed;
+    if (i < 0 || i >= static_cast<std::int64_t>(dev.window.size())) return nullptr;
+    return &dev.window[static_cast<std::size_t>(i)];
+  }
+  bool collated(int d, std::int64_t k) {
+    Slot* s = slot(d, k);
+    return s != nullptr && s->item.has_value();
+  }
+  bool dry(int d, std::int64_t k) const {
+    if (config_.end != EndPolicy::drain) return false;
+    for (int g : generators(d)) {
+      const auto e = ended_at_[static_cast<std::size_t>(g)];
+      if (e < 0 || e > k) return false;
+    }
+    return true;
+  }
+  // The event stops the consumer at (k, d) and no earlier event can still appear.
+  bool event_final(int d, std::int64_t k) const {
+    if (!event_) return false;
+    const StopEvent& e = *event_;
+    if (e.device == -1) return e.step <= k;
+    if (e.step != k) return e.step < k;
+    if (e.device != d) return e.device < d;
+    const auto& gens = generators(d);
+    for (int p = 0; p < e.position && p < static_cast<int>(gens.size()); ++p) {
+      const auto g = static_cast<std::size_t>(gens[static_cast<std::size_t>(p)]);
+      if (!(next_step_[g] > k || ended_at_[g] >= 0 || failed_[g])) return false;
+    }
+    return true;
+  }
+  bool can_pull(int g) const {
+    const auto gi = static_cast<std::size_t>(g);
+    if (failed_[gi] || ended_at_[gi] >= 0) return false;
+    const int d = device_of_[gi];
+    const std::int64_t k = next_step_[gi];
+    return k < devices_[static_cast<std::size_t>(d)]->consumed + config_.depth && may_pull(k, d, position_in_device_[gi]);
+  }
+  bool finished(int g) const {  // nothing more will ever be pulled from g
+    const auto gi = static_cast<std::size_t>(g);
+    return failed_[gi] || ended_at_[gi] >= 0 || !may_pull(next_step_[gi], device_of_[gi], position_in_device_[gi]);
+  }
+
+  void run_worker(const std::vector<int>& mine) {
+    if (!skip_to_resume(mine)) return;
+    for (;;) {
+      int g = -1;
+      std::int64_t k = 0;
+      {
+        std::unique_lock lk(mutex_);
+        bool all_finished = false;
+        worker_cv_.wait(lk, [&] {
+          if (aborted_) return true;
+          g = -1;
+          all_finished = true;
+          for (int c : mine) {
+            if (!finished(c)) all_finished = false;
+            if (can_pull(c) && (g < 0 || next_step_[static_cast<std::size_t>(c)] < next_step_[static_cast<std::size_t>(g)])) g = c;
+          }
+          return g >= 0 || all_finished;
+        });
+        if (aborted_) return;
+        if (g < 0) break;
+        k = next_step_[static_cast<std::size_t>(g)];
+      }
+      const auto gi = static_cast<std::size_t>(g);
+      const int d = device_of_[gi];
+      const int p = position_in_device_[gi];
+      std::exception_ptr error;
+      std::optional<Sample> s = try_next(gi, error);
+      bool stop_others = false;
+      bool tell_consumer = false;  // only what the consumer waits on: an end, a failure, an event's finality
+      {
+        std::lock_guard lk(mutex_);
+        tell_consumer = event_.has_value() || !s;
+        if (error) {
+          failed_[gi] = 1;
+          record(StopEvent{.step = k, .device = d, .position = p, .failure = true, .generator = g, .sample = position_[gi],
+                               .error = std::make_exception_ptr(GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
+          stop_others = true;
+        } else if (!s) {
+          ended_at_[gi] = k;
+          if (config_.end == EndPolicy::stop_at_shortest) {
+            record(StopEvent{.step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
+            stop_others = true;
+          }
+        } else {
+          Slot* sl = slot(d, k);
+          LOOM_ASSERT(sl != nullptr, "a pulled step lies in its device's window");
+          sl->samples[static_cast<std::size_t>(p)].emplace(std::move(*s));
+          ++next_step_[gi];
+          ++position_[gi];
+          ++read_[gi];
+        }
+      }
+      s.reset();
+      if (tell_consumer) consumer_cv_.notify_all();
+      if (stop_others) worker_cv_.notify_all();
+      collate_ready(d);
+    }
+    if (config_.count_unread && config_.end == EndPolicy::stop_at_shortest) count_unread(mine);
+  }
+
+  // Collates the device's complete steps, in step order, one collate at a time per device.
+  void collate_ready(int d) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    const auto& gens = generators(d);
+    for (;;) {
+      std::vector<Sample> samples;
+      std::vector<int> ids;
+      std::int64_t k = 0;
+      {
+        std::lock_guard lk(mutex_);
+        if (dev.collating || aborted_) return;
+        k = dev.next_collate;
+        Slot* sl = slot(d, k);
+        if (sl == nullptr) return;
+        for (std::size_t p = 0; p < gens.size(); ++p) {
+          if (sl->samples[p]) continue;
+          const auto e = ended_at_[static_cast<std::size_t>(gens[p])];
+          if (config_.end == EndPolicy::drain && e >= 0 && e <= k) continue;
+          return;  // still being pulled (or ended / failed under stop_at_shortest: never complete)
+        }
+        samples.reserve(gens.size());
+        for (std::size_t p = 0; p < gens.size(); ++p) {
+          if (!sl->samples[p]) continue;
+          samples.push_back(std::move(*sl->samples[p]));
+          sl->samples[p].reset();
+          ids.push_back(gens[p]);
+        }
+        if (samples.empty()) return;  // drain: the device ran dry at step k
+        dev.collating = true;
+      }
+      std::optional<Item> item;
+      std::exception_ptr error;
+      try {
+        CollateContext ctx{.device = label(d), .step = k, .generators = std::span<const int>(ids)};
+        B batch = dev.collate_fn(std::span<Sample>(samples), ctx);
+        samples.clear();
+        Ticket ticket = dev.transfer.start(batch, label(d));
+        const bool partial = ids.size() < gens.size();
+        item.emplace(Item{std::move(batch), std::move(ticket), std::move(ids), partial});
+      } catch (...) {
+        error = std::current_exception();
+      }
+      samples.clear();
+      {
+        std::lock_guard lk(mutex_);
+        dev.collating = false;
+        if (error) {
+          record(StopEvent{.step = k, .device = d, .position = static_cast<int>(gens.size()), .failure = true,
+                               .generator = -1, .sample = -1, .error = error});
+        } else {
+          slot(d, k)->item = std::move(item);
+          ++dev.next_collate;
+        }
+      }
+      consumer_cv_.notify_all();
+      if (error) {
+        worker_cv_.notify_all();
+        return;
+      }
+    }
+  }
+
+  std::optional<Sample> try_next(std::size_t gi, std::exception_ptr& error) {
+    try {
+      return cursors_[gi]->next();
+    } catch (...) {
+      error = std::current_exception();
+      return std::nullopt;
+    }
+  }
+
+  // Skips the resumed samples of this worker's generators; false if a generator threw (recorded).
+  bool skip_to_resume(const std::vector<int>& mine) {
+    for (int g : mine) {
+      const auto gi = static_cast<std::size_t>(g);
+      const std::int64_t n = config_.skip.empty() ? 0 : config_.skip[gi];
+      if (n == 0) continue;
+      std::int64_t done = 0;
+      std::exception_ptr error;
+      try {
+        done = cursors_[gi]->skip(n);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard lk(mutex_);
+      if (error) {
+        failed_[gi] = 1;
+        const int d = device_of_[gi];
+        record(StopEvent{.step = config_.start_step, .device = d, .position = position_in_device_[gi], .failure = true,
+                             .generator = g, .sample = position_[gi],
+                             .error = std::make_exception_ptr(GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
+        consumer_cv_.notify_all();
+        worker_cv_.notify_all();
+        return false;
+      }
+      position_[gi] = done;
+    }
+    return true;
+  }
+
+  // After a stop_at_shortest end: reads this worker's generators on (dropping the samples), each
+  // to its end or for config_.count_limit samples, whichever comes first, so the report's unread
+  // counts are exact for the generators that ended. Stops on abort or on a failure event.
+  void count_unread(const std::vector<int>& mine) {
+    for (int g : mine) {
+      const auto gi = static_cast<std::size_t>(g);
+      std::int64_t counted = 0;
+      while (!cursors_[gi]->ended()) {
+        if (counted == config_.count_limit) {  // not ended within the limit: a lower bound
+          counted_[gi] = 0;
+          break;
+        }
+        {
+          std::lock_guard lk(mutex_);
+          if (aborted_ || !event_ || event_->failure) {
+            counted_[gi] = 0;
+            return;
+          }
+        }
+        try {
+          if (cursors_[gi]->next()) {
+            ++position_[gi];
+            ++read_[gi];
+            ++counted;
+          }
+        } catch (...) {
+          counted_[gi] = 0;
+          break;
+        }
+      }
+    }
+  }
+
+  EngineConfig config_;
+  std::vector<std::unique_ptr<Cursor>> cursors_;  // by generator id; each pulled by one worker only
+  // by generator id:
+  std::vector<std::int64_t> position_;            // stream position (skipped + read); written by its worker
+  std::vector<std::int64_t> read_;                // samples read in this run; written by its worker
+  std::vector<char> counted_;                     // written by its worker
+  std::vector<std::int64_t> next_step_;           // guarded by mutex_: next step to pull
+  std::vector<std::int64_t> ended_at_;            // guarded by mutex_: step at which the stream ended, -1
+  std::vector<char> failed_;                      // guarded by mutex_
+  std::vector<int> device_of_;                    // constant: core device slot, -1 = not run here
+  std::vector<int> position_in_device_;           // constant
+  std::vector<std::unique_ptr<Device>> devices_;
+  std::mutex mutex_;
+  std::condition_variable consumer_cv_;
+  std::condition_variable worker_cv_;
+  std::optional<StopEvent> event_;            // guarded by mutex_
+  bool aborted_ = false;                          // guarded by mutex_
+  std::vector<std::thread> threads_;
+};
+
+/// Validates the options both loaders share; throws loom::InvalidArgument naming `who` and the
+/// bad value. `num_devices` is the device count of the loading (per-rank mode: the world size),
+/// which a resume state must have been taken with.
+inline void check_options(const GeneratorLoaderOptions& o, int num_generators, int num_devices, const char* who) {
+  if (o.prefetch_depth < 1)
+    throw InvalidArgument(fmt::format("{}: prefetch_depth is {}, must be >= 1 (batches per device)", who, o.prefetch_depth));
+  if (o.num_workers < 0)
+    throw InvalidArgument(fmt::format("{}: num_workers is {}, must be >= 0 (0 = one per generator)", who, o.num_workers));
+  if (o.count_unread_limit < 1)
+    throw InvalidArgument(fmt::format("{}: count_unread_limit is {}, must be >= 1 (samples per generator)", who, o.count_unread_limit));
+  const GeneratorLoaderState& resume = o.resume;
+  if (resume.num_devices == 0 && resume.steps == 0 && resume.samples.empty()) return;
+  if (resume.num_devices != num_devices)
+    throw InvalidArgument(fmt::format("{}: the resume state was taken with {} devices, this loader has {}", who,
+                                      resume.num_devices, num_devices));
+  if (static_cast<int>(resume.samples.size()) != num_generators)
+    throw InvalidArgument(fmt::format("{}: the resume state has {} generators, this loader has {}", who,
+                                      resume.samples.size(), num_generators));
+  if (resume.steps < 0) throw InvalidArgument(fmt::format("{}: the resume state has steps = {}", who, resume.steps));
+  for (std::size_t g = 0; g < resume.samples.size(); ++g)
+    if (resume.samples[g] < 0)
+      throw InvalidArgument(fmt::format("{}: the resume state has samples[{}] = {}", who, g, resume.samples[g]));
+}
+
+/// The engine's configuration for devices (slots) `device_generators`, shown to users as `labels`.
+inline EngineConfig engine_config(const GeneratorLoaderOptions& o, std::vector<std::vector<int>> device_generators,
+                                  std::vector<int> labels) {
+  EngineConfig cfg;
+  cfg.device_generators = std::move(device_generators);
+  cfg.device_labels = std::move(labels);
+  cfg.depth = o.prefetch_depth;
+  cfg.workers = o.num_workers;
+  cfg.end = o.end;
+  cfg.count_unread = o.count_unread;
+  cfg.count_limit = o.count_unread_limit;
+  cfg.start_step = o.resume.steps;
+  cfg.skip = o.resume.samples;
+  return cfg;
+}
+
+}  // namespace loom::detail
