@@ -15,7 +15,10 @@
 #include <optional>
 #include <stdexcept>
 #include <thread>
+#include <string>
 #include <vector>
+
+#include <torch/torch.h>
 
 #include <loom/schedule/assign.hpp>
 
@@ -67,6 +70,36 @@ struct EndlessStream {
   int64_t k = 0;
   std::optional<at::Tensor> operator()() { return torch::tensor({static_cast<int64_t>(g), k++}); }
 };
+
+/// Callable generator that decodes every sample into one output buffer it keeps and returns that
+/// buffer (as decoders with an output buffer do): sample k of generator g is the int64 tensor
+/// [g, k], written through the buffer's data pointer over the previous sample. `delay` per sample.
+struct ReusingStream {
+  int g = 0;
+  int64_t length = 6;
+  std::chrono::milliseconds delay{0};
+  at::Tensor buffer = torch::empty({2}, torch::kLong);
+  int64_t k = 0;
+
+  std::optional<at::Tensor> operator()() {
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    if (k >= length) return std::nullopt;
+    auto* p = buffer.data_ptr<int64_t>();
+    p[0] = g;
+    p[1] = k++;
+    return buffer;
+  }
+};
+
+/// Generators 0 (fast) and 1 (20 ms per sample) reusing their output buffers: with both on one
+/// device and prefetch_depth 3, samples 0, 1, 2 of generator 0 are all waiting for their steps
+/// while generator 1 holds each step open.
+inline std::vector<ReusingStream> fast_and_slow_reusing(int64_t length) {
+  std::vector<ReusingStream> v;
+  v.push_back(ReusingStream{.g = 0, .length = length});
+  v.push_back(ReusingStream{.g = 1, .length = length, .delay = std::chrono::milliseconds(20)});
+  return v;
+}
 
 /// Returns fn(); if fn has not returned after `limit`, prints "FAIL: <what> ..." and ends the
 /// process with exit code 1, so a hang fails the test run instead of stalling it (inside a rank

@@ -6,10 +6,14 @@
 #include <sstream>
 #include <tuple>
 
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/detail/cursor.hpp>
+#include <loom/schedule/detail/own_sample.hpp>
 #include <loom/schedule/transfer.hpp>
 
 #include "helpers.hpp"
@@ -282,5 +286,65 @@ TEST_CASE("DefaultCollate: loom's collator — exact by default, padding with a 
     CHECK_THROWS_WITH_AS(loom::DefaultCollate<>{}(std::span(s), {.device = 4, .step = 6, .generators = ids}),
                          doctest::Contains("DefaultCollate: device 4, step 6 (sample index = generator id)"),
                          loom::InvalidArgument);
+  }
+}
+
+// ---- samples made their own on arrival -----------------------------------------------------------
+
+namespace {
+struct TensorTarget {  // a struct sample with a tensor target
+  at::Tensor data;
+  at::Tensor target;
+};
+struct Opaque {  // a sample DefaultProjection does not read
+  at::Tensor image;
+};
+}  // namespace
+
+TEST_CASE("own_sample: tensors that share their memory are copied, tensors that own it are kept") {
+  SUBCASE("a fresh tensor is kept as it is (no copy)") {
+    at::Tensor fresh = torch::arange(4);
+    const void* p = fresh.data_ptr();
+    CHECK(loom::detail::owns_its_memory(fresh));
+    loom::detail::own_sample(fresh);
+    CHECK(fresh.data_ptr() == p);
+  }
+  SUBCASE("a generator's buffer, a view of it, memory wrapped with from_blob: copied, values equal") {
+    at::Tensor buffer = torch::arange(6, torch::kFloat);
+    at::Tensor same = buffer;
+    at::Tensor view = buffer.narrow(0, 2, 3);
+    std::vector<float> mem{1.f, 2.f, 3.f};
+    at::Tensor blob = torch::from_blob(mem.data(), {3});
+    CHECK_FALSE(loom::detail::owns_its_memory(same));
+    CHECK_FALSE(loom::detail::owns_its_memory(view));
+    CHECK_FALSE(loom::detail::owns_its_memory(blob));
+    loom::detail::own_sample(same);
+    loom::detail::own_sample(view);
+    loom::detail::own_sample(blob);
+    CHECK(same.data_ptr() != buffer.data_ptr());
+    CHECK(view.data_ptr() != static_cast<float*>(buffer.data_ptr()) + 2);
+    CHECK(blob.data_ptr() != static_cast<void*>(mem.data()));
+    buffer.fill_(-1.f);
+    mem[0] = -1.f;
+    CHECK(same.equal(torch::arange(6, torch::kFloat)));
+    CHECK(view.equal(torch::tensor({2.f, 3.f, 4.f})));
+    CHECK(blob.equal(torch::tensor({1.f, 2.f, 3.f})));
+  }
+  SUBCASE("pairs, tuples and .data/.target structs: every tensor loom reads") {
+    at::Tensor buffer = torch::ones({2});
+    std::pair<at::Tensor, at::Tensor> pair{buffer, buffer};
+    std::tuple<at::Tensor, int64_t> tuple{buffer, 3};
+    TensorTarget st{buffer, buffer};
+    loom::detail::own_sample(pair);
+    loom::detail::own_sample(tuple);
+    loom::detail::own_sample(st);
+    for (const at::Tensor* t : {&pair.first, &pair.second, &std::get<0>(tuple), &st.data, &st.target})
+      CHECK(t->data_ptr() != buffer.data_ptr());
+  }
+  SUBCASE("a sample type loom does not read is left alone") {
+    at::Tensor buffer = torch::ones({2});
+    Opaque o{buffer};
+    loom::detail::own_sample(o);
+    CHECK(o.image.data_ptr() == buffer.data_ptr());
   }
 }

@@ -5,6 +5,9 @@
 #include <set>
 #include <thread>
 
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
 #include <loom/schedule/generator_loader.hpp>
 
 #include "helpers.hpp"
@@ -520,6 +523,65 @@ TEST_CASE("GeneratorLoader: a transfer that fails on the consumer's side ends th
   CHECK(s.next().has_value());
   CHECK_THROWS_WITH_AS(s.next(), "copy failed at step 2", std::runtime_error);
   CHECK_THROWS_WITH_AS(s.next(), "copy failed at step 2", std::runtime_error);
+}
+
+TEST_CASE("GeneratorLoader: a generator that reuses one output tensor still gets its own rows in every batch") {
+  loom::GeneratorLoader<loom_test::ReusingStream> loader(loom_test::fast_and_slow_reusing(6), {.num_devices = 1, .prefetch_depth = 3});
+  int64_t k = 0;
+  for (auto& step : loader) {
+    CAPTURE(k);
+    CHECK(step.devices[0].batch.data.equal(expected_rows({0, 1}, k)));
+    ++k;
+  }
+  CHECK(k == 6);
+}
+
+namespace {
+// Keeps the samples' tensors as the batch (no copy): what reaches the consumer is what the
+// loader held.
+struct KeepCollate {
+  std::vector<at::Tensor> operator()(std::span<at::Tensor> s, const loom::CollateContext&) const {
+    return {s.begin(), s.end()};
+  }
+};
+// A generator of fresh tensors that records where each sample's memory is.
+struct RecordingStream {
+  std::shared_ptr<std::vector<const void*>> where;
+  int64_t k = 0;
+  std::optional<at::Tensor> operator()() {
+    if (k == 5) return std::nullopt;
+    at::Tensor t = torch::full({3}, k++, torch::kLong);
+    where->push_back(t.data_ptr());
+    return t;
+  }
+};
+}  // namespace
+
+TEST_CASE("GeneratorLoader: fresh samples reach the batch without a copy; a reused buffer is copied once") {
+  SUBCASE("fresh tensors: the batch holds the generator's own memory") {
+    auto where = std::make_shared<std::vector<const void*>>();
+    std::vector<RecordingStream> gens{RecordingStream{where}};
+    loom::GeneratorLoader<RecordingStream, KeepCollate> loader(std::move(gens), {.num_devices = 1, .prefetch_depth = 3});
+    int64_t k = 0;
+    for (auto& step : loader) {
+      const at::Tensor& t = step.devices[0].batch.at(0);
+      CHECK(t.equal(torch::full({3}, k, torch::kLong)));
+      CHECK(t.data_ptr() == where->at(static_cast<std::size_t>(k)));
+      ++k;
+    }
+    CHECK(k == 5);
+  }
+  SUBCASE("a reused buffer: each batch holds its own copy with its own values") {
+    loom::GeneratorLoader<loom_test::ReusingStream, KeepCollate> loader(loom_test::fast_and_slow_reusing(5),
+                                                                       {.num_devices = 1, .prefetch_depth = 3});
+    std::vector<std::vector<at::Tensor>> kept;
+    for (auto& step : loader) kept.push_back(step.devices[0].batch);  // batches kept past the generator's later calls
+    REQUIRE(kept.size() == 5);
+    for (std::size_t k = 0; k < kept.size(); ++k) {
+      CAPTURE(k);
+      CHECK(torch::stack(kept[k]).equal(expected_rows({0, 1}, static_cast<int64_t>(k))));
+    }
+  }
 }
 
 TEST_CASE("GeneratorLoader: bad options name the value") {

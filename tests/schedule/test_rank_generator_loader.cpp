@@ -1,6 +1,9 @@
 // RankGeneratorLoader: the per-rank mode with 2 real processes over Gloo on loopback (loom::spawn).
 // Inside a spawned rank, failures must throw (REQUIRE or loom errors): a CHECK in a child cannot
 // fail the parent's test; spawn turns a child's exception into a SpawnError.
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
 #include <loom/comm/gloo.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/dist/spawn.hpp>
@@ -40,6 +43,18 @@ TEST_CASE("RankGeneratorLoader: with a LocalCommunicator it is the 1-device sche
   }
   CHECK(k == 4);
   CHECK(s.report().generators[1].unread == 0);
+}
+
+TEST_CASE("RankGeneratorLoader: a generator that reuses one output tensor still gets its own rows in every batch (1 rank)") {
+  loom::LocalCommunicator comm;
+  loom::RankGeneratorLoader loader(comm, loom_test::fast_and_slow_reusing(6), {.prefetch_depth = 3});
+  int64_t k = 0;
+  for (auto& db : loader) {
+    CAPTURE(k);
+    CHECK(db.batch.data.equal(expected_rows({0, 1}, k)));
+    ++k;
+  }
+  CHECK(k == 6);
 }
 
 TEST_CASE("RankGeneratorLoader: num_devices other than 1 is refused, naming the value") {

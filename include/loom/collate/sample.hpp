@@ -96,6 +96,26 @@ concept TensorTuple = !HasDataMember<S> && TupleOfTwo<S> && requires(const S& s)
 };
 }  // namespace detail
 
+namespace detail {
+/// Calls `f(at::Tensor&)` on each tensor DefaultProjection reads from `s` — the data, and the
+/// target when it is a tensor — that `s` holds as a modifiable at::Tensor. The generator loaders
+/// use it to give a sample its own copy of tensors that share memory (loom/schedule).
+template <class S, class F>
+void for_each_read_tensor(S& s, F&& f) {
+  if constexpr (std::same_as<S, at::Tensor>) {
+    f(s);
+  } else if constexpr (HasDataMember<S>) {
+    if constexpr (std::same_as<decltype(s.data), at::Tensor>) f(s.data);
+    if constexpr (requires { s.target; }) {
+      if constexpr (std::same_as<decltype(s.target), at::Tensor>) f(s.target);
+    }
+  } else if constexpr (TensorTuple<S>) {
+    if constexpr (std::same_as<std::remove_reference_t<decltype(std::get<0>(s))>, at::Tensor>) f(std::get<0>(s));
+    if constexpr (std::same_as<std::remove_reference_t<decltype(std::get<1>(s))>, at::Tensor>) f(std::get<1>(s));
+  }
+}
+}  // namespace detail
+
 /// The projection collators use unless given another: reads (tensor, target) pairs and 2-tuples,
 /// `.data/.target[/.index]` structs and bare tensors (see the file comment). It is loom's one
 /// reading of a sample: the collators, loom::collate and the generator loader's DefaultCollate

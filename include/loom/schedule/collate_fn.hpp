@@ -66,9 +66,10 @@ struct CollateContext {
 ///     keep reusable buffers without locks.
 ///  3. The call may throw; the exception reaches the consumer's thread unchanged (it is a
 ///     data-layout error of the user's, e.g. two shapes in one stacked batch).
-///  4. A batch that keeps a sample's tensors (instead of copying them) is only as stable as those
-///     tensors: see the reuse rule of CallableSampleGenerator (loom/schedule/generator.hpp).
-///     Reason: the batch waits in the prefetch queue while the generator runs on.
+///  4. A batch may keep the samples' tensors instead of copying them: the tensors loom reads are
+///     the samples' own by then (see "Reuse" at CallableSampleGenerator, loom/schedule/generator.hpp);
+///     other tensors are only as stable as the generator keeps them. Reason: the batch waits in
+///     the prefetch queue while the generator runs on.
 /// Not required: default construction of F, thread safety of one F object, a particular B.
 /// Optional: `f.empty(ctx)` returning B: the batch a device with no rows left gets under
 /// EndPolicy::drain (without it, a value-initialised B{} is used).

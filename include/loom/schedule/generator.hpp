@@ -52,11 +52,17 @@ struct is_optional<std::optional<T>> : std::true_type {};
 ///  3. S is an object type that is move-constructible. Reason: samples travel from the worker
 ///     thread to the collate step by move.
 ///  4. G is move-constructible. Reason: the loader takes ownership of its generators.
-///  5. A returned sample stays unchanged after later calls: its tensors are not overwritten by
-///     the generator's next samples. Reason: the loader holds up to prefetch_depth samples of
-///     each generator until their step is collated, while the generator runs ahead. A generator
-///     that decodes into one reused output tensor must return a copy (e.g. `buffer.clone()`);
-///     the loader cannot see the reuse (this requirement is not checked).
+///  5. The tensors of a returned sample that the loader does not copy (see "Reuse" below) are
+///     not overwritten by the generator's later calls. Reason: the loader holds up to
+///     prefetch_depth samples of each generator until their step is collated, while the
+///     generator runs ahead.
+/// Reuse: a generator may decode every sample into one output tensor and return it (or a view
+/// of it). On arrival, before the generator runs again, the loader replaces each tensor it reads
+/// from the sample (a bare tensor, a (tensor, target) pair or 2-tuple, a struct's .data and
+/// tensor .target) by a copy unless that tensor already owns its memory (one handle, one tensor
+/// on its storage, allocated by a tensor allocator): a fresh tensor per sample costs nothing, a
+/// reused buffer, a cached tensor or an element of an in-memory dataset one copy per sample.
+/// Other tensors of a sample (other members, other sample types) are not copied: requirement 5.
 /// Not required: copyability, const-callability, thread safety (one thread calls a generator at
 /// a time), noexcept (a generator may throw; the loader reports it), a known length.
 template <class G>

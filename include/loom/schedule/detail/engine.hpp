@@ -26,6 +26,7 @@
 #include <loom/error.hpp>
 #include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/detail/cursor.hpp>
+#include <loom/schedule/detail/own_sample.hpp>
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/options.hpp>
 #include <loom/schedule/results.hpp>
@@ -439,9 +440,13 @@ class LoaderEngine {
     }
   }
 
+  // The generator's next sample, its tensors made its own before the generator runs again
+  // (own_sample.hpp); a throw of either is the generator's failure.
   std::optional<Sample> try_next(std::size_t gi, std::exception_ptr& error) {
     try {
-      return cursors_[gi]->next();
+      std::optional<Sample> s = cursors_[gi]->next();
+      if (s) own_sample(*s);
+      return s;
     } catch (...) {
       error = std::current_exception();
       return std::nullopt;
