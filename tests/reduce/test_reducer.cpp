@@ -104,21 +104,24 @@ TEST_CASE("Reducer: no collective before the boundary; at the boundary one count
   CHECK((comm.log()[0].dtype == torch::kLong));
   CHECK(comm.log()[0].numel == 2);
   model.loss_sum(loom::test::batch_x(4, 4, at::kFloat), loom::test::batch_y(4, 4, at::kFloat)).backward();
-  // The first bucket to leave waits for the count (it divides by it), then all four buckets were
-  // launched by the hooks, during backward, in bucket order.
-  REQUIRE(comm.log().size() == 6);
-  CHECK(comm.log()[1].name == "wait");
-  CHECK(comm.log()[1].id == comm.log()[0].id);
-  const std::vector<std::int64_t> numels = {loom::test::kOut + 2, loom::test::kOut * loom::test::kHidden + 2,
-                                            loom::test::kHidden + 2, loom::test::kHidden * loom::test::kIn + 2};
+  // All four buckets were launched by the hooks, during backward, in bucket order, without waiting
+  // for the count (each is divided to the average after it comes back).
+  REQUIRE(comm.log().size() == 5);
+  const std::vector<std::int64_t> numels = {loom::test::kOut + 1, loom::test::kOut * loom::test::kHidden + 1,
+                                            loom::test::kHidden + 1, loom::test::kHidden * loom::test::kIn + 1};
   for (std::size_t k = 0; k < 4; ++k) {
-    CHECK(comm.log()[k + 2].name == "all_reduce_async");
-    CHECK(comm.log()[k + 2].numel == numels[k]);  // gradient elements + one used-flag + the inf/NaN verdict
-    CHECK((comm.log()[k + 2].dtype == torch::kFloat));
+    CHECK(comm.log()[k + 1].name == "all_reduce_async");
+    CHECK(comm.log()[k + 1].numel == numels[k]);  // gradient elements + one used-flag
+    CHECK((comm.log()[k + 1].dtype == torch::kFloat));
   }
   auto step = mb2.finish();
   CHECK(step.apply);
   CHECK(step.global_samples == 8);
+  // finish_window: the count first, then the buckets in launch order.
+  REQUIRE(comm.log().size() == 10);
+  CHECK(comm.log()[5].name == "wait");
+  CHECK(comm.log()[5].id == comm.log()[0].id);
+  for (std::size_t k = 0; k < 4; ++k) CHECK(comm.log()[6 + k].id == comm.log()[1 + k].id);
   CHECK(count(comm.log(), "wait") == 5);
   CHECK(count(comm.log(), "all_reduce_async") == 5);
 }
@@ -145,7 +148,7 @@ TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blockin
   CHECK((blocking.log()[0].dtype == torch::kLong));
   CHECK(blocking.log()[1].name == "all_reduce");
   CHECK((blocking.log()[1].dtype == torch::kHalf));  // compressed on the wire
-  CHECK(blocking.log()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4 + 1);  // one bucket: 32 gradients + 4 flags + verdict
+  CHECK(blocking.log()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4);  // one bucket: 32 gradients + 4 used-flags
   // Same gradient as the uncompressed model, to float16 precision.
   CHECK(loom::test::max_relative_error(model2.grads(), model.grads()) < 1e-2);
 }

@@ -1,7 +1,7 @@
 // loom/reduce/detail/bucket.hpp — a reducer's memory: flat buckets whose slots are the
 // parameters' gradients, and per-gradient bookkeeping.
 //
-// Shape: a bucket's `flat` is [gradients | one used-flag per gradient | one inf/NaN verdict], one
+// Shape: a bucket's `flat` is [gradients | one used-flag per gradient], one
 //        dtype and device; each slot is a tensor sharing `flat`'s storage with its parameter's shape.
 #pragma once
 
@@ -51,14 +51,15 @@ struct GradSlot {
 };
 
 struct GradBucket {
-  at::Tensor flat;        // [head: the gradients | tail: one used-flag per gradient, one inf/NaN flag]
+  at::Tensor flat;        // [head: the gradients | tail: one used-flag per gradient]
   at::Tensor head;
   at::Tensor tail;
   at::Tensor wire;        // compressed copy of flat (wire_dtype), or undefined
   at::Tensor wire_head;
   at::Tensor wire_tail;
   at::Tensor wire_div;    // float32 [1]: the world size, the pre-division of a compressed bucket
-  at::Tensor wire_bad;    // float32 [1]: inf/NaN after the compressed bucket came back (same on every rank)
+  at::Tensor bad;         // float32 [1] on the bucket's device: inf/NaN in the reduced bucket (device path)
+  bool bad_host = false;  // the same verdict, computed on the host (CPU path)
   at::Tensor flags_host;  // pinned staging for the used-flags of a bucket on a GPU
   std::vector<std::size_t> slots;
   std::size_t pending = 0;

@@ -130,7 +130,6 @@ class ReducerState {
     }
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
-    meta_on_stream_ = false;
     const std::int64_t values[2] = {plan.window_samples, plan.final ? 1 : 0};  // [count, final]
     if (meta_.is_cpu()) std::copy(values, values + 2, meta_.data_ptr<std::int64_t>());
     else meta_.copy_(at::tensor(std::vector<std::int64_t>(values, values + 2), at::kLong), /*non_blocking=*/false);
@@ -156,16 +155,13 @@ class ReducerState {
     for (std::size_t b = next_launch_; b < buckets_.size(); ++b) launch(b);
     next_launch_ = buckets_.size();
 
-    // Wait for every bucket; bring compressed buckets back to their dtype (and scan them there).
+    // Wait for each bucket in launch order and, while later buckets are still in flight, divide it
+    // to the average and scan it for inf/NaN (the reduced values are identical on every rank, so
+    // every rank reaches the same verdict; a sum that overflowed is caught too).
     const bool clip = options_.max_grad_norm.has_value();
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-      auto& b = buckets_[bi];
       works_[bi]->wait();
-      if (b.wire.defined()) {
-        if (host_side(b)) at::mul_out(b.head, b.wire_head, at::full({1}, host_factor(/*post_wire=*/true), b.head.options()));
-        else at::mul_out(b.head, b.wire_head, device_factor(b.head, /*post_wire=*/true));
-        b.wire_bad.copy_(non_finite_flag(b.head, at::kFloat));
-      }
+      average_bucket(buckets_[bi]);
     }
 
     // The window's one host read: count, final flags, used-flags and inf/NaN verdicts, squared norm.
@@ -181,8 +177,7 @@ class ReducerState {
     for (const auto& b : buckets_) {
       for (std::size_t j = 0; j < b.slots.size(); ++j) global_used_[b.slots[j]] = v[pos + j] > 0 ? 1 : 0;
       pos += b.slots.size();
-      if (v[pos++] != 0) non_finite = true;  // some rank's scan before sending (NaN reads as "bad" too)
-      if (b.wire.defined() && v[pos++] != 0) non_finite = true;
+      if (v[pos++] != 0) non_finite = true;  // the scan of the reduced bucket
     }
     if (clip && !no_samples) {
       const double total = std::sqrt(v[pos]);
@@ -295,8 +290,8 @@ class ReducerState {
   bool host_side(const GradBucket& b) const { return meta_.is_cpu() && b.flat.is_cpu(); }
 
   /// The window's summary as float64 on the host, in this order: count, number of final ranks, then
-  /// per bucket its used-flags, its verdict and (compressed buckets) its after-the-trip verdict,
-  /// then (clipping) the squared global norm. One counted read: a device-to-host copy of one small
+  /// per bucket its used-flags (summed over ranks) and its inf/NaN verdict, then (clipping) the
+  /// squared global norm. One counted read: a device-to-host copy of one small
   /// tensor, or direct reads of host memory when everything lives there.
   std::vector<double> read_summary(bool clip) {
     const bool on_host = meta_.is_cpu() && std::all_of(buckets_.begin(), buckets_.end(), [](const GradBucket& b) { return b.flat.is_cpu(); });
@@ -312,7 +307,7 @@ class ReducerState {
           const auto* t = tail.data_ptr<scalar_t>();
           for (std::int64_t j = 0; j < tail.numel(); ++j) out.push_back(static_cast<double>(t[j]));
         });
-        if (b.wire.defined()) out.push_back(static_cast<double>(b.wire_bad.data_ptr<float>()[0]));
+        out.push_back(b.bad_host ? 1.0 : 0.0);
         if (clip) {
           const double norm = at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).template item<double>();
           sumsq += norm * norm;
@@ -325,7 +320,7 @@ class ReducerState {
     std::vector<at::Tensor> norms;
     for (const auto& b : buckets_) {
       pieces.push_back((b.wire.defined() ? b.wire_tail : b.tail).to(device_, at::kDouble));
-      if (b.wire.defined()) pieces.push_back(b.wire_bad.to(device_, at::kDouble));
+      pieces.push_back(b.bad.to(device_, at::kDouble));
       if (clip) norms.push_back(at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).to(device_, at::kDouble).reshape({1}));
     }
     if (clip) pieces.push_back(at::cat(norms).square().sum().reshape({1}));
@@ -362,15 +357,15 @@ class ReducerState {
       for (std::size_t k : b.slots) total += param(k).numel();
       const auto n = static_cast<std::int64_t>(b.slots.size());
       const auto opts = at::TensorOptions().dtype(first.scalar_type()).device(first.device());
-      b.flat = at::zeros({total + n + 1}, opts);
+      b.flat = at::zeros({total + n}, opts);
       b.head = b.flat.narrow(0, 0, total);
-      b.tail = b.flat.narrow(0, total, n + 1);
+      b.tail = b.flat.narrow(0, total, n);
+      b.bad = at::zeros({1}, opts.dtype(at::kFloat));
       if (options_.wire_dtype && first.scalar_type() == at::kFloat) {
-        b.wire = at::empty({total + n + 1}, opts.dtype(*options_.wire_dtype));
+        b.wire = at::empty({total + n}, opts.dtype(*options_.wire_dtype));
         b.wire_head = b.wire.narrow(0, 0, total);
-        b.wire_tail = b.wire.narrow(0, total, n + 1);
+        b.wire_tail = b.wire.narrow(0, total, n);
         b.wire_div = at::full({1}, static_cast<double>(comm_->world_size()), opts);
-        b.wire_bad = at::zeros({1}, opts);
       }
       if (!first.is_cpu()) b.flags_host = at::empty({n}, at::TensorOptions().dtype(b.wire.defined() ? *options_.wire_dtype : first.scalar_type()).pinned_memory(true));
       std::int64_t offset = 0;
@@ -480,9 +475,9 @@ class ReducerState {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
   }
 
-  /// Zeroes the slots of unused parameters, writes the used-flags, scales the bucket to this rank's
-  /// share of the average while scanning it for inf/NaN (the verdict goes into the tail), and starts
-  /// its all-reduce. Nothing here reads a value back to the host.
+  /// Zeroes the slots of unused parameters, writes the used-flags and starts the bucket's all-reduce
+  /// at once: the sum is divided to the average after it comes back (average_bucket), so a hook
+  /// never waits for the window's count. Nothing here reads a value back to the host.
   void launch(std::size_t bi) {
     auto& b = buckets_[bi];
     for (std::size_t k : b.slots) {
@@ -491,47 +486,53 @@ class ReducerState {
       if (!s.was_undefined && !s.saved.defined()) s.saved = s.view.clone();
       s.view.zero_();  // an unused parameter's slot counts as zero
     }
-    wait_meta();
     write_flags(b);
     at::Tensor* target = &b.flat;
     if (b.wire.defined()) {
       // Compressed: divided by the world size while cast (the loss scale stays on the wire); the
-      // rest of the average is applied in float32 when the bucket is back (finish_window).
+      // rest of the average is applied in float32 when the bucket is back (average_bucket).
       at::div_out(b.wire_head, b.head, b.wire_div);
       target = &b.wire;
-    } else {
-      scale_bucket(b);
     }
     works_[bi] = start(*target);
     b.launched = true;
   }
 
-  /// Divides (or multiplies) the bucket's gradients by the window's factor and writes this rank's
-  /// inf/NaN verdict into the tail. CPU float32/float64: one fused pass reading the factor from its
-  /// (CPU) tensor; elsewhere ATen ops on the device, with the verdict computed there.
-  void scale_bucket(GradBucket& b) {
-    const auto n = static_cast<std::int64_t>(b.slots.size());
+  /// After bucket b's all-reduce: divides (or multiplies) its gradients by the window's factor —
+  /// the sum over ranks becomes the average — and scans the result for inf/NaN in the same pass.
+  /// A compressed bucket is first cast back from the wire, times its remaining factor. CPU
+  /// float32/float64 with a CPU count: one fused pass, the verdict on the host (bad_host);
+  /// elsewhere ATen ops on the device, the verdict in the device tensor b.bad (no host read).
+  void average_bucket(GradBucket& b) {
+    const bool check = options_.detect_non_finite;
     if (host_side(b)) {
-      const double value = host_factor(/*post_wire=*/false);
+      double value = host_factor(/*post_wire=*/b.wire.defined());
+      bool divide = divide_ && !b.wire.defined();
+      if (b.wire.defined()) {
+        at::mul_out(b.head, b.wire_head, at::full({1}, value, b.head.options()));
+        value = 1.0;
+        divide = false;
+      }
       if (has_fused_scan(b.flat)) {
-        AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_scale_bucket", [&] {
-          const bool bad = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide_, options_.detect_non_finite);
-          b.flat.data_ptr<scalar_t>()[b.head.numel() + n] = bad ? scalar_t(1) : scalar_t(0);
-        });
+        b.bad_host = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide, check);
         return;
       }
       // float16 / bfloat16 on the CPU: a one-element float32 operand makes ATen compute in float32.
       const at::Tensor f = at::full({1}, value, b.head.options().dtype(compute_dtype(b.head.scalar_type())));
-      if (divide_) b.head.div_(f);
-      else b.head.mul_(f);
+      if (divide) b.head.div_(f);
+      else if (value != 1.0) b.head.mul_(f);
+      b.bad_host = check && !at::isfinite(b.head).all().template item<bool>();
+      return;
+    }
+    if (b.wire.defined()) {
+      at::mul_out(b.head, b.wire_head, device_factor(b.head, /*post_wire=*/true));
     } else {
       const at::Tensor& f = device_factor(b.head, /*post_wire=*/false);
       if (divide_) b.head.div_(f);
       else b.head.mul_(f);
     }
-    auto verdict = b.tail.narrow(0, n, 1);
-    if (options_.detect_non_finite) verdict.copy_(non_finite_flag(b.head, b.tail.scalar_type()));
-    else verdict.zero_();
+    if (check) b.bad.copy_(non_finite_flag(b.head, at::kFloat));
+    else b.bad.zero_();
   }
 
   /// The window's factor: the divisor (count, world size or 1) when dividing, else grad_scale /
@@ -573,24 +574,16 @@ class ReducerState {
     }
   }
 
-  /// Waits for the window's count all-reduce. Inside an autograd hook, a handle that can make the
-  /// current GPU stream wait (NcclWork::wait_on_current_stream) does that instead of blocking the
-  /// host, once; the host wait (which reports timeouts and failures) then happens in finish_window.
+  /// Waits (on the host) for the window's count all-reduce, started in prepare_backward.
   void wait_meta() {
-    if (!meta_work_) return;
-    if constexpr (requires(Work& w) { w.wait_on_current_stream(); }) {
-      if (in_hook_) {
-        if (!meta_on_stream_) meta_work_->wait_on_current_stream();
-        meta_on_stream_ = true;
-        return;
-      }
+    if (meta_work_) {
+      meta_work_->wait();
+      meta_work_.reset();
     }
-    meta_work_->wait();
-    meta_work_.reset();
   }
 
-  // Head of a bucket's tail: one used-flag per gradient (host-known; a GPU bucket copies them from
-  // pinned memory without waiting). The inf/NaN verdict after them is written by scale_bucket.
+  // A bucket's tail: one used-flag per gradient (host-known; a GPU bucket copies them from pinned
+  // memory without waiting).
   void write_flags(GradBucket& b) {
     const auto n = b.slots.size();
     auto fill = [&](auto* p) {
@@ -601,8 +594,7 @@ class ReducerState {
     at::Tensor dst = tail.is_cpu() ? tail : b.flags_host;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst.scalar_type(), "loom_write_flags",
                                     [&] { fill(dst.data_ptr<scalar_t>()); });
-    if (!tail.is_cpu()) tail.narrow(0, 0, static_cast<std::int64_t>(n)).copy_(b.flags_host, /*non_blocking=*/true);
-    if (b.wire.defined()) tail.narrow(0, static_cast<std::int64_t>(n), 1).zero_();  // checked after the trip instead
+    if (!tail.is_cpu()) tail.copy_(b.flags_host, /*non_blocking=*/true);
   }
 
   /// A final flush that found nothing anywhere: undo the window's setup.
@@ -682,7 +674,6 @@ class ReducerState {
   bool divide_ = true;       // divide by the divisor (exact) rather than multiply by grad_scale / divisor
   std::int64_t next_ready_pos_ = 0;
   bool in_hook_ = false;
-  bool meta_on_stream_ = false;  // this window's count all-reduce was waited for on the GPU stream (hooks)
   bool window_open_ = false;
   bool sync_ = false;
   bool final_ = false;
