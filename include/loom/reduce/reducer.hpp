@@ -34,14 +34,15 @@
 //     once in the order gradients became ready on rank 0 (broadcast, so every rank agrees). Each
 //     bucket ends with one flag per parameter that says whether the sending rank used it.
 //   Launch order: bucket k is sent only after buckets 0..k-1, on every rank the same sequence. A
-//     bucket leaves once every gradient in it arrived in the synchronising backward: it is then
-//     scaled as a whole to this rank's share of the average (divided by the global sample count,
-//     which a small all-reduce started before backward delivered, or by the world size; times
-//     1 / loss scale) and scanned for inf/NaN in the same pass. The sum over ranks is the average.
+//     bucket leaves, as it is, once every gradient in it arrived in the synchronising backward: a
+//     hook never waits for anything. finish_window waits for the buckets in that order and, while
+//     later ones are still in flight, divides each reduced sum to the average (by the global
+//     sample count, which a small all-reduce started before backward delivered, or by the world
+//     size; times 1 / loss scale) and scans it for inf/NaN in the same pass.
 //   A gradient that arrives twice in the synchronising backward (two backward passes before
 //     finish_window, reentrant checkpointing, mark_ready after adding to a gradient by hand) is
-//     exact while its bucket has not left: the arrivals add up in the slot and the bucket is
-//     scaled once, (x + y) / N. After the bucket left, the second arrival would miss the
+//     exact while its bucket has not left: the arrivals add up in the slot and the sum is divided
+//     once, (x + y) / N. After the bucket left, the second arrival would miss the
 //     all-reduce: loom::InvalidArgument naming the parameter (DDP: "Expected to mark a variable
 //     ready only once"). overlap = false sends nothing before finish_window, so it never throws.
 //   Unused parameters: a parameter whose gradient hook did not fire on a rank during the window
@@ -62,22 +63,24 @@
 //     forward instead; loom does it at the step boundary, the one point it owns where no forward
 //     reads the buffers, and so that they are equal whenever the caller looks. One coalesced
 //     broadcast per buffer dtype per step; nothing when the list has no buffer.
-//   Non-finite: each rank's scan puts its verdict (0 or 1) in the bucket's tail, next to the
-//     used-flags; the bucket's own all-reduce sums the verdicts, so every rank reads the same
-//     answer and reports Reduction::non_finite together, without an extra collective; the window's
-//     gradients are then zeroed. The scan tests each element (isfinite), never a sum, so float16
-//     gradients whose sum exceeds 65504 are finite. (An overflow created only by the sum over
-//     ranks of finite values near the dtype's maximum is not detected.)
+//   Non-finite: the scan runs on the reduced bucket, which is bit-identical on every rank (an
+//     all-reduce gives every rank the same result), so every rank reaches the same verdict and
+//     reports Reduction::non_finite together, without an extra collective; the window's gradients
+//     are then zeroed. An inf or NaN on any rank reaches the sum (inf + x = inf, NaN + x = NaN),
+//     and a sum over ranks that overflows is caught too. The scan tests each element (isfinite),
+//     never a sum of elements, so float16 gradients whose sum exceeds 65504 are finite.
 //   Clipping (max_grad_norm): the L2 norm of the averaged, unscaled gradient over all buckets — the
 //     global norm, identical on every rank, accumulated in float32 for float16/bfloat16 buckets
 //     and float64 for float64 ones — and the clip factor min(1, max / (norm + 1e-6)).
-//   Host reads: nothing inside an autograd hook reads a value back to the host (the divisor and the
-//     verdicts stay on the communicator's device); finish_window makes one read of a small float64
-//     summary (count, final flags, used-flags, verdicts, squared norm), and an end-of-epoch flush
-//     one more first (whether any rank has samples). host_reads() counts them.
+//   Host reads: nothing inside an autograd hook reads a value back to the host, or waits (hooks
+//     only start all-reduces); the divisor and the verdicts stay on the communicator's device
+//     (CPU communicators read them from host memory); finish_window makes one read of a small
+//     float64 summary (count, final flags, used-flags, verdicts, squared norm), and an end-of-epoch
+//     flush one more first (whether any rank has samples). host_reads() counts them.
 //   Wire compression (wire_dtype = float16 / bfloat16, float32 buckets only): rank r sends its
 //     share s_r = S_r / W, where S_r is its summed (still loss-scaled) gradient and W the world size,
-//     cast to the wire dtype; the shares are summed in that dtype and cast back, and the float32
+//     cast to the wire dtype (the only division before the all-reduce: W needs no waiting); the
+//     shares are summed in that dtype and cast back, and the float32
 //     bucket is multiplied by W x (1 / loss scale) / divisor, then scanned for inf/NaN. Dividing by
 //     W, not by the sample count, keeps the shares count/W times larger, away from float16's
 //     subnormal range (below 2^-14 = 6.1e-5), and the loss scale stays on the wire where it
@@ -94,6 +97,7 @@
 // + the buffer broadcast when the model has buffers).
 // Shape: gradients have their parameters' shapes and strides (dense layouts kept, e.g.
 //        channels-last), dtypes float32/float64/float16/bfloat16; frozen parameters are left out.
+//        A bucket on the wire is [gradients | one used-flag per gradient], one dtype and device.
 // Units: caps in bytes, samples in samples.
 // Throws: loom::InvalidArgument (bad options, non-floating or non-leaf trainable parameter,
 //         parameters that differ across ranks, a gradient produced twice after its bucket left,
