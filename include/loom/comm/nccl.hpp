@@ -521,18 +521,6 @@ class NcclWork {
   /// Makes `stream` wait for the collective on the GPU; the host does not block (no timeout:
   /// call wait() or is_completed() somewhere to notice a hang).
   void block(cudaStream_t stream) const { pending_->done.block(stream); }
-  /// Makes LibTorch's current stream on the communicator's device wait for the collective on the
-  /// GPU (block), so work queued next on that stream sees its result without a host wait; without a
-  /// CUDA LibTorch (no such stream), wait(). loom::Reducer uses it inside autograd hooks, where a
-  /// host wait would stall backward; a later wait() still reports a timeout or failure.
-  void wait_on_current_stream() {
-#if LOOM_TORCH_HAS_CUDA
-    if (pending_->finished) return;
-    block(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(state_->site.device)).stream());
-#else
-    wait();
-#endif
-  }
   /// Name of the collective ("all_reduce", ...).
   [[nodiscard]] std::string_view collective() const noexcept { return pending_->collective; }
   /// The completion event (recorded on the communicator's stream).

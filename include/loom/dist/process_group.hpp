@@ -115,16 +115,6 @@ class ProcessGroupWork {
   [[nodiscard]] bool is_completed() const {
     return std::visit([](const auto& w) { return static_cast<bool>(w.is_completed()); }, w_);
   }
-  /// NCCL: the current CUDA stream waits for the collective on the GPU (NcclWork::wait_on_current_stream);
-  /// other backends: wait().
-  void wait_on_current_stream() {
-    std::visit(
-        [](auto& w) {
-          if constexpr (requires { w.wait_on_current_stream(); }) w.wait_on_current_stream();
-          else w.wait();
-        },
-        w_);
-  }
 
  private:
   Variant w_;
