@@ -9,21 +9,27 @@
 // Generator g walks its series' training part in time order and yields (window of the last
 // --window values, next value) pairs, one at a time (batch size 1), scaled by the window's typical
 // step so one model fits every series (see window_at); short series end early.
-// Loop, assembled from loom's public parts:
-//   --mode ranks (default): loom::spawn starts --devices ranks (or run under torchrun / mpirun);
-//     loom::RankGeneratorLoader gives rank r generators 2r and 2r+1 and collates their k-th windows into
-//     one 2-row batch (loom::DefaultCollate); every rank runs the same number of steps
-//     (EndPolicy::drain: a rank whose series ended gets 0-row batches and contributes nothing);
-//     loom::Accumulator + loom::Reducer all-reduce the gradients over loom::GlooCommunicator,
-//     divided by the global sample count of the step (exact weighting when batches differ).
-//   --mode in-process: one process drives --devices logical devices with loom::GeneratorLoader
-//     (a prefetching worker per generator); each device's batch is a micro-batch of one
-//     accumulation window, so the step's gradient is again the mean over all devices' samples.
+// Loop, assembled from loom's public parts on its low-level layer (Reducer + Accumulator), which
+// suits a loop fed by generators rather than by a sampler:
+//   loom::run starts the ranks (--devices of them on this machine, or joins the job of torchrun,
+//   mpirun or srun) and hands each a loom::ProcessGroup (Gloo for a CPU model, NCCL for a GPU
+//   one; see examples/common/placement.hpp).
+//   --mode ranks (default): loom::RankGeneratorLoader gives rank r generators 2r and 2r+1 and
+//     collates their k-th windows into one 2-row batch (loom::DefaultCollate); every rank runs the
+//     same number of steps (EndPolicy::drain: a rank whose series ended gets 0-row batches and
+//     contributes nothing); loom::Accumulator + loom::Reducer all-reduce the gradients over the
+//     process group, divided by the global sample count of the step (exact weighting when
+//     batches differ).
+//   --mode in-process: one process (a process group of world size 1) drives --devices logical
+//     devices with loom::GeneratorLoader (a prefetching worker per generator); each device's
+//     batch is a micro-batch of one accumulation window, so the step's gradient is again the mean
+//     over all devices' samples.
 // Evaluation: every held-out window of every series, model vs the naive last-value forecast
 // (mean squared error in z-score units), summed over ranks.
 //
 // Run:   build/examples/generators_to_devices                   (8 local ranks)
 //        build/examples/generators_to_devices --mode in-process  (one process, 8 logical devices)
+//        torchrun --nproc-per-node 8 build/examples/generators_to_devices   (torchrun's ranks)
 // Output (rank 0): one line per epoch, then per-series errors and
 //        result: model_mse=M naive_mse=N ratio=R windows=W epochs=E seconds=S
 #include <algorithm>
@@ -43,16 +49,15 @@
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
-#include <loom/comm/gloo.hpp>
-#include <loom/comm/local.hpp>
 #include <loom/data/csv.hpp>
-#include <loom/dist/environment.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
-#include <loom/schedule/rank_generator_loader.hpp>
 #include <loom/schedule/generator_loader.hpp>
+#include <loom/schedule/rank_generator_loader.hpp>
+
+#include "../common/placement.hpp"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -68,6 +73,9 @@ struct Options {
   double lr = 2e-3;
   int hidden = 64;
   uint64_t seed = 1;
+  std::string backend = "auto";  // auto | gloo | nccl (examples/common/placement.hpp)
+  std::string device = "auto";   // auto | cpu | cuda
+  double timeout = std::chrono::duration<double>(loom::kDefaultTimeout).count();  // seconds (--timeout)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -173,8 +181,10 @@ torch::nn::Sequential make_forecaster(int w, int hidden) {
 }
 
 /// Squared errors of the model and of the naive forecast on the held-out windows of `series`,
-/// as a 16 x 3 float64 tensor [sum model, sum naive, count] (rows of other series are 0).
-torch::Tensor holdout_errors(torch::nn::Sequential& model, const std::vector<Series>& series, const std::vector<int>& mine, int w) {
+/// summed over every rank's series: a 16 x 3 float64 CPU tensor [sum model, sum naive, count].
+/// The model lives on `device`; the sums are all-reduced on the process group's device.
+torch::Tensor holdout_errors(torch::nn::Sequential& model, torch::Device device, loom::ProcessGroup& pg,
+                             const std::vector<Series>& series, const std::vector<int>& mine, int w) {
   torch::NoGradGuard no_grad;
   model->eval();
   torch::Tensor out = torch::zeros({static_cast<int64_t>(series.size()), 3}, torch::kDouble);
@@ -191,13 +201,15 @@ torch::Tensor holdout_errors(torch::nn::Sequential& model, const std::vector<Ser
     const auto n = static_cast<int64_t>(xs.size());
     const torch::Tensor change = torch::from_blob(changes.data(), {n, 1}, torch::kFloat).clone();
     const torch::Tensor scale = torch::from_blob(scales.data(), {n, 1}, torch::kFloat).clone();
-    const torch::Tensor pred = model->forward(torch::stack(xs)) * scale;  // forecast change, z-score units
+    const torch::Tensor pred = model->forward(torch::stack(xs).to(device)).cpu() * scale;  // forecast change, z-score units
     out[g][0] = (pred - change).pow(2).sum().item<double>();
     out[g][1] = change.pow(2).sum().item<double>();
     out[g][2] = static_cast<double>(n);
   }
   model->train();
-  return out;
+  torch::Tensor total = out.to(pg.device());
+  pg.all_reduce(total, loom::ReduceOp::sum);
+  return total.cpu();
 }
 
 template <class Log>
@@ -215,51 +227,56 @@ void report(Log& log, const std::vector<Series>& series, const torch::Tensor& er
            naive_mse / model_mse, n, epochs, seconds);
 }
 
-double mse_step(torch::nn::Sequential& model, const loom::Batch& b, torch::Tensor* loss_out) {
+/// Forward and summed squared error of one batch on `device`; backward is the caller's.
+double mse_step(torch::nn::Sequential& model, torch::Device device, const loom::Batch& b, torch::Tensor* loss_out) {
   const torch::Tensor loss = torch::nn::functional::mse_loss(
-      model->forward(b.data), b.targets, torch::nn::functional::MSELossFuncOptions().reduction(torch::kSum));
+      model->forward(b.data.to(device)), b.targets.to(device), torch::nn::functional::MSELossFuncOptions().reduction(torch::kSum));
   *loss_out = loss;
   return loss.item<double>();
 }
 
+/// Mean squared errors of the model and of the naive forecast over every held-out window.
+std::pair<double, double> holdout_mse(const torch::Tensor& errors) {
+  const torch::Tensor total = errors.sum(0);
+  return {(total[0] / total[2]).item<double>(), (total[1] / total[2]).item<double>()};
+}
+
 // ------------------------------------------------------------------------------------------------
-// --mode ranks: one process per device.
+// --mode ranks: one process per device; the steps are agreed over the ranks.
 // ------------------------------------------------------------------------------------------------
-template <class Comm>
-void run_ranks(Comm& comm, const loom::Environment& env, const Options& o, Clock::time_point start) {
-  const loom::RankInfo me = loom::rank_info(env);
-  loom::Logger log{loom::StreamSink{stdout}, me};
+void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
+  loom::Logger log(loom::StreamSink{stdout}, pg);
+  const torch::Device device = examples::model_device(pg, o.device);
   const std::vector<Series> series = load_series(o);
   const int n = static_cast<int>(series.size());
-  log.info("generators_to_devices: {} series onto {} ranks ({} per rank), window {}, up to {} training windows per series", n,
-           env.world_size, n / env.world_size, o.window, o.max_windows);
+  log.info("generators_to_devices: {} series onto {} ranks ({} per rank), window {}, up to {} training windows per series "
+           "(backend {}, model on {})",
+           n, pg.world_size(), n / pg.world_size(), o.window, o.max_windows, loom::to_string(pg.backend()), device.str());
 
   torch::manual_seed(o.seed);
   auto model = make_forecaster(o.window, o.hidden);
+  model->to(device);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(o.lr));
-  loom::Reducer reducer(comm, loom::parameters_of(*model));
+  loom::Reducer reducer(pg, loom::parameters_of(*model));
   loom::Accumulator acc(reducer, {.micro_batches_per_step = 1});
-  const std::vector<int> mine = loom::generators_of(loom::Assignment::contiguous(), n, env.world_size, env.rank);
+  const std::vector<int> mine = loom::generators_of(loom::Assignment::contiguous(), n, pg.world_size(), pg.rank());
 
-  torch::Tensor errors = holdout_errors(model, series, mine, o.window);
-  comm.all_reduce(errors, loom::ReduceOp::sum);
-  const torch::Tensor total0 = errors.sum(0);
-  log.info("before training: model_mse={:.5f} naive_mse={:.5f}", (total0[0] / total0[2]).template item<double>(),
-           (total0[1] / total0[2]).template item<double>());
-
+  torch::Tensor errors = holdout_errors(model, device, pg, series, mine, o.window);
+  const auto [model0, naive0] = holdout_mse(errors);
+  log.info("before training: model_mse={:.5f} naive_mse={:.5f}", model0, naive0);
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     const auto t0 = Clock::now();
-    loom::RankGeneratorLoader<WindowGenerator, Comm> sched(
-        comm, n, [&](int g) { return WindowGenerator(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed); },
+    loom::RankGeneratorLoader<WindowGenerator, loom::ProcessGroup> loader(
+        pg, n, [&](int g) { return WindowGenerator(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed); },
         {.end = loom::EndPolicy::drain});
     loom::WeightedMean train_loss;
     int64_t steps = 0;
-    for (auto& db : sched) {
+    for (auto& db : loader) {
       const loom::Batch& b = db.batch;
       auto mb = acc.micro_batch(b);  // b.num_samples rows (2, 1 or 0 once this rank's series ended)
       if (b.num_samples > 0) {
         torch::Tensor loss;
-        train_loss.add(mse_step(model, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
+        train_loss.add(mse_step(model, device, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
         loss.backward();
       }  // a rank with no rows runs no backward: its gradient counts as zero, its samples as 0
       if (mb.finish()) opt.step();
@@ -270,65 +287,56 @@ void run_ranks(Comm& comm, const loom::Environment& env, const Options& o, Clock
       if (*step) opt.step();
       opt.zero_grad();
     }
-    const double loss = loom::global_mean(comm, train_loss);
-    errors = holdout_errors(model, series, mine, o.window);
-    comm.all_reduce(errors, loom::ReduceOp::sum);
-    const torch::Tensor total = errors.sum(0);
+    const double loss = loom::global_mean(pg, train_loss);
+    errors = holdout_errors(model, device, pg, series, mine, o.window);
+    const auto [model_mse, naive_mse] = holdout_mse(errors);
     log.info("epoch {}/{}: steps={} train_loss={:.5f} holdout model_mse={:.5f} naive_mse={:.5f} seconds={:.1f}", epoch + 1, o.epochs,
-             steps, loss, (total[0] / total[2]).template item<double>(), (total[1] / total[2]).template item<double>(),
-             std::chrono::duration<double>(Clock::now() - t0).count());
+             steps, loss, model_mse, naive_mse, std::chrono::duration<double>(Clock::now() - t0).count());
   }
   report(log, series, errors, o.epochs, std::chrono::duration<double>(Clock::now() - start).count());
 }
 
-void rank_main(const loom::Environment& env, const Options& o, Clock::time_point start) {
-  if (env.world_size == 1) {
-    loom::LocalCommunicator comm;
-    run_ranks(comm, env, o, start);
-  } else {
-    loom::GlooCommunicator comm(env);
-    run_ranks(comm, env, o, start);
-  }
-}
-
 // ------------------------------------------------------------------------------------------------
-// --mode in-process: one process, `devices` logical devices.
+// --mode in-process: one process (world size 1), `devices` logical devices.
 // ------------------------------------------------------------------------------------------------
-void run_in_process(const Options& o, Clock::time_point start) {
-  loom::LocalCommunicator comm;
-  const loom::RankInfo me{};
-  loom::Logger log{loom::StreamSink{stdout}, me};
+void run_in_process(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
+  if (pg.world_size() != 1)
+    throw loom::InvalidArgument(fmt::format("--mode in-process runs in one process, but this job has {} ranks; use --mode ranks",
+                                            pg.world_size()));
+  loom::Logger log(loom::StreamSink{stdout}, pg);
+  const torch::Device device = examples::model_device(pg, o.device);
   const std::vector<Series> series = load_series(o);
   const int n = static_cast<int>(series.size());
-  log.info("generators_to_devices: {} series onto {} logical devices in one process, window {}, up to {} training windows per series",
-           n, o.devices, o.window, o.max_windows);
+  log.info("generators_to_devices: {} series onto {} logical devices in one process, window {}, up to {} training windows per "
+           "series (model on {})",
+           n, o.devices, o.window, o.max_windows, device.str());
   torch::manual_seed(o.seed);
   auto model = make_forecaster(o.window, o.hidden);
+  model->to(device);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(o.lr));
-  loom::Reducer reducer(comm, loom::parameters_of(*model));
+  loom::Reducer reducer(pg, loom::parameters_of(*model));
   // One window per step: every device's batch is one micro-batch.
   loom::Accumulator acc(reducer, {.micro_batches_per_step = o.devices});
   std::vector<int> all(static_cast<std::size_t>(n));
   for (int g = 0; g < n; ++g) all[static_cast<std::size_t>(g)] = g;
 
-  torch::Tensor errors = holdout_errors(model, series, all, o.window);
-  const torch::Tensor total0 = errors.sum(0);
-  log.info("before training: model_mse={:.5f} naive_mse={:.5f}", (total0[0] / total0[2]).item<double>(),
-           (total0[1] / total0[2]).item<double>());
+  torch::Tensor errors = holdout_errors(model, device, pg, series, all, o.window);
+  const auto [model0, naive0] = holdout_mse(errors);
+  log.info("before training: model_mse={:.5f} naive_mse={:.5f}", model0, naive0);
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     const auto t0 = Clock::now();
     std::vector<WindowGenerator> gens;
     for (int g = 0; g < n; ++g) gens.emplace_back(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed);
-    loom::GeneratorLoader sched(std::move(gens), {.num_devices = o.devices, .end = loom::EndPolicy::drain});
+    loom::GeneratorLoader loader(std::move(gens), {.num_devices = o.devices, .end = loom::EndPolicy::drain});
     loom::WeightedMean train_loss;
     int64_t steps = 0;
-    for (auto& step : sched) {
+    for (auto& step : loader) {
       for (auto& db : step.devices) {  // device d's collated batch: rows from its 2 generators
         const loom::Batch& b = db.batch;
         auto mb = acc.micro_batch(b);
         if (b.num_samples > 0) {
           torch::Tensor loss;
-          train_loss.add(mse_step(model, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
+          train_loss.add(mse_step(model, device, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
           loss.backward();
         }
         if (const loom::SyncResult s = mb.finish(); s.boundary) {  // after the last device of the step
@@ -342,11 +350,10 @@ void run_in_process(const Options& o, Clock::time_point start) {
       if (*step) opt.step();
       opt.zero_grad();
     }
-    errors = holdout_errors(model, series, all, o.window);
-    const torch::Tensor total = errors.sum(0);
+    errors = holdout_errors(model, device, pg, series, all, o.window);
+    const auto [model_mse, naive_mse] = holdout_mse(errors);
     log.info("epoch {}/{}: steps={} train_loss={:.5f} holdout model_mse={:.5f} naive_mse={:.5f} seconds={:.1f}", epoch + 1, o.epochs,
-             steps, train_loss.local_mean(), (total[0] / total[2]).item<double>(), (total[1] / total[2]).item<double>(),
-             std::chrono::duration<double>(Clock::now() - t0).count());
+             steps, train_loss.local_mean(), model_mse, naive_mse, std::chrono::duration<double>(Clock::now() - t0).count());
   }
   report(log, series, errors, o.epochs, std::chrono::duration<double>(Clock::now() - start).count());
 }
@@ -357,8 +364,13 @@ int main(int argc, char** argv) {
   CLI::App app{"16 time-series generators onto 8 devices: a forecaster trained on per-device collated batches."};
   app.add_option("--mode", o.mode, "ranks: one process per device; in-process: one process, logical devices")
       ->check(CLI::IsMember({"ranks", "in-process"}));
-  app.add_option("--devices", o.devices, "devices (ranks, or logical devices in-process); must divide 16")
+  app.add_option("--devices", o.devices,
+                 "devices: local ranks to spawn (ignored under torchrun/mpirun/srun) or logical devices in-process; must divide 16")
       ->check(CLI::IsMember({1, 2, 4, 8, 16}));
+  app.add_option("--backend", o.backend, "process group backend: auto (NCCL for a GPU model, Gloo for a CPU one), gloo, nccl")
+      ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  app.add_option("--device", o.device, "model device: auto (a GPU when there is one), cpu, cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--data", o.data, "folder of the vega-datasets CSV files (default: found automatically)");
   app.add_option("--window", o.window, "past values per input")->check(CLI::Range(2, 64));
   app.add_option("--max-windows", o.max_windows, "training windows per series and epoch")->check(CLI::PositiveNumber);
@@ -367,21 +379,21 @@ int main(int argc, char** argv) {
   app.add_option("--lr", o.lr, "Adam learning rate");
   app.add_option("--hidden", o.hidden, "hidden units of the forecaster");
   app.add_option("--seed", o.seed, "seed of the initial weights and window offsets");
+  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous, connect and in any collective")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   try {
-    if (o.mode == "in-process") {
-      at::set_num_threads(1);
-      run_in_process(o, start);
-      return 0;
-    }
-    const loom::Environment env = loom::Environment::from_env();
-    if (env.launcher == loom::Launcher::none && o.devices > 1) {
-      loom::spawn(o.devices, [&](const loom::Environment& child) { rank_main(child, o, start); });
-    } else {
-      at::set_num_threads(1);
-      rank_main(env, o, start);
-    }
+    const bool in_process = o.mode == "in-process";
+    loom::run(
+        [&](loom::ProcessGroup& pg) {
+          at::set_num_threads(1);  // every mode alike (spawned ranks have one intra-op thread each)
+          if (in_process) run_in_process(pg, o, start);
+          else run_ranks(pg, o, start);
+        },
+        {.nproc = in_process ? 1 : o.devices,
+         .group = {.backend = examples::group_backend(o.backend, o.device),
+                   .timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000))}});
   } catch (const loom::Error& e) {
     fmt::print(stderr, "generators_to_devices: {}\n", e.what());
     return 1;
