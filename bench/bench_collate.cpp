@@ -70,7 +70,8 @@ struct InputsMixed {
   std::vector<Sample> samples;
   int64_t bytes = 0;
   InputsMixed() {
-    const std::vector<std::pair<int64_t, int64_t>> shapes{{24, 24}, {24, 40}, {28, 32}, {32, 32}, {32, 40}, {36, 28}, {40, 24}, {40, 40}};
+    const std::vector<std::pair<int64_t, int64_t>> shapes{{24, 24}, {24, 40}, {28, 32}, {32, 32},
+                                                          {32, 40}, {36, 28}, {40, 24}, {40, 40}};
     std::mt19937 rng(1234);
     std::vector<int> which(4096);
     for (std::size_t i = 0; i < which.size(); ++i) which[i] = static_cast<int>(i % shapes.size());
@@ -121,7 +122,9 @@ void memcpy_all(benchmark::State& state, const Inputs224& in) {
 }
 
 // The floor: the same bytes into one preallocated, reused batch buffer.
-void BM_collate_224_memcpy(benchmark::State& state) { memcpy_all(state, inputs224()); }
+void BM_collate_224_memcpy(benchmark::State& state) {
+  memcpy_all(state, inputs224());
+}
 
 void BM_collate_224_naive(benchmark::State& state) {
   const auto& in = inputs224();
@@ -259,7 +262,8 @@ void BM_collate_padded_loom(benchmark::State& state) {
   auto pool = std::make_shared<loom::BufferPool>();
   int64_t batches = 0;
   auto pass = [&] {
-    for (loom::Batch& b : in.samples | loom::views::bucket_padded({.pad = {{.dim = 0}}, .max_samples = InputsPadded::kBatch, .pool = pool})) {
+    for (loom::Batch& b : in.samples | loom::views::bucket_padded(
+                                           {.pad = {{.dim = 0}}, .max_samples = InputsPadded::kBatch, .pool = pool})) {
       benchmark::DoNotOptimize(b.data.data_ptr());
       ++batches;
     }
@@ -336,9 +340,11 @@ class RatioReporter : public benchmark::ConsoleReporter {
     for (const std::string suite : {"collate_224", "collate_mixed", "collate_padded"}) {
       const auto mem = times_[suite + "/memcpy"], naive = times_[suite + "/naive"], mine = times_[suite + "/loom"];
       if (mem.first > 0 && naive.first > 0 && mine.first > 0)
-        out << fmt::format("  {:<14} real time: loom/memcpy = {:.2f}  loom/naive = {:.2f}   CPU time: loom/memcpy = {:.2f}  loom/naive = {:.2f}\n",
-                           suite, mem.first / mine.first, naive.first / mine.first, mem.second / mine.second,
-                           naive.second / mine.second);
+        out << fmt::format(
+            "  {:<14} real time: loom/memcpy = {:.2f}  loom/naive = {:.2f}   CPU time: loom/memcpy = {:.2f}  "
+            "loom/naive = {:.2f}\n",
+            suite, mem.first / mine.first, naive.first / mine.first, mem.second / mine.second,
+            naive.second / mine.second);
     }
   }
 
@@ -349,15 +355,51 @@ class RatioReporter : public benchmark::ConsoleReporter {
 
 }  // namespace
 
-BENCHMARK(BM_collate_224_memcpy)->Name("collate_224/memcpy")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_224_naive)->Name("collate_224/naive")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_224_loom)->Name("collate_224/loom")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_mixed_memcpy)->Name("collate_mixed/memcpy")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_mixed_naive)->Name("collate_mixed/naive")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_mixed_loom)->Name("collate_mixed/loom")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_padded_memcpy)->Name("collate_padded/memcpy")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_padded_naive)->Name("collate_padded/naive")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_padded_loom)->Name("collate_padded/loom")->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_224_memcpy)
+    ->Name("collate_224/memcpy")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_224_naive)
+    ->Name("collate_224/naive")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_224_loom)
+    ->Name("collate_224/loom")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_mixed_memcpy)
+    ->Name("collate_mixed/memcpy")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_mixed_naive)
+    ->Name("collate_mixed/naive")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_mixed_loom)
+    ->Name("collate_mixed/loom")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_padded_memcpy)
+    ->Name("collate_padded/memcpy")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_padded_naive)
+    ->Name("collate_padded/naive")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_collate_padded_loom)
+    ->Name("collate_padded/loom")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
 BENCHMARK(BM_collate_padding_round_up_32)->Name("collate_padding/round_up_32")->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_collate_padding_auto_boundaries)->Name("collate_padding/auto_boundaries")->Unit(benchmark::kMicrosecond);
 

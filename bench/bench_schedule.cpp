@@ -84,7 +84,8 @@ void schedule_io_sequential(benchmark::State& state) {
       for (int d = 0; d < kDevices; ++d) {
         std::vector<at::Tensor> samples;
         for (int g : assignment[static_cast<size_t>(d)]) samples.push_back(*gens[static_cast<size_t>(g)]());
-        loom::Batch b = collate_fn(std::span(samples), {.device = d, .step = k, .generators = assignment[static_cast<size_t>(d)]});
+        loom::Batch b =
+            collate_fn(std::span(samples), {.device = d, .step = k, .generators = assignment[static_cast<size_t>(d)]});
         benchmark::DoNotOptimize(b.data.data_ptr());
       }
       ++steps;
@@ -102,8 +103,8 @@ void schedule_io_loom(benchmark::State& state) {
   int64_t steps = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    loom::GeneratorLoader<SleepyGenerator> sched(sleepy_generators(),
-                                           {.num_devices = kDevices, .prefetch_depth = static_cast<int>(state.range(0))});
+    loom::GeneratorLoader<SleepyGenerator> sched(
+        sleepy_generators(), {.num_devices = kDevices, .prefetch_depth = static_cast<int>(state.range(0))});
     for (auto& step : sched) {
       benchmark::DoNotOptimize(step.devices.back().batch.data.data_ptr());
       ++steps;
@@ -178,7 +179,8 @@ void cpu_png_sequential(benchmark::State& state) {
           samples.push_back(std::move(*s));
         }
         if (done) break;
-        loom::Batch b = collate_fn(std::span(samples), {.device = d, .step = k, .generators = assignment[static_cast<size_t>(d)]});
+        loom::Batch b =
+            collate_fn(std::span(samples), {.device = d, .step = k, .generators = assignment[static_cast<size_t>(d)]});
         images += b.num_samples;
       }
       if (done) break;
@@ -196,7 +198,8 @@ void cpu_png_loom(benchmark::State& state) {
   double total = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    loom::GeneratorLoader<PngGenerator> sched(png_generators(), {.num_devices = kPngDevices, .prefetch_depth = 4, .num_workers = workers});
+    loom::GeneratorLoader<PngGenerator> sched(
+        png_generators(), {.num_devices = kPngDevices, .prefetch_depth = 4, .num_workers = workers});
     for (auto& step : sched)
       for (auto& db : step.devices) images += db.batch.num_samples;
     total += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -212,8 +215,20 @@ void cpu_png_loom(benchmark::State& state) {
 
 BENCHMARK(schedule_io_ideal)->Name("schedule_io/ideal")->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
 BENCHMARK(schedule_io_sequential)->Name("schedule_io/sequential")->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK(schedule_io_loom)->Name("schedule_io/loom")->Arg(2)->Arg(4)->ArgName("depth")->Iterations(5)->Unit(benchmark::kMillisecond);
+BENCHMARK(schedule_io_loom)
+    ->Name("schedule_io/loom")
+    ->Arg(2)
+    ->Arg(4)
+    ->ArgName("depth")
+    ->Iterations(5)
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(cpu_png_sequential)->Name("cpu_png/sequential")->Iterations(5)->Unit(benchmark::kMillisecond);
-BENCHMARK(cpu_png_loom)->Name("cpu_png/loom")->Arg(1)->Arg(2)->ArgName("workers")->Iterations(5)->Unit(benchmark::kMillisecond);
+BENCHMARK(cpu_png_loom)
+    ->Name("cpu_png/loom")
+    ->Arg(1)
+    ->Arg(2)
+    ->ArgName("workers")
+    ->Iterations(5)
+    ->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

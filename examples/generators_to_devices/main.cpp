@@ -65,10 +65,10 @@ using Clock = std::chrono::steady_clock;
 struct Options {
   std::string mode = "ranks";  // ranks | in-process
   int devices = 8;
-  std::string data;            // vega-datasets folder; empty: loom::data::find_vega_datasets()
-  int window = 24;             // input values per sample
-  int64_t max_windows = 256;   // training windows per series and epoch (long series are strided)
-  double holdout = 0.2;        // last fraction of each series held out
+  std::string data;           // vega-datasets folder; empty: loom::data::find_vega_datasets()
+  int window = 24;            // input values per sample
+  int64_t max_windows = 256;  // training windows per series and epoch (long series are strided)
+  double holdout = 0.2;       // last fraction of each series held out
   int epochs = 6;
   double lr = 2e-3;
   int hidden = 64;
@@ -83,8 +83,8 @@ struct Options {
 // ------------------------------------------------------------------------------------------------
 struct Series {
   std::string name;
-  std::vector<float> z;  // z-scored values (train-part mean and deviation)
-  int64_t train_end = 0; // values [0, train_end) are the training part
+  std::vector<float> z;   // z-scored values (train-part mean and deviation)
+  int64_t train_end = 0;  // values [0, train_end) are the training part
 };
 
 std::vector<Series> load_series(const Options& o) {
@@ -94,7 +94,8 @@ std::vector<Series> load_series(const Options& o) {
   add("seattle-temps/temp", loom::data::read_csv(dir / "seattle-temps.csv").numeric_column("temp"));
   add("sf-temps/temp", loom::data::read_csv(dir / "sf-temps.csv").numeric_column("temp"));
   const auto weather = loom::data::read_csv(dir / "seattle-weather.csv");
-  for (const char* c : {"temp_max", "temp_min", "wind"}) add(fmt::format("seattle-weather/{}", c), weather.numeric_column(c));
+  for (const char* c : {"temp_max", "temp_min", "wind"})
+    add(fmt::format("seattle-weather/{}", c), weather.numeric_column(c));
   for (auto& [symbol, prices] : loom::data::read_csv(dir / "stocks.csv").numeric_columns_by("symbol", "price"))
     add("stocks/" + symbol, std::move(prices));
   const auto jobs = loom::data::read_csv(dir / "us-employment.csv");
@@ -106,8 +107,8 @@ std::vector<Series> load_series(const Options& o) {
     const auto n = static_cast<int64_t>(v.size());
     const auto train_end = static_cast<int64_t>(std::floor(static_cast<double>(n) * (1.0 - o.holdout)));
     if (train_end <= o.window + 1 || n - train_end < 1)
-      throw loom::DataError(fmt::format("series {} has {} values: too short for --window {} and --holdout {}", name, n, o.window,
-                                        o.holdout));
+      throw loom::DataError(fmt::format("series {} has {} values: too short for --window {} and --holdout {}", name, n,
+                                        o.window, o.holdout));
     double mean = 0, sq = 0;
     for (int64_t i = 0; i < train_end; ++i) mean += v[static_cast<std::size_t>(i)];
     mean /= static_cast<double>(train_end);
@@ -119,7 +120,8 @@ std::vector<Series> load_series(const Options& o) {
     for (double x : v) s.z.push_back(static_cast<float>((x - mean) / sd));
     out.push_back(std::move(s));
   }
-  if (out.size() != 16) throw loom::DataError(fmt::format("{}: expected 16 series, found {}", dir.string(), out.size()));
+  if (out.size() != 16)
+    throw loom::DataError(fmt::format("{}: expected 16 series, found {}", dir.string(), out.size()));
   return out;
 }
 
@@ -154,7 +156,7 @@ Window window_at(const Series& s, int64_t t, int w) {
 struct WindowGenerator {
   const Series* series;
   int window;
-  int64_t t;       // next target position
+  int64_t t;  // next target position
   int64_t stride;
 
   WindowGenerator(const Series& s, int w, int64_t max_windows, int64_t epoch, uint64_t seed) : series(&s), window(w) {
@@ -201,7 +203,8 @@ torch::Tensor holdout_errors(torch::nn::Sequential& model, torch::Device device,
     const auto n = static_cast<int64_t>(xs.size());
     const torch::Tensor change = torch::from_blob(changes.data(), {n, 1}, torch::kFloat).clone();
     const torch::Tensor scale = torch::from_blob(scales.data(), {n, 1}, torch::kFloat).clone();
-    const torch::Tensor pred = model->forward(torch::stack(xs).to(device)).cpu() * scale;  // forecast change, z-score units
+    const torch::Tensor pred =
+        model->forward(torch::stack(xs).to(device)).cpu() * scale;  // forecast change, z-score units
     out[g][0] = (pred - change).pow(2).sum().item<double>();
     out[g][1] = change.pow(2).sum().item<double>();
     out[g][2] = static_cast<double>(n);
@@ -217,20 +220,21 @@ void report(Log& log, const std::vector<Series>& series, const torch::Tensor& er
   for (std::size_t g = 0; g < series.size(); ++g) {
     const auto e = errors[static_cast<int64_t>(g)];
     const double n = e[2].item<double>();
-    log.info("  {:<32} held-out windows {:5.0f}  model_mse={:.4f}  naive_mse={:.4f}", series[g].name, n, e[0].item<double>() / n,
-             e[1].item<double>() / n);
+    log.info("  {:<32} held-out windows {:5.0f}  model_mse={:.4f}  naive_mse={:.4f}", series[g].name, n,
+             e[0].item<double>() / n, e[1].item<double>() / n);
   }
   const torch::Tensor total = errors.sum(0);
   const double n = total[2].item<double>();
   const double model_mse = total[0].item<double>() / n, naive_mse = total[1].item<double>() / n;
-  log.info("result: model_mse={:.5f} naive_mse={:.5f} ratio={:.4f} windows={:.0f} epochs={} seconds={:.1f}", model_mse, naive_mse,
-           naive_mse / model_mse, n, epochs, seconds);
+  log.info("result: model_mse={:.5f} naive_mse={:.5f} ratio={:.4f} windows={:.0f} epochs={} seconds={:.1f}", model_mse,
+           naive_mse, naive_mse / model_mse, n, epochs, seconds);
 }
 
 /// Forward and summed squared error of one batch on `device`; backward is the caller's.
 double mse_step(torch::nn::Sequential& model, torch::Device device, const loom::Batch& b, torch::Tensor* loss_out) {
-  const torch::Tensor loss = torch::nn::functional::mse_loss(
-      model->forward(b.data.to(device)), b.targets.to(device), torch::nn::functional::MSELossFuncOptions().reduction(torch::kSum));
+  const torch::Tensor loss =
+      torch::nn::functional::mse_loss(model->forward(b.data.to(device)), b.targets.to(device),
+                                      torch::nn::functional::MSELossFuncOptions().reduction(torch::kSum));
   *loss_out = loss;
   return loss.item<double>();
 }
@@ -249,9 +253,10 @@ void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start
   const torch::Device device = examples::model_device(pg, o.device);
   const std::vector<Series> series = load_series(o);
   const int n = static_cast<int>(series.size());
-  log.info("generators_to_devices: {} series onto {} ranks ({} per rank), window {}, up to {} training windows per series "
-           "(backend {}, model on {})",
-           n, pg.world_size(), n / pg.world_size(), o.window, o.max_windows, loom::to_string(pg.backend()), device.str());
+  log.info(
+      "generators_to_devices: {} series onto {} ranks ({} per rank), window {}, up to {} training windows per series "
+      "(backend {}, model on {})",
+      n, pg.world_size(), n / pg.world_size(), o.window, o.max_windows, loom::to_string(pg.backend()), device.str());
 
   torch::manual_seed(o.seed);
   auto model = make_forecaster(o.window, o.hidden);
@@ -267,7 +272,10 @@ void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     const auto t0 = Clock::now();
     loom::RankGeneratorLoader<WindowGenerator, loom::ProcessGroup> loader(
-        pg, n, [&](int g) { return WindowGenerator(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed); },
+        pg, n,
+        [&](int g) {
+          return WindowGenerator(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed);
+        },
         {.end = loom::EndPolicy::drain});
     loom::WeightedMean train_loss;
     int64_t steps = 0;
@@ -276,7 +284,8 @@ void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start
       auto mb = acc.micro_batch(b);  // b.num_samples rows (2, 1 or 0 once this rank's series ended)
       if (b.num_samples > 0) {
         torch::Tensor loss;
-        train_loss.add(mse_step(model, device, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
+        train_loss.add(mse_step(model, device, b, &loss) / static_cast<double>(b.num_samples),
+                       static_cast<double>(b.num_samples));
         loss.backward();
       }  // a rank with no rows runs no backward: its gradient counts as zero, its samples as 0
       if (mb.finish()) opt.step();
@@ -290,8 +299,9 @@ void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start
     const double loss = loom::global_mean(pg, train_loss);
     errors = holdout_errors(model, device, pg, series, mine, o.window);
     const auto [model_mse, naive_mse] = holdout_mse(errors);
-    log.info("epoch {}/{}: steps={} train_loss={:.5f} holdout model_mse={:.5f} naive_mse={:.5f} seconds={:.1f}", epoch + 1, o.epochs,
-             steps, loss, model_mse, naive_mse, std::chrono::duration<double>(Clock::now() - t0).count());
+    log.info("epoch {}/{}: steps={} train_loss={:.5f} holdout model_mse={:.5f} naive_mse={:.5f} seconds={:.1f}",
+             epoch + 1, o.epochs, steps, loss, model_mse, naive_mse,
+             std::chrono::duration<double>(Clock::now() - t0).count());
   }
   report(log, series, errors, o.epochs, std::chrono::duration<double>(Clock::now() - start).count());
 }
@@ -301,15 +311,17 @@ void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start
 // ------------------------------------------------------------------------------------------------
 void run_in_process(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
   if (pg.world_size() != 1)
-    throw loom::InvalidArgument(fmt::format("--mode in-process runs in one process, but this job has {} ranks; use --mode ranks",
-                                            pg.world_size()));
+    throw loom::InvalidArgument(fmt::format(
+        "--mode in-process runs in one process, but this job has {} ranks; use --mode ranks", pg.world_size()));
   loom::Logger log(loom::StreamSink{stdout}, pg);
   const torch::Device device = examples::model_device(pg, o.device);
   const std::vector<Series> series = load_series(o);
   const int n = static_cast<int>(series.size());
-  log.info("generators_to_devices: {} series onto {} logical devices in one process, window {}, up to {} training windows per "
-           "series (model on {})",
-           n, o.devices, o.window, o.max_windows, device.str());
+  log.info(
+      "generators_to_devices: {} series onto {} logical devices in one process, window {}, up to {} training windows "
+      "per "
+      "series (model on {})",
+      n, o.devices, o.window, o.max_windows, device.str());
   torch::manual_seed(o.seed);
   auto model = make_forecaster(o.window, o.hidden);
   model->to(device);
@@ -326,7 +338,8 @@ void run_in_process(loom::ProcessGroup& pg, const Options& o, Clock::time_point 
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     const auto t0 = Clock::now();
     std::vector<WindowGenerator> gens;
-    for (int g = 0; g < n; ++g) gens.emplace_back(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed);
+    for (int g = 0; g < n; ++g)
+      gens.emplace_back(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed);
     loom::GeneratorLoader loader(std::move(gens), {.num_devices = o.devices, .end = loom::EndPolicy::drain});
     loom::WeightedMean train_loss;
     int64_t steps = 0;
@@ -336,7 +349,8 @@ void run_in_process(loom::ProcessGroup& pg, const Options& o, Clock::time_point 
         auto mb = acc.micro_batch(b);
         if (b.num_samples > 0) {
           torch::Tensor loss;
-          train_loss.add(mse_step(model, device, b, &loss) / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
+          train_loss.add(mse_step(model, device, b, &loss) / static_cast<double>(b.num_samples),
+                         static_cast<double>(b.num_samples));
           loss.backward();
         }
         if (const loom::SyncResult s = mb.finish(); s.boundary) {  // after the last device of the step
@@ -352,8 +366,9 @@ void run_in_process(loom::ProcessGroup& pg, const Options& o, Clock::time_point 
     }
     errors = holdout_errors(model, device, pg, series, all, o.window);
     const auto [model_mse, naive_mse] = holdout_mse(errors);
-    log.info("epoch {}/{}: steps={} train_loss={:.5f} holdout model_mse={:.5f} naive_mse={:.5f} seconds={:.1f}", epoch + 1, o.epochs,
-             steps, train_loss.local_mean(), model_mse, naive_mse, std::chrono::duration<double>(Clock::now() - t0).count());
+    log.info("epoch {}/{}: steps={} train_loss={:.5f} holdout model_mse={:.5f} naive_mse={:.5f} seconds={:.1f}",
+             epoch + 1, o.epochs, steps, train_loss.local_mean(), model_mse, naive_mse,
+             std::chrono::duration<double>(Clock::now() - t0).count());
   }
   report(log, series, errors, o.epochs, std::chrono::duration<double>(Clock::now() - start).count());
 }
@@ -365,9 +380,11 @@ int main(int argc, char** argv) {
   app.add_option("--mode", o.mode, "ranks: one process per device; in-process: one process, logical devices")
       ->check(CLI::IsMember({"ranks", "in-process"}));
   app.add_option("--devices", o.devices,
-                 "devices: local ranks to spawn (ignored under torchrun/mpirun/srun) or logical devices in-process; must divide 16")
+                 "devices: local ranks to spawn (ignored under torchrun/mpirun/srun) or logical devices in-process; "
+                 "must divide 16")
       ->check(CLI::IsMember({1, 2, 4, 8, 16}));
-  app.add_option("--backend", o.backend, "process group backend: auto (NCCL for a GPU model, Gloo for a CPU one), gloo, nccl")
+  app.add_option("--backend", o.backend,
+                 "process group backend: auto (NCCL for a GPU model, Gloo for a CPU one), gloo, nccl")
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
   app.add_option("--device", o.device, "model device: auto (a GPU when there is one), cpu, cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
@@ -388,8 +405,10 @@ int main(int argc, char** argv) {
     loom::run(
         [&](loom::ProcessGroup& pg) {
           at::set_num_threads(1);  // every mode alike (spawned ranks have one intra-op thread each)
-          if (in_process) run_in_process(pg, o, start);
-          else run_ranks(pg, o, start);
+          if (in_process)
+            run_in_process(pg, o, start);
+          else
+            run_ranks(pg, o, start);
         },
         {.nproc = in_process ? 1 : o.devices,
          .group = {.backend = examples::group_backend(o.backend, o.device),

@@ -6,11 +6,13 @@
 #include <random>
 #include <set>
 
-#include <loom/collate/collate.hpp>
-
+#include <doctest/doctest.h>
 #include <range/v3/range/conversion.hpp>
 #include <range/v3/view/iota.hpp>
 #include <range/v3/view/transform.hpp>
+#include <torch/torch.h>
+
+#include <loom/collate/collate.hpp>
 
 #include "reference/collate_reference.hpp"
 
@@ -32,7 +34,8 @@ std::vector<std::vector<int64_t>> indices_of(const std::vector<loom::Batch>& bat
 }
 
 template <class Options>
-std::vector<loom::Batch> run_collator(const std::vector<Sample>& samples, const Options& o, loom::CollateStats* stats = nullptr) {
+std::vector<loom::Batch> run_collator(const std::vector<Sample>& samples, const Options& o,
+                                      loom::CollateStats* stats = nullptr) {
   loom::BucketCollator<> c(o);
   std::vector<loom::Batch> out;
   for (const auto& s : samples) {
@@ -47,7 +50,8 @@ std::vector<loom::Batch> run_collator(const std::vector<Sample>& samples, const 
 
 std::vector<Sample> sequences(const std::vector<int64_t>& lengths) {
   std::vector<Sample> s;
-  for (std::size_t i = 0; i < lengths.size(); ++i) s.emplace_back(traced(static_cast<int64_t>(i), {lengths[i]}), static_cast<int64_t>(i) * 10);
+  for (std::size_t i = 0; i < lengths.size(); ++i)
+    s.emplace_back(traced(static_cast<int64_t>(i), {lengths[i]}), static_cast<int64_t>(i) * 10);
   return s;
 }
 
@@ -67,7 +71,7 @@ class SinglePassSamples : public ranges::view_base {
     using iterator_concept = std::input_iterator_tag;
     iterator() = default;
     iterator(Shared* s, std::size_t i) : s_(s), i_(i) {}
-    Sample operator*() const {  // a prvalue: the view must not keep references into the input
+    Sample operator*() const {                         // a prvalue: the view must not keep references into the input
       REQUIRE(static_cast<int64_t>(i_) == s_->reads);  // each element read once, in order
       ++s_->reads;
       return {traced(static_cast<int64_t>(i_), s_->shapes[i_]), static_cast<int64_t>(i_)};
@@ -95,7 +99,8 @@ class SinglePassSamples : public ranges::view_base {
   std::shared_ptr<Shared> s_;
 };
 static_assert(ranges::input_range<SinglePassSamples> && !ranges::forward_range<SinglePassSamples>);
-static_assert(!std::is_copy_constructible_v<loom::BucketCollator<>> && std::is_move_constructible_v<loom::BucketCollator<>>);
+static_assert(!std::is_copy_constructible_v<loom::BucketCollator<>> &&
+              std::is_move_constructible_v<loom::BucketCollator<>>);
 
 }  // namespace
 
@@ -104,7 +109,8 @@ TEST_CASE("exact-shape buckets: hand-computed assignment, data, targets, determi
   // shapes: A=(2,3) B=(3,3) C=(1,1); max 3 per batch.
   const std::vector<std::vector<int64_t>> shapes{{2, 3}, {3, 3}, {2, 3}, {2, 3}, {3, 3}, {1, 1}, {2, 3}};
   std::vector<Sample> samples;
-  for (std::size_t i = 0; i < shapes.size(); ++i) samples.emplace_back(traced(static_cast<int64_t>(i), shapes[i]), 100 + static_cast<int64_t>(i));
+  for (std::size_t i = 0; i < shapes.size(); ++i)
+    samples.emplace_back(traced(static_cast<int64_t>(i), shapes[i]), 100 + static_cast<int64_t>(i));
   loom::CollateStats st;
   auto batches = run_collator(samples, loom::ShapeBucketOptions{.max_samples = 3}, &st);
   // A fills at sample 3 -> {0,2,3}; then flush in bucket creation order: A {6}, B {1,4}, C {5}.
@@ -173,7 +179,8 @@ TEST_CASE("field case: leftovers are flushed per bucket; drop_incomplete drops a
 TEST_CASE("field case: a token budget counts padding") {
   const std::vector<int64_t> lengths{100, 10, 10, 10, 100};
   loom::CollateStats st;
-  auto batches = run_collator(sequences(lengths), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 150}, &st);
+  auto batches =
+      run_collator(sequences(lengths), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 150}, &st);
   CHECK(indices_of(batches) == std::vector<std::vector<int64_t>>{{0}, {1, 2, 3}, {4}});
   REQUIRE(batches.size() == 3);
   CHECK(batches[0].data.numel() == 100);  // padded costs 100, 30, 100
@@ -190,21 +197,28 @@ TEST_CASE("field case: a token budget counts padding") {
   const std::vector<int64_t> ten(10, 10);
   const std::vector<std::vector<int64_t>> nine_one{{0, 1, 2, 3, 4, 5, 6, 7, 8}, {9}};
   const std::vector<std::vector<int64_t>> eight_two{{0, 1, 2, 3, 4, 5, 6, 7}, {8, 9}};
-  CHECK(indices_of(run_collator(sequences(ten), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 95})) == nine_one);
-  CHECK(indices_of(run_collator(sequences(ten), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 95, .multiple_of = 8})) == eight_two);
+  CHECK(indices_of(run_collator(sequences(ten), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 95})) ==
+        nine_one);
+  CHECK(indices_of(run_collator(
+            sequences(ten), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 95, .multiple_of = 8})) ==
+        eight_two);
   // The same with exact-shape buckets (all samples share the shape [10]).
   CHECK(indices_of(run_collator(sequences(ten), loom::ShapeBucketOptions{.max_elements = 95})) == nine_one);
-  CHECK(indices_of(run_collator(sequences(ten), loom::ShapeBucketOptions{.max_elements = 95, .multiple_of = 8})) == eight_two);
+  CHECK(indices_of(run_collator(sequences(ten), loom::ShapeBucketOptions{.max_elements = 95, .multiple_of = 8})) ==
+        eight_two);
 }
 
 TEST_CASE("field case: an oversize sample raises, or is skipped and counted; never truncated") {
   const std::vector<int64_t> lengths{10, 200, 10};
-  CHECK_THROWS_WITH_AS(run_collator(sequences(lengths), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 150}),
-                       doctest::Contains("sample 1 with shape [200] needs 200 (padded) elements, more than max_elements = 150"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      run_collator(sequences(lengths), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 150}),
+      doctest::Contains("sample 1 with shape [200] needs 200 (padded) elements, more than max_elements = 150"),
+      loom::InvalidArgument);
   loom::CollateStats st;
-  auto b = run_collator(sequences(lengths),
-                        loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 150, .on_oversize = loom::OversizePolicy::skip}, &st);
+  auto b = run_collator(
+      sequences(lengths),
+      loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 150, .on_oversize = loom::OversizePolicy::skip},
+      &st);
   CHECK(indices_of(b) == std::vector<std::vector<int64_t>>{{0, 2}});
   CHECK(st.skipped_oversize == 1);
   CHECK(b[0].data.sizes() == torch::IntArrayRef({2, 10}));
@@ -216,7 +230,8 @@ TEST_CASE("field case: an oversize sample raises, or is skipped and counted; nev
 
 TEST_CASE("field case: pixel budget for padded image buckets counts count x max H x max W") {
   std::vector<Sample> images{{traced(0, {32, 48}), 0}, {traced(1, {64, 16}), 1}, {traced(2, {16, 16}), 2}};
-  auto batches = run_collator(images, loom::PaddedBucketOptions{.pad = {{.dim = 0}, {.dim = 1}}, .pad_value = -1, .max_elements = 5000});
+  auto batches = run_collator(
+      images, loom::PaddedBucketOptions{.pad = {{.dim = 0}, {.dim = 1}}, .pad_value = -1, .max_elements = 5000});
   CHECK(indices_of(batches) == std::vector<std::vector<int64_t>>{{0}, {1, 2}});
   REQUIRE(batches.size() == 2);
   CHECK(batches[1].data.sizes() == torch::IntArrayRef({2, 64, 16}));  // 2 x 64 x 16 = 2048 <= 5000
@@ -230,8 +245,11 @@ TEST_CASE("field case: pixel budget for padded image buckets counts count x max 
 
 TEST_CASE("padded buckets: boundaries give hand-computed data and masks") {
   // lengths 3, 5, 2 with boundaries {4, 8}: 3 -> 4, 5 -> 8, 2 -> 4; two per batch.
-  std::vector<Sample> s{{torch::tensor({1.f, 2.f, 3.f}), 0}, {torch::tensor({4.f, 5.f, 6.f, 7.f, 8.f}), 1}, {torch::tensor({9.f, 10.f}), 2}};
-  auto batches = run_collator(s, loom::PaddedBucketOptions{.pad = {{.dim = 0, .boundaries = {4, 8}}}, .pad_value = -1, .max_samples = 2});
+  std::vector<Sample> s{{torch::tensor({1.f, 2.f, 3.f}), 0},
+                        {torch::tensor({4.f, 5.f, 6.f, 7.f, 8.f}), 1},
+                        {torch::tensor({9.f, 10.f}), 2}};
+  auto batches = run_collator(
+      s, loom::PaddedBucketOptions{.pad = {{.dim = 0, .boundaries = {4, 8}}}, .pad_value = -1, .max_samples = 2});
   REQUIRE(batches.size() == 2);
   CHECK(batches[0].indices == std::vector<int64_t>{0, 2});
   CHECK(torch::equal(batches[0].data, torch::tensor({{1.f, 2.f, 3.f, -1.f}, {9.f, 10.f, -1.f, -1.f}})));
@@ -241,9 +259,10 @@ TEST_CASE("padded buckets: boundaries give hand-computed data and masks") {
   CHECK(torch::equal(batches[1].mask, torch::tensor({{true, true, true, true, true, false, false, false}})));
   // Above the last boundary: an error naming the sample, the size and the boundary.
   std::vector<Sample> too_long{{torch::zeros({9}), 0}};
-  CHECK_THROWS_WITH_AS(run_collator(too_long, loom::PaddedBucketOptions{.pad = {{.dim = 0, .boundaries = {4, 8}}}, .max_samples = 2}),
-                       doctest::Contains("sample 0 with shape [9]: size 9 on dimension 0 is above the last boundary 8"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      run_collator(too_long, loom::PaddedBucketOptions{.pad = {{.dim = 0, .boundaries = {4, 8}}}, .max_samples = 2}),
+      doctest::Contains("sample 0 with shape [9]: size 9 on dimension 0 is above the last boundary 8"),
+      loom::InvalidArgument);
 }
 
 TEST_CASE("padded buckets equal torch-op padding on random 3-D shapes, dtypes and pad rules") {
@@ -275,7 +294,8 @@ TEST_CASE("padded buckets equal torch-op padding on random 3-D shapes, dtypes an
         CHECK(torch::equal(b.mask, ref.mask));
         if (o.max_elements) CHECK(b.data.numel() <= *o.max_elements);
         if (o.max_samples) CHECK(b.num_samples <= *o.max_samples);
-        for (std::size_t r = 0; r < b.indices.size(); ++r) CHECK(b.targets[static_cast<int64_t>(r)].item<int64_t>() == b.indices[r]);
+        for (std::size_t r = 0; r < b.indices.size(); ++r)
+          CHECK(b.targets[static_cast<int64_t>(r)].item<int64_t>() == b.indices[r]);
         seen.insert(b.indices.begin(), b.indices.end());
         padded += b.data.numel();
       }
@@ -293,7 +313,9 @@ TEST_CASE("budget packing equals the naive greedy packer on random lengths (with
   for (int i = 0; i < 400; ++i) lengths.push_back(len(rng));
   for (int64_t budget : {60, 100, 257, 1000}) {
     for (int64_t mult : {1, 3, 8}) {
-      auto got = run_collator(sequences(lengths), loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = budget, .multiple_of = mult});
+      auto got =
+          run_collator(sequences(lengths),
+                       loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = budget, .multiple_of = mult});
       CHECK(indices_of(got) == loom_ref::greedy_padded_budget(lengths, budget, mult));
     }
   }
@@ -306,7 +328,8 @@ TEST_CASE("BucketPlanner is the collators' plan, from shapes alone") {
   for (int64_t i = 0; i < 5; ++i) planner.add(i, {len[static_cast<std::size_t>(i)]}, out);
   planner.flush(out);
   REQUIRE(out.size() == 3);
-  CHECK(out[1] == loom::PlannedBatch{.indices = {1, 2, 3}, .padded_shape = {10}, .real_elements = 30, .padded_elements = 30});
+  CHECK(out[1] ==
+        loom::PlannedBatch{.indices = {1, 2, 3}, .padded_shape = {10}, .real_elements = 30, .padded_elements = 30});
   CHECK(out[0].padded_shape == std::vector<int64_t>{100});
   CHECK(planner.pending() == 0);
 }
@@ -335,7 +358,8 @@ TEST_CASE("auto_boundaries: exact DP equals brute force; round-up and evaluation
   for (int trial = 0; trial < 30; ++trial) {
     std::map<int64_t, int64_t> h;
     const int m = 1 + static_cast<int>(rng() % 11);
-    while (static_cast<int>(h.size()) < m) h[1 + static_cast<int64_t>(rng() % 200)] = 1 + static_cast<int64_t>(rng() % 50);
+    while (static_cast<int>(h.size()) < m)
+      h[1 + static_cast<int64_t>(rng() % 200)] = 1 + static_cast<int64_t>(rng() % 50);
     const int k = 1 + static_cast<int>(rng() % 5);
     CHECK(loom::auto_boundaries(h, k).padded_elements == loom_ref::brute_force_min_padded(h, k, 1));
   }
@@ -380,7 +404,8 @@ static_assert(!loom::SampleProjection<UtteranceProjection, Record>);
 
 TEST_CASE("projections: structs with .data/.target/.index, tensor targets, no targets, custom projection") {
   std::vector<Record> recs;
-  for (int64_t i = 0; i < 5; ++i) recs.push_back({traced(i, {2}), torch::full({3}, static_cast<double>(i), torch::kDouble), 50 + i});
+  for (int64_t i = 0; i < 5; ++i)
+    recs.push_back({traced(i, {2}), torch::full({3}, static_cast<double>(i), torch::kDouble), 50 + i});
   loom::BucketCollator<> c(loom::ShapeBucketOptions{.max_samples = 2});
   for (const auto& r : recs) c.push(r);
   c.flush();
@@ -433,7 +458,7 @@ TEST_CASE("BufferPool: a dropped batch's buffer is reused; a held one is not") {
   auto b3 = push2(4);
   CHECK(b3.data.data_ptr() != b2.data.data_ptr());
   CHECK(torch::equal(b2.data[1], traced(3, {3, 4})));
-  CHECK(pool->reuses() == 1);  // b2 (data and targets share one buffer)
+  CHECK(pool->reuses() == 1);    // b2 (data and targets share one buffer)
   auto view_of_b3 = b3.data[0];  // a view keeps the buffer busy
   b3 = loom::Batch{};
   auto b4 = push2(6);
@@ -482,8 +507,9 @@ TEST_CASE("views::bucket_by_shape / bucket_padded: lazy, single-pass, same batch
 
   // Composes with range-v3 views, and the padded adaptor takes a projection.
   const std::vector<int64_t> lengths{100, 10, 10, 10, 100};
-  auto padded = ranges::views::iota(0, 5) |
-                ranges::views::transform([&](int i) { return Utterance{torch::ones({lengths[static_cast<std::size_t>(i)]}), i, 10 + i}; }) |
+  auto padded = ranges::views::iota(0, 5) | ranges::views::transform([&](int i) {
+                  return Utterance{torch::ones({lengths[static_cast<std::size_t>(i)]}), i, 10 + i};
+                }) |
                 loom::views::bucket_padded({.pad = {{.dim = 0}}, .max_elements = 150}, UtteranceProjection{});
   std::vector<std::vector<int64_t>> idx;
   for (loom::Batch& b : padded) idx.push_back(b.indices);
@@ -511,31 +537,43 @@ TEST_CASE("bad input throws loom::InvalidArgument naming the sample index and th
   CHECK_THROWS_WITH_AS(run_collator({{torch::zeros({3, 0}), 0}}, loom::ShapeBucketOptions{.max_samples = 2}),
                        doctest::Contains("sample 0 has shape [3, 0]: a zero-size dimension"), InvalidArgument);
   std::vector<Sample> ranks{{torch::zeros({3, 4}), 0}, {torch::zeros({3, 4}), 0}, {torch::zeros({12}), 0}};
-  CHECK_THROWS_WITH_AS(run_collator(ranks, loom::ShapeBucketOptions{.max_samples = 8}),
-                       doctest::Contains("sample 2 has shape [12] (1 dimensions) but sample 0 had [3, 4] (2 dimensions)"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      run_collator(ranks, loom::ShapeBucketOptions{.max_samples = 8}),
+      doctest::Contains("sample 2 has shape [12] (1 dimensions) but sample 0 had [3, 4] (2 dimensions)"),
+      InvalidArgument);
   std::vector<Sample> dtypes{{torch::zeros({3, 4}), 0}, {torch::zeros({3, 4}, torch::kDouble), 0}};
-  CHECK_THROWS_WITH_AS(run_collator(dtypes, loom::ShapeBucketOptions{.max_samples = 8}),
-                       doctest::Contains("sample 1 with shape [3, 4] has dtype Double, but its bucket [3, 4] holds dtype Float (from sample 0)"),
-                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      run_collator(dtypes, loom::ShapeBucketOptions{.max_samples = 8}),
+      doctest::Contains(
+          "sample 1 with shape [3, 4] has dtype Double, but its bucket [3, 4] holds dtype Float (from sample 0)"),
+      InvalidArgument);
   // Different dtypes in *different* buckets are fine.
   std::vector<Sample> two{{torch::zeros({3, 4}), 0}, {torch::zeros({5}, torch::kDouble), 0}};
   CHECK_THROWS_AS(run_collator(two, loom::ShapeBucketOptions{.max_samples = 8}), InvalidArgument);  // ranks differ
   std::vector<Sample> ok{{torch::zeros({3, 4}), 0}, {torch::zeros({5, 4}, torch::kDouble), 0}};
   CHECK(run_collator(ok, loom::ShapeBucketOptions{.max_samples = 8}).size() == 2);
 
-  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::ShapeBucketOptions{.max_samples = 0}), doctest::Contains("max_samples = 0"), InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::ShapeBucketOptions{}), doctest::Contains("neither max_samples nor max_elements"), InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::ShapeBucketOptions{.max_elements = -5}), doctest::Contains("max_elements = -5"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::ShapeBucketOptions{.max_samples = 0}),
+                       doctest::Contains("max_samples = 0"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::ShapeBucketOptions{}),
+                       doctest::Contains("neither max_samples nor max_elements"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::ShapeBucketOptions{.max_elements = -5}),
+                       doctest::Contains("max_elements = -5"), InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::ShapeBucketOptions{.max_samples = 10, .multiple_of = 4}),
                        doctest::Contains("max_samples = 10 is not a multiple of multiple_of = 4"), InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::PaddedBucketOptions{.max_samples = 2}), doctest::Contains("pad is empty"), InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::PaddedBucketOptions{.pad = {{.dim = 0, .boundaries = {8, 4}}}, .max_samples = 2}),
-                       doctest::Contains("boundaries [8, 4] must be positive and strictly increasing"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::BucketCollator<>(loom::PaddedBucketOptions{.max_samples = 2}),
+                       doctest::Contains("pad is empty"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      loom::BucketCollator<>(loom::PaddedBucketOptions{.pad = {{.dim = 0, .boundaries = {8, 4}}}, .max_samples = 2}),
+      doctest::Contains("boundaries [8, 4] must be positive and strictly increasing"), InvalidArgument);
   CHECK_THROWS_WITH_AS(run_collator(sequences({3}), loom::PaddedBucketOptions{.pad = {{.dim = 2}}, .max_samples = 2}),
-                       doctest::Contains("padded dimension 2 is out of range for sample 0 with shape [3]"), InvalidArgument);
+                       doctest::Contains("padded dimension 2 is out of range for sample 0 with shape [3]"),
+                       InvalidArgument);
   // An element budget smaller than one sample.
-  CHECK_THROWS_WITH_AS(run_collator(sequences({30}), loom::ShapeBucketOptions{.max_elements = 29}),
-                       doctest::Contains("sample 0 with shape [30] needs 30 (padded) elements, more than max_elements = 29"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      run_collator(sequences({30}), loom::ShapeBucketOptions{.max_elements = 29}),
+      doctest::Contains("sample 0 with shape [30] needs 30 (padded) elements, more than max_elements = 29"),
+      InvalidArgument);
   // Targets of different shapes in one bucket.
   loom::BucketCollator<> tc(loom::ShapeBucketOptions{.max_samples = 4});
   tc.push(std::pair{torch::zeros({2}), torch::zeros({3})});
@@ -553,7 +591,8 @@ TEST_CASE("collate(): one batch from a given list, padded to the max or to a giv
   CHECK(b.indices == idx);
   auto c = loom::collate(s, idx, {.padded_shape = {4}, .pad_value = 9});
   CHECK(torch::equal(c.data, torch::tensor({{1.f, 2.f, 9.f, 9.f}, {5.f, 6.f, 7.f, 9.f}})));
-  CHECK_THROWS_WITH_AS(loom::collate(s, idx, {.padded_shape = {2}}), doctest::Contains("sample 11 with shape [3] does not fit padded_shape [2]"),
+  CHECK_THROWS_WITH_AS(loom::collate(s, idx, {.padded_shape = {2}}),
+                       doctest::Contains("sample 11 with shape [3] does not fit padded_shape [2]"),
                        loom::InvalidArgument);
 }
 
@@ -580,8 +619,8 @@ struct ReusingDecoder {
 
 // What the batch holding samples `ids` (in row order) must contain, built without the collator:
 // data rows i + 1 then pad_value up to the longest, mask, targets {i, -i}.
-void check_decoded_batch(const loom::Batch& b, const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths, float pad,
-                         int64_t padded_len) {
+void check_decoded_batch(const loom::Batch& b, const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths,
+                         float pad, int64_t padded_len) {
   const auto n = static_cast<int64_t>(ids.size());
   at::Tensor data = torch::full({n, padded_len}, pad, torch::kFloat);
   at::Tensor mask = torch::zeros({n, padded_len}, torch::kBool);
@@ -639,7 +678,8 @@ TEST_CASE("pad-to-max buckets read each sample when it arrives: a decoder that r
     check_decoded_batch(out[3], {7, 8}, lengths, 0.f, 7);
   }
   SUBCASE("views::bucket_padded over a range that decodes on demand") {
-    auto view = ranges::views::iota(int64_t{0}, static_cast<int64_t>(lengths.size())) | ranges::views::transform(decode) |
+    auto view = ranges::views::iota(int64_t{0}, static_cast<int64_t>(lengths.size())) |
+                ranges::views::transform(decode) |
                 loom::views::bucket_padded({.pad = {{.dim = 0}}, .pad_value = -1, .max_samples = 4});
     std::vector<loom::Batch> out;
     for (loom::Batch& b : view) out.push_back(std::move(b));

@@ -5,6 +5,9 @@
 #include <map>
 #include <set>
 
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
 #include <loom/collate/collate.hpp>
 
 #include "reference/collate_reference.hpp"
@@ -12,11 +15,14 @@
 namespace {
 const char* const kIcons = "/usr/share/icons/Adwaita";
 
-int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+int64_t round_up(int64_t v, int64_t m) {
+  return (v + m - 1) / m * m;
+}
 }  // namespace
 
 TEST_CASE("real data: Adwaita icon sizes — buckets and padding fraction") {
-  REQUIRE_MESSAGE(std::filesystem::is_directory(kIcons), "adwaita-icon-theme is not installed (apt-get install adwaita-icon-theme)");
+  REQUIRE_MESSAGE(std::filesystem::is_directory(kIcons),
+                  "adwaita-icon-theme is not installed (apt-get install adwaita-icon-theme)");
   const auto sizes = loom_ref::png_sizes(kIcons);  // (H, W) per icon, sorted by path
   REQUIRE(sizes.size() > 1000);
   const auto n = static_cast<int64_t>(sizes.size());
@@ -31,7 +37,8 @@ TEST_CASE("real data: Adwaita icon sizes — buckets and padding fraction") {
   // ---- exact-shape buckets ----
   loom::BucketPlanner exact(loom::ShapeBucketOptions{.max_samples = 64});
   std::vector<loom::PlannedBatch> out;
-  for (int64_t i = 0; i < n; ++i) exact.add(i, {sizes[static_cast<std::size_t>(i)].first, sizes[static_cast<std::size_t>(i)].second}, out);
+  for (int64_t i = 0; i < n; ++i)
+    exact.add(i, {sizes[static_cast<std::size_t>(i)].first, sizes[static_cast<std::size_t>(i)].second}, out);
   exact.flush(out);
   CHECK(exact.buckets().size() == count.size());
   CHECK(static_cast<int64_t>(out.size()) == naive_batches);
@@ -39,7 +46,8 @@ TEST_CASE("real data: Adwaita icon sizes — buckets and padding fraction") {
   CHECK(exact.stats().samples_out == n);
 
   // ---- round up to a multiple of 32 on H and W ----
-  loom::BucketPlanner r32(loom::PaddedBucketOptions{.pad = {{.dim = 0, .multiple = 32}, {.dim = 1, .multiple = 32}}, .max_samples = 64});
+  loom::BucketPlanner r32(
+      loom::PaddedBucketOptions{.pad = {{.dim = 0, .multiple = 32}, {.dim = 1, .multiple = 32}}, .max_samples = 64});
   std::vector<loom::PlannedBatch> out32;
   double real = 0, padded = 0;
   std::set<std::pair<int64_t, int64_t>> rounded;
@@ -63,7 +71,8 @@ TEST_CASE("real data: Adwaita icon sizes — buckets and padding fraction") {
   const loom::BoundaryPlan plan = loom::auto_boundaries(hist, k, 2);
   CHECK(plan.padded_elements == loom_ref::brute_force_min_padded(hist, static_cast<int>(k), 2));
   loom::BucketPlanner autob(loom::PaddedBucketOptions{
-      .pad = {{.dim = 0, .boundaries = plan.boundaries}, {.dim = 1, .boundaries = plan.boundaries}}, .max_samples = 64});
+      .pad = {{.dim = 0, .boundaries = plan.boundaries}, {.dim = 1, .boundaries = plan.boundaries}},
+      .max_samples = 64});
   std::vector<loom::PlannedBatch> outa;
   double padded_auto = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -82,14 +91,16 @@ TEST_CASE("real data: Adwaita icon sizes — buckets and padding fraction") {
   // uses, the chosen edges pad less (the DP is optimal over every choice of k edges).
   CHECK(loom::auto_boundaries(hist, 10, 2).padding_fraction() == 0.0);
   CHECK(plan.padding_fraction() < naive_fraction32);
-  MESSAGE(fmt::format("icons: {} files, {} exact buckets, {} batches of <= 64; round-up-32: {} buckets, padding {:.4f}; "
-                      "auto ({} edges [{}]): padding {:.4f}",
-                      n, count.size(), out.size(), rounded.size(), naive_fraction32, k, fmt::join(plan.boundaries, ", "),
-                      naive_fraction_auto));
+  MESSAGE(
+      fmt::format("icons: {} files, {} exact buckets, {} batches of <= 64; round-up-32: {} buckets, padding {:.4f}; "
+                  "auto ({} edges [{}]): padding {:.4f}",
+                  n, count.size(), out.size(), rounded.size(), naive_fraction32, k, fmt::join(plan.boundaries, ", "),
+                  naive_fraction_auto));
 
   // ---- the collator itself, on 1 x H x W uint8 tensors of these sizes ----
   loom::BucketCollator<> c(loom::PaddedBucketOptions{.pad = {{.dim = 1, .multiple = 32}, {.dim = 2, .multiple = 32}},
-                                                     .max_samples = 64, .pool = std::make_shared<loom::BufferPool>()});
+                                                     .max_samples = 64,
+                                                     .pool = std::make_shared<loom::BufferPool>()});
   int64_t batches = 0, rows = 0, mask_true = 0;
   for (int64_t i = 0; i < n; ++i) {
     const auto [h, w] = sizes[static_cast<std::size_t>(i)];

@@ -14,8 +14,8 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <torch/torch.h>
@@ -38,8 +38,8 @@ inline std::chrono::microseconds jitter(uint64_t seed, int g, int64_t k, int max
 struct Stream {
   int g = 0;
   int64_t length = 1'000'000;
-  int64_t throw_at = -1;           ///< throws std::runtime_error("boom ...") when asked for this sample
-  int jitter_us = 0;               ///< random delay per sample, up to this many microseconds
+  int64_t throw_at = -1;  ///< throws std::runtime_error("boom ...") when asked for this sample
+  int jitter_us = 0;      ///< random delay per sample, up to this many microseconds
   uint64_t seed = 1;
   std::shared_ptr<std::atomic<int64_t>> pulls{};  ///< counts calls, when set
   int64_t k = 0;
@@ -115,7 +115,8 @@ auto within(std::chrono::seconds limit, const char* what, F&& fn) {
       t = std::thread([this, limit, what] {
         std::unique_lock lk(m);
         if (!cv.wait_for(lk, limit, [this] { return done; })) {
-          std::fprintf(stderr, "FAIL: %s did not return within %lld s (a hang)\n", what, static_cast<long long>(limit.count()));
+          std::fprintf(stderr, "FAIL: %s did not return within %lld s (a hang)\n", what,
+                       static_cast<long long>(limit.count()));
           std::fflush(stderr);
           std::_Exit(1);
         }

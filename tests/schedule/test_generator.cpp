@@ -10,10 +10,10 @@
 #include <torch/torch.h>
 
 #include <loom/schedule/assign.hpp>
-#include <loom/schedule/generator.hpp>
 #include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/detail/cursor.hpp>
 #include <loom/schedule/detail/own_sample.hpp>
+#include <loom/schedule/generator.hpp>
 #include <loom/schedule/transfer.hpp>
 
 #include "helpers.hpp"
@@ -85,7 +85,9 @@ struct NoTicket {
 // ---- SampleGenerator ---------------------------------------------------------------------------
 
 TEST_CASE("SampleGenerator: callables returning optional and input ranges model it; others do not") {
-  auto lambda = [k = 0]() mutable -> std::optional<at::Tensor> { return k++ < 3 ? std::optional(at::Tensor()) : std::nullopt; };
+  auto lambda = [k = 0]() mutable -> std::optional<at::Tensor> {
+    return k++ < 3 ? std::optional(at::Tensor()) : std::nullopt;
+  };
   static_assert(loom::CallableSampleGenerator<decltype(lambda)>);
   static_assert(loom::SampleGenerator<decltype(lambda)>);
   static_assert(loom::SampleGenerator<loom_test::Stream>);
@@ -206,7 +208,8 @@ TEST_CASE("DefaultCollate stacks: rows in sample order, targets, generator ids; 
   static_assert(!loom::BatchTransfer<NoTicket, loom::Batch>, "a transfer names its Ticket type");
 
   loom::DefaultCollate<> collate_fn;
-  std::vector<std::pair<at::Tensor, int64_t>> samples = {{torch::tensor({1.0f, 2.0f}), 7}, {torch::tensor({3.0f, 4.0f}), 9}};
+  std::vector<std::pair<at::Tensor, int64_t>> samples = {{torch::tensor({1.0f, 2.0f}), 7},
+                                                         {torch::tensor({3.0f, 4.0f}), 9}};
   std::vector<int> ids = {4, 6};
   loom::Batch b = collate_fn(std::span(samples), loom::CollateContext{.device = 2, .step = 5, .generators = ids});
   CHECK(b.data.equal(torch::tensor({{1.0f, 2.0f}, {3.0f, 4.0f}})));
@@ -229,9 +232,11 @@ TEST_CASE("DefaultCollate stacks: rows in sample order, targets, generator ids; 
 
   std::vector<at::Tensor> bad = {torch::zeros({2, 3}), torch::zeros({3, 2})};
   std::vector<int> ids3 = {10, 11};
-  CHECK_THROWS_WITH_AS(collate_fn(std::span(bad), loom::CollateContext{.device = 1, .step = 3, .generators = ids3}),
-                       doctest::Contains("device 1, step 3: generator 10 gave a data tensor of shape [2, 3] Float, generator 11 gave [3, 2] Float"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      collate_fn(std::span(bad), loom::CollateContext{.device = 1, .step = 3, .generators = ids3}),
+      doctest::Contains(
+          "device 1, step 3: generator 10 gave a data tensor of shape [2, 3] Float, generator 11 gave [3, 2] Float"),
+      loom::InvalidArgument);
   std::vector<at::Tensor> mixed = {torch::zeros({2}), torch::zeros({2}, torch::kLong)};
   CHECK_THROWS_WITH_AS(collate_fn(std::span(mixed), loom::CollateContext{.generators = ids3}),
                        doctest::Contains("generator 11"), loom::InvalidArgument);
@@ -255,7 +260,8 @@ TEST_CASE("DefaultCollate: loom's collator — exact by default, padding with a 
 
   std::vector<int> ids = {3, 5};
   SUBCASE("same shapes: stacked, generator ids as indices, integer targets") {
-    std::vector<std::pair<at::Tensor, int64_t>> s = {{torch::tensor({1.0f, 2.0f}), 7}, {torch::tensor({3.0f, 4.0f}), 9}};
+    std::vector<std::pair<at::Tensor, int64_t>> s = {{torch::tensor({1.0f, 2.0f}), 7},
+                                                     {torch::tensor({3.0f, 4.0f}), 9}};
     loom::Batch b = loom::DefaultCollate<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids});
     CHECK(b.data.equal(torch::tensor({{1.0f, 2.0f}, {3.0f, 4.0f}})));
     CHECK(b.targets.equal(torch::tensor({int64_t{7}, int64_t{9}})));
@@ -264,9 +270,11 @@ TEST_CASE("DefaultCollate: loom's collator — exact by default, padding with a 
   }
   SUBCASE("different shapes without pad: the error names device, step and both generators") {
     std::vector<at::Tensor> s = {torch::zeros({2}), torch::zeros({3})};
-    CHECK_THROWS_WITH_AS(loom::DefaultCollate<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids}),
-                         doctest::Contains("device 1, step 2: generator 3 gave a data tensor of shape [2] Float, generator 5 gave [3] Float"),
-                         loom::InvalidArgument);
+    CHECK_THROWS_WITH_AS(
+        loom::DefaultCollate<>{}(std::span(s), {.device = 1, .step = 2, .generators = ids}),
+        doctest::Contains(
+            "device 1, step 2: generator 3 gave a data tensor of shape [2] Float, generator 5 gave [3] Float"),
+        loom::InvalidArgument);
   }
   SUBCASE("different shapes with pad: padded to the step's largest, mask marks real elements") {
     std::vector<at::Tensor> s = {torch::tensor({1.0f, 2.0f}), torch::tensor({3.0f, 4.0f, 5.0f})};

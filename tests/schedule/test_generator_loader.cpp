@@ -53,7 +53,8 @@ TEST_CASE("GeneratorLoader: 16 onto 8, 10 onto 4, 3 onto 1 — exact ordering an
     run_and_check(s, hand, 6);
   }
   SUBCASE("16 onto 8, round-robin: device d gets d and d+8") {
-    loom::GeneratorLoader<Stream> s(streams(16, 5, 300), {.num_devices = 8, .assignment = loom::Assignment::round_robin()});
+    loom::GeneratorLoader<Stream> s(streams(16, 5, 300),
+                                    {.num_devices = 8, .assignment = loom::Assignment::round_robin()});
     V hand;
     for (int d = 0; d < 8; ++d) hand.push_back({d, d + 8});
     run_and_check(s, hand, 5);
@@ -63,14 +64,14 @@ TEST_CASE("GeneratorLoader: 16 onto 8, 10 onto 4, 3 onto 1 — exact ordering an
     run_and_check(s, V{{0, 1, 2}, {3, 4, 5}, {6, 7}, {8, 9}}, 7);
   }
   SUBCASE("10 onto 4, round-robin, 3 workers") {
-    loom::GeneratorLoader<Stream> s(streams(10, 7, 300),
-                              {.num_devices = 4, .assignment = loom::Assignment::round_robin(), .num_workers = 3});
+    loom::GeneratorLoader<Stream> s(
+        streams(10, 7, 300), {.num_devices = 4, .assignment = loom::Assignment::round_robin(), .num_workers = 3});
     run_and_check(s, V{{0, 4, 8}, {1, 5, 9}, {2, 6}, {3, 7}}, 7);
   }
   SUBCASE("10 onto 4, explicit map, 1 worker for all devices") {
     std::vector<int> map = {3, 0, 0, 1, 2, 3, 1, 2, 0, 3};
-    loom::GeneratorLoader<Stream> s(streams(10, 4, 300),
-                              {.num_devices = 4, .assignment = loom::Assignment::explicit_map(map), .num_workers = 1});
+    loom::GeneratorLoader<Stream> s(
+        streams(10, 4, 300), {.num_devices = 4, .assignment = loom::Assignment::explicit_map(map), .num_workers = 1});
     run_and_check(s, V{{1, 2, 8}, {3, 6}, {4, 7}, {0, 5, 9}}, 4);
   }
   SUBCASE("3 onto 1") {
@@ -82,7 +83,8 @@ TEST_CASE("GeneratorLoader: 16 onto 8, 10 onto 4, 3 onto 1 — exact ordering an
 TEST_CASE("GeneratorLoader: input-range generators and pair samples with targets") {
   std::vector<std::vector<std::pair<at::Tensor, int64_t>>> gens(4);
   for (int g = 0; g < 4; ++g)
-    for (int k = 0; k < 3; ++k) gens[static_cast<size_t>(g)].push_back({torch::full({2, 2}, 10.0 * g + k), 100 * g + k});
+    for (int k = 0; k < 3; ++k)
+      gens[static_cast<size_t>(g)].push_back({torch::full({2, 2}, 10.0 * g + k), 100 * g + k});
   loom::GeneratorLoader s(std::move(gens), {.num_devices = 2, .assignment = loom::Assignment::round_robin()});
   int64_t k = 0;
   while (auto step = s.next()) {
@@ -142,7 +144,7 @@ TEST_CASE("GeneratorLoader: stop_at_shortest ends at the shortest generator and 
   }
 }
 
-TEST_CASE("GeneratorLoader: stop_at_shortest with an endless generator — report() returns; counting is opt-in and bounded") {
+TEST_CASE("GeneratorLoader: stop_at_shortest with an endless generator — report() returns; counting opt-in, bounded") {
   using namespace std::chrono_literals;
   using Gen = std::function<std::optional<at::Tensor>()>;
   // generator 0 ends after 4 samples, generator 1 never ends; both on device 0: 4 steps
@@ -159,7 +161,8 @@ TEST_CASE("GeneratorLoader: stop_at_shortest with an endless generator — repor
       ++k;
     }
     CHECK(k == 4);
-    const loom::GeneratorLoaderReport r = loom_test::within(20s, "GeneratorLoader::report()", [&] { return s.report(); });
+    const loom::GeneratorLoaderReport r =
+        loom_test::within(20s, "GeneratorLoader::report()", [&] { return s.report(); });
     CHECK(r.steps == 4);
     CHECK(r.shortest_generator == 0);
     REQUIRE(r.generators.size() == 2);
@@ -179,7 +182,8 @@ TEST_CASE("GeneratorLoader: stop_at_shortest with an endless generator — repor
     CHECK(unread <= 2);
   }
   SUBCASE("count_unread on: reads at most count_unread_limit more samples per generator") {
-    loom::GeneratorLoader<Gen> s(make(), {.num_devices = 1, .prefetch_depth = 2, .count_unread = true, .count_unread_limit = 50});
+    loom::GeneratorLoader<Gen> s(
+        make(), {.num_devices = 1, .prefetch_depth = 2, .count_unread = true, .count_unread_limit = 50});
     const int64_t unread = run(s);
     CHECK(unread >= 50);
     CHECK(unread <= 52);
@@ -247,14 +251,15 @@ TEST_CASE("GeneratorLoader: a generator that throws at sample 5 reaches the cons
       CHECK(std::string(e.what()).find("boom at sample 5") != std::string::npos);
       CHECK_THROWS_WITH_AS(std::rethrow_exception(e.original()), "boom at sample 5", std::runtime_error);
     }
-    CHECK(delivered == 5);  // every step before the failing one, deterministically
+    CHECK(delivered == 5);                         // every step before the failing one, deterministically
     CHECK_THROWS_AS(s.next(), loom::RemoteError);  // the same error again
     CHECK_THROWS_AS(s.report(), loom::GeneratorError);
   }
 }
 
 TEST_CASE("GeneratorLoader: a collate error (shapes differ) reaches the consumer with its own type") {
-  static_assert(std::same_as<loom::GeneratorLoader<Stream>::BatchType, loom::Batch>, "the default collate function is DefaultCollate");
+  static_assert(std::same_as<loom::GeneratorLoader<Stream>::BatchType, loom::Batch>,
+                "the default collate function is DefaultCollate");
   std::vector<std::function<std::optional<at::Tensor>()>> gens;
   for (int g = 0; g < 4; ++g)
     gens.emplace_back([g, k = 0]() mutable -> std::optional<at::Tensor> {
@@ -265,7 +270,10 @@ TEST_CASE("GeneratorLoader: a collate error (shapes differ) reaches the consumer
   CHECK(s.next().has_value());
   CHECK(s.next().has_value());
   CHECK(s.next().has_value());
-  CHECK_THROWS_WITH_AS(s.next(), doctest::Contains("DefaultCollate: device 1, step 3: generator 2 gave a data tensor of shape [3] Float, generator 3 gave [2] Float"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(s.next(),
+                       doctest::Contains("DefaultCollate: device 1, step 3: generator 2 gave a data tensor of shape "
+                                         "[3] Float, generator 3 gave [2] Float"),
+                       loom::InvalidArgument);
 }
 
 TEST_CASE("GeneratorLoader: samples of differing shapes through the collator's padding rules") {
@@ -387,7 +395,8 @@ TEST_CASE("GeneratorLoader: bounded memory — the workers fill exactly depth ba
     std::vector<CountedStream> gens;
     for (int g = 0; g < 6; ++g) gens.push_back({g, 40});
     {
-      loom::GeneratorLoader<CountedStream, VectorCollate> s(std::move(gens), {.num_devices = 3, .prefetch_depth = depth});
+      loom::GeneratorLoader<CountedStream, VectorCollate> s(std::move(gens),
+                                                            {.num_devices = 3, .prefetch_depth = depth});
       int64_t k = 0;
       for (auto& step : s) {
         const int64_t ahead = std::min<int64_t>(depth, 39 - k);
@@ -418,9 +427,11 @@ TEST_CASE("GeneratorLoader: determinism — the same batches on every run whatev
     std::vector<Stream> gens = streams(10, 12, 400, seed);
     gens[7].length = 9;
     std::vector<at::Tensor> out;
-    loom::GeneratorLoader<Stream> s(std::move(gens), {.num_devices = 4, .assignment = loom::Assignment::round_robin(),
-                                               .prefetch_depth = depth, .num_workers = workers,
-                                               .end = loom::EndPolicy::drain});
+    loom::GeneratorLoader<Stream> s(std::move(gens), {.num_devices = 4,
+                                                      .assignment = loom::Assignment::round_robin(),
+                                                      .prefetch_depth = depth,
+                                                      .num_workers = workers,
+                                                      .end = loom::EndPolicy::drain});
     for (auto& step : s)
       for (auto& db : step.devices) out.push_back(db.batch.data.defined() ? db.batch.data : torch::empty({0}));
     return out;
@@ -497,7 +508,7 @@ struct ThreadCheckTransfer {
 TEST_CASE("GeneratorLoader: the transfer seam — start on the worker thread, finish on the consumer's") {
   auto bad = std::make_shared<std::atomic<int>>(0);
   loom::GeneratorLoader<Stream, loom::DefaultCollate<>, ThreadCheckTransfer> s(streams(4, 5), {.num_devices = 2}, {},
-                                                                    ThreadCheckTransfer{bad});
+                                                                               ThreadCheckTransfer{bad});
   int64_t steps = 0;
   for (auto& step : s) {
     for (auto& db : step.devices) CHECK(db.batch.targets.item<int64_t>() == db.device);
@@ -526,7 +537,8 @@ TEST_CASE("GeneratorLoader: a transfer that fails on the consumer's side ends th
 }
 
 TEST_CASE("GeneratorLoader: a generator that reuses one output tensor still gets its own rows in every batch") {
-  loom::GeneratorLoader<loom_test::ReusingStream> loader(loom_test::fast_and_slow_reusing(6), {.num_devices = 1, .prefetch_depth = 3});
+  loom::GeneratorLoader<loom_test::ReusingStream> loader(loom_test::fast_and_slow_reusing(6),
+                                                         {.num_devices = 1, .prefetch_depth = 3});
   int64_t k = 0;
   for (auto& step : loader) {
     CAPTURE(k);
@@ -561,7 +573,8 @@ TEST_CASE("GeneratorLoader: fresh samples reach the batch without a copy; a reus
   SUBCASE("fresh tensors: the batch holds the generator's own memory") {
     auto where = std::make_shared<std::vector<const void*>>();
     std::vector<RecordingStream> gens{RecordingStream{where}};
-    loom::GeneratorLoader<RecordingStream, KeepCollate> loader(std::move(gens), {.num_devices = 1, .prefetch_depth = 3});
+    loom::GeneratorLoader<RecordingStream, KeepCollate> loader(std::move(gens),
+                                                               {.num_devices = 1, .prefetch_depth = 3});
     int64_t k = 0;
     for (auto& step : loader) {
       const at::Tensor& t = step.devices[0].batch.at(0);
@@ -573,7 +586,7 @@ TEST_CASE("GeneratorLoader: fresh samples reach the batch without a copy; a reus
   }
   SUBCASE("a reused buffer: each batch holds its own copy with its own values") {
     loom::GeneratorLoader<loom_test::ReusingStream, KeepCollate> loader(loom_test::fast_and_slow_reusing(5),
-                                                                       {.num_devices = 1, .prefetch_depth = 3});
+                                                                        {.num_devices = 1, .prefetch_depth = 3});
     std::vector<std::vector<at::Tensor>> kept;
     for (auto& step : loader) kept.push_back(step.devices[0].batch);  // batches kept past the generator's later calls
     REQUIRE(kept.size() == 5);
@@ -585,15 +598,17 @@ TEST_CASE("GeneratorLoader: fresh samples reach the batch without a copy; a reus
 }
 
 TEST_CASE("GeneratorLoader: bad options name the value") {
-  CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 0}), doctest::Contains("num_devices is 0"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 0}),
+                       doctest::Contains("num_devices is 0"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 2, .prefetch_depth = 0}),
                        doctest::Contains("prefetch_depth is 0"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(3), {.num_devices = 4}),
                        doctest::Contains("3 generators onto 4 devices"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 2, .count_unread = true, .count_unread_limit = 0}),
-                       doctest::Contains("count_unread_limit is 0"), loom::InvalidArgument);
-  CHECK_THROWS_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 2, .num_workers = -1}), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 2, .count_unread = true, .count_unread_limit = 0}),
+      doctest::Contains("count_unread_limit is 0"), loom::InvalidArgument);
+  CHECK_THROWS_AS(loom::GeneratorLoader<Stream>(streams(4), {.num_devices = 2, .num_workers = -1}),
+                  loom::InvalidArgument);
   CHECK_THROWS_AS(loom::GeneratorLoader<Stream>(std::vector<Stream>{}, {}), loom::InvalidArgument);
   loom::GeneratorLoader<Stream> s(streams(2, 3), {.num_devices = 1});
   CHECK_THROWS_WITH_AS(s.report(), doctest::Contains("has not ended"), loom::InvalidArgument);

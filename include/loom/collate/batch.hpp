@@ -30,14 +30,14 @@ namespace loom {
 
 /// A collated batch of N samples. See the file comment for shapes and dtypes.
 struct Batch {
-  at::Tensor data;                ///< N x (sample shape); dtype of the samples
-  at::Tensor targets;             ///< N x (target shape), or undefined
-  at::Tensor mask;                ///< like data, bool, true = real element; undefined unless padded
-  std::vector<int64_t> indices;   ///< dataset index of each row, in row order (size N)
-  int64_t num_samples = 0;        ///< N, in samples
-  double weight = 1.0;            ///< 1 = counts; 0 = a repeated (padding) batch that must not count
-  bool step_end = false;          ///< this rank's last batch of its optimizer step (GlobalBatchSampler):
-                                  ///< loom::Accumulator closes the window after it
+  at::Tensor data;               ///< N x (sample shape); dtype of the samples
+  at::Tensor targets;            ///< N x (target shape), or undefined
+  at::Tensor mask;               ///< like data, bool, true = real element; undefined unless padded
+  std::vector<int64_t> indices;  ///< dataset index of each row, in row order (size N)
+  int64_t num_samples = 0;       ///< N, in samples
+  double weight = 1.0;           ///< 1 = counts; 0 = a repeated (padding) batch that must not count
+  bool step_end = false;         ///< this rank's last batch of its optimizer step (GlobalBatchSampler):
+                                 ///< loom::Accumulator closes the window after it
 };
 
 }  // namespace loom

@@ -80,7 +80,8 @@ inline void check_histogram(const std::map<int64_t, int64_t>& histogram, int exp
 ///
 /// Example: `loom::evaluate_boundaries({{10, 3}, {20, 1}}, {32}).padded_elements == 128`.
 /// Throws: loom::InvalidArgument for a bad histogram, unsorted boundaries, or a size above the last boundary.
-inline BoundaryPlan evaluate_boundaries(const std::map<int64_t, int64_t>& histogram, std::vector<int64_t> boundaries, int exponent = 1) {
+inline BoundaryPlan evaluate_boundaries(const std::map<int64_t, int64_t>& histogram, std::vector<int64_t> boundaries,
+                                        int exponent = 1) {
   detail::check_histogram(histogram, exponent);
   for (std::size_t i = 1; i < boundaries.size(); ++i)
     if (boundaries[i] <= boundaries[i - 1])
@@ -89,8 +90,9 @@ inline BoundaryPlan evaluate_boundaries(const std::map<int64_t, int64_t>& histog
   for (const auto& [size, count] : histogram) {
     auto it = std::lower_bound(plan.boundaries.begin(), plan.boundaries.end(), size);
     if (it == plan.boundaries.end())
-      throw InvalidArgument(fmt::format("size {} is above the last boundary ({})", size,
-                                        plan.boundaries.empty() ? std::string("none") : std::to_string(plan.boundaries.back())));
+      throw InvalidArgument(
+          fmt::format("size {} is above the last boundary ({})", size,
+                      plan.boundaries.empty() ? std::string("none") : std::to_string(plan.boundaries.back())));
     plan.real_elements += detail::mul_checked(count, detail::ipow_checked(size, exponent));
     plan.padded_elements += detail::mul_checked(count, detail::ipow_checked(*it, exponent));
   }
@@ -118,9 +120,11 @@ inline std::vector<int64_t> round_up_boundaries(const std::map<int64_t, int64_t>
 /// Shape: boundaries ascending; each is a size present in the histogram; the last is the largest size.
 /// Throws: see the file comment.
 /// Source: see the file comment.
-inline BoundaryPlan auto_boundaries(const std::map<int64_t, int64_t>& histogram, int64_t num_buckets, int exponent = 1) {
+inline BoundaryPlan auto_boundaries(const std::map<int64_t, int64_t>& histogram, int64_t num_buckets,
+                                    int exponent = 1) {
   detail::check_histogram(histogram, exponent);
-  if (num_buckets < 1) throw InvalidArgument(fmt::format("auto_boundaries: num_buckets = {} must be >= 1", num_buckets));
+  if (num_buckets < 1)
+    throw InvalidArgument(fmt::format("auto_boundaries: num_buckets = {} must be >= 1", num_buckets));
   std::vector<int64_t> sizes, weights, cum{0};  // weights: size^exponent; cum: prefix sums of counts
   for (const auto& [size, count] : histogram) {
     if (count == 0) continue;
@@ -133,8 +137,10 @@ inline BoundaryPlan auto_boundaries(const std::map<int64_t, int64_t>& histogram,
   const int64_t k = std::min(num_buckets, m);
   constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
   // best[g][j]: least cost of the first j sizes in exactly g groups; cut[g][j]: start of the last group.
-  std::vector<std::vector<int64_t>> best(static_cast<std::size_t>(k + 1), std::vector<int64_t>(static_cast<std::size_t>(m + 1), kInf));
-  std::vector<std::vector<int64_t>> cut(static_cast<std::size_t>(k + 1), std::vector<int64_t>(static_cast<std::size_t>(m + 1), 0));
+  std::vector<std::vector<int64_t>> best(static_cast<std::size_t>(k + 1),
+                                         std::vector<int64_t>(static_cast<std::size_t>(m + 1), kInf));
+  std::vector<std::vector<int64_t>> cut(static_cast<std::size_t>(k + 1),
+                                        std::vector<int64_t>(static_cast<std::size_t>(m + 1), 0));
   best[0][0] = 0;
   for (int64_t g = 1; g <= k; ++g) {
     auto& bg = best[static_cast<std::size_t>(g)];
@@ -154,7 +160,9 @@ inline BoundaryPlan auto_boundaries(const std::map<int64_t, int64_t>& histogram,
   }
   int64_t g_best = 1;
   for (int64_t g = 1; g <= k; ++g)
-    if (best[static_cast<std::size_t>(g)][static_cast<std::size_t>(m)] < best[static_cast<std::size_t>(g_best)][static_cast<std::size_t>(m)]) g_best = g;
+    if (best[static_cast<std::size_t>(g)][static_cast<std::size_t>(m)] <
+        best[static_cast<std::size_t>(g_best)][static_cast<std::size_t>(m)])
+      g_best = g;
   std::vector<int64_t> edges;
   for (int64_t g = g_best, j = m; g > 0; --g) {
     edges.push_back(sizes[static_cast<std::size_t>(j - 1)]);

@@ -79,8 +79,8 @@ using list_sample_t = std::remove_cvref_t<decltype(*std::begin(std::declval<cons
 /// Not required: a sized or random-access range; elements that are lvalues (those are read in
 /// place, others are copied on arrival).
 template <class R, class P>
-concept CollatableRange = (std::ranges::forward_range<const R> || ranges::forward_range<const R>) &&
-                          SampleProjection<P, list_sample_t<R>>;
+concept CollatableRange = (std::ranges::forward_range<const R> ||
+                           ranges::forward_range<const R>)&&SampleProjection<P, list_sample_t<R>>;
 
 /// Collates a given list of samples into one Batch (e.g. the samples of a PlannedBatch that a
 /// bucket batch sampler chose), copying each sample once into the batch storage. See the file
@@ -96,8 +96,8 @@ concept CollatableRange = (std::ranges::forward_range<const R> || ranges::forwar
 ///         padded_shape; each message names the sample index.
 /// Source: see the file comment.
 template <class Range, class Projection = DefaultProjection>
-  requires CollatableRange<Range, Projection>
-Batch collate(const Range& samples, std::span<const int64_t> indices, const CollateOptions& o = {}, const Projection& proj = {}) {
+requires CollatableRange<Range, Projection> Batch collate(const Range& samples, std::span<const int64_t> indices,
+                                                          const CollateOptions& o = {}, const Projection& proj = {}) {
   using Reference = decltype(*std::begin(samples));
   // The samples outlive the walk (and stay unchanged) only when the range stores them.
   constexpr bool kStable = std::is_lvalue_reference_v<Reference> &&
@@ -122,8 +122,8 @@ Batch collate(const Range& samples, std::span<const int64_t> indices, const Coll
     const at::Tensor& t = read.data();
     for (int64_t d : t.sizes())
       if (d <= 0)
-        throw InvalidArgument(fmt::format("collate: sample {} has shape {}: a zero-size dimension cannot be batched", index,
-                                          detail::shape_str(t.sizes())));
+        throw InvalidArgument(fmt::format("collate: sample {} has shape {}: a zero-size dimension cannot be batched",
+                                          index, detail::shape_str(t.sizes())));
     const detail::TargetValue& target = read.target;
     if (i == 0) {
       first_shape.assign(t.sizes().begin(), t.sizes().end());
@@ -135,20 +135,21 @@ Batch collate(const Range& samples, std::span<const int64_t> indices, const Coll
       }
     } else {
       if (t.dim() != static_cast<int64_t>(first_shape.size()))
-        throw InvalidArgument(fmt::format("collate: sample {} has shape {}, but sample {} has {}", index, detail::shape_str(t.sizes()),
-                                          indices[0], detail::shape_str(first_shape)));
+        throw InvalidArgument(fmt::format("collate: sample {} has shape {}, but sample {} has {}", index,
+                                          detail::shape_str(t.sizes()), indices[0], detail::shape_str(first_shape)));
       if (t.scalar_type() != layout.dtype)
         throw InvalidArgument(fmt::format("collate: sample {} has dtype {}, but sample {} has {}", index,
                                           c10::toString(t.scalar_type()), indices[0], c10::toString(layout.dtype)));
-      if (target.kind != layout.target_kind ||
-          (target.kind == detail::TargetValue::Kind::tensor &&
-           (target.tensor.sizes() != c10::IntArrayRef(layout.target_shape) || target.tensor.scalar_type() != layout.target_dtype)))
-        throw InvalidArgument(
-            fmt::format("collate: sample {}: its target differs in kind, shape or dtype from sample {}'s", index, indices[0]));
+      if (target.kind != layout.target_kind || (target.kind == detail::TargetValue::Kind::tensor &&
+                                                (target.tensor.sizes() != c10::IntArrayRef(layout.target_shape) ||
+                                                 target.tensor.scalar_type() != layout.target_dtype)))
+        throw InvalidArgument(fmt::format(
+            "collate: sample {}: its target differs in kind, shape or dtype from sample {}'s", index, indices[0]));
     }
     if (!given) {
       if (layout.padded.empty()) layout.padded.assign(t.sizes().begin(), t.sizes().end());
-      for (std::size_t d = 0; d < layout.padded.size(); ++d) layout.padded[d] = std::max(layout.padded[d], t.sizes()[d]);
+      for (std::size_t d = 0; d < layout.padded.size(); ++d)
+        layout.padded[d] = std::max(layout.padded[d], t.sizes()[d]);
     } else {
       bool fits = static_cast<std::size_t>(t.dim()) == layout.padded.size();
       for (std::size_t d = 0; fits && d < layout.padded.size(); ++d) fits = t.sizes()[d] <= layout.padded[d];
@@ -156,15 +157,19 @@ Batch collate(const Range& samples, std::span<const int64_t> indices, const Coll
         throw InvalidArgument(fmt::format("collate: sample {} with shape {} does not fit padded_shape {}", index,
                                           detail::shape_str(t.sizes()), detail::shape_str(layout.padded)));
     }
-    if constexpr (kStable) held.push_back(std::move(read));
-    else staged.push(t, target);
+    if constexpr (kStable)
+      held.push_back(std::move(read));
+    else
+      staged.push(t, target);
     ++i;
   }
   layout.pad = detail::ElementPattern(o.pad_value, layout.dtype);
   detail::BatchWriter writer(layout, n, detail::StorageSource{o.pool, o.allocate});
   for (std::size_t r = 0; r < static_cast<std::size_t>(n); ++r) {
-    if constexpr (kStable) writer.write(static_cast<int64_t>(r), held[r].data(), held[r].target);
-    else writer.write(static_cast<int64_t>(r), staged.data(r), staged.sizes(r), staged.target(r));
+    if constexpr (kStable)
+      writer.write(static_cast<int64_t>(r), held[r].data(), held[r].target);
+    else
+      writer.write(static_cast<int64_t>(r), staged.data(r), staged.sizes(r), staged.target(r));
   }
   return std::move(writer).finish(n, std::vector<int64_t>(indices.begin(), indices.end()));
 }

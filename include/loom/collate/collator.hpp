@@ -83,7 +83,12 @@ class BucketCollator {
       : planner_(o), proj_(std::move(proj)), storage_{o.pool, o.allocate} {}
   /// Padded buckets.
   explicit BucketCollator(const PaddedBucketOptions& o, Projection proj = {})
-      : planner_(o), proj_(std::move(proj)), storage_{o.pool, o.allocate}, padded_(true), mask_(o.mask), pad_value_(o.pad_value) {}
+      : planner_(o),
+        proj_(std::move(proj)),
+        storage_{o.pool, o.allocate},
+        padded_(true),
+        mask_(o.mask),
+        pad_value_(o.pad_value) {}
 
   // Move-only: a copy would share the open batch buffers and write into them twice.
   BucketCollator(const BucketCollator&) = delete;
@@ -193,16 +198,19 @@ class BucketCollator {
       return;
     }
     if (data.scalar_type() != st.dtype)
-      throw InvalidArgument(fmt::format("sample {} with shape {} has dtype {}, but its bucket {} holds dtype {} (from sample {})",
-                                        index, detail::shape_str(data.sizes()), c10::toString(data.scalar_type()),
-                                        detail::shape_str(key), c10::toString(st.dtype), st.first_index));
+      throw InvalidArgument(
+          fmt::format("sample {} with shape {} has dtype {}, but its bucket {} holds dtype {} (from sample {})", index,
+                      detail::shape_str(data.sizes()), c10::toString(data.scalar_type()), detail::shape_str(key),
+                      c10::toString(st.dtype), st.first_index));
     if (t.kind != st.target_kind)
-      throw InvalidArgument(fmt::format("sample {}: its target kind differs from sample {} in the same bucket", index, st.first_index));
+      throw InvalidArgument(
+          fmt::format("sample {}: its target kind differs from sample {} in the same bucket", index, st.first_index));
     if (t.kind == detail::TargetValue::Kind::tensor &&
         (t.tensor.scalar_type() != st.target_dtype || t.tensor.sizes() != c10::IntArrayRef(st.target_shape)))
-      throw InvalidArgument(fmt::format("sample {}: target of shape {} and dtype {}, but its bucket's targets are {} {} (from sample {})",
-                                        index, detail::shape_str(t.tensor.sizes()), c10::toString(t.tensor.scalar_type()),
-                                        detail::shape_str(st.target_shape), c10::toString(st.target_dtype), st.first_index));
+      throw InvalidArgument(
+          fmt::format("sample {}: target of shape {} and dtype {}, but its bucket's targets are {} {} (from sample {})",
+                      index, detail::shape_str(t.tensor.sizes()), c10::toString(t.tensor.scalar_type()),
+                      detail::shape_str(st.target_shape), c10::toString(st.target_dtype), st.first_index));
   }
 
   // The layout of a batch of this bucket padded to `padded`.
@@ -217,7 +225,8 @@ class BucketCollator {
   }
 
   auto emitter() {
-    return [this](const BucketPlanner::Bucket& b, int64_t count, c10::IntArrayRef padded) { on_emit(b, count, padded); };
+    return
+        [this](const BucketPlanner::Bucket& b, int64_t count, c10::IntArrayRef padded) { on_emit(b, count, padded); };
   }
 
   void on_emit(const BucketPlanner::Bucket& b, int64_t count, c10::IntArrayRef padded) {

@@ -78,8 +78,8 @@ struct ShapeBucketOptions {
   int64_t multiple_of = 1;                ///< budget-closed batches keep a multiple of this many samples
   bool drop_incomplete = false;           ///< drop (and count) partial batches at the end instead of emitting them
   OversizePolicy on_oversize = OversizePolicy::raise;
-  std::shared_ptr<BufferPool> pool{};     ///< reuse batch buffers from this pool (null: a new buffer per batch)
-  BatchAllocator allocate{};              ///< allocates batch buffers when there is no pool (empty: at::empty)
+  std::shared_ptr<BufferPool> pool{};  ///< reuse batch buffers from this pool (null: a new buffer per batch)
+  BatchAllocator allocate{};           ///< allocates batch buffers when there is no pool (empty: at::empty)
 };
 
 /// Options of padded buckets: sizes on the listed dimensions are padded, other dimensions must match.
@@ -115,8 +115,7 @@ struct CollateStats {
 
   /// Share of emitted batch elements that are padding: 1 - real / padded (0 when nothing was emitted).
   [[nodiscard]] double padding_fraction() const noexcept {
-    return padded_elements == 0 ? 0.0
-                                : 1.0 - static_cast<double>(real_elements) / static_cast<double>(padded_elements);
+    return padded_elements == 0 ? 0.0 : 1.0 - static_cast<double>(real_elements) / static_cast<double>(padded_elements);
   }
 };
 

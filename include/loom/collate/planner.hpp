@@ -80,8 +80,9 @@ struct PlannerConfig {
   }
   static PlannerConfig from(const PaddedBucketOptions& o) {
     if (o.pad.empty())
-      throw InvalidArgument("PaddedBucketOptions::pad is empty: list at least one padded dimension "
-                            "(or use ShapeBucketOptions for exact-shape buckets)");
+      throw InvalidArgument(
+          "PaddedBucketOptions::pad is empty: list at least one padded dimension "
+          "(or use ShapeBucketOptions for exact-shape buckets)");
     return {o.pad, o.max_samples, o.max_elements, o.multiple_of, o.drop_incomplete, o.on_oversize};
   }
 
@@ -94,16 +95,19 @@ struct PlannerConfig {
       throw InvalidArgument("neither max_samples nor max_elements is set: a batch needs a limit");
     if (multiple_of < 1) throw InvalidArgument(fmt::format("multiple_of = {}: must be >= 1", multiple_of));
     if (max_samples && *max_samples % multiple_of != 0)
-      throw InvalidArgument(fmt::format("max_samples = {} is not a multiple of multiple_of = {}", *max_samples, multiple_of));
+      throw InvalidArgument(
+          fmt::format("max_samples = {} is not a multiple of multiple_of = {}", *max_samples, multiple_of));
     for (std::size_t i = 0; i < pad.size(); ++i) {
       const DimPadding& p = pad[i];
-      if (p.multiple < 0) throw InvalidArgument(fmt::format("pad[{}] (dim {}): multiple = {} is negative", i, p.dim, p.multiple));
+      if (p.multiple < 0)
+        throw InvalidArgument(fmt::format("pad[{}] (dim {}): multiple = {} is negative", i, p.dim, p.multiple));
       if (p.multiple > 0 && !p.boundaries.empty())
         throw InvalidArgument(fmt::format("pad[{}] (dim {}): give boundaries or a multiple, not both", i, p.dim));
       for (std::size_t b = 0; b < p.boundaries.size(); ++b) {
         if (p.boundaries[b] <= 0 || (b > 0 && p.boundaries[b] <= p.boundaries[b - 1]))
-          throw InvalidArgument(fmt::format("pad[{}] (dim {}): boundaries [{}] must be positive and strictly increasing",
-                                            i, p.dim, fmt::join(p.boundaries, ", ")));
+          throw InvalidArgument(
+              fmt::format("pad[{}] (dim {}): boundaries [{}] must be positive and strictly increasing", i, p.dim,
+                          fmt::join(p.boundaries, ", ")));
       }
     }
   }
@@ -120,7 +124,8 @@ struct VectorHash {
 inline int64_t checked_mul(int64_t a, int64_t b, int64_t index, c10::IntArrayRef shape) {
   int64_t r = 0;
   if (__builtin_mul_overflow(a, b, &r))
-    throw InvalidArgument(fmt::format("sample {} with shape [{}]: element count overflows int64", index, fmt::join(shape, ", ")));
+    throw InvalidArgument(
+        fmt::format("sample {} with shape [{}]: element count overflows int64", index, fmt::join(shape, ", ")));
   return r;
 }
 
@@ -142,15 +147,15 @@ class BucketPlanner {
 
   /// A bucket: its key and the samples waiting in it.
   struct Bucket {
-    std::size_t id = 0;                 ///< creation order
-    std::vector<int64_t> key;           ///< per dimension: exact or padded size, or kAny
-    bool fixed = true;                  ///< no kAny dimension: padded shape known up front
-    int64_t capacity = 0;               ///< samples at which the batch is emitted eagerly
-    int64_t fixed_numel = 1;            ///< product of the non-kAny key entries
-    std::vector<int64_t> indices;       ///< pending samples' dataset indices
-    std::vector<int64_t> numels;        ///< pending samples' element counts
-    std::vector<int64_t> any_sizes;     ///< pending samples' sizes on kAny dims (row-major, n x any_dims)
-    std::vector<int64_t> any_max;       ///< max of any_sizes per kAny dim
+    std::size_t id = 0;              ///< creation order
+    std::vector<int64_t> key;        ///< per dimension: exact or padded size, or kAny
+    bool fixed = true;               ///< no kAny dimension: padded shape known up front
+    int64_t capacity = 0;            ///< samples at which the batch is emitted eagerly
+    int64_t fixed_numel = 1;         ///< product of the non-kAny key entries
+    std::vector<int64_t> indices;    ///< pending samples' dataset indices
+    std::vector<int64_t> numels;     ///< pending samples' element counts
+    std::vector<int64_t> any_sizes;  ///< pending samples' sizes on kAny dims (row-major, n x any_dims)
+    std::vector<int64_t> any_max;    ///< max of any_sizes per kAny dim
     [[nodiscard]] int64_t size() const noexcept { return static_cast<int64_t>(indices.size()); }
   };
 
@@ -176,7 +181,9 @@ class BucketPlanner {
 
   /// Emits (or, with drop_incomplete, drops and counts) every pending sample; appends to `out`.
   void flush(std::vector<PlannedBatch>& out) {
-    flush([&out](const Bucket& b, int64_t count, c10::IntArrayRef padded) { out.push_back(make_planned(b, count, padded)); });
+    flush([&out](const Bucket& b, int64_t count, c10::IntArrayRef padded) {
+      out.push_back(make_planned(b, count, padded));
+    });
   }
 
   // ---- the two-phase interface collators use (bucket_of, place, commit, flush) ----
@@ -195,8 +202,9 @@ class BucketPlanner {
         if (!p->boundaries.empty()) {
           auto it = std::lower_bound(p->boundaries.begin(), p->boundaries.end(), shape[d]);
           if (it == p->boundaries.end())
-            throw InvalidArgument(fmt::format("sample {} with shape [{}]: size {} on dimension {} is above the last boundary {}",
-                                              index, fmt::join(shape, ", "), shape[d], d, p->boundaries.back()));
+            throw InvalidArgument(
+                fmt::format("sample {} with shape [{}]: size {} on dimension {} is above the last boundary {}", index,
+                            fmt::join(shape, ", "), shape[d], d, p->boundaries.back()));
           k = *it;
         } else if (p->multiple > 0) {
           k = (shape[d] + p->multiple - 1) / p->multiple * p->multiple;
@@ -264,7 +272,7 @@ class BucketPlanner {
 
   /// Emits (or drops) every pending sample, buckets in creation order.
   template <class OnEmit>
-    requires std::invocable<OnEmit&, const Bucket&, int64_t, c10::IntArrayRef>
+  requires std::invocable<OnEmit&, const Bucket&, int64_t, c10::IntArrayRef>
   void flush(OnEmit&& on_emit) {
     for (Bucket& b : buckets_) {
       if (b.size() == 0) continue;
@@ -312,8 +320,9 @@ class BucketPlanner {
         const DimPadding& p = config_.pad[i];
         const int64_t d = p.dim < 0 ? p.dim + ndim_ : p.dim;
         if (d < 0 || d >= ndim_)
-          throw InvalidArgument(fmt::format("padded dimension {} is out of range for sample {} with shape [{}] ({} dimensions)",
-                                            p.dim, index, fmt::join(shape, ", "), ndim_));
+          throw InvalidArgument(
+              fmt::format("padded dimension {} is out of range for sample {} with shape [{}] ({} dimensions)", p.dim,
+                          index, fmt::join(shape, ", "), ndim_));
         if (pad_index_[static_cast<std::size_t>(d)] >= 0)
           throw InvalidArgument(fmt::format("dimension {} is listed twice in pad (as {})", d, p.dim));
         pad_index_[static_cast<std::size_t>(d)] = static_cast<int>(i);
@@ -338,8 +347,10 @@ class BucketPlanner {
     b.id = buckets_.size();
     b.key = key_scratch_;
     for (int64_t k : b.key) {
-      if (k == kAny) b.fixed = false;
-      else b.fixed_numel *= k;
+      if (k == kAny)
+        b.fixed = false;
+      else
+        b.fixed_numel *= k;
     }
     constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
     b.capacity = config_.max_samples ? *config_.max_samples : kUnlimited;
@@ -405,8 +416,8 @@ class BucketPlanner {
   int64_t ndim_ = -1;
   int64_t first_index_ = 0;
   std::vector<int64_t> first_shape_;
-  std::vector<int> pad_index_;                 // per sample dim: index into config_.pad, or -1
-  std::vector<int64_t> any_dims_;              // sample dims padded to the batch max, ascending
+  std::vector<int> pad_index_;     // per sample dim: index into config_.pad, or -1
+  std::vector<int64_t> any_dims_;  // sample dims padded to the batch max, ascending
   std::vector<Bucket> buckets_;
   std::unordered_map<std::vector<int64_t>, std::size_t, detail::VectorHash> lookup_;
   std::size_t last_bucket_ = std::numeric_limits<std::size_t>::max();

@@ -114,7 +114,7 @@ class BufferPool {
       std::lock_guard<std::mutex> lock(mutex_);
       const at::Tensor* best = nullptr;
       for (const at::Tensor& b : blocks_) {
-        if (b.storage().use_count() != 1) continue;             // someone still views it
+        if (b.storage().use_count() != 1) continue;  // someone still views it
         const int64_t cap = b.numel();
         if (cap < rounded || cap > 4 * rounded + 4096) continue;  // too small, or wastefully large
         if (best == nullptr || cap < best->numel()) best = &b;

@@ -43,9 +43,8 @@ struct NoTarget {};
 
 /// True for the target types a collator can stack: an integer class id, a tensor, or NoTarget.
 template <class T>
-concept CollatableTarget = std::integral<std::remove_cvref_t<T>> ||
-                           std::same_as<std::remove_cvref_t<T>, at::Tensor> ||
-                           std::same_as<std::remove_cvref_t<T>, NoTarget>;
+concept CollatableTarget = std::integral<std::remove_cvref_t<T>> || std::same_as<std::remove_cvref_t<T>, at::Tensor> ||
+    std::same_as<std::remove_cvref_t<T>, NoTarget>;
 
 /// A projection P reads samples of type S for a collator.
 ///
@@ -88,7 +87,10 @@ concept HasIndexMember = requires(const S& s) {
   { s.index } -> std::convertible_to<int64_t>;
 };
 template <class S>
-concept TupleOfTwo = requires { typename std::tuple_size<S>::type; } && std::tuple_size_v<S> == 2;
+concept TupleOfTwo = requires {
+  typename std::tuple_size<S>::type;
+}
+&&std::tuple_size_v<S> == 2;
 template <class S>
 concept TensorTuple = !HasDataMember<S> && TupleOfTwo<S> && requires(const S& s) {
   { std::get<0>(s) } -> std::convertible_to<const at::Tensor&>;
@@ -125,19 +127,25 @@ void for_each_read_tensor(S& s, F&& f) {
 ///          `DefaultProjection{}.target(s) == 7`.
 struct DefaultProjection {
   template <class S>
-    requires detail::TensorTuple<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
+  requires detail::TensorTuple<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
   const at::Tensor& data(const S& s) const {
-    if constexpr (detail::TensorTuple<S>) return std::get<0>(s);
-    else if constexpr (detail::HasDataMember<S>) return s.data;
-    else return s;
+    if constexpr (detail::TensorTuple<S>)
+      return std::get<0>(s);
+    else if constexpr (detail::HasDataMember<S>)
+      return s.data;
+    else
+      return s;
   }
 
   template <class S>
-    requires detail::TensorTuple<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
+  requires detail::TensorTuple<S> || detail::HasDataMember<S> || std::convertible_to<const S&, const at::Tensor&>
   decltype(auto) target(const S& s) const {
-    if constexpr (detail::TensorTuple<S>) return std::get<1>(s);
-    else if constexpr (detail::HasTargetMember<S>) return (s.target);
-    else return NoTarget{};
+    if constexpr (detail::TensorTuple<S>)
+      return std::get<1>(s);
+    else if constexpr (detail::HasTargetMember<S>)
+      return (s.target);
+    else
+      return NoTarget{};
   }
 
   template <detail::HasIndexMember S>

@@ -48,7 +48,7 @@ namespace loom {
 /// Out: input range of loom::Batch, N x (padded) sample shape each; every sample appears once
 ///      (unless dropped by drop_incomplete or skipped as oversize, both counted in stats()).
 template <class V, class Options, class Projection>
-  requires ranges::view_<V> && ranges::input_range<V>
+requires ranges::view_<V> && ranges::input_range<V>
 class BucketView : public ranges::view_base {
   struct State {
     ranges::iterator_t<V> it;
@@ -70,9 +70,10 @@ class BucketView : public ranges::view_base {
     // shuffled float32 samples of 3 x h x w: 0.70-0.75x of a bare memcpy loop without it,
     // 0.98-1.02x with it). Never used for ranges that compute their elements (that would compute
     // them twice).
-    static constexpr bool kPrefetch =
-        ranges::forward_range<V> && std::is_lvalue_reference_v<ranges::range_reference_t<V>> &&
-        std::is_reference_v<decltype(std::declval<const Projection&>().data(std::declval<ranges::range_reference_t<V>>()))>;
+    static constexpr bool kPrefetch = ranges::forward_range<V> &&
+                                      std::is_lvalue_reference_v<ranges::range_reference_t<V>> &&
+                                      std::is_reference_v<decltype(std::declval<const Projection&>().data(
+                                          std::declval<ranges::range_reference_t<V>>()))>;
 
     void prefetch_next() {
       if constexpr (kPrefetch) {
@@ -129,7 +130,9 @@ class BucketView : public ranges::view_base {
       return *this;
     }
     void operator++(int) { ++*this; }
-    friend bool operator==(const iterator& i, ranges::default_sentinel_t) { return i.state_ == nullptr || i.state_->done; }
+    friend bool operator==(const iterator& i, ranges::default_sentinel_t) {
+      return i.state_ == nullptr || i.state_->done;
+    }
 
    private:
     State* state_ = nullptr;
@@ -164,14 +167,14 @@ namespace detail {
 template <class Options>
 struct bucket_base_fn {
   template <class Rng, class Projection = DefaultProjection>
-    requires ranges::viewable_range<Rng> && ranges::input_range<Rng>
+  requires ranges::viewable_range<Rng> && ranges::input_range<Rng>
   auto operator()(Rng&& rng, Options options, Projection proj = {}) const {
     using Sample = std::remove_cvref_t<ranges::range_reference_t<Rng>>;
     static_assert(SampleProjection<Projection, Sample>,
                   "loom::views bucketing: the projection cannot read the range's samples; pass a projection with "
                   "data(s) and target(s) (see loom/collate/sample.hpp)");
     return BucketView<ranges::views::all_t<Rng>, Options, Projection>(ranges::views::all(std::forward<Rng>(rng)),
-                                                                       std::move(options), std::move(proj));
+                                                                      std::move(options), std::move(proj));
   }
 };
 
@@ -183,8 +186,7 @@ struct bucket_fn : bucket_base_fn<Options> {
     return ranges::make_view_closure(ranges::bind_back(bucket_base_fn<Options>{}, std::move(options)));
   }
   template <class Projection>
-    requires(!ranges::range<Projection>)
-  auto operator()(Options options, Projection proj) const {
+  requires(!ranges::range<Projection>) auto operator()(Options options, Projection proj) const {
     return ranges::make_view_closure(ranges::bind_back(bucket_base_fn<Options>{}, std::move(options), std::move(proj)));
   }
 };

@@ -68,7 +68,8 @@ constexpr std::string_view to_string(Assignment::Kind k) noexcept {
 ///         num_generators, which names a device outside [0, num_devices), or leaves a device empty.
 /// Source: see the file comment (numpy.array_split for contiguous blocks).
 inline std::vector<std::vector<int>> assign(const Assignment& policy, int num_generators, int num_devices) {
-  if (num_generators < 1) throw InvalidArgument(fmt::format("assign: num_generators is {}, must be >= 1", num_generators));
+  if (num_generators < 1)
+    throw InvalidArgument(fmt::format("assign: num_generators is {}, must be >= 1", num_generators));
   if (num_devices < 1) throw InvalidArgument(fmt::format("assign: num_devices is {}, must be >= 1", num_devices));
   std::vector<std::vector<int>> out(static_cast<std::size_t>(num_devices));
   if (policy.kind == Assignment::Kind::explicit_map) {
@@ -84,8 +85,8 @@ inline std::vector<std::vector<int>> assign(const Assignment& policy, int num_ge
     }
     for (int d = 0; d < num_devices; ++d)
       if (out[static_cast<std::size_t>(d)].empty())
-        throw InvalidArgument(fmt::format("assign: the explicit map {} gives device {} no generator",
-                                          policy.device_of, d));
+        throw InvalidArgument(
+            fmt::format("assign: the explicit map {} gives device {} no generator", policy.device_of, d));
     return out;
   }
   if (num_generators < num_devices)

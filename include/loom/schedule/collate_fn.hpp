@@ -74,18 +74,20 @@ struct CollateContext {
 /// Optional: `f.empty(ctx)` returning B: the batch a device with no rows left gets under
 /// EndPolicy::drain (without it, a value-initialised B{} is used).
 template <class F, class S>
-concept CollateFunction = std::copy_constructible<F> && requires(F& f, std::span<S> samples, const CollateContext& ctx) {
+concept CollateFunction = std::copy_constructible<F> &&
+    requires(F& f, std::span<S> samples, const CollateContext& ctx) {
   { f(samples, ctx) } -> std::move_constructible;
 };
 
 /// The batch type a collate function F makes from samples of type S.
 template <class F, class S>
-  requires CollateFunction<F, S>
+requires CollateFunction<F, S>
 using collate_result_t = std::remove_cvref_t<std::invoke_result_t<F&, std::span<S>, const CollateContext&>>;
 
 /// The default collate function: loom::collate over the k-th samples of a device.
 ///
-/// Example: `loom::GeneratorLoader<Gen, loom::DefaultCollate<>> l(gens, {.num_devices = 2}, {.pad = true, .options = {.mask = true}});`
+/// Example: `loom::DefaultCollate<>{.pad = true, .options = {.mask = true}}` as the third argument of
+///          `loom::GeneratorLoader<Gen, loom::DefaultCollate<>>`.
 /// Shape: data N x (sample shape) in the samples' dtype — with `pad`, N x options.padded_shape (or
 ///        the step's per-dimension maximum) and, with options.mask, a bool mask like data (true =
 ///        real); targets as loom::collate makes them (int64 N-vector for integer targets);
@@ -103,8 +105,7 @@ struct DefaultCollate {
   Projection projection{};   ///< reads data / target (/ index) from a sample
 
   template <class S>
-    requires SampleProjection<Projection, S>
-  Batch operator()(std::span<S> samples, const CollateContext& ctx) const {
+  requires SampleProjection<Projection, S> Batch operator()(std::span<S> samples, const CollateContext& ctx) const {
     LOOM_ASSERT(samples.size() == ctx.generators.size(), "one generator id per sample");
     LOOM_ASSERT(!samples.empty(), "a device step has at least one sample");
     if (!pad) {
@@ -112,24 +113,28 @@ struct DefaultCollate {
       for (std::size_t i = 1; i < samples.size(); ++i) {
         const at::Tensor& t = projection.data(samples[i]);
         if (first.defined() && t.defined() && (t.sizes() != first.sizes() || t.scalar_type() != first.scalar_type()))
-          throw InvalidArgument(fmt::format(
-              "DefaultCollate: device {}, step {}: generator {} gave a data tensor of shape [{}] {}, generator {} gave [{}] {}; "
-              "one batch needs one shape and dtype (collate with padding: DefaultCollate{{.pad = true}})",
-              ctx.device, ctx.step, ctx.generators[0], fmt::join(first.sizes(), ", "), c10::toString(first.scalar_type()),
-              ctx.generators[i], fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type())));
+          throw InvalidArgument(
+              fmt::format("DefaultCollate: device {}, step {}: generator {} gave a data tensor of shape [{}] {}, "
+                          "generator {} gave [{}] {}; "
+                          "one batch needs one shape and dtype (collate with padding: DefaultCollate{{.pad = true}})",
+                          ctx.device, ctx.step, ctx.generators[0], fmt::join(first.sizes(), ", "),
+                          c10::toString(first.scalar_type()), ctx.generators[i], fmt::join(t.sizes(), ", "),
+                          c10::toString(t.scalar_type())));
       }
     }
     std::vector<int64_t> indices(samples.size());
     for (std::size_t i = 0; i < samples.size(); ++i) {
-      if constexpr (SampleProjectionWithIndex<Projection, S>) indices[i] = static_cast<int64_t>(projection.index(samples[i]));
-      else indices[i] = ctx.generators[i];
+      if constexpr (SampleProjectionWithIndex<Projection, S>)
+        indices[i] = static_cast<int64_t>(projection.index(samples[i]));
+      else
+        indices[i] = ctx.generators[i];
     }
     try {
       return collate(samples, std::span<const int64_t>(indices), options, projection);
     } catch (const InvalidArgument& e) {
-      throw InvalidArgument(fmt::format("DefaultCollate: device {}, step {} (sample index = {}): {}", ctx.device, ctx.step,
-                                        SampleProjectionWithIndex<Projection, S> ? "the sample's index" : "generator id",
-                                        e.what()));
+      throw InvalidArgument(
+          fmt::format("DefaultCollate: device {}, step {} (sample index = {}): {}", ctx.device, ctx.step,
+                      SampleProjectionWithIndex<Projection, S> ? "the sample's index" : "generator id", e.what()));
     }
   }
 

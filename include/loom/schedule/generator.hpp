@@ -67,8 +67,7 @@ struct is_optional<std::optional<T>> : std::true_type {};
 /// a time), noexcept (a generator may throw; the loader reports it), a known length.
 template <class G>
 concept CallableSampleGenerator =
-    std::move_constructible<G> && std::invocable<G&> &&
-    detail::is_optional<std::invoke_result_t<G&>>::value &&
+    std::move_constructible<G> && std::invocable<G&> && detail::is_optional<std::invoke_result_t<G&>>::value &&
     std::move_constructible<typename std::invoke_result_t<G&>::value_type>;
 
 /// An input range whose elements are the samples, in stream order.
@@ -84,8 +83,7 @@ concept CallableSampleGenerator =
 ///  4. G is not also a CallableSampleGenerator. Reason: one type, one meaning.
 /// Not required: forward or sized ranges, a range that can be walked twice, common ranges.
 template <class G>
-concept RangeSampleGenerator =
-    std::move_constructible<G> && std::ranges::input_range<G> &&
+concept RangeSampleGenerator = std::move_constructible<G> && std::ranges::input_range<G> &&
     std::move_constructible<std::ranges::range_value_t<G>> &&
     std::constructible_from<std::ranges::range_value_t<G>, std::ranges::range_reference_t<G>> &&
     !CallableSampleGenerator<G>;
@@ -129,6 +127,8 @@ using generator_sample_t = typename detail::generator_sample<G>::type;
 ///     state must not replay hours of a simulator; without skip(), loom replays (pulls and drops).
 /// Not required: a return value; skipping past the end (then the next sample is the end).
 template <class G>
-concept SkippableSampleGenerator = CallableSampleGenerator<G> && requires(G& g, std::int64_t n) { g.skip(n); };
+concept SkippableSampleGenerator = CallableSampleGenerator<G> && requires(G& g, std::int64_t n) {
+  g.skip(n);
+};
 
 }  // namespace loom

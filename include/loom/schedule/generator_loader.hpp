@@ -68,21 +68,26 @@ namespace loom {
 /// Source: see the file comment.
 template <SampleGenerator G, class Collate = DefaultCollate<>, class Transfer = HostTransfer>
 class GeneratorLoader {
-  static_assert(SampleGenerator<G>, "loom::GeneratorLoader: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
+  static_assert(SampleGenerator<G>,
+                "loom::GeneratorLoader: G must model loom::SampleGenerator (a callable returning "
+                "std::optional<Sample>, or an input range)");
   static_assert(CollateFunction<Collate, generator_sample_t<G>>,
                 "loom::GeneratorLoader: Collate must model loom::CollateFunction for the generators' sample type "
-                "(the default DefaultCollate reads at::Tensor, pair<at::Tensor, target>, or structs with .data/.target through loom::DefaultProjection)");
+                "(the default DefaultCollate reads at::Tensor, pair<at::Tensor, target>, or structs with .data/.target "
+                "through loom::DefaultProjection)");
 
  public:
   using Generator = G;
   using Sample = generator_sample_t<G>;
   using BatchType = collate_result_t<Collate, Sample>;
-  static_assert(BatchTransfer<Transfer, BatchType>, "loom::GeneratorLoader: Transfer must model loom::BatchTransfer for the collated batch type");
+  static_assert(BatchTransfer<Transfer, BatchType>,
+                "loom::GeneratorLoader: Transfer must model loom::BatchTransfer for the collated batch type");
   using StepType = GeneratorLoaderStep<BatchType>;
 
   /// Takes ownership of the generators (generator id = position in the vector) and starts the
   /// workers at once, so batches are being built before the first next().
-  explicit GeneratorLoader(std::vector<G> generators, GeneratorLoaderOptions options = {}, Collate collate_fn = {}, Transfer transfer = {})
+  explicit GeneratorLoader(std::vector<G> generators, GeneratorLoaderOptions options = {}, Collate collate_fn = {},
+                           Transfer transfer = {})
       : options_(std::move(options)) {
     const int n = static_cast<int>(generators.size());
     const int m = options_.num_devices;
@@ -98,8 +103,8 @@ class GeneratorLoader {
     for (auto& g : generators) cursors.push_back(std::make_unique<detail::GeneratorCursor<G>>(std::move(g)));
     std::vector<int> labels(static_cast<std::size_t>(m));
     for (int d = 0; d < m; ++d) labels[static_cast<std::size_t>(d)] = d;
-    core_ = std::make_unique<Core>(detail::engine_config(options_, assignment_, std::move(labels)), std::move(cursors), collate_fn,
-                                   transfer);
+    core_ = std::make_unique<Core>(detail::engine_config(options_, assignment_, std::move(labels)), std::move(cursors),
+                                   collate_fn, transfer);
   }
 
   GeneratorLoader(const GeneratorLoader&) = delete;
@@ -145,14 +150,17 @@ class GeneratorLoader {
     try {
       for (int d = 0; d < m; ++d) {
         if (dry[static_cast<std::size_t>(d)]) {
-          step.devices.push_back(DeviceBatch<BatchType>{.batch = core_->empty_batch(d, step_), .device = d, .step = step_,
-                                                        .generators = {}, .partial = true});
+          step.devices.push_back(DeviceBatch<BatchType>{
+              .batch = core_->empty_batch(d, step_), .device = d, .step = step_, .generators = {}, .partial = true});
           continue;
         }
         auto item = core_->pop(d);
         for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
-        step.devices.push_back(DeviceBatch<BatchType>{.batch = std::move(item.batch), .device = d, .step = step_,
-                                                      .generators = std::move(item.generators), .partial = item.partial});
+        step.devices.push_back(DeviceBatch<BatchType>{.batch = std::move(item.batch),
+                                                      .device = d,
+                                                      .step = step_,
+                                                      .generators = std::move(item.generators),
+                                                      .partial = item.partial});
       }
     } catch (...) {  // a transfer's finish() or empty() threw: the step is lost, so the schedule ends here
       error_ = std::current_exception();
@@ -166,7 +174,9 @@ class GeneratorLoader {
   }
 
   /// Range-for support: `for (auto& step : loader)`; each step is destroyed before the next is made.
-  detail::NextIterator<GeneratorLoader, StepType> begin() { return detail::NextIterator<GeneratorLoader, StepType>(*this); }
+  detail::NextIterator<GeneratorLoader, StepType> begin() {
+    return detail::NextIterator<GeneratorLoader, StepType>(*this);
+  }
   std::default_sentinel_t end() const noexcept { return {}; }
 
   /// How the schedule ended: steps, the generator that stopped it, delivered and unread samples
@@ -177,7 +187,10 @@ class GeneratorLoader {
   GeneratorLoaderReport report() {
     if (error_) std::rethrow_exception(error_);
     if (!finished_)
-      throw InvalidArgument(fmt::format("GeneratorLoader::report(): the schedule has not ended (at step {}); call it after next() returned std::nullopt", step_));
+      throw InvalidArgument(
+          fmt::format("GeneratorLoader::report(): the schedule has not ended (at step {}); call it after next() "
+                      "returned std::nullopt",
+                      step_));
     core_->join();
     GeneratorLoaderReport r;
     r.policy = options_.end;
@@ -185,7 +198,8 @@ class GeneratorLoader {
     r.shortest_generator = options_.end == EndPolicy::stop_at_shortest ? shortest_ : -1;
     for (int d = 0; d < core_->num_devices(); ++d)
       for (int g : core_->generators(d)) r.generators.push_back(make_report(g, d));
-    std::sort(r.generators.begin(), r.generators.end(), [](const auto& a, const auto& b) { return a.generator < b.generator; });
+    std::sort(r.generators.begin(), r.generators.end(),
+              [](const auto& a, const auto& b) { return a.generator < b.generator; });
     return r;
   }
 

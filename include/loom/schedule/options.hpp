@@ -46,9 +46,9 @@ inline constexpr std::int64_t kDefaultCountUnreadLimit = 1'000'000;
 /// (SkippableSampleGenerator), else by pulling and dropping them — so a resumed loader equals
 /// the uninterrupted one when the generators replay the same streams.
 struct GeneratorLoaderState {
-  std::int64_t steps = 0;              ///< steps delivered
-  std::vector<std::int64_t> samples{}; ///< samples delivered per generator id (size = number of generators)
-  int num_devices = 0;                 ///< devices (per-rank mode: the world size) when taken; 0 = a fresh start
+  std::int64_t steps = 0;               ///< steps delivered
+  std::vector<std::int64_t> samples{};  ///< samples delivered per generator id (size = number of generators)
+  int num_devices = 0;                  ///< devices (per-rank mode: the world size) when taken; 0 = a fresh start
 };
 
 /// Options of GeneratorLoader and RankGeneratorLoader.
@@ -67,10 +67,11 @@ struct GeneratorLoaderOptions {
   /// Devices this process feeds: GeneratorLoader's logical devices M (>= 1); RankGeneratorLoader:
   /// 1 (a rank feeds its own device; the world size is the number of devices).
   int num_devices = 1;
-  Assignment assignment = Assignment::contiguous(); ///< which generators feed which device (rank)
-  int prefetch_depth = 2;                           ///< batches per device built ahead (>= 1)
-  int num_workers = 0;                              ///< threads pulling this process's generators; 0 = one per generator; generator g -> worker g % W
-  EndPolicy end = EndPolicy::stop_at_shortest;      ///< unequal lengths (per-rank mode: decided over all ranks)
+  Assignment assignment = Assignment::contiguous();  ///< which generators feed which device (rank)
+  int prefetch_depth = 2;                            ///< batches per device built ahead (>= 1)
+  int num_workers =
+      0;  ///< threads pulling this process's generators; 0 = one per generator; generator g -> worker g % W
+  EndPolicy end = EndPolicy::stop_at_shortest;  ///< unequal lengths (per-rank mode: decided over all ranks)
   /// stop_at_shortest: after the end, read the other generators on (dropping the samples) to
   /// count their unread samples exactly; report() waits for it. Off by default: a generator may
   /// be endless, and reading it cannot be cut short without losing the count.
@@ -78,7 +79,7 @@ struct GeneratorLoaderOptions {
   /// With count_unread: read at most this many samples per generator after the end (> 0); a
   /// generator that has not ended by then gets a lower bound (GeneratorReport::unread_exact false).
   std::int64_t count_unread_limit = kDefaultCountUnreadLimit;
-  GeneratorLoaderState resume = {};                 ///< start from a saved state (default: the beginning)
+  GeneratorLoaderState resume = {};  ///< start from a saved state (default: the beginning)
 };
 
 }  // namespace loom

@@ -5,7 +5,7 @@
 //   loom::run([&](loom::ProcessGroup& pg) {
 //     loom::RankGeneratorLoader loader(pg, 16, [](int g) { return Sim(g); }, {.end = loom::EndPolicy::drain});
 //     for (auto& db : loader) {                            // db.device == rank, db.step == k
-//       auto mb = accumulator.micro_batch(db.batch);       // 2 x (sample shape); 0 rows, weight 0 when this rank ran dry
+//       auto mb = accumulator.micro_batch(db.batch);       // 2 x (sample shape); 0 rows when this rank ran dry
 //       if (db.batch.num_samples > 0) loss_of(db.batch).backward();
 //       if (mb.finish()) opt.step();                       // every rank runs the same number of steps
 //       opt.zero_grad();
@@ -71,35 +71,44 @@ namespace loom {
 /// Source: see the file comment.
 template <SampleGenerator G, Communicator C, class Collate = DefaultCollate<>, class Transfer = HostTransfer>
 class RankGeneratorLoader {
-  static_assert(SampleGenerator<G>, "loom::RankGeneratorLoader: G must model loom::SampleGenerator (a callable returning std::optional<Sample>, or an input range)");
+  static_assert(SampleGenerator<G>,
+                "loom::RankGeneratorLoader: G must model loom::SampleGenerator (a callable returning "
+                "std::optional<Sample>, or an input range)");
   static_assert(Communicator<C>, "loom::RankGeneratorLoader: C must model loom::Communicator");
-  static_assert(CollateFunction<Collate, generator_sample_t<G>>, "loom::RankGeneratorLoader: Collate must model loom::CollateFunction for the generators' sample type");
+  static_assert(CollateFunction<Collate, generator_sample_t<G>>,
+                "loom::RankGeneratorLoader: Collate must model loom::CollateFunction for the generators' sample type");
 
  public:
   using Generator = G;
   using Sample = generator_sample_t<G>;
   using BatchType = collate_result_t<Collate, Sample>;
-  static_assert(BatchTransfer<Transfer, BatchType>, "loom::RankGeneratorLoader: Transfer must model loom::BatchTransfer for the collated batch type");
+  static_assert(BatchTransfer<Transfer, BatchType>,
+                "loom::RankGeneratorLoader: Transfer must model loom::BatchTransfer for the collated batch type");
   using Item = DeviceBatch<BatchType>;
 
   /// Builds only this rank's generators with `make(g)` for its generator ids g, then starts the worker.
   template <class MakeGenerator>
-    requires std::invocable<MakeGenerator&, int> && std::same_as<std::invoke_result_t<MakeGenerator&, int>, G>
-  RankGeneratorLoader(C& comm, int num_generators, MakeGenerator make, GeneratorLoaderOptions options = {}, Collate collate_fn = {},
-                Transfer transfer = {})
+  requires std::invocable<MakeGenerator&, int> && std::same_as<std::invoke_result_t<MakeGenerator&, int>, G>
+  RankGeneratorLoader(C& comm, int num_generators, MakeGenerator make, GeneratorLoaderOptions options = {},
+                      Collate collate_fn = {}, Transfer transfer = {})
       : comm_(comm), options_(std::move(options)), num_generators_(num_generators) {
-    std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors(static_cast<std::size_t>(std::max(num_generators, 0)));
+    std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors(
+        static_cast<std::size_t>(std::max(num_generators, 0)));
     prepare();
-    for (int g : generators_) cursors[static_cast<std::size_t>(g)] = std::make_unique<detail::GeneratorCursor<G>>(make(g));
+    for (int g : generators_)
+      cursors[static_cast<std::size_t>(g)] = std::make_unique<detail::GeneratorCursor<G>>(make(g));
     start(std::move(cursors), collate_fn, transfer);
   }
 
   /// Takes all N generators (id = position), keeps this rank's and destroys the others.
-  RankGeneratorLoader(C& comm, std::vector<G> generators, GeneratorLoaderOptions options = {}, Collate collate_fn = {}, Transfer transfer = {})
+  RankGeneratorLoader(C& comm, std::vector<G> generators, GeneratorLoaderOptions options = {}, Collate collate_fn = {},
+                      Transfer transfer = {})
       : comm_(comm), options_(std::move(options)), num_generators_(static_cast<int>(generators.size())) {
     std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors(generators.size());
     prepare();
-    for (int g : generators_) cursors[static_cast<std::size_t>(g)] = std::make_unique<detail::GeneratorCursor<G>>(std::move(generators[static_cast<std::size_t>(g)]));
+    for (int g : generators_)
+      cursors[static_cast<std::size_t>(g)] =
+          std::make_unique<detail::GeneratorCursor<G>>(std::move(generators[static_cast<std::size_t>(g)]));
     generators.clear();
     start(std::move(cursors), collate_fn, transfer);
   }
@@ -133,7 +142,9 @@ class RankGeneratorLoader {
   }
 
   /// Range-for support: `for (auto& db : loader)`.
-  detail::NextIterator<RankGeneratorLoader, Item> begin() { return detail::NextIterator<RankGeneratorLoader, Item>(*this); }
+  detail::NextIterator<RankGeneratorLoader, Item> begin() {
+    return detail::NextIterator<RankGeneratorLoader, Item>(*this);
+  }
   std::default_sentinel_t end() const noexcept { return {}; }
 
   /// How the schedule ended (this rank's generators); shortest_generator is the same on every rank.
@@ -143,7 +154,8 @@ class RankGeneratorLoader {
   GeneratorLoaderReport report() {
     if (error_) std::rethrow_exception(error_);
     if (!finished_)
-      throw InvalidArgument(fmt::format("RankGeneratorLoader::report(): the schedule has not ended (rank {} at step {})", rank_, step_));
+      throw InvalidArgument(
+          fmt::format("RankGeneratorLoader::report(): the schedule has not ended (rank {} at step {})", rank_, step_));
     core_->join();
     GeneratorLoaderReport r;
     r.policy = options_.end;
@@ -189,9 +201,10 @@ class RankGeneratorLoader {
     rank_ = comm_.rank();
     world_ = comm_.world_size();
     if (options_.num_devices != 1)
-      throw InvalidArgument(fmt::format("RankGeneratorLoader: num_devices is {}, must be 1 (a rank feeds its own device; the {} "
-                                        "devices are the world size)",
-                                        options_.num_devices, world_));
+      throw InvalidArgument(
+          fmt::format("RankGeneratorLoader: num_devices is {}, must be 1 (a rank feeds its own device; the {} "
+                      "devices are the world size)",
+                      options_.num_devices, world_));
     detail::check_options(options_, num_generators_, world_, "RankGeneratorLoader");
     generators_ = generators_of(options_.assignment, num_generators_, world_, rank_);
     delivered_ = options_.resume.samples;
@@ -199,8 +212,10 @@ class RankGeneratorLoader {
     step_ = options_.resume.steps;
   }
 
-  void start(std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors, const Collate& collate_fn, const Transfer& transfer) {
-    core_ = std::make_unique<Core>(detail::engine_config(options_, {generators_}, {rank_}), std::move(cursors), collate_fn, transfer);
+  void start(std::vector<std::unique_ptr<detail::GeneratorCursor<G>>> cursors, const Collate& collate_fn,
+             const Transfer& transfer) {
+    core_ = std::make_unique<Core>(detail::engine_config(options_, {generators_}, {rank_}), std::move(cursors),
+                                   collate_fn, transfer);
   }
 
   std::vector<std::vector<std::int64_t>> all_gather(const std::vector<std::int64_t>& mine) {
@@ -234,16 +249,22 @@ class RankGeneratorLoader {
       sample = e.sample;
       local_error = e.error;
     }
-    const std::vector<std::int64_t> mine = {ready, code, generator, sample, num_generators_,
+    const std::vector<std::int64_t> mine = {ready,
+                                            code,
+                                            generator,
+                                            sample,
+                                            num_generators_,
                                             static_cast<std::int64_t>(options_.assignment.kind),
-                                            static_cast<std::int64_t>(options_.end), step_};
+                                            static_cast<std::int64_t>(options_.end),
+                                            step_};
     const auto all = all_gather(mine);
     for (int q = 0; q < world_; ++q) {
       const auto& row = all[static_cast<std::size_t>(q)];
       LOOM_ASSERT(static_cast<int>(row.size()) == kFields);
       if (!std::equal(row.begin() + 4, row.end(), mine.begin() + 4))
         fail_with(std::make_exception_ptr(ConfigError(fmt::format(
-            "RankGeneratorLoader: ranks disagree on [generators, assignment, end policy, step]: rank {} has [{}], rank {} has [{}]",
+            "RankGeneratorLoader: ranks disagree on [generators, assignment, end policy, step]: rank {} has [{}], rank "
+            "{} has [{}]",
             rank_, fmt::join(mine.begin() + 4, mine.end(), ", "), q, fmt::join(row.begin() + 4, row.end(), ", ")))));
     }
     // The first rank whose step is not ready decides, if its event stops the schedule.
@@ -265,8 +286,9 @@ class RankGeneratorLoader {
       text.resize(std::strlen(text.c_str()));
       const auto& row = all[static_cast<std::size_t>(stopper)];
       if (stopper == rank_) fail_with(local_error);
-      fail_with(std::make_exception_ptr(RemoteError(fmt::format(
-          "schedule: rank {} stopped at step {}: its generator {} failed at sample {}: {}", stopper, step_, row[2], row[3], text))));
+      fail_with(std::make_exception_ptr(
+          RemoteError(fmt::format("schedule: rank {} stopped at step {}: its generator {} failed at sample {}: {}",
+                                  stopper, step_, row[2], row[3], text))));
     }
     if (stopper >= 0) {  // stop_at_shortest: some rank's generator ended at this step
       shortest_ = static_cast<int>(all[static_cast<std::size_t>(stopper)][2]);
@@ -291,15 +313,19 @@ class RankGeneratorLoader {
   std::optional<Item> take() {
     std::optional<Item> out;
     if (dry_) {
-      out.emplace(Item{.batch = core_->empty_batch(0, step_), .device = rank_, .step = step_, .generators = {}, .partial = true});
+      out.emplace(Item{
+          .batch = core_->empty_batch(0, step_), .device = rank_, .step = step_, .generators = {}, .partial = true});
     } else {
       const auto r = core_->wait(0, step_);
       LOOM_ASSERT(r == Core::Resolved::batch, "an agreed step is ready locally");
       auto item = core_->pop(0);
       core_->release();
       for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
-      out.emplace(Item{.batch = std::move(item.batch), .device = rank_, .step = step_,
-                       .generators = std::move(item.generators), .partial = item.partial});
+      out.emplace(Item{.batch = std::move(item.batch),
+                       .device = rank_,
+                       .step = step_,
+                       .generators = std::move(item.generators),
+                       .partial = item.partial});
     }
     return out;
   }
@@ -335,7 +361,8 @@ class RankGeneratorLoader {
 template <class C, class MakeGenerator>
 RankGeneratorLoader(C&, int, MakeGenerator) -> RankGeneratorLoader<std::invoke_result_t<MakeGenerator&, int>, C>;
 template <class C, class MakeGenerator>
-RankGeneratorLoader(C&, int, MakeGenerator, GeneratorLoaderOptions) -> RankGeneratorLoader<std::invoke_result_t<MakeGenerator&, int>, C>;
+RankGeneratorLoader(C&, int, MakeGenerator, GeneratorLoaderOptions)
+    -> RankGeneratorLoader<std::invoke_result_t<MakeGenerator&, int>, C>;
 template <class C, class G>
 RankGeneratorLoader(C&, std::vector<G>) -> RankGeneratorLoader<G, C>;
 template <class C, class G>

@@ -4,7 +4,8 @@
 // Example:
 //   for (auto& step : loader)                             // loom::GeneratorLoaderStep<loom::Batch>
 //     for (auto& db : step.devices) use(db.batch, db.generators);
-//   for (const loom::GeneratorReport& g : loader.report().generators) fmt::print("{}: {} unread\n", g.generator, g.unread);
+//   for (const loom::GeneratorReport& g : loader.report().generators)
+//     fmt::print("{}: {} unread\n", g.generator, g.unread);
 #pragma once
 
 #include <algorithm>
@@ -28,11 +29,11 @@ namespace loom {
 ///        shape)); `generators` has N entries, the generator id of each row, increasing.
 template <class B>
 struct DeviceBatch {
-  B batch{};                     ///< the collated batch (an empty one if the device ran dry under drain)
-  int device = 0;                ///< logical device index (per-rank mode: the rank)
-  std::int64_t step = 0;         ///< step index k (the k-th samples of the device's generators)
-  std::vector<int> generators{}; ///< generator id of each row, in row order
-  bool partial = false;          ///< drain only: some of the device's generators had ended (fewer rows)
+  B batch{};                      ///< the collated batch (an empty one if the device ran dry under drain)
+  int device = 0;                 ///< logical device index (per-rank mode: the rank)
+  std::int64_t step = 0;          ///< step index k (the k-th samples of the device's generators)
+  std::vector<int> generators{};  ///< generator id of each row, in row order
+  bool partial = false;           ///< drain only: some of the device's generators had ended (fewer rows)
   /// Rows in the batch (samples), 0 for a device that ran dry.
   [[nodiscard]] std::int64_t num_rows() const noexcept { return static_cast<std::int64_t>(generators.size()); }
 };
@@ -54,12 +55,17 @@ struct GeneratorLoaderStep {
 ///
 /// Units: samples, counted from the beginning of the stream (resumed samples included).
 struct GeneratorReport {
-  int generator = 0;            ///< generator id
-  int device = 0;               ///< its device (per-rank mode: the rank)
-  std::int64_t delivered = 0;   ///< samples that reached the consumer in a batch
-  std::int64_t unread = 0;      ///< samples of the stream not delivered (prefetched and dropped, or read to count them); exact only with unread_exact
-  bool unread_exact = true;     ///< true when the generator ended (so `unread` is its exact remainder); false when `unread` is a lower bound (count_unread off, count_unread_limit reached, or the generator threw while being counted)
-  bool ended = false;           ///< the generator reached its end
+  int generator = 0;           ///< generator id
+  int device = 0;              ///< its device (per-rank mode: the rank)
+  std::int64_t delivered = 0;  ///< samples that reached the consumer in a batch
+  /// Samples of the stream not delivered (prefetched and dropped, or read to count them); exact
+  /// only with unread_exact.
+  std::int64_t unread = 0;
+  /// True when the generator ended (so `unread` is its exact remainder); false when `unread` is a
+  /// lower bound (count_unread off, count_unread_limit reached, or the generator threw while
+  /// being counted).
+  bool unread_exact = true;
+  bool ended = false;  ///< the generator reached its end
 };
 
 /// How the loading ended, available from report() once next() returned std::nullopt.
@@ -67,9 +73,9 @@ struct GeneratorReport {
 /// Example: `for (auto& g : loader.report().generators) fmt::print("{}: {} unread\n", g.generator, g.unread);`
 struct GeneratorLoaderReport {
   EndPolicy policy = EndPolicy::stop_at_shortest;
-  std::int64_t steps = 0;                    ///< steps delivered, counted from the beginning of the streams
-  int shortest_generator = -1;               ///< stop_at_shortest: the generator whose end stopped the loading; -1 under drain
-  std::vector<GeneratorReport> generators{}; ///< in increasing generator id (per-rank mode: this rank's generators)
+  std::int64_t steps = 0;       ///< steps delivered, counted from the beginning of the streams
+  int shortest_generator = -1;  ///< stop_at_shortest: the generator whose end stopped the loading; -1 under drain
+  std::vector<GeneratorReport> generators{};  ///< in increasing generator id (per-rank mode: this rank's generators)
 };
 
 /// A generator threw: rethrown on the consumer's thread, naming the generator, its device and the
@@ -80,8 +86,8 @@ struct GeneratorLoaderReport {
 class GeneratorError : public RemoteError {
  public:
   GeneratorError(int generator, int device, std::int64_t sample, const std::string& what, std::exception_ptr original)
-      : RemoteError(fmt::format("schedule: generator {} (device {}) threw at its sample {} (0-based): {}", generator, device,
-                                sample, what)),
+      : RemoteError(fmt::format("schedule: generator {} (device {}) threw at its sample {} (0-based): {}", generator,
+                                device, sample, what)),
         generator_(generator),
         device_(device),
         sample_(sample),

@@ -44,10 +44,10 @@ namespace loom {
 /// Not required: anything about where B lives afterwards (the host no-op keeps it on the host).
 template <class T, class B>
 concept BatchTransfer = std::copy_constructible<T> && std::move_constructible<typename T::Ticket> &&
-                        requires(T& t, B& b, int device, typename T::Ticket& ticket) {
-                          { t.start(b, device) } -> std::same_as<typename T::Ticket>;
-                          t.finish(b, device, ticket);
-                        };
+    requires(T& t, B& b, int device, typename T::Ticket& ticket) {
+  { t.start(b, device) } -> std::same_as<typename T::Ticket>;
+  t.finish(b, device, ticket);
+};
 
 /// The default transfer: batches stay in host memory; both phases do nothing.
 ///

@@ -45,12 +45,15 @@ struct StorageSource {
   std::shared_ptr<BufferPool> pool;
   BatchAllocator allocate;
 
-  void get(std::initializer_list<StoragePart> parts) const { get(std::span<const StoragePart>(parts.begin(), parts.size())); }
+  void get(std::initializer_list<StoragePart> parts) const {
+    get(std::span<const StoragePart>(parts.begin(), parts.size()));
+  }
 
   void get(std::span<const StoragePart> parts) const {
     int64_t total = 0;
     for (const StoragePart& p : parts) total += (part_bytes(p) + 63) / 64 * 64;
-    const at::Tensor block = pool ? pool->acquire_bytes(total) : allocate_checked(allocate, {total}, c10::ScalarType::Byte);
+    const at::Tensor block =
+        pool ? pool->acquire_bytes(total) : allocate_checked(allocate, {total}, c10::ScalarType::Byte);
     int64_t offset = 0;
     for (const StoragePart& p : parts) {
       const int64_t bytes = part_bytes(p);
@@ -69,13 +72,13 @@ struct StorageSource {
 
 /// What every row of one batch shares.
 struct BatchLayout {
-  std::vector<int64_t> padded;                               ///< row shape every sample is padded to
-  c10::ScalarType dtype = c10::ScalarType::Undefined;        ///< the samples' dtype
-  bool mask = false;                                         ///< write Batch::mask
-  ElementPattern pad;                                        ///< padding value in dtype
-  TargetValue::Kind target_kind = TargetValue::Kind::none;   ///< the samples' target kind
-  std::vector<int64_t> target_shape;                         ///< tensor targets: their shape
-  c10::ScalarType target_dtype = c10::ScalarType::Undefined; ///< tensor targets: their dtype
+  std::vector<int64_t> padded;                                ///< row shape every sample is padded to
+  c10::ScalarType dtype = c10::ScalarType::Undefined;         ///< the samples' dtype
+  bool mask = false;                                          ///< write Batch::mask
+  ElementPattern pad;                                         ///< padding value in dtype
+  TargetValue::Kind target_kind = TargetValue::Kind::none;    ///< the samples' target kind
+  std::vector<int64_t> target_shape;                          ///< tensor targets: their shape
+  c10::ScalarType target_dtype = c10::ScalarType::Undefined;  ///< tensor targets: their dtype
 };
 
 /// Allocates one batch of `rows` rows for a layout and writes rows into it: data (padded with the
@@ -122,9 +125,10 @@ class BatchWriter {
   /// when the layout has no targets).
   void write(int64_t r, const std::byte* src, c10::IntArrayRef sizes, const std::byte* target) {
     const auto ur = static_cast<std::size_t>(r);
-    write_row(data_ptr_ + ur * row_bytes_, mask_ptr_ == nullptr ? nullptr : mask_ptr_ + ur * row_numel_, src, sizes, es_,
-              padded_, pad_);
-    if (target_ptr_ != nullptr && target_row_bytes_ > 0) std::memcpy(target_ptr_ + ur * target_row_bytes_, target, target_row_bytes_);
+    write_row(data_ptr_ + ur * row_bytes_, mask_ptr_ == nullptr ? nullptr : mask_ptr_ + ur * row_numel_, src, sizes,
+              es_, padded_, pad_);
+    if (target_ptr_ != nullptr && target_row_bytes_ > 0)
+      std::memcpy(target_ptr_ + ur * target_row_bytes_, target, target_row_bytes_);
   }
 
   /// Writes row r from a sample read by read_sample (its contiguous data and its target).

@@ -65,8 +65,13 @@ inline void fill_elements(std::byte* dst, int64_t count, const ElementPattern& p
 class PaddedRowCopy {
  public:
   PaddedRowCopy(c10::IntArrayRef s, c10::IntArrayRef padded, std::size_t es)
-      : nd_(s.size()), s_(s.begin(), s.end()), p_(padded.begin(), padded.end()), dst_stride_(nd_), src_stride_(nd_),
-        tail_equal_(nd_), es_(es) {
+      : nd_(s.size()),
+        s_(s.begin(), s.end()),
+        p_(padded.begin(), padded.end()),
+        dst_stride_(nd_),
+        src_stride_(nd_),
+        tail_equal_(nd_),
+        es_(es) {
     std::size_t ds = es, ss = es;
     bool eq = true;
     for (std::size_t d = nd_; d-- > 0;) {
@@ -81,25 +86,30 @@ class PaddedRowCopy {
 
   void run(std::byte* dst, const std::byte* src, const ElementPattern& real, const ElementPattern& pad) const {
     if (nd_ == 0) {
-      if (src != nullptr) std::memcpy(dst, src, es_);
-      else fill_elements(dst, 1, real);
+      if (src != nullptr)
+        std::memcpy(dst, src, es_);
+      else
+        fill_elements(dst, 1, real);
       return;
     }
     run_dim(0, dst, src, real, pad);
   }
 
  private:
-  void run_dim(std::size_t d, std::byte* dst, const std::byte* src, const ElementPattern& real, const ElementPattern& pad) const {
+  void run_dim(std::size_t d, std::byte* dst, const std::byte* src, const ElementPattern& real,
+               const ElementPattern& pad) const {
     const auto sd = static_cast<std::size_t>(s_[d]);
     if (tail_equal_[d]) {
-      if (src != nullptr) std::memcpy(dst, src, sd * src_stride_[d]);
-      else fill_elements(dst, static_cast<int64_t>(sd * src_stride_[d] / es_), real);
+      if (src != nullptr)
+        std::memcpy(dst, src, sd * src_stride_[d]);
+      else
+        fill_elements(dst, static_cast<int64_t>(sd * src_stride_[d] / es_), real);
     } else {
       for (std::size_t i = 0; i < sd; ++i)
         run_dim(d + 1, dst + i * dst_stride_[d], src == nullptr ? nullptr : src + i * src_stride_[d], real, pad);
     }
-    fill_elements(dst + sd * dst_stride_[d], static_cast<int64_t>((static_cast<std::size_t>(p_[d]) - sd) * dst_stride_[d] / es_),
-                  pad);
+    fill_elements(dst + sd * dst_stride_[d],
+                  static_cast<int64_t>((static_cast<std::size_t>(p_[d]) - sd) * dst_stride_[d] / es_), pad);
   }
 
   std::size_t nd_;
@@ -147,6 +157,8 @@ inline std::vector<int64_t> with_leading(int64_t n, c10::IntArrayRef rest) {
 }
 
 /// "[a, b, c]": a shape for messages.
-inline std::string shape_str(c10::IntArrayRef s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+inline std::string shape_str(c10::IntArrayRef s) {
+  return fmt::format("[{}]", fmt::join(s, ", "));
+}
 
 }  // namespace loom::detail

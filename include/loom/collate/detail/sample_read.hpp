@@ -44,8 +44,8 @@ TargetValue to_target_value(T&& t, int64_t index, const char* who) {
   } else if constexpr (std::same_as<U, at::Tensor>) {
     if (!t.defined()) throw InvalidArgument(fmt::format("{}sample {}: its target tensor is undefined", who, index));
     if (!t.is_cpu())
-      throw InvalidArgument(
-          fmt::format("{}sample {}: its target is on {}, a collator works on CPU tensors", who, index, t.device().str()));
+      throw InvalidArgument(fmt::format("{}sample {}: its target is on {}, a collator works on CPU tensors", who, index,
+                                        t.device().str()));
     v.kind = TargetValue::Kind::tensor;
     v.tensor = t.is_contiguous() ? t : t.contiguous();
   } else {
@@ -71,17 +71,20 @@ struct SampleRead {
 /// Throws: loom::InvalidArgument naming the sample index when its data tensor is undefined or
 ///         not on the CPU, or its target tensor is.
 template <class Projection, class S>
-  requires SampleProjection<Projection, S>
-SampleRead read_sample(const Projection& proj, const S& sample, int64_t index, const char* who = "") {
+requires SampleProjection<Projection, S> SampleRead read_sample(const Projection& proj, const S& sample, int64_t index,
+                                                                const char* who = "") {
   decltype(auto) raw = proj.data(sample);
   const at::Tensor& t = raw;
   if (!t.defined()) throw InvalidArgument(fmt::format("{}sample {}: its data tensor is undefined", who, index));
   if (!t.is_cpu())
-    throw InvalidArgument(fmt::format("{}sample {}: its data is on {}, a collator works on CPU tensors", who, index, t.device().str()));
+    throw InvalidArgument(
+        fmt::format("{}sample {}: its data is on {}, a collator works on CPU tensors", who, index, t.device().str()));
   SampleRead r;
   if constexpr (std::is_lvalue_reference_v<decltype(proj.data(sample))>) {
-    if (t.is_contiguous()) r.borrowed = &t;
-    else r.owned = t.contiguous();
+    if (t.is_contiguous())
+      r.borrowed = &t;
+    else
+      r.owned = t.contiguous();
   } else {
     r.owned = t.is_contiguous() ? at::Tensor(t) : t.contiguous();
   }

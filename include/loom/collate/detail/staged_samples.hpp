@@ -43,7 +43,8 @@ class StagedSamples {
     const std::size_t t = target_bytes_.size();
     target_bytes_.resize(t + target_row_bytes_);
     if (target_row_bytes_ > 0) {
-      LOOM_ASSERT(target.kind != TargetValue::Kind::tensor || static_cast<std::size_t>(target.tensor.nbytes()) == target_row_bytes_,
+      LOOM_ASSERT(target.kind != TargetValue::Kind::tensor ||
+                      static_cast<std::size_t>(target.tensor.nbytes()) == target_row_bytes_,
                   "one bucket holds targets of one shape");
       std::memcpy(target_bytes_.data() + t, target.bytes(), target_row_bytes_);
     }
@@ -58,7 +59,9 @@ class StagedSamples {
     return {shapes_.data() + i * static_cast<std::size_t>(ndim_), static_cast<std::size_t>(ndim_)};
   }
   /// Target bytes of sample i (an int64 for integer targets, the tensor's bytes for tensor targets).
-  [[nodiscard]] const std::byte* target(std::size_t i) const noexcept { return target_bytes_.data() + i * target_row_bytes_; }
+  [[nodiscard]] const std::byte* target(std::size_t i) const noexcept {
+    return target_bytes_.data() + i * target_row_bytes_;
+  }
 
   /// Drops the first `count` samples (the ones a closed batch took); the rest move to the front.
   void erase_front(std::size_t count) {
@@ -70,8 +73,10 @@ class StagedSamples {
     bytes_.erase(bytes_.begin(), bytes_.begin() + static_cast<std::ptrdiff_t>(cut));
     offsets_.erase(offsets_.begin(), offsets_.begin() + static_cast<std::ptrdiff_t>(count));
     for (std::size_t& o : offsets_) o -= cut;
-    shapes_.erase(shapes_.begin(), shapes_.begin() + static_cast<std::ptrdiff_t>(count * static_cast<std::size_t>(ndim_)));
-    target_bytes_.erase(target_bytes_.begin(), target_bytes_.begin() + static_cast<std::ptrdiff_t>(count * target_row_bytes_));
+    shapes_.erase(shapes_.begin(),
+                  shapes_.begin() + static_cast<std::ptrdiff_t>(count * static_cast<std::size_t>(ndim_)));
+    target_bytes_.erase(target_bytes_.begin(),
+                        target_bytes_.begin() + static_cast<std::ptrdiff_t>(count * target_row_bytes_));
   }
 
   /// Drops every sample; keeps the buffers' capacity.

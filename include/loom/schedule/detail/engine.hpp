@@ -50,8 +50,8 @@ inline std::string exception_message(const std::exception_ptr& e) {
 /// by the per-rank agreement.
 struct StopEvent {
   std::int64_t step = 0;
-  int device = 0;              ///< core device slot; -1 = external stop (before every device)
-  int position = 0;            ///< generator's position in its device; the device's size for a collate failure
+  int device = 0;    ///< core device slot; -1 = external stop (before every device)
+  int position = 0;  ///< generator's position in its device; the device's size for a collate failure
   bool failure = false;
   int generator = -1;          ///< failing / ending generator; -1 for collate/transfer failures and external stops
   std::int64_t sample = -1;    ///< failure: index of the sample the generator was asked for
@@ -68,7 +68,7 @@ struct EngineConfig {
   bool count_unread = false;
   std::int64_t count_limit = kDefaultCountUnreadLimit;  ///< count_unread: samples read per generator at most
   std::int64_t start_step = 0;
-  std::vector<std::int64_t> skip{};                   ///< per global generator id: samples to skip first
+  std::vector<std::int64_t> skip{};  ///< per global generator id: samples to skip first
 };
 
 /// Worker threads, a bounded window of batches per device, and the ordered stop event.
@@ -126,7 +126,8 @@ class LoaderEngine {
       devices_.push_back(std::move(dev));
     }
     std::sort(active.begin(), active.end());
-    const int w = config_.workers <= 0 ? static_cast<int>(active.size()) : std::min<int>(config_.workers, static_cast<int>(active.size()));
+    const int w = config_.workers <= 0 ? static_cast<int>(active.size())
+                                       : std::min<int>(config_.workers, static_cast<int>(active.size()));
     std::vector<std::vector<int>> mine(static_cast<std::size_t>(w));
     for (std::size_t i = 0; i < active.size(); ++i) mine[i % static_cast<std::size_t>(w)].push_back(active[i]);
     try {
@@ -151,10 +152,14 @@ class LoaderEngine {
     std::unique_lock lk(mutex_);
     Resolved r = Resolved::batch;
     consumer_cv_.wait(lk, [&] {
-      if (collated(d, k)) r = Resolved::batch;
-      else if (dry(d, k)) r = Resolved::dry;
-      else if (event_final(d, k)) r = Resolved::event;
-      else return false;
+      if (collated(d, k))
+        r = Resolved::batch;
+      else if (dry(d, k))
+        r = Resolved::dry;
+      else if (event_final(d, k))
+        r = Resolved::event;
+      else
+        return false;
       return true;
     });
     return r;
@@ -202,12 +207,16 @@ class LoaderEngine {
   B empty_batch(int d, std::int64_t k) {
     Device& dev = *devices_[static_cast<std::size_t>(d)];
     CollateContext ctx{.device = label(d), .step = k, .generators = {}};
-    if constexpr (requires { { dev.collate_fn.empty(ctx) } -> std::convertible_to<B>; }) {
+    if constexpr (requires {
+                    { dev.collate_fn.empty(ctx) } -> std::convertible_to<B>;
+                  }) {
       return dev.collate_fn.empty(ctx);
     } else if constexpr (std::default_initializable<B>) {
       return B{};
     } else {
-      throw InvalidArgument("schedule: EndPolicy::drain needs a batch type with a default constructor or a collate function with empty(ctx)");
+      throw InvalidArgument(
+          "schedule: EndPolicy::drain needs a batch type with a default constructor or a collate function with "
+          "empty(ctx)");
     }
   }
 
@@ -215,7 +224,8 @@ class LoaderEngine {
   void stop_at(std::int64_t k) {
     {
       std::lock_guard lk(mutex_);
-      record(StopEvent{.step = k, .device = -1, .position = 0, .failure = false, .generator = -1, .sample = -1, .error = {}});
+      record(StopEvent{
+          .step = k, .device = -1, .position = 0, .failure = false, .generator = -1, .sample = -1, .error = {}});
     }
     worker_cv_.notify_all();
   }
@@ -245,7 +255,9 @@ class LoaderEngine {
   /// After join(): whether every sample of g was read (so unread counts are exact).
   [[nodiscard]] bool counted(int g) const { return counted_[static_cast<std::size_t>(g)] != 0 && ended(g); }
   [[nodiscard]] int label(int d) const { return config_.device_labels[static_cast<std::size_t>(d)]; }
-  [[nodiscard]] const std::vector<int>& generators(int d) const { return config_.device_generators[static_cast<std::size_t>(d)]; }
+  [[nodiscard]] const std::vector<int>& generators(int d) const {
+    return config_.device_generators[static_cast<std::size_t>(d)];
+  }
 
  private:
   struct Slot {
@@ -255,7 +267,7 @@ class LoaderEngine {
   };
   struct Device {
     Device(const Collate& m, const Transfer& t) : collate_fn(m), transfer(t) {}
-    Collate collate_fn;                // used by one collating worker at a time (collating flag)
+    Collate collate_fn;  // used by one collating worker at a time (collating flag)
     Transfer transfer;
     std::deque<Slot> window;    // guarded by mutex_: steps [consumed, consumed + depth)
     std::int64_t consumed = 0;  // guarded by mutex_
@@ -311,7 +323,8 @@ class LoaderEngine {
     if (failed_[gi] || ended_at_[gi] >= 0) return false;
     const int d = device_of_[gi];
     const std::int64_t k = next_step_[gi];
-    return k < devices_[static_cast<std::size_t>(d)]->consumed + config_.depth && may_pull(k, d, position_in_device_[gi]);
+    return k < devices_[static_cast<std::size_t>(d)]->consumed + config_.depth &&
+           may_pull(k, d, position_in_device_[gi]);
   }
   bool finished(int g) const {  // nothing more will ever be pulled from g
     const auto gi = static_cast<std::size_t>(g);
@@ -332,7 +345,9 @@ class LoaderEngine {
           all_finished = true;
           for (int c : mine) {
             if (!finished(c)) all_finished = false;
-            if (can_pull(c) && (g < 0 || next_step_[static_cast<std::size_t>(c)] < next_step_[static_cast<std::size_t>(g)])) g = c;
+            if (can_pull(c) &&
+                (g < 0 || next_step_[static_cast<std::size_t>(c)] < next_step_[static_cast<std::size_t>(g)]))
+              g = c;
           }
           return g >= 0 || all_finished;
         });
@@ -352,13 +367,20 @@ class LoaderEngine {
         tell_consumer = event_.has_value() || !s;
         if (error) {
           failed_[gi] = 1;
-          record(StopEvent{.step = k, .device = d, .position = p, .failure = true, .generator = g, .sample = position_[gi],
-                               .error = std::make_exception_ptr(GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
+          record(StopEvent{.step = k,
+                           .device = d,
+                           .position = p,
+                           .failure = true,
+                           .generator = g,
+                           .sample = position_[gi],
+                           .error = std::make_exception_ptr(
+                               GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
           stop_others = true;
         } else if (!s) {
           ended_at_[gi] = k;
           if (config_.end == EndPolicy::stop_at_shortest) {
-            record(StopEvent{.step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
+            record(StopEvent{
+                .step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
             stop_others = true;
           }
         } else {
@@ -425,8 +447,13 @@ class LoaderEngine {
         std::lock_guard lk(mutex_);
         dev.collating = false;
         if (error) {
-          record(StopEvent{.step = k, .device = d, .position = static_cast<int>(gens.size()), .failure = true,
-                               .generator = -1, .sample = -1, .error = error});
+          record(StopEvent{.step = k,
+                           .device = d,
+                           .position = static_cast<int>(gens.size()),
+                           .failure = true,
+                           .generator = -1,
+                           .sample = -1,
+                           .error = error});
         } else {
           slot(d, k)->item = std::move(item);
           ++dev.next_collate;
@@ -470,9 +497,14 @@ class LoaderEngine {
       if (error) {
         failed_[gi] = 1;
         const int d = device_of_[gi];
-        record(StopEvent{.step = config_.start_step, .device = d, .position = position_in_device_[gi], .failure = true,
-                             .generator = g, .sample = position_[gi],
-                             .error = std::make_exception_ptr(GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
+        record(StopEvent{.step = config_.start_step,
+                         .device = d,
+                         .position = position_in_device_[gi],
+                         .failure = true,
+                         .generator = g,
+                         .sample = position_[gi],
+                         .error = std::make_exception_ptr(
+                             GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
         consumer_cv_.notify_all();
         worker_cv_.notify_all();
         return false;
@@ -518,20 +550,20 @@ class LoaderEngine {
   EngineConfig config_;
   std::vector<std::unique_ptr<Cursor>> cursors_;  // by generator id; each pulled by one worker only
   // by generator id:
-  std::vector<std::int64_t> position_;            // stream position (skipped + read); written by its worker
-  std::vector<std::int64_t> read_;                // samples read in this run; written by its worker
-  std::vector<char> counted_;                     // written by its worker
-  std::vector<std::int64_t> next_step_;           // guarded by mutex_: next step to pull
-  std::vector<std::int64_t> ended_at_;            // guarded by mutex_: step at which the stream ended, -1
-  std::vector<char> failed_;                      // guarded by mutex_
-  std::vector<int> device_of_;                    // constant: core device slot, -1 = not run here
-  std::vector<int> position_in_device_;           // constant
+  std::vector<std::int64_t> position_;   // stream position (skipped + read); written by its worker
+  std::vector<std::int64_t> read_;       // samples read in this run; written by its worker
+  std::vector<char> counted_;            // written by its worker
+  std::vector<std::int64_t> next_step_;  // guarded by mutex_: next step to pull
+  std::vector<std::int64_t> ended_at_;   // guarded by mutex_: step at which the stream ended, -1
+  std::vector<char> failed_;             // guarded by mutex_
+  std::vector<int> device_of_;           // constant: core device slot, -1 = not run here
+  std::vector<int> position_in_device_;  // constant
   std::vector<std::unique_ptr<Device>> devices_;
   std::mutex mutex_;
   std::condition_variable consumer_cv_;
   std::condition_variable worker_cv_;
-  std::optional<StopEvent> event_;            // guarded by mutex_
-  bool aborted_ = false;                          // guarded by mutex_
+  std::optional<StopEvent> event_;  // guarded by mutex_
+  bool aborted_ = false;            // guarded by mutex_
   std::vector<std::thread> threads_;
 };
 
@@ -540,11 +572,14 @@ class LoaderEngine {
 /// which a resume state must have been taken with.
 inline void check_options(const GeneratorLoaderOptions& o, int num_generators, int num_devices, const char* who) {
   if (o.prefetch_depth < 1)
-    throw InvalidArgument(fmt::format("{}: prefetch_depth is {}, must be >= 1 (batches per device)", who, o.prefetch_depth));
+    throw InvalidArgument(
+        fmt::format("{}: prefetch_depth is {}, must be >= 1 (batches per device)", who, o.prefetch_depth));
   if (o.num_workers < 0)
-    throw InvalidArgument(fmt::format("{}: num_workers is {}, must be >= 0 (0 = one per generator)", who, o.num_workers));
+    throw InvalidArgument(
+        fmt::format("{}: num_workers is {}, must be >= 0 (0 = one per generator)", who, o.num_workers));
   if (o.count_unread_limit < 1)
-    throw InvalidArgument(fmt::format("{}: count_unread_limit is {}, must be >= 1 (samples per generator)", who, o.count_unread_limit));
+    throw InvalidArgument(
+        fmt::format("{}: count_unread_limit is {}, must be >= 1 (samples per generator)", who, o.count_unread_limit));
   const GeneratorLoaderState& resume = o.resume;
   if (resume.num_devices == 0 && resume.steps == 0 && resume.samples.empty()) return;
   if (resume.num_devices != num_devices)
