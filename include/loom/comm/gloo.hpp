@@ -63,13 +63,18 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstdint>
 #include <functional>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -83,6 +88,8 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/detail/gloo_device.hpp>
+#include <loom/comm/detail/gloo_join.hpp>
 #include <loom/comm/detail/gloo_peers.hpp>
 #include <loom/dist/environment.hpp>
 #include <loom/dist/rendezvous.hpp>
@@ -93,23 +100,23 @@ namespace loom {
 /// Options of GlooCommunicator; use with designated initializers.
 ///
 /// Example: `loom::GlooOptions{.timeout = std::chrono::seconds(10), .check_metadata = false}`.
-/// Units: `timeout` is wall-clock per collective (and for the rendezvous when constructed from an
-/// Environment).
+/// Units: `timeout` is wall-clock per collective (and for the rendezvous and the connect when
+/// constructed from an Environment).
+/// Interface rule (when `interface` is empty), first match wins: GLOO_SOCKET_IFNAME (a comma-separated
+/// list); 127.0.0.1 when MASTER_ADDR is a loopback address; the local address that routes to
+/// MASTER_ADDR when this host's name resolves to loopback (Debian's "127.0.1.1 <hostname>"); else the
+/// address of this host's name (Gloo's default). See docs/launching.md.
 struct GlooOptions {
   std::chrono::milliseconds timeout = kDefaultTimeout;  ///< bound on every collective and on rendezvous
   bool check_metadata = true;         ///< blocking calls: all-gather dtype/shape/op first (see header)
   bool check_async_metadata = false;  ///< all_reduce_async: the same check (it then blocks briefly)
-  std::string interface{};            ///< network interface for Gloo ("eth0"); empty: loopback when the
-                                      ///< master address is loopback, else Gloo's default (GLOO_SOCKET_IFNAME / hostname)
+  std::string interface{};            ///< network interface(s) for Gloo: "eth0" or "eth0,eth1"; empty: the
+                                      ///< rule of loom/comm/detail/gloo_device.hpp (GLOO_SOCKET_IFNAME, loopback
+                                      ///< master, route to MASTER_ADDR when the host name is loopback, host name)
   int threads = 2;                    ///< Gloo worker threads (async collectives run on them)
 };
 
 namespace detail {
-
-/// True for 127.0.0.0/8, ::1 and "localhost".
-inline bool is_loopback_address(const std::string& addr) {
-  return addr.rfind("127.", 0) == 0 || addr == "::1" || addr == "localhost" || addr == "localhost.localdomain";
-}
 
 /// Whether ProcessGroupGloo accepts the dtype. Its dtype switch has no bfloat16 case ("Invalid scalar
 /// type") in 1.13 and, per pytorch/pytorch#111131 (open through 2024), in the 2.x releases loom
@@ -263,29 +270,114 @@ class GlooCommunicator {
     if (options_.threads < 1) throw InvalidArgument(fmt::format("GlooCommunicator: threads = {} (need >= 1)", options_.threads));
     detail::ignore_sigpipe_if_default();  // before Gloo opens a socket; see the header comment
     const auto start = std::chrono::steady_clock::now();
-    try {
-      auto pg_options = c10d::ProcessGroupGloo::Options::create(options_.timeout);
-      if (!options_.interface.empty())
-        pg_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(options_.interface));
-      else if (detail::is_loopback_address(master_addr))
-        pg_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      else
-        pg_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-      pg_options->threads = options_.threads;
-      const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
-          fmt::format("loom/gloo/{}", detail::gloo_generation().fetch_add(1)), std::move(store));
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, pg_options);
-      peers_ = std::make_shared<const detail::GlooPeerTable>(
-          detail::GlooPeerTable::build(*pg_, *prefixed, rank, world_size, options_.timeout));
-    } catch (const std::exception& e) {
-      const std::string text = detail::exception_text(e);
-      if (detail::mentions_timeout(text) || detail::mentions_peer_gone(text))
-        throw TimeoutError("connect", rank, detail::seconds_since(start),
-                           fmt::format("Gloo could not connect all {} ranks (rank {} on {}): {}", world_size, rank,
-                                       detail::host_and_pid(), text));
-      throw CommError(fmt::format("GlooCommunicator: creating the Gloo process group failed on rank {}/{} ({}, LibTorch {}): {}",
-                                  rank, world_size, detail::host_and_pid(), TORCH_VERSION, text));
+    const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+        fmt::format("loom/gloo/{}", detail::gloo_generation().fetch_add(1)), std::move(store));
+    c10::intrusive_ptr<c10d::Store> side = prefixed;
+    if (world_size > 1) {
+      try {
+        side = detail::JoinWatch::side_channel(prefixed, options_.timeout);
+      } catch (const std::exception&) {
+        side = prefixed;  // no second connection: failures are still seen, once Gloo's waits end
+      }
     }
+    detail::JoinWatch watch(prefixed, side, world_size);
+    const auto report_wait = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(2));
+    const std::string me = fmt::format("rank {} ({})", rank, detail::host_and_pid());
+
+    // The device: which address this rank listens on and advertises (loom/comm/detail/gloo_device.hpp).
+    auto pg_options = c10d::ProcessGroupGloo::Options::create(options_.timeout);
+    pg_options->threads = options_.threads;
+    try {
+      const auto choice = detail::choose_gloo_device(options_.interface, std::getenv("GLOO_SOCKET_IFNAME"), master_addr);
+      device_ = choice.describe();
+      try {
+        pg_options->devices = detail::make_gloo_devices(choice);
+      } catch (const std::exception& e) {
+        throw CommError(fmt::format("GlooCommunicator: rank {}/{} could not create its Gloo device on {} ({}): {}", rank,
+                                    world_size, device_, detail::host_and_pid(), detail::exception_text(e)));
+      }
+    } catch (const Error& e) {
+      watch.report_failure(fmt::format("{} failed to join: {}", me, e.what()), report_wait);
+      throw;
+    }
+
+    // Connect. Other ranks connect on a helper thread while this one looks for a peer's failure report.
+    struct Job {
+      std::mutex m;
+      std::condition_variable cv;
+      bool done = false;
+      std::exception_ptr error;
+      c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+      std::shared_ptr<const detail::GlooPeerTable> peers;
+    };
+    auto job = std::make_shared<Job>();
+    auto connect = [job, prefixed, rank, world_size, pg_options, timeout = options_.timeout]() {
+      c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+      std::shared_ptr<const detail::GlooPeerTable> peers;
+      std::exception_ptr error;
+      try {
+        pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, pg_options);
+        peers = std::make_shared<const detail::GlooPeerTable>(
+            detail::GlooPeerTable::build(*pg, *prefixed, rank, world_size, timeout));
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lock(job->m);
+        job->pg = std::move(pg);
+        job->peers = std::move(peers);
+        job->error = error;
+        job->done = true;
+      }
+      job->cv.notify_all();
+    };
+    auto peer_failed = [&](const std::string& line, const std::string& own) {
+      return CommError(fmt::format("GlooCommunicator: rank {}/{} stopped waiting for its peers after {:.3f} s because "
+                                   "{}{}{}",
+                                   rank, world_size, detail::seconds_since(start), line,
+                                   own.empty() ? "" : "; this rank's own error: ", own));
+    };
+    if (world_size == 1) {
+      connect();
+    } else {
+      std::thread helper(connect);
+      for (;;) {
+        {
+          std::unique_lock<std::mutex> lock(job->m);
+          if (job->cv.wait_for(lock, detail::JoinWatch::kPollInterval, [&] { return job->done; })) break;
+        }
+        if (auto line = watch.failure()) {
+          // The helper may wait in Gloo until its own timeout; it owns what it uses and ends by itself.
+          helper.detach();
+          watch.linger(report_wait);
+          throw peer_failed(*line, "");
+        }
+      }
+      helper.join();
+    }
+    if (job->error) {
+      const std::string text = detail::exception_text(job->error);
+      // A peer that failed first explains this rank's failure better than the symptom seen here.
+      if (auto line = watch.failure()) {
+        watch.linger(report_wait);
+        throw peer_failed(*line, text);
+      }
+      const double waited = detail::seconds_since(start);
+      const std::string advertised = fmt::format("this rank's Gloo address: {}", device_);
+      if (detail::mentions_timeout(text) || detail::mentions_peer_gone(text)) {
+        TimeoutError error("connect", rank, waited,
+                           fmt::format("Gloo could not connect all {} ranks (rank {} on {}; {}): {}", world_size, rank,
+                                       detail::host_and_pid(), advertised, text));
+        watch.report_failure(fmt::format("{} failed to join: {}", me, error.what()), report_wait);
+        throw error;
+      }
+      CommError error(fmt::format("GlooCommunicator: creating the Gloo process group failed on rank {}/{} ({}, LibTorch {}; {}): {}",
+                                  rank, world_size, detail::host_and_pid(), TORCH_VERSION, advertised, text));
+      watch.report_failure(fmt::format("{} failed to join: {}", me, error.what()), report_wait);
+      throw error;
+    }
+    pg_ = job->pg;
+    peers_ = job->peers;
   }
 
   GlooCommunicator(GlooCommunicator&&) noexcept = default;
@@ -298,6 +390,9 @@ class GlooCommunicator {
   [[nodiscard]] int world_size() const noexcept { return world_size_; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return options_.timeout; }
   [[nodiscard]] const GlooOptions& options() const noexcept { return options_; }
+  /// Which address this rank's Gloo device uses and why (the rule of GlooOptions::interface), e.g.
+  /// "198.18.0.2 (the local address that routes to MASTER_ADDR 198.18.0.1; ...)".
+  [[nodiscard]] const std::string& device_description() const noexcept { return device_; }
   /// The underlying c10d process group (for c10d APIs loom does not wrap).
   [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_; }
 
@@ -453,6 +548,7 @@ class GlooCommunicator {
   GlooOptions options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<const detail::GlooPeerTable> peers_;  ///< which peer a Gloo error's socket address is
+  std::string device_;                                  ///< device_description()
 };
 
 static_assert(WorkHandle<GlooWork>, "GlooWork must model loom::WorkHandle");

@@ -18,9 +18,9 @@
 //    - remote ends: for each peer r, Gloo's pair gives the local address of the connection to r
 //      (transport::Pair::address()); the process's socket with that local address gives the remote
 //      one (getpeername(2));
-//    - listening addresses: each rank reads its own key of Gloo's address exchange ("<device>/<rank>"
+//    - listening addresses: each rank reads its own keys of Gloo's address exchange ("<device>/<rank>"
 //      under the communicator's store prefix: one record per peer) and the ranks swap the records
-//      with one all-to-all (one record per rank pair, O(world size) bytes per rank).
+//      with one all-to-all (one record per rank pair and device, O(world size) bytes per rank).
 //    So a message naming either address becomes "peer rank r". Only virtual calls and data members of
 //    Gloo are used (nothing needs a Gloo symbol at link time); what cannot be read stays out of the
 //    table, and errors then say "a peer".
@@ -40,6 +40,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <compare>
@@ -136,7 +137,13 @@ class GlooPeerTable {
 #else
     (void)pg;
 #endif
-    if (world_size > 1) table.swap_listening_addresses(pg, store, rank, world_size, timeout);
+    if (world_size > 1) {
+      int devices = 1;
+#if LOOM_GLOO_PEER_TABLE
+      devices = static_cast<int>((pg.*(&ContextsOf::contexts_)).size());
+#endif
+      table.swap_listening_addresses(pg, store, rank, world_size, std::max(devices, 1), timeout);
+    }
     return table;
   }
 
@@ -190,33 +197,34 @@ class GlooPeerTable {
 #endif
   }
 
-  /// Listening addresses (see the header comment): this rank's record for peer j goes to j, j's record
-  /// for this rank comes back. A rank that cannot read its key sends zeros (left out by add()).
-  void swap_listening_addresses(c10d::ProcessGroupGloo& pg, c10d::Store& store, int rank, int world_size,
+  /// Listening addresses (see the header comment): this rank's record for peer j on device d goes to
+  /// j, j's record for this rank comes back. A rank that cannot read its keys sends zeros (left out by
+  /// add()).
+  void swap_listening_addresses(c10d::ProcessGroupGloo& pg, c10d::Store& store, int rank, int world_size, int devices,
                                 std::chrono::milliseconds timeout) {
-    constexpr std::int64_t kWords = sizeof(sockaddr_storage) / sizeof(std::int64_t);
-    static_assert(sizeof(sockaddr_storage) % sizeof(std::int64_t) == 0);
-    auto send = at::zeros({world_size * kWords}, at::kLong);
-    try {
-      // Gloo's key of device 0: one record per peer in rank order (this rank left out); a record
-      // starts with the sockaddr_storage of the pair's listening socket.
-      const std::string key = fmt::format("0/{}", rank);
-      if (store.check({key})) {
+    constexpr std::size_t kRecord = sizeof(sockaddr_storage);
+    static_assert(kRecord % sizeof(std::int64_t) == 0);
+    const auto words = static_cast<std::int64_t>(kRecord / sizeof(std::int64_t)) * devices;
+    // Slot j (j = 0..world_size-1) holds `devices` records for rank j.
+    auto send = at::zeros({world_size * words}, at::kLong);
+    auto* out = reinterpret_cast<unsigned char*>(send.data_ptr<std::int64_t>());
+    const auto peers = static_cast<std::size_t>(world_size - 1);
+    for (int d = 0; d < devices; ++d) {
+      try {
+        // Gloo's key of device d: one record per peer in rank order (this rank left out); a record
+        // starts with the sockaddr_storage of the pair's listening socket.
+        const std::string key = fmt::format("{}/{}", d, rank);
+        if (!store.check({key})) continue;
         const auto bytes = store.get(key);
-        const auto peers = static_cast<std::size_t>(world_size - 1);
-        if (bytes.size() % peers == 0 && bytes.size() / peers >= sizeof(sockaddr_storage)) {
-          const std::size_t record = bytes.size() / peers;
-          auto* out = reinterpret_cast<unsigned char*>(send.data_ptr<std::int64_t>());
-          for (int j = 0; j < world_size; ++j) {
-            if (j == rank) continue;
-            const std::size_t index = static_cast<std::size_t>(j > rank ? j - 1 : j);
-            std::memcpy(out + static_cast<std::size_t>(j) * sizeof(sockaddr_storage), bytes.data() + index * record,
-                        sizeof(sockaddr_storage));
-          }
+        if (bytes.size() % peers != 0 || bytes.size() / peers < kRecord) continue;
+        const std::size_t record = bytes.size() / peers;
+        for (int j = 0; j < world_size; ++j) {
+          if (j == rank) continue;
+          const std::size_t index = static_cast<std::size_t>(j > rank ? j - 1 : j);
+          std::memcpy(out + (static_cast<std::size_t>(j) * devices + d) * kRecord, bytes.data() + index * record, kRecord);
         }
+      } catch (...) {
       }
-    } catch (...) {
-      send.zero_();
     }
     auto receive = at::zeros_like(send);
     std::vector<std::int64_t> counts;
@@ -226,9 +234,11 @@ class GlooPeerTable {
     const auto* in = reinterpret_cast<const unsigned char*>(receive.data_ptr<std::int64_t>());
     for (int j = 0; j < world_size; ++j) {
       if (j == rank) continue;
-      sockaddr_storage ss{};
-      std::memcpy(&ss, in + static_cast<std::size_t>(j) * sizeof(sockaddr_storage), sizeof(ss));
-      add(ss, j);
+      for (int d = 0; d < devices; ++d) {
+        sockaddr_storage ss{};
+        std::memcpy(&ss, in + (static_cast<std::size_t>(j) * devices + d) * kRecord, kRecord);
+        add(ss, j);
+      }
     }
   }
 
