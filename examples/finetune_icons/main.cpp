@@ -84,6 +84,7 @@ struct Options {
   int64_t stop_after_steps = 0;  // stop fine-tuning after this many optimizer steps (simulates a crash; tests)
   bool skip_corrupt = false;
   int threads = 1;               // intra-op threads per rank
+  double timeout = std::chrono::duration<double>(loom::kDefaultTimeout).count();  // seconds (--timeout)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -495,7 +496,7 @@ void run_rank(const loom::Environment& env, Options o, Clock::time_point start) 
     loom::LocalCommunicator comm;
     train_with(comm, env, o, device, start);
   } else {
-    loom::GlooCommunicator comm(env);
+    loom::GlooCommunicator comm(env, {.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000))});
     train_with(comm, env, o, device, start);
   }
 }
@@ -529,6 +530,8 @@ int main(int argc, char** argv) {
   app.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many fine-tuning optimizer steps (tests resume)");
   app.add_flag("--skip-corrupt", o.skip_corrupt, "skip undecodable PNG files with a warning instead of failing");
   app.add_option("--threads", o.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous, connect and in any collective")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (o.width % 8 != 0) {
     fmt::print(stderr, "--width {} must be a multiple of 8 (GroupNorm groups)\n", o.width);
