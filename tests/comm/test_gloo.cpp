@@ -308,9 +308,11 @@ TEST_CASE("GlooCommunicator under torchrun's agent store: every rank is a client
     expect(torch::equal(t, torch::full({3}, 3.0)), "all_reduce through the agent store");
   }, {.timeout = std::chrono::seconds(60),
       .env = {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "2"},
-              {"MASTER_PORT", std::to_string(port)}}});
-  // Both ranks checked in under torchrun's prefix (generation 0: the first rendezvous of each child).
-  CHECK(agent->add("/worker/attempt_2/loom/rdzv/0/arrived", 0) == 2);
+              {"MASTER_PORT", std::to_string(port)}, {"LOOM_RENDEZVOUS_SECRET", "0123abcd"}}});
+  // Both ranks checked in under torchrun's prefix and the job's secret (generation 0: the first
+  // rendezvous of each child), and nowhere else.
+  CHECK(agent->add("/worker/attempt_2/loom/job/0123abcd/loom/rdzv/0/arrived", 0) == 2);
+  CHECK(agent->add("/worker/attempt_2/loom/rdzv/0/arrived", 0) == 0);
   CHECK(agent->add("loom/rdzv/0/arrived", 0) == 0);
 }
 

@@ -93,6 +93,15 @@ TEST_CASE("Environment: torchrun agent store variables") {
   CHECK_FALSE(Environment::from_map(with(torchrun("0", "2"), "TORCHELASTIC_USE_AGENT_STORE", "False")).use_agent_store);
 }
 
+TEST_CASE("Environment: the job's rendezvous secret, whatever the launcher") {
+  CHECK(Environment::from_map(torchrun("0", "2")).rendezvous_secret.empty());
+  CHECK(Environment::from_map(with(torchrun("0", "2"), "LOOM_RENDEZVOUS_SECRET", "9f3a")).rendezvous_secret == "9f3a");
+  Vars mpi{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_ADDR", "node0"},
+           {"LOOM_RENDEZVOUS_SECRET", "c0ffee"}};
+  CHECK(Environment::from_map(mpi).rendezvous_secret == "c0ffee");
+  CHECK(Environment::from_map({{"LOOM_RENDEZVOUS_SECRET", "ab"}}).rendezvous_secret == "ab");
+}
+
 TEST_CASE("Environment: Open MPI variables") {
   Vars vars{{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
             {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"MASTER_ADDR", "node0"}};
@@ -163,6 +172,7 @@ TEST_CASE("Environment: every bad value is a ConfigError naming the variable and
   bad(with(with(torchrun("1", "4"), "GROUP_RANK", "2"), "GROUP_WORLD_SIZE", "2"), "node rank 2");
   bad(with(torchrun("0", "2"), "TORCHELASTIC_USE_AGENT_STORE", "maybe"), "TORCHELASTIC_USE_AGENT_STORE='maybe' is not True or False");
   bad(with(torchrun("0", "2"), "TORCHELASTIC_RESTART_COUNT", "-1"), "TORCHELASTIC_RESTART_COUNT=-1 is negative");
+  bad(with(torchrun("0", "2"), "LOOM_RENDEZVOUS_SECRET", "ab cd\n"), "LOOM_RENDEZVOUS_SECRET contains whitespace");
   bad({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK='x' is not an integer");
   bad({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK=2 is not below OMPI_COMM_WORLD_SIZE=2");
   bad({{"OMPI_COMM_WORLD_RANK", "0"}}, "OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not");

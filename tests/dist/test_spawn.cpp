@@ -6,10 +6,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
+#include <thread>
 
 namespace fs = std::filesystem;
 
@@ -57,16 +61,21 @@ TEST_CASE("spawn: every rank runs once with torchrun's variables") {
   const fs::path d = dir.path;
   loom::spawn(3, [d](const loom::Environment& env) {
     write_file(d / fmt::format("rank{}", env.rank),
-               fmt::format("{} {} {} {} {} {} {} {} {}", env.rank, env.world_size, env.local_rank, env.local_world_size,
+               fmt::format("{} {} {} {} {} {} {} {} {} {}", env.rank, env.world_size, env.local_rank, env.local_world_size,
                            env.master_addr, env.master_port, to_string(env.launcher), std::getenv("OMP_NUM_THREADS"),
-                           at::get_num_threads()));
+                           at::get_num_threads(), env.rendezvous_secret));
   });
-  std::string port;
+  std::string port, secret;
   for (int r = 0; r < 3; ++r) {
     std::istringstream in(dir.read(fmt::format("rank{}", r)));
     int rank = -1, world = -1, lrank = -1, lworld = -1, threads = -1;
-    std::string addr, p, launcher, omp;
-    in >> rank >> world >> lrank >> lworld >> addr >> p >> launcher >> omp >> threads;
+    std::string addr, p, launcher, omp, s;
+    in >> rank >> world >> lrank >> lworld >> addr >> p >> launcher >> omp >> threads >> s;
+    // One job secret for all ranks: 32 hexadecimal digits.
+    CHECK(s.size() == 32);
+    CHECK(s.find_first_not_of("0123456789abcdef") == std::string::npos);
+    if (r == 0) secret = s;
+    CHECK(s == secret);
     CHECK(rank == r);
     CHECK(world == 3);
     CHECK(lrank == r);
@@ -101,6 +110,15 @@ TEST_CASE("spawn: children start with default signal handling, not the parent's 
     if (a.sa_handler != SIG_IGN) throw std::runtime_error("SIGUSR2 is ignored in the parent but not in the rank");
   });
   sigaction(SIGUSR2, &saved, nullptr);
+}
+
+TEST_CASE("spawn: every spawn call gives its ranks a new secret") {
+  TempDir dir;
+  const fs::path d = dir.path;
+  for (int call = 0; call < 2; ++call)
+    loom::spawn(1, [d, call](int) { write_file(d / fmt::format("s{}", call), std::getenv("LOOM_RENDEZVOUS_SECRET")); });
+  CHECK(dir.read("s0").size() == 32);
+  CHECK(dir.read("s0") != dir.read("s1"));
 }
 
 TEST_CASE("spawn: fn(int) form, one rank, and SpawnOptions::env") {
@@ -245,6 +263,9 @@ TEST_CASE("rendezvous: unreachable store and missing ranks are TimeoutErrors nam
       if (e.collective() != "rendezvous" || e.rank() != 1 ||
           what.find(fmt::format("could not reach the store at 127.0.0.1:{} hosted by rank 0", port)) == std::string::npos)
         throw;
+      // It kept trying for the whole timeout (c10d alone gives up early), so a rank 0 that starts late
+      // is still found.
+      if (e.seconds_waited() < 1.0) throw std::runtime_error(fmt::format("gave up after {:.3f} s", e.seconds_waited()));
       return;
     }
     throw std::runtime_error("rendezvous did not throw");
@@ -265,4 +286,76 @@ TEST_CASE("rendezvous: unreachable store and missing ranks are TimeoutErrors nam
     throw std::runtime_error("rendezvous returned without rank 1");
   }, {.timeout = std::chrono::seconds(60)});
   CHECK_THROWS_AS(loom::rendezvous(loom::Environment{.rank = 2, .world_size = 2}), loom::InvalidArgument);
+}
+
+namespace {
+
+/// What rank 0 (alone in a world of 2, rendezvous timeout 3 s) did while a stranger who can reach its
+/// store, but does not know the job's secret, wrote the keys that say "every rank arrived": "accepted"
+/// (rendezvous returned without rank 1) or "rejected" (it timed out waiting for rank 1). `stderr_path`
+/// gets rank 0's standard error.
+std::string rendezvous_with_stranger(const std::map<std::string, std::string>& env, const fs::path& stderr_path) {
+  auto [fd, port] = loom::detail::reserve_port();
+  close(fd);  // rank 0's store takes the port over
+  std::atomic<bool> stop{false};
+  std::atomic<int> forged{0};
+  // The stranger: connects as a store client as soon as rank 0 listens, and forges the check-in keys
+  // of the first ten rendezvous generations (what an outsider would try).
+  std::thread stranger([&, port = port] {
+    while (!stop) {
+      try {
+        c10d::TCPStoreOptions opts;
+        opts.port = port;
+        opts.isServer = false;
+        opts.waitWorkers = false;
+        opts.timeout = std::chrono::seconds(5);  // c10d retries refused connects until then
+        c10d::TCPStore store("127.0.0.1", opts);
+        for (int gen = 0; gen < 10; ++gen) {
+          store.add(fmt::format("loom/rdzv/{}/arrived", gen), 1);
+          store.set(fmt::format("loom/rdzv/{}/all", gen), std::vector<std::uint8_t>{1});
+          forged = 1;  // (a rank that accepts may exit and close the store before the later generations)
+        }
+        return;
+      } catch (const std::exception&) {
+        if (forged == 1) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  });
+  TempDir out;
+  const fs::path result = out.path / "result";
+  const std::string err = stderr_path.string();
+  loom::SpawnOptions options{.timeout = std::chrono::seconds(60), .master_port = port, .env = {}};
+  for (const auto& [k, v] : env) options.env[k] = v;
+  loom::spawn(1, [result, err](const loom::Environment& env0) {
+    const int fd = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    ::dup2(fd, 2);
+    loom::Environment env = env0;
+    env.world_size = 2;
+    try {
+      (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(3)});
+      write_file(result, "accepted");
+    } catch (const loom::TimeoutError& e) {
+      write_file(result, std::string(e.what()).find("1 of 2 ranks arrived") != std::string::npos ? "rejected" : e.what());
+    }
+  }, options);
+  stop = true;
+  stranger.join();
+  CHECK(forged == 1);  // the stranger did reach the store and write its keys
+  return out.read("result");
+}
+
+}  // namespace
+
+TEST_CASE("rendezvous: a client without the job's secret cannot make rank 0 accept its keys") {
+  TempDir dir;
+  // spawn gives its ranks a secret: the forged check-in is never read; rank 0 keeps waiting for rank 1.
+  CHECK(rendezvous_with_stranger({}, dir.path / "with.err") == "rejected");
+  CHECK(dir.read("with.err").find("LOOM_RENDEZVOUS_SECRET") == std::string::npos);
+  // Without a secret (a launcher that sets none): the same stranger's keys are taken for rank 1's, which
+  // is what the secret prevents; rank 0 says so in one warning line.
+  CHECK(rendezvous_with_stranger({{"LOOM_RENDEZVOUS_SECRET", ""}}, dir.path / "without.err") == "accepted");
+  const std::string warning = dir.read("without.err");
+  CHECK(warning.find("loom: warning: LOOM_RENDEZVOUS_SECRET is not set") == 0);
+  CHECK(std::count(warning.begin(), warning.end(), '\n') == 1);
 }

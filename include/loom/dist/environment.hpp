@@ -20,6 +20,8 @@
 //      SLURM_TASKS_PER_NODE (local size), SLURM_NODEID, SLURM_NNODES. MASTER_ADDR / MASTER_PORT
 //      must be exported by the batch script.
 //   4. None of them: a single process (rank 0 of 1, master 127.0.0.1:29500).
+// Whatever the launcher: LOOM_RENDEZVOUS_SECRET, the job's secret for the rendezvous store (see
+// loom/dist/rendezvous.hpp; loom::spawn sets a fresh one for its ranks).
 //
 // Throws: loom::ConfigError for a non-integer or negative number, RANK >= WORLD_SIZE, WORLD_SIZE < 1,
 //         LOCAL_RANK >= LOCAL_WORLD_SIZE, a port outside [1, 65535], MASTER_ADDR missing or empty
@@ -85,6 +87,7 @@ struct Environment {
   Launcher launcher = Launcher::none;      ///< where the values came from
   bool use_agent_store = false;            ///< TORCHELASTIC_USE_AGENT_STORE=True: torchrun hosts the store, every rank is a client
   int restart_count = 0;                   ///< TORCHELASTIC_RESTART_COUNT (prefix /worker/attempt_<n> of torchrun's keys)
+  std::string rendezvous_secret{};         ///< LOOM_RENDEZVOUS_SECRET: loom's store keys live under it; empty = none (a warning)
 
   /// True when more than one process takes part.
   [[nodiscard]] bool is_distributed() const noexcept { return world_size > 1; }
@@ -265,6 +268,12 @@ inline Environment Environment::from_lookup(const std::function<std::optional<st
     }
   }
   if (auto rc = get("TORCHELASTIC_RESTART_COUNT")) env.restart_count = detail::parse_env_count("TORCHELASTIC_RESTART_COUNT", *rc, 0);
+  if (auto secret = get("LOOM_RENDEZVOUS_SECRET")) {
+    if (secret->find_first_of(" \t\n") != std::string::npos)
+      throw ConfigError("LOOM_RENDEZVOUS_SECRET contains whitespace (a copy-paste slip?); use e.g. the output of "
+                        "`openssl rand -hex 16`");
+    env.rendezvous_secret = *secret;
+  }
   return env;
 }
 

@@ -20,6 +20,17 @@
 // Then every rank checks in ("loom/rdzv/<n>/..." keys, n counting the rendezvous of this process),
 // so the call returns on all ranks only when all have arrived.
 //
+// The job's secret (Environment::rendezvous_secret, from LOOM_RENDEZVOUS_SECRET): rank 0's TCPStore
+// listens on every interface and anyone who reaches its port may read and write keys. With a secret,
+// the returned store keeps every key under "loom/job/<secret>/", so the check-in, Gloo's addresses and
+// NCCL's unique id live under names a stranger cannot guess: what a stranger writes elsewhere is
+// never read, and the store protocol has no request that lists keys (c10d's TCPStore: set, get, add,
+// check, wait, compare-set, delete, key count). loom::spawn gives its ranks a fresh 128-bit secret;
+// with a launcher, export the same random value on every rank (torchrun and srun pass the
+// environment on, mpirun needs `-x LOOM_RENDEZVOUS_SECRET`). Without one, keys are used as they are
+// (unprotected) and rank 0 prints one warning line to stderr. The secret travels in clear text inside
+// key names: it keeps out whoever can reach the port, not whoever can read the traffic.
+//
 // Throws: loom::TimeoutError (collective "rendezvous") when rank 0's store cannot be reached or a rank
 //         does not arrive within `timeout`; loom::CommError when rank 0 cannot listen on the port
 //         (e.g. already in use); loom::InvalidArgument for a bad Environment.
@@ -27,11 +38,14 @@
 //         (torch/distributed/elastic/agent/server/local_elastic_agent.py).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -114,6 +128,17 @@ inline void store_check_in(c10d::Store& store, const std::string& prefix, int ra
   }
 }
 
+/// Rank 0's one line about a job without LOOM_RENDEZVOUS_SECRET (once per process).
+inline void warn_once_without_secret(const Environment& env) {
+  static std::atomic<bool> warned{false};
+  if (warned.exchange(true)) return;
+  std::fprintf(stderr,
+               "loom: warning: LOOM_RENDEZVOUS_SECRET is not set, so anyone who can reach %s:%u can read and write "
+               "this job's rendezvous keys; export the same random value on every rank (openssl rand -hex 16)\n",
+               env.master_addr.c_str(), static_cast<unsigned>(env.master_port));
+  std::fflush(stderr);
+}
+
 }  // namespace detail
 
 /// Connects to (rank 0: hosts) the job's TCPStore and waits for all ranks; see the header comment.
@@ -141,19 +166,40 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
     opts.waitWorkers = false;  // loom's own check-in below gives the better error message
   }
   c10::intrusive_ptr<c10d::Store> store;
-  try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
-  } catch (const std::exception& e) {
-    std::string text = detail::exception_text(e);
-    if (host && !detail::mentions_timeout(text))
-      throw CommError(fmt::format("rendezvous: rank 0 could not host the store on port {} (MASTER_PORT): {}",
-                                  env.master_port, text));
-    throw TimeoutError("rendezvous", env.rank, detail::seconds_since(start),
-                       fmt::format("could not reach the store at {}:{}{} ({})", env.master_addr, env.master_port,
-                                   env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0", text));
+  // A client tries again until loom's own deadline. c10d's connect (LibTorch 1.13) counts its timeout
+  // in whole seconds and gives up as soon as its next 1 s back-off step would pass it: measured, a
+  // refused connect with a 1.5 s timeout gave up after 0.3 s, so a rank started a little before rank 0
+  // would not find the store. Each attempt gets the time left, rounded up to whole seconds (so the
+  // call may end up to 1 s after the timeout while an unreachable host does not answer).
+  const auto deadline = start + options.timeout;
+  for (;;) {
+    try {
+      const auto left = deadline - std::chrono::steady_clock::now();
+      opts.timeout = host ? options.timeout
+                          : std::chrono::milliseconds(std::max<std::int64_t>(
+                                1000, std::chrono::ceil<std::chrono::seconds>(left).count() * 1000));
+      store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+      store->setTimeout(options.timeout);  // the bound of later gets and waits, not the attempt's
+      break;
+    } catch (const std::exception& e) {
+      std::string text = detail::exception_text(e);
+      if (host && !detail::mentions_timeout(text))
+        throw CommError(fmt::format("rendezvous: rank 0 could not host the store on port {} (MASTER_PORT): {}",
+                                    env.master_port, text));
+      const auto now = std::chrono::steady_clock::now();
+      if (host || now >= deadline)
+        throw TimeoutError("rendezvous", env.rank, detail::seconds_since(start),
+                           fmt::format("could not reach the store at {}:{}{} ({})", env.master_addr, env.master_port,
+                                       env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0", text));
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
+    }
   }
   if (env.use_agent_store)
     store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), store);
+  if (!env.rendezvous_secret.empty())
+    store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("loom/job/{}", env.rendezvous_secret), store);
+  else if (env.rank == 0)
+    detail::warn_once_without_secret(env);
 
   const int gen = detail::rendezvous_generation().fetch_add(1);
   detail::store_check_in(*store, fmt::format("loom/rdzv/{}", gen), env.rank, env.world_size, options.timeout, start);

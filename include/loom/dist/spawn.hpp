@@ -15,6 +15,7 @@
 // What each child gets (torchrun's names, so Environment::from_env() reads them):
 //   RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, LOCAL_WORLD_SIZE=n, GROUP_RANK=0, GROUP_WORLD_SIZE=1,
 //   MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port spawn picked>, OMP_NUM_THREADS=<threads_per_rank>,
+//   LOOM_RENDEZVOUS_SECRET=<128 random bits, new for every spawn call> (see loom/dist/rendezvous.hpp),
 //   then SpawnOptions::env on top (it may override any of these). TORCHELASTIC_* variables inherited
 //   from the parent are removed (a spawned job is not a torchrun job) unless SpawnOptions::env sets them.
 //   Signals as after execve(2): the parent's handlers are reset to SIG_DFL, signals the parent
@@ -49,6 +50,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -213,8 +215,24 @@ inline std::string read_all(int fd) {
   return out;
 }
 
+/// A fresh job secret: 16 bytes from getrandom(2), as 32 hexadecimal digits.
+inline std::string random_job_secret() {
+  unsigned char bytes[16];
+  std::size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw Error(fmt::format("spawn: getrandom() failed: {}", std::strerror(errno)));
+    got += static_cast<std::size_t>(n);
+  }
+  std::string out;
+  for (unsigned char b : bytes) out += fmt::format("{:02x}", b);
+  return out;
+}
+
 /// Sets torchrun's variables (and SpawnOptions::env) in a freshly forked child, and its thread count.
-inline void prepare_child(int rank, int nprocs, std::uint16_t port, const SpawnOptions& options, pid_t parent) {
+inline void prepare_child(int rank, int nprocs, std::uint16_t port, const std::string& secret,
+                          const SpawnOptions& options, pid_t parent) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != parent) ::_exit(111);  // the parent died between fork and prctl
   // Signal dispositions as an exec'd rank would have them: handlers installed by the parent (a test
@@ -243,6 +261,7 @@ inline void prepare_child(int rank, int nprocs, std::uint16_t port, const SpawnO
   set("GROUP_WORLD_SIZE", "1");
   set("MASTER_ADDR", options.master_addr);
   set("MASTER_PORT", std::to_string(port));
+  set("LOOM_RENDEZVOUS_SECRET", secret);
   if (options.threads_per_rank > 0) set("OMP_NUM_THREADS", std::to_string(options.threads_per_rank));
   for (const auto& [k, v] : options.env) set(k, v);
 }
@@ -288,6 +307,7 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
   if (options.threads_per_rank < 0)
     throw InvalidArgument(fmt::format("spawn: threads_per_rank = {} (need >= 0)", options.threads_per_rank));
 
+  const std::string secret = random_job_secret();
   int reserved_fd = -1;
   std::uint16_t port = options.master_port;
   if (port == 0) std::tie(reserved_fd, port) = reserve_port();
@@ -324,7 +344,7 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
       for (int fd : fds)
         if (fd >= 0) ::close(fd);
       if (reserved_fd >= 0) ::close(reserved_fd);
-      prepare_child(r, nprocs, port, options, parent);
+      prepare_child(r, nprocs, port, secret, options, parent);
       child(r, pipefd[1]);
       finish_child(pipefd[1], 112);  // child() must not return
     }
