@@ -1,0 +1,635 @@
+// Two hosts on one machine: two network namespaces joined by a veth pair (198.18.0.1 and 198.18.0.2,
+// the range reserved for benchmarking), one rank per host, each host with its own hostname that
+// resolves to loopback (a private UTS and mount namespace whose /etc/hosts says "127.0.1.1 <name>",
+// Debian's default). The ranks get torchrun's variables with MASTER_ADDR = host A's address, as a user
+// running one rank per machine would.
+//
+// Cases:
+//   1. training across the hosts (examples/readme_loop) ends with the same loss as the same program
+//      spawned as 2 ranks on one host;
+//   2. the same with GLOO_SOCKET_IFNAME set to each host's interface;
+//   3. the link goes down mid-training: each rank throws loom::TimeoutError naming the collective,
+//      its rank and its peer, within the timeout + 1 s;
+//   4. the peer is killed with SIGKILL: the survivor throws within 2 s, naming the peer;
+//   5. MASTER_ADDR is unreachable: a loom error naming MASTER_ADDR:MASTER_PORT within the rendezvous
+//      timeout + 1 s;
+//   6. one rank fails to connect (its peer advertises an address it cannot reach): the other throws at
+//      once, naming it.
+//
+// Usage: test_two_hosts [READMELOOP]   (READMELOOP: path of build/examples/readme_loop, for case 1/2)
+// Exit codes: 0 pass, 1 fail, 77 skipped (not root, no `ip` / `unshare`, or namespaces cannot be made).
+// Cleanup: the namespaces (and with them the veth pair) and the temporary folder are removed when the
+// test ends, also when a check fails or throws; a helper process removes them if this process is
+// killed. Rank processes die with this process (PR_SET_PDEATHSIG survives the exec chain
+// ip netns exec -> unshare -> sh -> program, which never forks).
+// Worker mode (the ranks of cases 3-6): test_two_hosts --worker join|loop OUTFILE.
+#include <loom/comm/gloo.hpp>
+#include <loom/dist/environment.hpp>
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;  // CLOCK_MONOTONIC: one clock for every process of the machine
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Worker mode: one rank of cases 3-6. Writes "key value" lines to OUTFILE.
+// ------------------------------------------------------------------------------------------------
+
+class Report {
+ public:
+  explicit Report(std::string path) : path_(std::move(path)) {}
+  void put(const std::string& key, const std::string& value) {
+    std::ofstream out(path_, std::ios::app);
+    std::string v = value;
+    for (char& c : v)
+      if (c == '\n') c = ' ';
+    out << key << ' ' << v << '\n';
+  }
+
+ private:
+  std::string path_;
+};
+
+/// True when this host's name resolves (only) to loopback addresses.
+bool hostname_is_loopback(std::string& name) {
+  char buf[256] = {};
+  ::gethostname(buf, sizeof(buf) - 1);
+  name = buf;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(buf, nullptr, &hints, &res) != 0 || res == nullptr) return false;
+  bool all = true;
+  for (auto* p = res; p != nullptr; p = p->ai_next) {
+    if (p->ai_family == AF_INET)
+      all = all && (ntohl(reinterpret_cast<sockaddr_in*>(p->ai_addr)->sin_addr.s_addr) >> 24) == 127;
+    else if (p->ai_family == AF_INET6)
+      all = all && IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<sockaddr_in6*>(p->ai_addr)->sin6_addr);
+  }
+  ::freeaddrinfo(res);
+  return all;
+}
+
+int worker(const std::string& mode, const std::string& out_path) {
+  Report report(out_path);
+  std::string host;
+  report.put("hostname_loopback", hostname_is_loopback(host) ? "1" : "0");
+  report.put("hostname", host);
+  const auto timeout = std::chrono::milliseconds(std::atoll(std::getenv("LOOM_TEST_TIMEOUT_MS")));
+  report.put("t_start", std::to_string(now_ns()));
+  try {
+    const auto env = loom::Environment::from_env();
+    loom::GlooCommunicator comm(env, {.timeout = timeout});
+    report.put("t_joined", std::to_string(now_ns()));
+    if (mode == "join") {
+      comm.barrier();
+      report.put("ok", "1");
+      return 0;
+    }
+    // loop: all-reduce until something fails; "ready" once one succeeded.
+    for (long i = 0;; ++i) {
+      auto t = at::full({1024}, static_cast<double>(env.rank + 1), at::kDouble);
+      comm.all_reduce(t, loom::ReduceOp::sum);
+      if (!at::equal(t, at::full({1024}, 3.0, at::kDouble))) throw std::runtime_error("all_reduce: wrong sum");
+      if (i == 0) std::ofstream(out_path + ".ready") << "1\n";
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  } catch (const loom::TimeoutError& e) {
+    report.put("t_error", std::to_string(now_ns()));
+    report.put("type", "TimeoutError");
+    report.put("collective", e.collective());
+    report.put("what", e.what());
+  } catch (const loom::CommError& e) {
+    report.put("t_error", std::to_string(now_ns()));
+    report.put("type", "CommError");
+    report.put("what", e.what());
+  } catch (const std::exception& e) {
+    report.put("t_error", std::to_string(now_ns()));
+    report.put("type", "other");
+    report.put("what", e.what());
+  }
+  return 3;
+}
+
+std::map<std::string, std::string> read_report(const std::string& path) {
+  std::map<std::string, std::string> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto sp = line.find(' ');
+    if (sp == std::string::npos) continue;
+    out[line.substr(0, sp)] = line.substr(sp + 1);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Controller: hosts, ranks, checks.
+// ------------------------------------------------------------------------------------------------
+
+std::string find_in_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::string p = path ? path : "/usr/sbin:/usr/bin:/sbin:/bin";
+  p += ":/usr/sbin:/sbin";
+  std::size_t start = 0;
+  while (start <= p.size()) {
+    auto end = p.find(':', start);
+    if (end == std::string::npos) end = p.size();
+    auto candidate = fs::path(p.substr(start, end - start)) / name;
+    if (!p.substr(start, end - start).empty() && ::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+    start = end + 1;
+  }
+  return {};
+}
+
+/// Runs a command, waits for it; returns its exit code (-1 when it could not run). Output to `log`.
+int run_command(const std::vector<std::string>& args, const std::string& log = "/dev/null") {
+  pid_t pid = ::fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string tail(const std::string& text, std::size_t n = 3000) {
+  return text.size() <= n ? text : "..." + text.substr(text.size() - n);
+}
+
+/// The two hosts. Constructor builds them; destructor (and the reaper, if this process dies) removes them.
+class Hosts {
+ public:
+  static constexpr const char* kAddrA = "198.18.0.1";
+  static constexpr const char* kAddrB = "198.18.0.2";
+  static constexpr const char* kUnreachable = "198.18.0.3";  // in the subnet, assigned to nobody
+
+  explicit Hosts(const fs::path& dir) : dir_(dir) {
+    const std::string id = std::to_string(::getpid() % 1000000);
+    ns_[0] = "loomA" + id;
+    ns_[1] = "loomB" + id;
+    veth_[0] = "lvA" + id;
+    veth_[1] = "lvB" + id;
+    start_reaper();
+    created_ = run_command({"ip", "netns", "add", ns_[0]}) == 0;
+    if (!created_) return;
+    ok_ = run_command({"ip", "netns", "add", ns_[1]}) == 0 &&
+          run_command({"ip", "link", "add", veth_[0], "netns", ns_[0], "type", "veth", "peer", "name", veth_[1],
+                       "netns", ns_[1]}) == 0;
+    const char* addr[2] = {kAddrA, kAddrB};
+    for (int h = 0; h < 2 && ok_; ++h) {
+      ok_ = run_command({"ip", "-n", ns_[h], "link", "set", "lo", "up"}) == 0 &&
+            run_command({"ip", "-n", ns_[h], "addr", "add", std::string(addr[h]) + "/24", "dev", veth_[h]}) == 0 &&
+            run_command({"ip", "-n", ns_[h], "link", "set", veth_[h], "up"}) == 0;
+      name_[h] = h == 0 ? "loom-host-a" : "loom-host-b";
+      hosts_file_[h] = (dir_ / fmt::format("hosts.{}", h)).string();
+      std::ofstream(hosts_file_[h]) << "127.0.0.1 localhost\n127.0.1.1 " << name_[h] << "\n::1 localhost\n";
+    }
+  }
+  ~Hosts() { remove(); }
+  Hosts(const Hosts&) = delete;
+  Hosts& operator=(const Hosts&) = delete;
+
+  [[nodiscard]] bool created() const { return created_; }
+  [[nodiscard]] bool ok() const { return ok_; }
+  [[nodiscard]] const std::string& ns(int h) const { return ns_[h]; }
+  [[nodiscard]] const std::string& veth(int h) const { return veth_[h]; }
+
+  void link(bool up) { run_command({"ip", "-n", ns_[1], "link", "set", veth_[1], up ? "up" : "down"}); }
+
+  /// Starts `argv` on host h (0 = A, 1 = B) with `env` added; stdout and stderr to `log`. Returns the pid
+  /// (the same process all the way down the exec chain).
+  pid_t start(int h, const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+              const std::string& log) {
+    std::vector<std::string> args = {"ip", "netns", "exec", ns_[h], "unshare", "--uts", "--mount", "sh", "-c",
+                                     fmt::format("hostname {} && mount --bind {} /etc/hosts && exec \"$0\" \"$@\"",
+                                                 name_[h], hosts_file_[h])};
+    args.insert(args.end(), argv.begin(), argv.end());
+    const pid_t parent = ::getpid();
+    pid_t pid = ::fork();
+    if (pid != 0) return pid;
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(111);
+    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                          "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "LOOM_RENDEZVOUS_SECRET",
+                          "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "OMPI_COMM_WORLD_RANK",
+                          "SLURM_PROCID"})
+      ::unsetenv(v);
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> cargv;
+    for (const auto& a : args) cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    ::execvp(cargv[0], cargv.data());
+    ::_exit(127);
+  }
+
+  void remove() {
+    if (removed_) return;
+    removed_ = true;
+    if (created_) {
+      run_command({"ip", "netns", "del", ns_[0]});
+      run_command({"ip", "netns", "del", ns_[1]});
+    }
+    if (reaper_pipe_ >= 0) ::close(reaper_pipe_);  // the reaper finds nothing left to remove
+    if (reaper_ > 0) ::waitpid(reaper_, nullptr, 0);
+  }
+
+ private:
+  /// A child that waits for this process to end (its pipe closes) and then removes the namespaces, so
+  /// they go away even when this process is killed.
+  void start_reaper() {
+    int fds[2];
+    if (::pipe(fds) != 0) return;
+    reaper_ = ::fork();
+    if (reaper_ == 0) {
+      ::close(fds[1]);
+      for (int fd = 3; fd < 1024; ++fd)
+        if (fd != fds[0]) ::close(fd);
+      char c;
+      while (::read(fds[0], &c, 1) > 0) {
+      }
+      const std::string cmd = fmt::format("ip netns del {0} 2>/dev/null; ip netns del {1} 2>/dev/null; rm -rf {2}",
+                                          ns_[0], ns_[1], dir_.string());
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      ::_exit(0);
+    }
+    ::close(fds[0]);
+    ::fcntl(fds[1], F_SETFD, FD_CLOEXEC);
+    reaper_pipe_ = fds[1];
+  }
+
+  fs::path dir_;
+  std::string ns_[2], veth_[2], name_[2], hosts_file_[2];
+  bool created_ = false, ok_ = false, removed_ = false;
+  pid_t reaper_ = -1;
+  int reaper_pipe_ = -1;
+};
+
+/// Waits for `pids` until `deadline`; kills what is left. Returns the exit codes (-SIG for a signal,
+/// -1000 when killed at the deadline).
+std::vector<int> wait_all(const std::vector<pid_t>& pids, Clock::time_point deadline) {
+  std::vector<int> codes(pids.size(), 0);
+  std::vector<bool> done(pids.size(), false);
+  std::size_t left = pids.size();
+  while (left > 0) {
+    for (std::size_t i = 0; i < pids.size(); ++i) {
+      if (done[i]) continue;
+      int status = 0;
+      if (::waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        done[i] = true;
+        --left;
+        codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+      }
+    }
+    if (left == 0) break;
+    if (Clock::now() > deadline) {
+      for (std::size_t i = 0; i < pids.size(); ++i)
+        if (!done[i]) {
+          ::kill(pids[i], SIGKILL);
+          ::waitpid(pids[i], nullptr, 0);
+          codes[i] = -1000;
+        }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return codes;
+}
+
+/// Waits until `path` exists or the deadline passes.
+bool wait_for_file(const std::string& path, Clock::time_point deadline) {
+  while (Clock::now() < deadline) {
+    if (fs::exists(path)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return fs::exists(path);
+}
+
+std::string random_hex(int bytes) {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < bytes; ++i) out += fmt::format("{:02x}", rd() & 0xff);
+  return out;
+}
+
+struct Suite {
+  fs::path dir;
+  Hosts& hosts;
+  std::string self;
+  std::string readme_loop;
+  int failed = 0;
+  int port = 29400;
+
+  bool check(bool ok, const std::string& what) {
+    if (!ok) {
+      fmt::print("    check failed: {}\n", what);
+      ++failed_checks;
+    }
+    return ok;
+  }
+  int failed_checks = 0;
+
+  std::map<std::string, std::string> rank_env(int rank, const std::string& master, int timeout_ms) {
+    return {{"RANK", std::to_string(rank)},        {"WORLD_SIZE", "2"},
+            {"LOCAL_RANK", "0"},                   {"LOCAL_WORLD_SIZE", "1"},
+            {"GROUP_RANK", std::to_string(rank)},  {"GROUP_WORLD_SIZE", "2"},
+            {"MASTER_ADDR", master},               {"MASTER_PORT", std::to_string(port)},
+            {"OMP_NUM_THREADS", "1"},              {"LOOM_TEST_TIMEOUT_MS", std::to_string(timeout_ms)},
+            {"LOOM_RENDEZVOUS_SECRET", secret}};
+  }
+  std::string secret = random_hex(16);
+
+  void begin(const std::string& name) {
+    ++port;
+    failed_checks = 0;
+    fmt::print("case {}\n", name);
+    std::fflush(stdout);
+  }
+  void end(const std::string& name, const std::vector<std::string>& logs) {
+    if (failed_checks == 0) {
+      fmt::print("  PASS: {}\n", name);
+    } else {
+      ++failed;
+      fmt::print("  FAIL: {}\n", name);
+      for (const auto& l : logs) fmt::print("  --- {} ---\n{}\n", l, tail(read_text(l)));
+    }
+    std::fflush(stdout);
+  }
+
+  /// Cases 1 and 2: readme_loop across the hosts equals readme_loop spawned on one host.
+  void training(const std::string& name, bool ifname) {
+    begin(name);
+    const std::string base_log = (dir / "baseline.log").string();
+    std::vector<std::string> logs;
+    if (!check(!readme_loop.empty() && fs::exists(readme_loop), "the readme_loop program exists: " + readme_loop)) {
+      end(name, logs);
+      return;
+    }
+    if (!fs::exists(base_log)) {
+      // The same program as 2 ranks spawned on one host (loopback).
+      std::vector<std::string> args = {readme_loop, "--nproc", "2"};
+      pid_t pid = ::fork();
+      if (pid == 0) {
+        int fd = ::open(base_log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+        for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+          ::unsetenv(v);
+        ::execl(readme_loop.c_str(), readme_loop.c_str(), "--nproc", "2", static_cast<char*>(nullptr));
+        ::_exit(127);
+      }
+      auto codes = wait_all({pid}, Clock::now() + std::chrono::seconds(120));
+      check(codes[0] == 0, fmt::format("the spawned baseline run exited with {}", codes[0]));
+    }
+    logs.push_back(base_log);
+    std::vector<pid_t> pids;
+    for (int r = 0; r < 2; ++r) {
+      auto env = rank_env(r, Hosts::kAddrA, 60000);
+      if (ifname) env["GLOO_SOCKET_IFNAME"] = hosts.veth(r);
+      const std::string log = (dir / fmt::format("{}.rank{}.log", name, r)).string();
+      logs.push_back(log);
+      pids.push_back(hosts.start(r, {readme_loop}, env, log));
+    }
+    auto codes = wait_all(pids, Clock::now() + std::chrono::seconds(90));
+    for (int r = 0; r < 2; ++r) check(codes[r] == 0, fmt::format("rank {} exited with {}", r, codes[r]));
+    auto result_line = [](const std::string& text) {
+      auto at = text.rfind("result: ");
+      return at == std::string::npos ? std::string() : text.substr(at, text.find('\n', at) - at);
+    };
+    const std::string want = result_line(read_text(base_log));
+    const std::string got = result_line(read_text(logs[1]));
+    check(!want.empty(), "the baseline printed a result line");
+    check(got == want, fmt::format("two hosts: '{}', one host: '{}'", got, want));
+    end(name, logs);
+  }
+
+  /// Starts the "loop" worker on both hosts, waits until both all-reduced once, then runs `fault`
+  /// and returns the reports; `t_fault` is when the fault happened.
+  std::vector<std::map<std::string, std::string>> loop_with_fault(const std::string& name, int timeout_ms,
+                                                                  const std::function<void(std::vector<pid_t>&)>& fault,
+                                                                  std::int64_t& t_fault, std::vector<std::string>& logs,
+                                                                  std::vector<int>& codes) {
+    std::vector<pid_t> pids;
+    std::vector<std::string> outs;
+    for (int r = 0; r < 2; ++r) {
+      const std::string out = (dir / fmt::format("{}.rank{}.out", name, r)).string();
+      const std::string log = (dir / fmt::format("{}.rank{}.log", name, r)).string();
+      outs.push_back(out);
+      logs.push_back(log);
+      logs.push_back(out);
+      pids.push_back(hosts.start(r, {self, "--worker", "loop", out}, rank_env(r, Hosts::kAddrA, timeout_ms), log));
+    }
+    const auto ready_deadline = Clock::now() + std::chrono::seconds(60);
+    bool ready = wait_for_file(outs[0] + ".ready", ready_deadline) && wait_for_file(outs[1] + ".ready", ready_deadline);
+    check(ready, "both ranks all-reduced across the hosts before the fault");
+    t_fault = now_ns();
+    if (ready) fault(pids);
+    codes = wait_all(pids, Clock::now() + std::chrono::milliseconds(timeout_ms) + std::chrono::seconds(30));
+    return {read_report(outs[0]), read_report(outs[1])};
+  }
+
+  /// Case 3: the link goes down.
+  void link_down() {
+    const std::string name = "3-link-down";
+    begin(name);
+    constexpr int kTimeoutMs = 3000;
+    std::int64_t t_down = 0;
+    std::vector<std::string> logs;
+    std::vector<int> codes;
+    auto reports = loop_with_fault(name, kTimeoutMs, [&](std::vector<pid_t>&) { hosts.link(false); }, t_down, logs, codes);
+    for (int r = 0; r < 2; ++r) {
+      auto& rep = reports[r];
+      check(rep["hostname_loopback"] == "1", fmt::format("rank {}'s hostname {} resolves to loopback", r, rep["hostname"]));
+      check(rep["type"] == "TimeoutError", fmt::format("rank {} threw loom::TimeoutError (got {}: {})", r, rep["type"], rep["what"]));
+      check(rep["collective"] == "all_reduce", fmt::format("rank {}'s error names all_reduce: {}", r, rep["what"]));
+      check(rep["what"].find(fmt::format("on rank {}", r)) != std::string::npos, fmt::format("rank {}'s error names its rank", r));
+      check(rep["what"].find(fmt::format("peer rank {}", 1 - r)) != std::string::npos,
+            fmt::format("rank {}'s error names peer rank {}: {}", r, 1 - r, rep["what"]));
+      const double after = rep.count("t_error") ? (std::stoll(rep["t_error"]) - t_down) / 1e9 : 1e9;
+      check(after <= kTimeoutMs / 1000.0 + 1.0,
+            fmt::format("rank {} threw {:.3f} s after the link went down (bound: timeout {} s + 1 s)", r, after, kTimeoutMs / 1000.0));
+      fmt::print("    rank {}: {:.3f} s after the link went down: {}\n", r, after, rep["what"].substr(0, 300));
+    }
+    hosts.link(true);
+    end(name, logs);
+  }
+
+  /// Case 4: rank 1 is killed with SIGKILL.
+  void killed_peer() {
+    const std::string name = "4-peer-killed";
+    begin(name);
+    std::int64_t t_kill = 0;
+    std::vector<std::string> logs;
+    std::vector<int> codes;
+    auto reports = loop_with_fault(name, 20000, [&](std::vector<pid_t>& pids) { ::kill(pids[1], SIGKILL); }, t_kill,
+                                   logs, codes);
+    auto& rep = reports[0];
+    check(codes[1] == -SIGKILL, fmt::format("rank 1 was killed (exit {})", codes[1]));
+    check(rep["type"] == "TimeoutError" || rep["type"] == "CommError",
+          fmt::format("rank 0 threw a loom error (got {}: {})", rep["type"], rep["what"]));
+    check(rep["what"].find("all_reduce") != std::string::npos && rep["what"].find("on rank 0") != std::string::npos,
+          "rank 0's error names the collective and its rank: " + rep["what"]);
+    check(rep["what"].find("peer rank 1") != std::string::npos, "rank 0's error names peer rank 1: " + rep["what"]);
+    const double after = rep.count("t_error") ? (std::stoll(rep["t_error"]) - t_kill) / 1e9 : 1e9;
+    check(after <= 2.0, fmt::format("rank 0 threw {:.3f} s after the kill (bound 2 s)", after));
+    fmt::print("    rank 0: {:.3f} s after the kill: {}\n", after, rep["what"].substr(0, 300));
+    end(name, logs);
+  }
+
+  /// Case 5: MASTER_ADDR is an address nobody has.
+  void unreachable_master() {
+    const std::string name = "5-master-unreachable";
+    begin(name);
+    constexpr int kTimeoutMs = 3000;
+    const std::string out = (dir / (name + ".rank1.out")).string();
+    const std::string log = (dir / (name + ".rank1.log")).string();
+    pid_t pid = hosts.start(1, {self, "--worker", "join", out}, rank_env(1, Hosts::kUnreachable, kTimeoutMs), log);
+    auto codes = wait_all({pid}, Clock::now() + std::chrono::seconds(60));
+    auto rep = read_report(out);
+    check(rep["type"] == "TimeoutError" || rep["type"] == "CommError",
+          fmt::format("rank 1 threw a loom error (got {}: {})", rep["type"], rep["what"]));
+    const std::string where = fmt::format("{}:{}", Hosts::kUnreachable, port);
+    check(rep["what"].find(where) != std::string::npos, fmt::format("the error names {}: {}", where, rep["what"]));
+    const double took = rep.count("t_error") ? (std::stoll(rep["t_error"]) - std::stoll(rep["t_start"])) / 1e9 : 1e9;
+    check(took <= kTimeoutMs / 1000.0 + 1.0, fmt::format("rank 1 gave up after {:.3f} s (bound: timeout 3 s + 1 s)", took));
+    fmt::print("    rank 1: {:.3f} s: {}\n", took, rep["what"].substr(0, 300));
+    (void)codes;
+    end(name, {log, out});
+  }
+
+  /// Case 6: rank 0 advertises loopback (GLOO_SOCKET_IFNAME=lo), so rank 1 cannot connect to it.
+  void failed_connect() {
+    const std::string name = "6-failed-connect";
+    begin(name);
+    constexpr int kTimeoutMs = 20000;
+    std::vector<pid_t> pids;
+    std::vector<std::string> outs, logs;
+    for (int r = 0; r < 2; ++r) {
+      outs.push_back((dir / fmt::format("{}.rank{}.out", name, r)).string());
+      logs.push_back((dir / fmt::format("{}.rank{}.log", name, r)).string());
+      auto env = rank_env(r, Hosts::kAddrA, kTimeoutMs);
+      if (r == 0) env["GLOO_SOCKET_IFNAME"] = "lo";
+      pids.push_back(hosts.start(r, {self, "--worker", "join", outs[r]}, env, logs[r]));
+    }
+    auto codes = wait_all(pids, Clock::now() + std::chrono::seconds(60));
+    auto r0 = read_report(outs[0]);
+    auto r1 = read_report(outs[1]);
+    check(r1.count("type") == 1, "rank 1 failed to connect: " + r1["what"]);
+    check(r0["type"] == "CommError" || r0["type"] == "TimeoutError",
+          fmt::format("rank 0 threw a loom error (got {}: {})", r0["type"], r0["what"]));
+    check(r0["what"].find("rank 1") != std::string::npos, "rank 0's error names rank 1: " + r0["what"]);
+    const double gap = r0.count("t_error") && r1.count("t_error")
+                           ? (std::stoll(r0["t_error"]) - std::stoll(r1["t_error"])) / 1e9
+                           : 1e9;
+    check(gap <= 1.0, fmt::format("rank 0 threw {:.3f} s after rank 1 failed (bound 1 s; its timeout is 20 s)", gap));
+    fmt::print("    rank 1: {}\n    rank 0 ({:.3f} s later): {}\n", r1["what"].substr(0, 300), gap, r0["what"].substr(0, 400));
+    (void)codes;
+    logs.insert(logs.end(), outs.begin(), outs.end());
+    end(name, logs);
+  }
+};
+
+int controller(int argc, char** argv) {
+  if (::geteuid() != 0) {
+    fmt::print("SKIP: network namespaces need root\n");
+    return 77;
+  }
+  for (const char* tool : {"ip", "unshare", "hostname", "mount"})
+    if (find_in_path(tool).empty()) {
+      fmt::print("SKIP: '{}' not found (apt-get install iproute2 util-linux hostname)\n", tool);
+      return 77;
+    }
+  std::string templ = (fs::temp_directory_path() / "loom-two-hosts-XXXXXX").string();
+  if (::mkdtemp(templ.data()) == nullptr) {
+    fmt::print("FAIL: mkdtemp\n");
+    return 1;
+  }
+  const fs::path dir = templ;
+  int rc = 0;
+  {
+    Hosts hosts(dir);
+    if (!hosts.created()) {
+      fmt::print("SKIP: cannot create a network namespace (ip netns add failed)\n");
+      rc = 77;
+    } else if (!hosts.ok()) {
+      fmt::print("FAIL: the namespaces or the veth pair could not be set up\n");
+      rc = 1;
+    } else {
+      Suite suite{dir, hosts, fs::canonical("/proc/self/exe").string(), argc > 1 ? argv[1] : ""};
+      fmt::print("hosts: {} ({} {}) and {} ({} {}); MASTER_ADDR={}\n", hosts.ns(0), hosts.veth(0), Hosts::kAddrA,
+                 hosts.ns(1), hosts.veth(1), Hosts::kAddrB, Hosts::kAddrA);
+      suite.training("1-training", false);
+      suite.training("2-GLOO_SOCKET_IFNAME", true);
+      suite.link_down();
+      suite.killed_peer();
+      suite.unreachable_master();
+      suite.failed_connect();
+      fmt::print("{} of 6 cases failed\n", suite.failed);
+      rc = suite.failed == 0 ? 0 : 1;
+    }
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == "--worker") return worker(argv[2], argv[3]);
+  try {
+    return controller(argc, argv);
+  } catch (const std::exception& e) {
+    fmt::print("FAIL: {}\n", e.what());
+    return 1;
+  }
+}
