@@ -3,33 +3,37 @@
 //
 // Data: Debian's adwaita-icon-theme, /usr/share/icons/Adwaita/<N>x<N>/<context>/*.png, read with
 // loom::data::IconFolder (libpng); train/validation split by icon name (the sizes of one icon
-// never straddle the split).
-// Loop, assembled from loom's public parts:
-//   loom::spawn (--nproc ranks on this machine) or a launcher's variables (torchrun, mpirun, srun)
-//   -> loom::GlooCommunicator (CPU tensors, or CUDA tensors with --device cuda)
-//   -> loom::DistributedBucketBatchSampler: exact-shape buckets (16x16 icons with 16x16 icons)
-//      under a pixel budget, whole batches sharded so every rank runs the same number of steps
-//   -> loom::collate_sampled -> model -> loss summed over the batch's samples
-//   -> loom::Accumulator (--accumulate micro-batches per optimizer step, exact sample weighting)
-//      in front of loom::Reducer (bucketed all-reduce overlapped with backward)
-//   -> loom::Logger (rank 0), loom::Progress (samples summed over ranks), loom::global_means
-//      (validation accuracy and loss over ranks).
+// never straddle the split). The task (data, model, evaluation): examples/common/icons_task.hpp.
+// Loop, on loom's short path:
+//   loom::run (--nproc ranks on this machine, or one rank of a torchrun / mpirun / srun job)
+//   -> loom::ProcessGroup (NCCL on a GPU, Gloo on the CPU; --backend, --device)
+//   -> loom::BatchLoader: exact-shape buckets (16x16 icons with 16x16 icons) under a pixel
+//      budget, --batches-per-step batches per optimizer step for the whole job, dealt to the ranks
+//      by cost (the same steps on any number of ranks)
+//   -> model -> loss (the batch mean) -> loom::Trainer (sample weighting, bucketed all-reduce
+//      overlapped with backward, the optimizer step at each step's end)
+//   -> loom::Logger (rank 0), loom::Progress and checkpoints through Trainer::on_step,
+//      loom::Metrics (training loss, validation accuracy and loss over every rank's samples).
 // Phases: pre-train briefly on the small sizes only (or --init a checkpoint / TorchScript file),
-// save it, fine-tune from it on every size; a checkpoint is written at every epoch end (and every
-// --checkpoint-every optimizer steps); --resume continues a run mid-epoch, exactly.
+// save it, fine-tune from it on every size. A checkpoint (model, optimizer, the world-size-free
+// cursor) is written at every epoch end and every --checkpoint-every optimizer steps; --resume
+// continues at the next optimizer step on any number of ranks, every sample used exactly once;
+// under torchrun's elastic restarts (TORCHELASTIC_RESTART_COUNT > 0) it resumes from
+// <out>/checkpoint.pt on its own.
 //
 // Run:   scripts/run_example.sh            (setup, build, run with the defaults)
 //        build/examples/finetune_icons --nproc 2 --epochs 4
 //        torchrun --nproc-per-node 2 build/examples/finetune_icons     (torchrun's variables)
 //        mpirun -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 build/examples/finetune_icons
 // Output (rank 0): one line per epoch, then
-//        result: val_accuracy=A majority_baseline=B epochs=E seconds=S
-#include <algorithm>
+//        result: val_accuracy=A val_loss=L train_loss=T majority_baseline=B epochs=E steps=S seconds=X
 #include <chrono>
 #include <cmath>
-#include <numbers>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <numbers>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,88 +44,54 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 
-#include <loom/accumulate/accumulator.hpp>
-#include <loom/comm/gloo.hpp>
-#include <loom/comm/local.hpp>
-#include <loom/config.hpp>
-#include <loom/data/icons.hpp>
-#include <loom/dist/environment.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
-#include <loom/reduce/module.hpp>
-#include <loom/reduce/reducer.hpp>
-#include <loom/sample/sample.hpp>
+#include <loom/sample/global_batch.hpp>
+#include <loom/train/loader.hpp>
+#include <loom/train/trainer.hpp>
+
+#include "../common/icons_task.hpp"
+#include "../common/placement.hpp"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+using examples::IconNet;
 
 // ------------------------------------------------------------------------------------------------
 // Options
 // ------------------------------------------------------------------------------------------------
 struct Options {
   int nproc = 2;
-  std::string device = "auto";  // auto | cpu | cuda
-  fs::path data = "/usr/share/icons/Adwaita";
-  std::vector<int> sizes = {16, 24, 32, 48};
-  std::vector<int> pretrain_sizes = {16, 24};
-  int channels = 4;
-  double val_fraction = 0.25;
-  uint64_t seed = 1;
-  int64_t subset = 0;            // keep every k-th icon name only when > 0 (short test runs): names with hash % subset == 0
+  std::string device = "auto";   // auto | cpu | cuda
+  std::string backend = "auto";  // auto | gloo | nccl
+  double timeout = 300;          // seconds: rendezvous and every collective
+  examples::IconTaskOptions task{};
   int pretrain_epochs = 1;
   int epochs = 8;
   double pretrain_lr = 3e-3;
   double lr = 1.5e-3;
   double weight_decay = 1e-4;
   int width = 32;
-  int64_t batch_pixels = 32 * 32 * 32;  // pixels (H x W) per micro-batch, all channels
-  int64_t max_batch = 64;               // samples per micro-batch
-  int64_t accumulate = 2;               // micro-batches per optimizer step
+  int64_t batch_pixels = 32 * 32 * 32;  // pixels (H x W) per batch, all channels
+  int64_t max_batch = 64;               // samples per batch
+  int64_t batches_per_step = 4;         // batches per optimizer step, for the whole job
   fs::path out = "finetune_icons_out";
   std::string init;              // checkpoint or TorchScript file to start from (skips pre-training)
   std::string resume;            // checkpoint to resume fine-tuning from
   int64_t checkpoint_every = 0;  // optimizer steps between mid-epoch checkpoints (0: epoch ends only)
   int64_t stop_after_steps = 0;  // stop fine-tuning after this many optimizer steps (simulates a crash; tests)
-  bool skip_corrupt = false;
   int threads = 1;               // intra-op threads per rank
-  double timeout = std::chrono::duration<double>(loom::kDefaultTimeout).count();  // seconds (--timeout)
 };
 
 // ------------------------------------------------------------------------------------------------
-// Model: three conv blocks, adaptive pooling (any input size >= 8 px gives the same feature size).
-// Shape: in N x C x H x W float32 (H, W >= 8, one size per batch); out N x classes logits.
-// GroupNorm, not BatchNorm: it keeps no running statistics, so replicas never drift apart and
-// batches of one sample (a lone 48 px icon) are fine.
-// ------------------------------------------------------------------------------------------------
-struct IconNetImpl : torch::nn::Module {
-  IconNetImpl(int channels, int width, int classes)
-      : features(register_module(
-            "features",
-            torch::nn::Sequential(
-                torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, width, 3).padding(1)), torch::nn::GroupNorm(8, width),
-                torch::nn::ReLU(), torch::nn::MaxPool2d(2),
-                torch::nn::Conv2d(torch::nn::Conv2dOptions(width, 2 * width, 3).padding(1)),
-                torch::nn::GroupNorm(8, 2 * width), torch::nn::ReLU(), torch::nn::MaxPool2d(2),
-                torch::nn::Conv2d(torch::nn::Conv2dOptions(2 * width, 4 * width, 3).padding(1)),
-                torch::nn::GroupNorm(8, 4 * width), torch::nn::ReLU(),
-                torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions({2, 2})), torch::nn::Flatten()))),
-        head(register_module("head", torch::nn::Linear(16 * width, classes))) {}
-
-  torch::Tensor forward(const torch::Tensor& x) { return head->forward(features->forward(x)); }
-
-  torch::nn::Sequential features;
-  torch::nn::Linear head;
-};
-TORCH_MODULE(IconNet);
-
-// ------------------------------------------------------------------------------------------------
-// Checkpoints: model, optimizer, and where the run stands (phase, epoch, sampler position, step).
+// Checkpoints: model, optimizer, and where the run stands: the cursor (seed, epoch, next optimizer
+// step of the epoch, fingerprint of the plan), the optimizer steps done and the time spent. No
+// world size: a checkpoint resumes on any number of ranks.
 // ------------------------------------------------------------------------------------------------
 struct RunState {
-  int64_t epoch = 0;     // fine-tune epoch to run (or running)
-  int64_t position = 0;  // sampler steps (micro-batches) of that epoch already done
-  int64_t step = 0;      // optimizer steps done in fine-tuning
-  double seconds = 0;    // wall time spent before this process
+  loom::GlobalCursor cursor{};  // the next step to run
+  int64_t steps = 0;            // optimizer steps done in fine-tuning
+  double seconds = 0;           // wall time spent before this process
 };
 
 void save_checkpoint(const fs::path& file, IconNet& model, torch::optim::Optimizer* opt, const RunState& st) {
@@ -134,7 +104,8 @@ void save_checkpoint(const fs::path& file, IconNet& model, torch::optim::Optimiz
     opt->save(opt_archive);
     archive.write("optimizer", opt_archive);
   }
-  archive.write("run_state", torch::tensor({st.epoch, st.position, st.step}, torch::kLong));
+  archive.write("cursor", c10::IValue(loom::to_string(st.cursor)));
+  archive.write("steps", torch::tensor({st.steps}, torch::kLong));
   archive.write("run_seconds", torch::tensor({st.seconds}, torch::kDouble));
   const fs::path tmp = file.string() + ".tmp";
   archive.save_to(tmp.string());
@@ -151,10 +122,12 @@ RunState load_checkpoint(const fs::path& file, IconNet& model, torch::optim::Opt
   if (!archive.try_read("optimizer", opt_archive))
     throw loom::DataError(fmt::format("{}: has no optimizer state (a pre-trained model: pass it with --init)", file.string()));
   opt.load(opt_archive);
-  torch::Tensor s, secs;
-  archive.read("run_state", s);
+  c10::IValue cursor;
+  torch::Tensor steps, secs;
+  archive.read("cursor", cursor);
+  archive.read("steps", steps);
   archive.read("run_seconds", secs);
-  return {s[0].item<int64_t>(), s[1].item<int64_t>(), s[2].item<int64_t>(), secs[0].item<double>()};
+  return {loom::parse_global_cursor(cursor.toStringRef()), steps[0].item<int64_t>(), secs[0].item<double>()};
 }
 
 /// Copies every parameter of `model` from a file that holds tensors of the same names and shapes:
@@ -184,321 +157,152 @@ int64_t init_from(const fs::path& file, IconNet& model) {
   return copied;
 }
 
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+/// Cosine decay from lr to lr / 10 over the epochs: a function of the epoch alone, so a resumed run
+/// uses the same rates.
+double learning_rate(const Options& o, int64_t epoch) {
+  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(std::numbers::pi * static_cast<double>(epoch) / static_cast<double>(o.epochs))));
+}
+
 // ------------------------------------------------------------------------------------------------
 // One rank's work.
 // ------------------------------------------------------------------------------------------------
-struct EvalResult {
-  double accuracy = 0;
-  double loss = 0;
-};
-
-template <class Comm, class Log>
-class Trainer {
- public:
-  Trainer(Comm& comm, const loom::RankInfo& me, const Options& o, Log& log, torch::Device device)
-      : comm_(comm), me_(me), o_(o), log_(log), device_(device),
-        icons_({.root = o.data,
-                .sizes = all_sizes(o),
-                .channels = o.channels,
-                .on_corrupt = o.skip_corrupt ? loom::data::OnCorrupt::skip : loom::data::OnCorrupt::throw_error,
-                .warn = [this](std::string_view m) { log_.warning("{}", m); }}) {
-    if (!icons_.skipped().empty()) log_.warning("{} corrupt PNG files skipped", icons_.skipped().size());
-    auto split = loom::data::split_by_name(icons_, o.val_fraction, o.seed);
-    auto keep = [&](int64_t i) {
-      if (o.subset <= 1) return true;
-      return loom::data::detail::mix64(loom::data::detail::fnv1a(icons_.name(static_cast<std::size_t>(i)))) %
-                 static_cast<uint64_t>(o.subset) == 0;
-    };
-    for (int64_t i : split.train) {
-      if (!keep(i)) continue;
-      train_all_.push_back(i);
-      const int64_t side = icons_.pixels(static_cast<std::size_t>(i)).size(1);
-      if (std::find(o.pretrain_sizes.begin(), o.pretrain_sizes.end(), side) != o.pretrain_sizes.end())
-        train_small_.push_back(i);
-    }
-    for (int64_t i : split.val)
-      if (keep(i)) val_.push_back(i);
-    if (train_all_.empty() || val_.empty())
-      throw loom::InvalidArgument(fmt::format("no training ({}) or validation ({}) icons left: lower --subset or --val-fraction",
-                                              train_all_.size(), val_.size()));
-
-    // Majority baseline: the best constant prediction on the validation split (the most frequent class there).
-    std::vector<int64_t> counts(icons_.classes().size(), 0);
-    for (int64_t i : val_) ++counts[static_cast<std::size_t>(icons_.label(static_cast<std::size_t>(i)))];
-    const auto top = std::max_element(counts.begin(), counts.end());
-    majority_class_ = icons_.classes()[static_cast<std::size_t>(top - counts.begin())];
-    majority_baseline_ = static_cast<double>(*top) / static_cast<double>(val_.size());
-
-    log_.info("icons: {} train ({} at sizes {} for pre-training), {} validation, {} classes [{}], sizes {}", train_all_.size(),
-              train_small_.size(), fmt::join(o.pretrain_sizes, ","), val_.size(), icons_.classes().size(),
-              fmt::join(icons_.classes(), ", "), fmt::join(o.sizes, ","));
-    log_.info("majority baseline: always '{}' = {:.4f} of validation", majority_class_, majority_baseline_);
-  }
-
-  /// Runs pre-training (unless --init or --resume), then fine-tuning; returns the final validation result.
-  void run(Clock::time_point start) {
-    torch::manual_seed(static_cast<uint64_t>(o_.seed));  // same initial weights on every rank (the reducer also broadcasts rank 0's)
-    IconNet model(o_.channels, o_.width, static_cast<int>(icons_.classes().size()));
-    model->to(device_);
-    fs::create_directories(o_.out);
-    const fs::path pretrained = o_.out / "pretrained.pt";
-    const fs::path checkpoint = o_.out / "checkpoint.pt";
-
-    RunState st;
-    double seconds_before = 0;
-    if (!o_.resume.empty()) {
-      log_.info("resuming from {}", o_.resume);
-    } else if (!o_.init.empty()) {
-      const int64_t n = init_from(o_.init, model);
-      log_.info("initialised {} parameter tensors from {}", n, o_.init);
-    } else if (o_.pretrain_epochs > 0) {
-      // Pre-training: the small sizes only, a higher learning rate, then save.
-      torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o_.pretrain_lr).weight_decay(o_.weight_decay));
-      for (int64_t e = 0; e < o_.pretrain_epochs; ++e) {
-        const auto t0 = Clock::now();
-        const double loss = train_epoch(model, opt, train_small_, /*epoch=*/1000 + e, 0, nullptr, fmt::format("pretrain {}", e + 1));
-        const EvalResult ev = evaluate(model);
-        log_.info("pretrain epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} seconds={:.1f}",
-                  e + 1, o_.pretrain_epochs, loss, ev.loss, ev.accuracy, majority_baseline_, secs(t0));
-      }
-      if (me_.rank == 0) save_checkpoint(pretrained, model, nullptr, {});
-      comm_.barrier();
-      log_.info("saved the pre-trained model to {}", pretrained.string());
-    }
-    if (o_.resume.empty() && (!o_.init.empty() || o_.pretrain_epochs > 0)) {
-      // Fine-tune *from the saved file*, as a separate job would.
-      const fs::path from = o_.init.empty() ? pretrained : fs::path(o_.init);
-      init_from(from, model);
-    }
-
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o_.lr).weight_decay(o_.weight_decay));
-    if (!o_.resume.empty()) {
-      st = load_checkpoint(o_.resume, model, opt);
-      seconds_before = st.seconds;
-      log_.info("resumed at fine-tune epoch {} step {} (optimizer step {})", st.epoch + 1, st.position, st.step);
-    }
-
-    {
-      const loom::DistributedBucketBatchSampler plan(shapes_of(train_all_), sampler_options(/*shuffle=*/true));
-      log_.info("fine-tune plan: sampler_steps_per_epoch={} optimizer_steps_per_epoch={} accumulate={}", plan.size(),
-                (plan.size() + o_.accumulate - 1) / o_.accumulate, o_.accumulate);
-    }
-    const EvalResult before = evaluate(model);
-    log_.info("fine-tune start: val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f}", before.loss, before.accuracy,
-              majority_baseline_);
-
-    EvalResult last = before;
-    int64_t epochs_done = st.epoch;
-    for (int64_t e = st.epoch; e < o_.epochs; ++e) {
-      const auto t0 = Clock::now();
-      // Cosine decay from --lr to --lr / 10 over the fine-tuning epochs (a function of the epoch
-      // alone, so a resumed run uses the same rates).
-      const double lr = o_.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(std::numbers::pi * static_cast<double>(e) / static_cast<double>(o_.epochs))));
-      for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-      CheckpointHook hook{this, &model, &opt, checkpoint, e, &st, start, seconds_before};
-      const double loss = train_epoch(model, opt, train_all_, e, e == st.epoch ? st.position : 0, &hook, fmt::format("epoch {}", e + 1));
-      if (hook.stopped) {
-        log_.info("stopped after {} optimizer steps as asked (--stop-after-steps); checkpoint {}", st.step, checkpoint.string());
-        return;
-      }
-      last = evaluate(model);
-      epochs_done = e + 1;
-      st.epoch = e + 1;
-      st.position = 0;
-      st.seconds = seconds_before + secs(start);
-      if (me_.rank == 0) save_checkpoint(checkpoint, model, &opt, st);
-      log_.info("epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} seconds={:.1f}", e + 1,
-                o_.epochs, loss, last.loss, last.accuracy, majority_baseline_, secs(t0));
-    }
-    comm_.barrier();
-    log_.info("result: val_accuracy={:.4f} majority_baseline={:.4f} epochs={} seconds={:.1f}", last.accuracy, majority_baseline_,
-              epochs_done, seconds_before + secs(start));
-  }
-
- private:
-  /// Called at every optimizer step of fine-tuning: counts, checkpoints, and stops when asked.
-  struct CheckpointHook {
-    Trainer* self;
-    IconNet* model;
-    torch::optim::Optimizer* opt;
-    fs::path file;
-    int64_t epoch;
-    RunState* st;
-    Clock::time_point start;
-    double seconds_before;
-    bool stopped = false;
-
-    /// `position`: sampler steps done in this epoch. Returns true to stop the epoch now.
-    bool after_step(int64_t position) {
-      ++st->step;
-      const bool stop = self->o_.stop_after_steps > 0 && st->step >= self->o_.stop_after_steps;
-      if (stop || (self->o_.checkpoint_every > 0 && st->step % self->o_.checkpoint_every == 0)) {
-        st->epoch = epoch;
-        st->position = position;
-        st->seconds = seconds_before + secs(start);
-        if (self->me_.rank == 0) save_checkpoint(file, *model, opt, *st);
-        self->comm_.barrier();
-      }
-      stopped = stop;
-      return stop;
-    }
-  };
-
-  static std::vector<int> all_sizes(const Options& o) {
-    std::vector<int> s = o.sizes;
-    for (int p : o.pretrain_sizes)
-      if (std::find(s.begin(), s.end(), p) == s.end()) s.push_back(p);
-    return s;
-  }
-  static double secs(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-  std::vector<std::vector<int64_t>> shapes_of(const std::vector<int64_t>& idx) const {
-    std::vector<std::vector<int64_t>> shapes;
-    shapes.reserve(idx.size());
-    for (int64_t i : idx) {
-      const auto s = icons_.pixels(static_cast<std::size_t>(i)).sizes();
-      shapes.emplace_back(s.begin(), s.end());
-    }
-    return shapes;
-  }
-
-  /// A sample for the collator: C x H x W float32 in [0, 1] and its class.
-  std::pair<torch::Tensor, int64_t> fetch(const std::vector<int64_t>& subset, int64_t j) const {
-    const auto i = static_cast<std::size_t>(subset[static_cast<std::size_t>(j)]);
-    return {icons_.pixels(i).to(torch::kFloat).div_(255.0), icons_.label(i)};
-  }
-
-  loom::BucketBatchSamplerOptions sampler_options(bool shuffle) const {
-    return {.num_replicas = me_.world_size,
-            .rank = me_.rank,
-            .shuffle = shuffle,
-            .seed = o_.seed,
-            .max_samples = o_.max_batch,
-            .max_elements = o_.batch_pixels * o_.channels,
-            .surplus = loom::SurplusPolicy::repeat};
-  }
-
-  /// One epoch over `subset` (dataset indices) starting at sampler step `position`; returns the
-  /// mean training loss over all ranks' samples of the epoch part it ran.
-  double train_epoch(IconNet& model, torch::optim::Optimizer& opt, const std::vector<int64_t>& subset, int64_t epoch,
-                     int64_t position, CheckpointHook* hook, const std::string& label) {
-    model->train();
-    loom::DistributedBucketBatchSampler sampler(shapes_of(subset), sampler_options(/*shuffle=*/true));
-    sampler.set_epoch(epoch);
-    if (position > 0) {
-      loom::SamplerState s = sampler.state();
-      s.position = position;
-      sampler.load_state(s);
-    }
-    loom::Reducer reducer(comm_, loom::parameters_of(*model));
-    loom::Accumulator acc(reducer, {.micro_batches_per_step = o_.accumulate});
-    loom::Progress progress{loom::StreamSink{stdout}, me_,
-                            {.total = static_cast<int64_t>(subset.size()), .label = label, .sync_every = 8}};
-    loom::WeightedMean loss_mean;
-    opt.zero_grad();
-    int64_t done = position;
-    auto apply = [&](const loom::SyncResult& step) {
-      if (step) opt.step();
-      opt.zero_grad();
-    };
-    bool stop = false;
-    while (auto planned = sampler.next()) {
-      loom::Batch b = loom::collate_sampled(*planned, [&](int64_t j) { return fetch(subset, j); });
-      auto mb = acc.micro_batch(b);  // counts 0 samples for a weight-0 (repeated) batch
-      const torch::Tensor logits = model->forward(b.data.to(device_));
-      const torch::Tensor loss =
-          torch::nn::functional::cross_entropy(logits, b.targets.to(device_),
-                                               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
-          b.weight;
-      mb.scale(loss).backward();
-      const loom::SyncResult step = mb.finish();
-      ++done;
-      if (b.weight > 0) loss_mean.add(loss.item<double>() / static_cast<double>(b.num_samples), static_cast<double>(b.num_samples));
-      progress.step(comm_, b.weight > 0 ? b.num_samples : 0);
-      if (step.boundary) {
-        apply(step);
-        if (hook != nullptr && hook->after_step(done)) {
-          stop = true;
-          break;
-        }
-      }
-    }
-    if (!stop) {
-      while (auto step = acc.end_epoch()) {  // the remainder (fewer than --accumulate micro-batches)
-        apply(*step);
-        if (step->boundary && hook != nullptr) {
-          // a step at the epoch's end is not a resumable mid-epoch position; count it only
-          ++hook->st->step;
-        }
-      }
-    }
-    progress.finish(comm_);
-    if (stop) return 0.0;
-    return loom::global_mean(comm_, loss_mean);
-  }
-
-  /// Accuracy and mean loss over the validation split, every sample counted once over all ranks.
-  EvalResult evaluate(IconNet& model) {
-    model->eval();
-    torch::NoGradGuard no_grad;
-    loom::DistributedBucketBatchSampler sampler(shapes_of(val_), sampler_options(/*shuffle=*/false));
-    sampler.set_epoch(0);
-    loom::WeightedMean accuracy, loss;
-    while (auto planned = sampler.next()) {
-      loom::Batch b = loom::collate_sampled(*planned, [&](int64_t j) { return fetch(val_, j); });
-      if (b.weight == 0) continue;  // another rank evaluates these samples
-      const torch::Tensor logits = model->forward(b.data.to(device_));
-      const torch::Tensor y = b.targets.to(device_);
-      const auto n = static_cast<double>(b.num_samples);
-      accuracy.add(logits.argmax(1).eq(y).sum().item<double>() / n, n);
-      loss.add(torch::nn::functional::cross_entropy(logits, y).item<double>(), n);
-    }
-    std::array<loom::WeightedMean, 2> metrics{accuracy, loss};
-    const auto means = loom::global_means(comm_, std::span<const loom::WeightedMean>(metrics));
-    return {means[0], means[1]};
-  }
-
-  Comm& comm_;
-  loom::RankInfo me_;
-  const Options& o_;
-  Log& log_;
-  torch::Device device_;
-  loom::data::IconFolder icons_;
-  std::vector<int64_t> train_all_, train_small_, val_;
-  std::string majority_class_;
-  double majority_baseline_ = 0;
-};
-
-template <class Comm>
-void train_with(Comm& comm, const loom::Environment& env, const Options& o, torch::Device device, Clock::time_point start) {
-  const loom::RankInfo me = loom::rank_info(env);
-  loom::Logger log{loom::StreamSink{stdout}, me};
-  log.info("finetune_icons: {} rank(s) ({} launcher), communicator {}, device {}", env.world_size,
-           loom::to_string(env.launcher), env.world_size > 1 ? "gloo" : "local", device.str());
-  Trainer<Comm, decltype(log)> trainer(comm, me, o, log, device);
-  trainer.run(start);
-}
-
-/// One rank: picks the device and the communicator, then trains.
-/// Devices: `--device cuda` (or `auto` when CUDA is there) puts the model and the batches on GPU
-/// `local_rank`; the ranks still talk through Gloo, which moves CUDA tensors through host memory.
-/// (loom::NcclCommunicator takes device tensors only, while the reducer's sample counts and the
-/// metrics are small host tensors; see docs/examples.md.)
-void run_rank(const loom::Environment& env, Options o, Clock::time_point start) {
+void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
   at::set_num_threads(o.threads);
-  const bool cuda = torch::cuda::is_available();
-  if (o.device == "auto") o.device = cuda ? "cuda" : "cpu";
-  if (o.device == "cuda" && !cuda)
-    throw loom::ConfigError("--device cuda: this LibTorch or machine has no CUDA device; use --device cpu");
-  const torch::Device device = o.device == "cuda" ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
-                                                  : torch::Device(torch::kCPU);
-  if (env.world_size == 1) {
-    loom::LocalCommunicator comm;
-    train_with(comm, env, o, device, start);
-  } else {
-    loom::GlooCommunicator comm(env, {.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000))});
-    train_with(comm, env, o, device, start);
+  const torch::Device device = examples::model_device(pg, o.device);
+  const auto& env = pg.environment();
+  loom::Logger log(loom::StreamSink{stdout}, pg);
+  log.info("finetune_icons: {} rank(s) ({} launcher), backend {}, device {}", pg.world_size(), loom::to_string(env.launcher),
+           loom::to_string(pg.backend()), device.str());
+  const examples::IconTask task(o.task, [&](std::string_view m) { log.warning("{}", m); });
+  if (task.skipped() > 0) log.warning("{} corrupt PNG files skipped", task.skipped());
+  log.info("icons: {} train ({} at sizes {} for pre-training), {} validation, {} classes, sizes {}", task.train().size(),
+           task.train_small().size(), fmt::join(o.task.pretrain_sizes, ","), task.val().size(), task.classes(),
+           fmt::join(o.task.sizes, ","));
+  log.info("majority baseline: always '{}' = {:.4f} of validation", task.majority_class(), task.majority_baseline());
+
+  torch::manual_seed(o.task.seed);  // same initial weights on every rank (the trainer also broadcasts rank 0's)
+  IconNet model(o.task.channels, o.width, task.classes());
+  model->to(device);
+  fs::create_directories(o.out);
+  const fs::path pretrained = o.out / "pretrained.pt";
+  const fs::path checkpoint = o.out / "checkpoint.pt";
+  const int64_t max_elements = o.batch_pixels * o.task.channels;
+  const loom::GlobalBatchOptions plan{.seed = o.task.seed, .max_samples = o.max_batch, .max_elements = max_elements,
+                                      .batches_per_step = o.batches_per_step};
+  auto evaluate = [&] { return task.evaluate(pg, model, device, o.max_batch, max_elements); };
+
+  // Resume: --resume FILE, or a torchrun elastic restart with a checkpoint from the last attempt.
+  std::string resume = o.resume;
+  if (resume.empty() && env.restart_count > 0 && fs::is_regular_file(checkpoint)) {
+    resume = checkpoint.string();
+    log.info("torchrun restart {} (world size {}): resuming from {}", env.restart_count, pg.world_size(), resume);
   }
+
+  if (!resume.empty()) {
+    log.info("resuming from {}", resume);
+  } else if (!o.init.empty()) {
+    log.info("initialised {} parameter tensors from {}", init_from(o.init, model), o.init);
+  } else if (o.pretrain_epochs > 0) {
+    // Pre-training: the small sizes only, a higher learning rate, then save.
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.pretrain_lr).weight_decay(o.weight_decay));
+    loom::Trainer trainer(pg, *model, opt);
+    loom::BatchLoader loader(pg, task.shapes_of(task.train_small()), [&](int64_t j) { return task.sample(task.train_small(), j); },
+                             plan, {.device = device});
+    for (int64_t e = 0; e < o.pretrain_epochs; ++e) {
+      const auto t0 = Clock::now();
+      loom::Metrics metrics(pg);
+      for (loom::Batch& b : trainer.epoch(loader, 1000 + e)) {
+        const auto loss = torch::nn::functional::cross_entropy(model->forward(b.data), b.targets);
+        trainer.backward(loss, b);
+        metrics.add("loss", loss, b);
+      }
+      const double train_loss = metrics.mean("loss");
+      const examples::EvalResult ev = evaluate();
+      log.info("pretrain epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} seconds={:.1f}",
+               e + 1, o.pretrain_epochs, train_loss, ev.loss, ev.accuracy, task.majority_baseline(), seconds_since(t0));
+    }
+    if (pg.rank() == 0) save_checkpoint(pretrained, model, nullptr, {});
+    pg.barrier();
+    log.info("saved the pre-trained model to {}", pretrained.string());
+  }
+  if (resume.empty() && (!o.init.empty() || o.pretrain_epochs > 0)) {
+    // Fine-tune *from the saved file*, as a separate job would.
+    init_from(o.init.empty() ? pretrained : fs::path(o.init), model);
+  }
+
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  loom::BatchLoader loader(pg, task.shapes_of(task.train()), [&](int64_t j) { return task.sample(task.train(), j); }, plan,
+                           {.device = device});
+  RunState st;
+  double seconds_before = 0;
+  int64_t first_epoch = 0;
+  if (!resume.empty()) {
+    st = load_checkpoint(resume, model, opt);
+    seconds_before = st.seconds;
+    loader.resume(st.cursor);  // throws naming the fingerprints if the options or the data changed
+    first_epoch = st.cursor.epoch;
+    log.info("resumed at fine-tune epoch {}, global step {} of {} (optimizer step {}), on {} rank(s): global_step={} ranks={}",
+             st.cursor.epoch + 1, st.cursor.step, loader.sampler().num_steps(), st.steps, pg.world_size(), st.cursor.step,
+             pg.world_size());
+  }
+  loom::Trainer trainer(pg, *model, opt);  // after loading: it broadcasts rank 0's weights
+  log.info("fine-tune plan: batches_per_epoch={} optimizer_steps_per_epoch={} batches_per_step={} ranks={}",
+           loader.sampler().plan().batches.size(), loader.sampler().num_steps(), o.batches_per_step, pg.world_size());
+  const examples::EvalResult before = evaluate();
+  log.info("fine-tune start: val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f}", before.loss, before.accuracy,
+           task.majority_baseline());
+
+  examples::EvalResult last = before;
+  double train_loss = 0;
+  int64_t epochs_done = first_epoch;
+  bool stopped = false;
+  for (int64_t e = first_epoch; e < o.epochs && !stopped; ++e) {
+    const auto t0 = Clock::now();
+    for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, e));
+    loom::Progress progress{loom::StreamSink{stdout}, loom::rank_info(pg),
+                            {.total = static_cast<int64_t>(task.train().size()), .label = fmt::format("epoch {}", e + 1)}};
+    // Every rank runs on_step at every step (its share of the batches may be empty), so the
+    // checkpoint and the stop decision are taken at the same step everywhere.
+    trainer.on_step([&](const loom::SyncResult& r) {
+      progress.add_global(r.global_samples);
+      ++st.steps;
+      const bool stop = o.stop_after_steps > 0 && st.steps >= o.stop_after_steps;
+      if (stop || (o.checkpoint_every > 0 && st.steps % o.checkpoint_every == 0)) {
+        st.cursor = loader.sampler().cursor();
+        st.seconds = seconds_before + seconds_since(start);
+        if (pg.rank() == 0) save_checkpoint(checkpoint, model, &opt, st);
+      }
+      if (stop) trainer.stop();
+    });
+    loom::Metrics metrics(pg);
+    for (loom::Batch& b : trainer.epoch(loader, e)) {
+      const auto loss = torch::nn::functional::cross_entropy(model->forward(b.data), b.targets);
+      trainer.backward(loss, b);
+      metrics.add("loss", loss, b);
+    }
+    if (trainer.stopped()) {
+      stopped = true;
+      log.info("stopped after {} optimizer steps as asked (--stop-after-steps); checkpoint {}", st.steps, checkpoint.string());
+      break;
+    }
+    progress.finish(pg);
+    train_loss = metrics.mean("loss");
+    last = evaluate();
+    epochs_done = e + 1;
+    st.cursor = loader.sampler().cursor();  // the end of epoch e: resumes at epoch e + 1, step 0
+    st.cursor.epoch = e + 1;
+    st.cursor.step = 0;
+    st.seconds = seconds_before + seconds_since(start);
+    if (pg.rank() == 0) save_checkpoint(checkpoint, model, &opt, st);
+    log.info("epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} seconds={:.1f}", e + 1,
+             o.epochs, train_loss, last.loss, last.accuracy, task.majority_baseline(), seconds_since(t0));
+  }
+  pg.barrier();
+  if (stopped) return;
+  log.info("result: val_accuracy={:.4f} val_loss={:.6f} train_loss={:.6f} majority_baseline={:.4f} epochs={} steps={} seconds={:.1f}",
+           last.accuracy, last.loss, train_loss, task.majority_baseline(), epochs_done, st.steps, seconds_before + seconds_since(start));
 }
 
 int main(int argc, char** argv) {
@@ -506,47 +310,46 @@ int main(int argc, char** argv) {
   Options o;
   CLI::App app{"Fine-tune a small CNN on Adwaita's icons (each at its own size) over several ranks."};
   app.add_option("--nproc", o.nproc, "ranks to spawn on this machine (ignored under torchrun/mpirun/srun)")->check(CLI::Range(1, 64));
-  app.add_option("--device", o.device, "auto | cpu | cuda (GPU local_rank; ranks talk through Gloo)")
+  app.add_option("--device", o.device, "auto | cpu | cuda (the model's device; a GPU is LOCAL_RANK among CUDA_VISIBLE_DEVICES)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--data", o.data, "icon theme root (<N>x<N>/<context>/*.png)");
-  app.add_option("--sizes", o.sizes, "icon sizes to fine-tune on, px")->delimiter(',');
-  app.add_option("--pretrain-sizes", o.pretrain_sizes, "icon sizes to pre-train on, px")->delimiter(',');
-  app.add_option("--channels", o.channels, "4 = RGBA, 3 = RGB over black, 1 = alpha")->check(CLI::IsMember({1, 3, 4}));
-  app.add_option("--val-fraction", o.val_fraction, "fraction of icon names held out")->check(CLI::Range(0.01, 0.9));
-  app.add_option("--seed", o.seed, "seed of the split, the initial weights and the shuffles");
-  app.add_option("--subset", o.subset, "keep about 1/k of the icon names (short runs; 0 = all)");
+  app.add_option("--backend", o.backend, "auto | gloo | nccl (auto: NCCL for a GPU model, Gloo for a CPU one)")
+      ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous and in any collective")->check(CLI::PositiveNumber);
+  app.add_option("--data", o.task.data, "icon theme root (<N>x<N>/<context>/*.png)");
+  app.add_option("--sizes", o.task.sizes, "icon sizes to fine-tune on, px")->delimiter(',');
+  app.add_option("--pretrain-sizes", o.task.pretrain_sizes, "icon sizes to pre-train on, px")->delimiter(',');
+  app.add_option("--channels", o.task.channels, "4 = RGBA, 3 = RGB over black, 1 = alpha")->check(CLI::IsMember({1, 3, 4}));
+  app.add_option("--val-fraction", o.task.val_fraction, "fraction of icon names held out")->check(CLI::Range(0.01, 0.9));
+  app.add_option("--seed", o.task.seed, "seed of the split, the initial weights and the shuffles");
+  app.add_option("--subset", o.task.subset, "keep about 1/k of the icon names (short runs; 0 = all)");
   app.add_option("--pretrain-epochs", o.pretrain_epochs, "pre-training epochs (0: none)");
   app.add_option("--epochs", o.epochs, "fine-tuning epochs");
   app.add_option("--pretrain-lr", o.pretrain_lr, "AdamW learning rate for pre-training");
   app.add_option("--lr", o.lr, "AdamW learning rate at the start of fine-tuning (cosine decay to a tenth)");
   app.add_option("--width", o.width, "channels of the first conv layer (x2, x4 after); a multiple of 8");
-  app.add_option("--batch-pixels", o.batch_pixels, "pixels (H x W) per micro-batch");
-  app.add_option("--max-batch", o.max_batch, "samples per micro-batch");
-  app.add_option("--accumulate", o.accumulate, "micro-batches per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--batch-pixels", o.batch_pixels, "pixels (H x W) per batch");
+  app.add_option("--max-batch", o.max_batch, "samples per batch");
+  app.add_option("--batches-per-step", o.batches_per_step,
+                 "batches per optimizer step, for the whole job (dealt to the ranks: the same steps on any number of ranks)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--out", o.out, "folder for pretrained.pt and checkpoint.pt");
   app.add_option("--init", o.init, "start from this model file (a checkpoint or TorchScript) instead of pre-training");
-  app.add_option("--resume", o.resume, "resume fine-tuning from this checkpoint");
+  app.add_option("--resume", o.resume, "resume fine-tuning from this checkpoint (any number of ranks)");
   app.add_option("--checkpoint-every", o.checkpoint_every, "optimizer steps between mid-epoch checkpoints (0: epoch ends)");
   app.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many fine-tuning optimizer steps (tests resume)");
-  app.add_flag("--skip-corrupt", o.skip_corrupt, "skip undecodable PNG files with a warning instead of failing");
+  app.add_flag("--skip-corrupt", o.task.skip_corrupt, "skip undecodable PNG files with a warning instead of failing");
   app.add_option("--threads", o.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
-  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous, connect and in any collective")
-      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (o.width % 8 != 0) {
     fmt::print(stderr, "--width {} must be a multiple of 8 (GroupNorm groups)\n", o.width);
     return 2;
   }
-
   try {
-    const loom::Environment env = loom::Environment::from_env();
-    if (env.launcher == loom::Launcher::none && o.nproc > 1) {
-      // No launcher: become the launcher. spawn forks before any tensor work (its fork rule).
-      loom::spawn(o.nproc, [&](const loom::Environment& child) { run_rank(child, o, start); },
-                  {.threads_per_rank = o.threads});
-    } else {
-      run_rank(env, o, start);
-    }
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000));
+    loom::run([&](loom::ProcessGroup& pg) { run_rank(pg, o, start); },
+              {.nproc = o.nproc,
+               .group = {.backend = examples::group_backend(o.backend, o.device), .timeout = timeout},
+               .spawn = {.threads_per_rank = o.threads}});
   } catch (const loom::Error& e) {
     fmt::print(stderr, "finetune_icons: {}\n", e.what());
     return 1;

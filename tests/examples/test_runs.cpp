@@ -5,7 +5,10 @@
 //
 // The example executables are found through $LOOM_EXAMPLES_DIR (set by examples/meson.build);
 // a case whose executable is absent reports it and fails.
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cmath>
@@ -109,6 +112,21 @@ void write_png(const fs::path& file, int size, unsigned char shade, bool disc) {
   REQUIRE(png_image_write_to_file(&img, file.c_str(), 0, rgba.data(), 0, nullptr) != 0);
 }
 
+/// A TCP port that was free a moment ago (bound to port 0, read back, closed).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  socklen_t len = sizeof(addr);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
 }  // namespace
 
 TEST_SUITE("runs") {
@@ -135,7 +153,7 @@ TEST_CASE("finetune_icons: a short 2-rank run learns (loss falls, accuracy beats
 
 TEST_CASE("finetune_icons: a run stopped mid-epoch and resumed from its checkpoint ends like an uninterrupted run") {
   TempDir a, b;
-  const std::string common = fmt::format("{} --nproc 2 --subset 5 --epochs 2 --accumulate 2", q(example("finetune_icons")));
+  const std::string common = fmt::format("{} --nproc 2 --subset 5 --epochs 2 --batches-per-step 4", q(example("finetune_icons")));
   const auto full = run(fmt::format("{} --out {}", common, q(a.path)));
   INFO(full.output);
   REQUIRE(full.exit_code == 0);
@@ -161,6 +179,81 @@ TEST_CASE("finetune_icons: a run stopped mid-epoch and resumed from its checkpoi
   // Same weights, same optimizer state, same batches from the saved sampler position: the same numbers.
   CHECK(got.at("val_loss") == want.at("val_loss"));
   CHECK(got.at("val_accuracy") == want.at("val_accuracy"));
+}
+
+TEST_CASE("finetune_icons: a run stopped on 2 ranks resumes on 3 and on 1 at the same global step and ends like the uninterrupted run") {
+  TempDir a, b;
+  const std::string options = "--subset 5 --epochs 2 --batches-per-step 4";
+  const auto full = run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), options, q(a.path)));
+  INFO(full.output);
+  REQUIRE(full.exit_code == 0);
+  const auto plan = fields(line_starting(full.output, "fine-tune plan:"));
+  REQUIRE(plan.count("optimizer_steps_per_epoch") == 1);
+  const auto per_epoch = static_cast<int64_t>(plan.at("optimizer_steps_per_epoch"));
+  REQUIRE(per_epoch >= 4);
+  const int64_t stop_at = per_epoch + per_epoch / 2;  // in the middle of epoch 2
+  const auto want = fields(line_starting(full.output, "result:"));
+  REQUIRE(want.count("val_loss") == 1);
+
+  const auto stopped = run(fmt::format("{} --nproc 2 {} --out {} --stop-after-steps {}", q(example("finetune_icons")), options,
+                                       q(b.path), stop_at));
+  INFO(stopped.output);
+  REQUIRE(stopped.exit_code == 0);
+  for (int nproc : {3, 1}) {
+    TempDir c;
+    fs::copy(b.path / "checkpoint.pt", c.path / "checkpoint.pt");
+    const auto resumed = run(fmt::format("{} --nproc {} {} --out {} --resume {}", q(example("finetune_icons")), nproc, options,
+                                         q(c.path), q(c.path / "checkpoint.pt")));
+    INFO(resumed.output);
+    REQUIRE(resumed.exit_code == 0);
+    // It says where it resumed: the global step after the last committed one, on this world size.
+    const auto at = fields(line_starting(resumed.output, "resumed at fine-tune epoch 2"));
+    REQUIRE(at.count("global_step") == 1);
+    CHECK(static_cast<int64_t>(at.at("global_step")) == stop_at - per_epoch);
+    CHECK(static_cast<int>(at.at("ranks")) == nproc);
+    const auto got = fields(line_starting(resumed.output, "result:"));
+    REQUIRE(got.count("val_loss") == 1);
+    // The same optimizer steps (every sample of the epoch once, in the same steps); float32 summation
+    // order differs with the world size.
+    CHECK(got.at("steps") == want.at("steps"));
+    CHECK(std::abs(got.at("val_loss") - want.at("val_loss")) <= 1e-4 * std::abs(want.at("val_loss")));
+  }
+}
+
+TEST_CASE("finetune_icons: under torchrun's and mpirun's variables, the same result as with spawn") {
+  const std::string args = "--subset 4 --epochs 1 --pretrain-epochs 1";
+  TempDir a, b, c;
+  const auto spawned = run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), args, q(a.path)));
+  INFO(spawned.output);
+  REQUIRE(spawned.exit_code == 0);
+  const auto want = fields(line_starting(spawned.output, "result:"));
+  REQUIRE(want.count("val_accuracy") == 1);
+
+  // torchrun's variables, set by hand for two background processes (what torchrun does).
+  const int port = free_port();
+  auto rank_cmd = [&](int rank, const fs::path& out) {
+    return fmt::format("RANK={0} WORLD_SIZE=2 LOCAL_RANK={0} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={1} {2} {3} --out {4}",
+                       rank, port, q(example("finetune_icons")), args, q(out));
+  };
+  const auto torchrun = run(fmt::format("sh -c \"{} & {} > /dev/null; wait\"",
+                                        rank_cmd(0, b.path), rank_cmd(1, b.path)));
+  INFO(torchrun.output);
+  CHECK(torchrun.output.find("(torchrun launcher)") != std::string::npos);
+  const auto got = fields(line_starting(torchrun.output, "result:"));
+  REQUIRE(got.count("val_accuracy") == 1);
+  CHECK(got.at("val_accuracy") == want.at("val_accuracy"));
+
+  if (run("command -v mpirun").exit_code != 0) {
+    MESSAGE("mpirun not installed: its part is skipped");
+    return;
+  }
+  const auto mpi = run(fmt::format("mpirun --allow-run-as-root --oversubscribe -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT={} {} {} --out {}",
+                                   free_port(), q(example("finetune_icons")), args, q(c.path)));
+  INFO(mpi.output);
+  CHECK(mpi.output.find("(mpirun launcher)") != std::string::npos);
+  const auto got_mpi = fields(line_starting(mpi.output, "result:"));
+  REQUIRE(got_mpi.count("val_accuracy") == 1);
+  CHECK(got_mpi.at("val_accuracy") == want.at("val_accuracy"));
 }
 
 TEST_CASE("finetune_icons: a missing data folder is an error naming the folder") {

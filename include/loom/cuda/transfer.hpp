@@ -14,7 +14,7 @@
 //    stream; finish() on the consumer's thread makes LibTorch's current stream wait on the event.
 //
 // Example (a generator loader whose batches arrive on the GPUs):
-//   loom::GeneratorLoader<Gen, loom::StackCollate, loom::cuda::CudaTransfer> loader(
+//   loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> loader(
 //       std::move(gens), {.num_devices = 2}, {}, loom::cuda::CudaTransfer{});
 //   for (auto& step : loader)
 //     for (auto& db : step.devices) model[db.device]->forward(db.batch.data);  // on cuda:db.device
