@@ -16,10 +16,14 @@
 #   6. run: host tests; device tests one group at a time (NCCL all-reduce for every dtype at world
 #      size 1, stream ordering, launcher rendezvous, timeouts, two ranks on one GPU, pinned memory,
 #      H2D copies, collation into pinned memory, NCCL on CUDA tensors, transfer_batch, scheduler +
-#      CudaTransfer, reducer + accumulator exactness over NCCL); bench_gpu (H2D throughput vs plain
-#      pinned cudaMemcpyAsync, goal >= 0.9x); last, if time is left, loom's CPU reducer suite
+#      CudaTransfer, reducer + accumulator exactness over NCCL, the short path over NCCL vs Gloo on
+#      one GPU); bench_gpu (H2D throughput vs plain pinned cudaMemcpyAsync, goal >= 0.9x);
+#      bench_reduce --cuda (the reducer vs one flat NCCL all-reduce, goal >= 0.9x); finetune_icons
+#      over NCCL and over Gloo on the same GPU (losses within 1e-5); last, if time is left, loom's
+#      CPU reducer suite
 # Output (at most 4 files, the device tool brings back 8): OUTDIR/results.md (the table),
-# OUTDIR/device-check.log (every step's full output), OUTDIR/bench_gpu.json.
+# OUTDIR/device-check.log (every step's full output), OUTDIR/bench_gpu.json,
+# OUTDIR/bench_reduce_cuda.json.
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
@@ -268,7 +272,7 @@ for k in "LibTorch with CUDA" "Gloo (LOOM_HAS_GLOO)" "CUDA (LOOM_HAS_CUDA)" "NCC
 done
 
 # ---- 5. build -------------------------------------------------------------------------------
-targets=(tests/gpu/test_gpu_host tests/gpu/test_gpu_device bench/bench_gpu)
+targets=(tests/gpu/test_gpu_host tests/gpu/test_gpu_device bench/bench_gpu bench/bench_reduce)
 if [ -f "$BUILD/build.ninja" ]; then
   step build "${LOOM_DEVICE_CHECK_BUILD_LIMIT:-240}" ninja -C "$BUILD" -k 0 -j "$JOBS" "${targets[@]}"
 else
@@ -298,7 +302,7 @@ if [ -x "$DEV" ]; then
     "transfer_batch*"
     "GeneratorLoader with CudaTransfer*"
     "Reducer + Accumulator over NCCL*"
-    "CUDA tensor tests need a LibTorch built with CUDA*"
+    "Trainer on one GPU*"
   )
   for g in "${groups[@]}"; do
     limit=60
@@ -351,6 +355,54 @@ EOF
   fi
 else
   record bench_gpu "NOT BUILT" 0 ""
+fi
+
+# ---- 6b. the reducer on the GPU against one flat NCCL all-reduce of the same bytes -------------
+if [ -x "$BUILD/bench/bench_reduce" ]; then
+  step "bench_reduce --cuda" 150 "$BUILD/bench/bench_reduce" --cuda "--benchmark_out=$OUTDIR/bench_reduce_cuda.json" --benchmark_out_format=json
+  ratio=$(grep -h -m2 -E '^RATIO' "$WORK/step.log" | tr '\n' ' ' || true)
+  INVENTORY+=("bench_reduce --cuda: ${ratio:-no RATIO line}")
+else
+  record "bench_reduce --cuda" "NOT BUILT" 0 ""
+fi
+
+# ---- 6c. the finetune_icons loop over NCCL and over Gloo on the same GPU (world size 1) ---------
+# Needs the examples (libpng from the carried .debs) and adwaita-icon-theme's files; skipped when
+# either is missing or time is short. The two runs' validation and training losses must agree
+# within 1e-5 relative.
+ICONS=/usr/share/icons/Adwaita
+if [ -f "$BUILD/build.ninja" ] && [ -d "$ICONS" ] && [ $((DEADLINE - $(date +%s))) -gt 200 ]; then
+  step configure-examples 60 meson configure "$BUILD" -Dexamples=true
+  step build-finetune 120 ninja -C "$BUILD" -k 0 -j "$JOBS" examples/finetune_icons
+  FT=$BUILD/examples/finetune_icons
+  if [ -x "$FT" ]; then
+    ft_args=(--nproc 1 --subset 8 --epochs 1 --pretrain-epochs 0 --device cuda)
+    step "finetune_icons --backend nccl" 60 "$FT" "${ft_args[@]}" --backend nccl --out "$WORK/ft_nccl"
+    cp "$WORK/step.log" "$WORK/ft_nccl.log"
+    step "finetune_icons --backend gloo" 60 "$FT" "${ft_args[@]}" --backend gloo --out "$WORK/ft_gloo"
+    cp "$WORK/step.log" "$WORK/ft_gloo.log"
+    cmp=$("$PY" - "$WORK/ft_nccl.log" "$WORK/ft_gloo.log" <<'EOF2' || true
+import re, sys
+def fields(path):
+    for line in open(path):
+        if "result:" in line:
+            return {k: float(v) for k, v in re.findall(r"(\w+)=([-0-9.e+]+)", line)}
+    return {}
+a, b = fields(sys.argv[1]), fields(sys.argv[2])
+if not a or not b:
+    print("no result line in one of the runs")
+    sys.exit(0)
+worst = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in ("val_loss", "train_loss"))
+print(f"finetune_icons nccl vs gloo on one GPU: val_loss {a['val_loss']} / {b['val_loss']}, "
+      f"train_loss {a['train_loss']} / {b['train_loss']}, max relative difference {worst:.3g} "
+      f"({'within' if worst <= 1e-5 else 'NOT within'} 1e-5)")
+EOF2
+)
+    log "$cmp"
+    INVENTORY+=("${cmp:-finetune_icons comparison: not run}")
+  fi
+else
+  record "finetune_icons nccl vs gloo" "NOT RUN" 0 "no build, no $ICONS, or not enough time left"
 fi
 
 # ---- 7. last, if time is left: loom's CPU reducer suite built against this torch --------------
