@@ -46,6 +46,7 @@
 #include <fmt/ranges.h>
 
 #include <loom/collate/options.hpp>
+#include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -115,9 +116,9 @@ struct PlannerConfig {
 
 struct VectorHash {
   std::size_t operator()(const std::vector<int64_t>& v) const noexcept {
-    std::size_t h = 0xcbf29ce484222325ULL;
-    for (int64_t x : v) h = (h ^ static_cast<std::size_t>(x)) * 0x100000001b3ULL;
-    return h;
+    Fnv1a f;
+    for (int64_t x : v) f.add(static_cast<std::uint64_t>(x));
+    return static_cast<std::size_t>(f.value());
   }
 };
 

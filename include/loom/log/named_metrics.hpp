@@ -44,6 +44,7 @@
 #include <loom/collate/batch.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/device.hpp>
+#include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -52,18 +53,6 @@ namespace loom {
 struct MetricsOptions {
   std::size_t capacity = 64;  ///< names one rank may add (the size of the exchanged table)
 };
-
-namespace detail {
-/// FNV-1a hash of a metric name.
-inline uint64_t metric_hash(std::string_view name) noexcept {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (char c : name) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
-}  // namespace detail
 
 /// Sample-weighted means by name over all ranks. See the file comment.
 ///
@@ -141,7 +130,7 @@ class Metrics {
     if (entries_.size() >= options_.capacity)
       throw InvalidArgument(fmt::format("Metrics::add('{}'): more than {} names (MetricsOptions::capacity)", name,
                                         options_.capacity));
-    const uint64_t h = detail::metric_hash(name);
+    const uint64_t h = detail::fnv1a(name);
     for (const auto& [other, e] : entries_)
       if (e.hash == h)
         throw InvalidArgument(fmt::format("Metrics: names '{}' and '{}' have the same hash; rename one", other, name));
@@ -152,7 +141,7 @@ class Metrics {
 
   const Total& total(std::string_view name) {
     reduce();
-    auto it = totals_.find(detail::metric_hash(name));
+    auto it = totals_.find(detail::fnv1a(name));
     if (it == totals_.end()) throw InvalidArgument(fmt::format("Metrics::mean: no rank added a metric named '{}'", name));
     return it->second;
   }

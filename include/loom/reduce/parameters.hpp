@@ -30,6 +30,7 @@
 
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/device.hpp>
+#include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -68,9 +69,9 @@ inline void describe_tensor(const at::Tensor& t, std::int64_t kind, std::int64_t
   if (t.dim() == kMaxDescribedDims) {
     out[4 + kMaxDescribedDims - 1] = t.size(kMaxDescribedDims - 1);
   } else if (t.dim() > kMaxDescribedDims) {
-    std::uint64_t h = 1469598103934665603ULL;
-    for (std::int64_t d = kMaxDescribedDims - 1; d < t.dim(); ++d) h = (h ^ static_cast<std::uint64_t>(t.size(d))) * 1099511628211ULL;
-    out[4 + kMaxDescribedDims - 1] = static_cast<std::int64_t>(h >> 1);
+    Fnv1a f;
+    for (std::int64_t d = kMaxDescribedDims - 1; d < t.dim(); ++d) f.add(static_cast<std::uint64_t>(t.size(d)));
+    out[4 + kMaxDescribedDims - 1] = static_cast<std::int64_t>(f.value() >> 1);
   }
 }
 
@@ -92,10 +93,10 @@ inline std::vector<std::int64_t> descriptors(const ParameterList& list) {
   return out;
 }
 
-inline std::int64_t fnv1a(const std::vector<std::int64_t>& v) {
-  std::uint64_t h = 1469598103934665603ULL;
-  for (std::int64_t x : v) h = (h ^ static_cast<std::uint64_t>(x)) * 1099511628211ULL;
-  return static_cast<std::int64_t>(h >> 1);
+inline std::int64_t hash_descriptors(const std::vector<std::int64_t>& v) {
+  Fnv1a f;
+  for (std::int64_t x : v) f.add(static_cast<std::uint64_t>(x));
+  return static_cast<std::int64_t>(f.value() >> 1);
 }
 
 inline std::string entry_name(const ParameterList& list, std::size_t k) {
@@ -123,7 +124,7 @@ void check_same_parameters(Comm& comm, const ParameterList& list) {
   auto* s = summary.data_ptr<std::int64_t>();
   s[0] = static_cast<std::int64_t>(list.params.size());
   s[1] = static_cast<std::int64_t>(list.buffers.size());
-  s[2] = detail::fnv1a(desc);
+  s[2] = detail::hash_descriptors(desc);
   std::vector<at::Tensor> all = comm.all_gather(summary.to(device));
   for (auto& t : all) t = t.to(at::kCPU);
   bool same = true;

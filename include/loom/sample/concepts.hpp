@@ -27,6 +27,7 @@
 
 #include <fmt/format.h>
 
+#include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -126,16 +127,8 @@ inline SamplerState parse_sampler_state(std::string_view text) {
 }
 
 namespace detail {
-/// FNV-1a over 64-bit words, for configuration fingerprints.
-struct Fingerprint {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  void add(uint64_t v) noexcept {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xff;
-      h *= 0x100000001b3ULL;
-    }
-  }
-};
+/// Configuration fingerprints of the samplers: loom's one hash (detail::Fnv1a).
+using Fingerprint = Fnv1a;
 
 /// Throws unless `st` matches the sampler's own configuration `own` (all but epoch and position).
 inline void check_state_matches(const SamplerState& st, const SamplerState& own, int64_t epoch_size, std::string_view sampler) {
