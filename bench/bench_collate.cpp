@@ -43,7 +43,7 @@
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
-#include <loom/collate/collate.hpp>
+#include <loom/collate/all.hpp>
 
 #include "../tests/reference/collate_reference.hpp"
 

@@ -32,7 +32,7 @@
 #include <loom/data/idx.hpp>
 #include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
-#include <loom/sample/sample.hpp>
+#include <loom/sample/all.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
 

@@ -1,8 +1,9 @@
 // loom/loom.hpp — every portable loom component in one include.
 //
-// One sentence: include this in a LibTorch program to get the communicators, launcher support,
-// collators, samplers, scheduler, accumulator, reducer and rank-aware logging; each component's
-// own header (listed below) is the narrower choice when compile time matters.
+// One sentence: include this in a LibTorch program to get the communicators, launcher support and
+// process group, collation, samplers, generator loaders, accumulator, reducer, rank-aware logging
+// and the short training path (BatchLoader, Trainer); each component's umbrella
+// `<loom/<component>/all.hpp>` (or one header of it) is the narrower choice when compile time matters.
 //
 // Example (the README's loop, examples/readme_loop.cpp):
 //   loom::run([](loom::ProcessGroup& pg) {
@@ -11,34 +12,27 @@
 //     for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
 //   }, {.nproc = 2});
 //
-// Included: error.hpp, config.hpp, comm/communicator.hpp, comm/local.hpp, comm/gloo.hpp (when
-// LOOM_HAS_GLOO), dist.hpp (with the ProcessGroup, which includes comm/nccl.hpp when the build has
-// NCCL and a CUDA LibTorch), collate/collate.hpp, sample/sample.hpp, schedule/all.hpp,
-// accumulate/accumulator.hpp, reduce/reducer.hpp, reduce/module.hpp, log/all.hpp, train/loader.hpp,
-// train/trainer.hpp.
-// Not included (opt in): comm/nccl.hpp and cuda/ otherwise (need CUDA and NCCL at link time),
-// reduce/jit.hpp (TorchScript modules), data/ (dataset readers; need libpng and zlib).
+// Included: error.hpp, config.hpp and the umbrellas comm/all.hpp (GlooCommunicator when
+// LOOM_HAS_GLOO; NcclCommunicator when the build has NCCL and a CUDA LibTorch), dist/all.hpp,
+// collate/all.hpp, sample/all.hpp, schedule/all.hpp, accumulate/all.hpp, reduce/all.hpp,
+// log/all.hpp, train/all.hpp.
+// Not included (opt in): comm/nccl.hpp in a build with NCCL but a CPU LibTorch, and cuda/ (cuda/all.hpp)
+// (they need the CUDA runtime, and NCCL, at link time); reduce/jit.hpp (TorchScript modules).
 #pragma once
 
 #include <loom/config.hpp>
 #include <loom/error.hpp>
 
-#include <loom/comm/communicator.hpp>
-#include <loom/comm/local.hpp>
-#if LOOM_HAS_GLOO
-#include <loom/comm/gloo.hpp>
-#endif
-#include <loom/dist.hpp>
+#include <loom/comm/all.hpp>
+#include <loom/dist/all.hpp>
 
-#include <loom/collate/collate.hpp>
-#include <loom/sample/sample.hpp>
+#include <loom/collate/all.hpp>
+#include <loom/sample/all.hpp>
 #include <loom/schedule/all.hpp>
 
-#include <loom/accumulate/accumulator.hpp>
-#include <loom/reduce/module.hpp>
-#include <loom/reduce/reducer.hpp>
+#include <loom/accumulate/all.hpp>
+#include <loom/reduce/all.hpp>
 
 #include <loom/log/all.hpp>
 
-#include <loom/train/loader.hpp>
-#include <loom/train/trainer.hpp>
+#include <loom/train/all.hpp>

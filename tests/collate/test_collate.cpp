@@ -12,7 +12,7 @@
 #include <range/v3/view/transform.hpp>
 #include <torch/torch.h>
 
-#include <loom/collate/collate.hpp>
+#include <loom/collate/all.hpp>
 
 #include "reference/collate_reference.hpp"
 

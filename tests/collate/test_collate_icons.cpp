@@ -8,7 +8,7 @@
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
-#include <loom/collate/collate.hpp>
+#include <loom/collate/all.hpp>
 
 #include "reference/collate_reference.hpp"
 

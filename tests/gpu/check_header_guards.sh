@@ -32,7 +32,7 @@ expect_error() {
 
 expect_error 0 0 loom/comm/nccl.hpp "LOOM_HAS_NCCL=0"
 expect_error 1 0 loom/comm/nccl.hpp "LOOM_HAS_NCCL=0"
-for h in error device stream buffer pinned transfer; do
+for h in error device stream buffer pinned transfer all; do
   expect_error 0 0 "loom/cuda/$h.hpp" "LOOM_HAS_CUDA=0"
 done
 [ "$failures" -eq 0 ] || { echo "$failures header guard check(s) failed"; exit 1; }

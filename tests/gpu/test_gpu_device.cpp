@@ -25,7 +25,7 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include <loom/collate/collate.hpp>
+#include <loom/collate/all.hpp>
 #include <loom/comm/nccl.hpp>
 #include <loom/cuda/buffer.hpp>
 #include <loom/cuda/pinned.hpp>

@@ -7,9 +7,9 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-#include <loom/collate/collate.hpp>
+#include <loom/collate/all.hpp>
 #include <loom/comm/local.hpp>
-#include <loom/sample/sample.hpp>
+#include <loom/sample/all.hpp>
 
 #include "reference/sample_reference.hpp"
 #include "thread_comm.hpp"

@@ -8,7 +8,7 @@
 
 #include <loom/comm/gloo.hpp>
 #include <loom/dist/spawn.hpp>
-#include <loom/sample/sample.hpp>
+#include <loom/sample/all.hpp>
 
 namespace fs = std::filesystem;
 

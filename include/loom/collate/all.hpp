@@ -1,7 +1,7 @@
-// loom/collate/collate.hpp — every public header of loom/collate/, in one include.
+// loom/collate/all.hpp — every public header of loom/collate/, in one include.
 //
 // Example:
-//   #include <loom/collate/collate.hpp>
+//   #include <loom/collate/all.hpp>
 //   for (loom::Batch& b : samples | loom::views::bucket_by_shape({.max_samples = 64})) step(b);
 //
 // Contents: Batch (batch.hpp), SampleProjection / DefaultProjection (sample.hpp), BufferPool and

@@ -1,7 +1,7 @@
-// loom/dist.hpp — launcher environments, rendezvous, spawn, the process group and run() in one include.
+// loom/dist/all.hpp — launcher environments, rendezvous, spawn, the process group and run() in one include.
 //
 // Example:
-//   #include <loom/dist.hpp>
+//   #include <loom/dist/all.hpp>
 //   loom::run([](loom::ProcessGroup& pg) { /* one rank */ }, {.nproc = 2});
 //
 // See docs/launching.md.

@@ -1,11 +1,12 @@
-// loom/sample/sample.hpp — everything in loom/sample/, in one include.
+// loom/sample/all.hpp — everything in loom/sample/, in one include.
 //
 // Example:
-//   #include <loom/sample/sample.hpp>
+//   #include <loom/sample/all.hpp>
 //   loom::DistributedSampler s({.dataset_size = n, .num_replicas = comm.world_size(), .rank = comm.rank()});
 //
 // Contents: Sampler / ResumableSampler concepts and SamplerState (concepts.hpp), DistributedSampler
 // (distributed.hpp), DistributedBucketBatchSampler / SampledBatch / collate_sampled (bucket_batch.hpp),
+// GlobalBatchSampler / plan_epoch / deal (global_batch.hpp), sample_seed (sample_seed.hpp),
 // gather_results (eval.hpp). Guide: docs/sample.md.
 #pragma once
 

@@ -1,0 +1,13 @@
+// loom/train/all.hpp — the short training path in one include: BatchLoader and Trainer.
+//
+// Example:
+//   #include <loom/train/all.hpp>
+//   loom::BatchLoader loader(pg, shapes, fetch, {.max_samples = 8, .batches_per_step = 2});
+//   loom::Trainer trainer(pg, *model, opt);
+//   for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
+//
+// Contents: BatchLoader / LoaderOptions (loader.hpp), Trainer (trainer.hpp). Guide: docs/loop.md.
+#pragma once
+
+#include <loom/train/loader.hpp>
+#include <loom/train/trainer.hpp>
