@@ -20,15 +20,16 @@
 #include <filesystem>
 #include <vector>
 
-#include <loom/data/icons.hpp>
 #include <loom/sample/global_batch.hpp>
+
+#include "../examples/common/data/icons.hpp"
 
 namespace {
 
 const std::vector<std::vector<int64_t>>& icon_shapes() {
   static const std::vector<std::vector<int64_t>> shapes = [] {
-    loom::data::IconFolder icons({.root = "/usr/share/icons/Adwaita", .sizes = {16, 24, 32, 48}, .channels = 4,
-                                  .on_corrupt = loom::data::OnCorrupt::skip, .warn = [](std::string_view) {}});
+    examples::data::IconFolder icons({.root = "/usr/share/icons/Adwaita", .sizes = {16, 24, 32, 48}, .channels = 4,
+                                      .on_corrupt = examples::data::OnCorrupt::skip, .warn = [](std::string_view) {}});
     std::vector<std::vector<int64_t>> s;
     for (std::size_t i = 0; i < icons.size(); ++i) {
       const auto sz = icons.pixels(i).sizes();

@@ -13,7 +13,7 @@
 // loom reports vs_observed: its rate against the bound recomputed with that observed time.
 //
 // cpu_png: CPU-bound generators that decode real PNG icons (Debian's adwaita-icon-theme,
-// 96x96 RGBA, libpng through loom::data::read_png): 4 generators onto 2 devices.
+// 96x96 RGBA, libpng through examples::data::read_png): 4 generators onto 2 devices.
 //   sequential  decode on the training thread
 //   loom/1      loom::GeneratorLoader with 1 worker thread
 //   loom/2      loom::GeneratorLoader with 2 worker threads (the machine has 2 cores)
@@ -30,8 +30,9 @@
 #include <ATen/ops/full.h>
 #include <benchmark/benchmark.h>
 
-#include <loom/data/png.hpp>
 #include <loom/schedule/generator_loader.hpp>
+
+#include "../examples/common/data/png.hpp"
 
 namespace {
 
@@ -147,7 +148,7 @@ struct PngGenerator {
     const size_t i = next * kPngGenerators + static_cast<size_t>(g);
     if (i >= usable) return std::nullopt;
     ++next;
-    return loom::data::read_png(files[i], 4);
+    return examples::data::read_png(files[i], 4);
   }
 };
 

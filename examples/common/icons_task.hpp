@@ -3,8 +3,8 @@
 // icon name, the model (IconNet), and evaluation over every rank.
 //
 // Data: /usr/share/icons/Adwaita/<N>x<N>/<context>/*.png (adwaita-icon-theme), read once with
-// loom::data::IconFolder (libpng); the label is the context folder (actions, devices, status, ...).
-// The split puts every size of one icon on the same side (loom::data::split_by_name).
+// examples::data::IconFolder (libpng); the label is the context folder (actions, devices, status, ...).
+// The split puts every size of one icon on the same side (examples::data::split_by_name).
 // Model: three conv blocks with GroupNorm (no running statistics: replicas never drift and a
 // batch of one 48 px icon is fine), adaptive pooling to 2 x 2, a linear head.
 // Shape: a sample is C x H x W float32 in [0, 1] (its own H = W), its label an int64 class id;
@@ -22,10 +22,11 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
-#include <loom/data/icons.hpp>
 #include <loom/error.hpp>
 #include <loom/log/named_metrics.hpp>
 #include <loom/sample/global_batch.hpp>
+
+#include "data/icons.hpp"
 
 namespace examples {
 
@@ -79,14 +80,14 @@ class IconTask {
         icons_({.root = o.data,
                 .sizes = all_sizes(o),
                 .channels = o.channels,
-                .on_corrupt = o.skip_corrupt ? loom::data::OnCorrupt::skip : loom::data::OnCorrupt::throw_error,
+                .on_corrupt = o.skip_corrupt ? examples::data::OnCorrupt::skip : examples::data::OnCorrupt::throw_error,
                 .warn = std::forward<Warn>(warn)}) {
-    auto split = loom::data::split_by_name(icons_, o.val_fraction, o.seed);
+    auto split = examples::data::split_by_name(icons_, o.val_fraction, o.seed);
     // --subset k keeps about 1/k of the icon names (all sizes of each), chosen by another name split.
     std::vector<char> kept(icons_.size(), 1);
     if (o.subset > 1) {
       std::fill(kept.begin(), kept.end(), 0);
-      for (int64_t i : loom::data::split_by_name(icons_, 1.0 / static_cast<double>(o.subset), o.seed + 1).val)
+      for (int64_t i : examples::data::split_by_name(icons_, 1.0 / static_cast<double>(o.subset), o.seed + 1).val)
         kept[static_cast<std::size_t>(i)] = 1;
     }
     auto keep = [&](int64_t i) { return kept[static_cast<std::size_t>(i)] != 0; };
@@ -112,7 +113,7 @@ class IconTask {
   [[nodiscard]] const std::vector<int64_t>& train() const noexcept { return train_; }
   [[nodiscard]] const std::vector<int64_t>& train_small() const noexcept { return train_small_; }
   [[nodiscard]] const std::vector<int64_t>& val() const noexcept { return val_; }
-  [[nodiscard]] const loom::data::IconFolder& icons() const noexcept { return icons_; }
+  [[nodiscard]] const examples::data::IconFolder& icons() const noexcept { return icons_; }
   [[nodiscard]] int classes() const noexcept { return static_cast<int>(icons_.classes().size()); }
   [[nodiscard]] const std::string& majority_class() const noexcept { return majority_class_; }
   [[nodiscard]] double majority_baseline() const noexcept { return majority_baseline_; }
@@ -172,7 +173,7 @@ class IconTask {
   }
 
   IconTaskOptions o_;
-  loom::data::IconFolder icons_;
+  examples::data::IconFolder icons_;
   std::vector<int64_t> train_, train_small_, val_;
   std::string majority_class_;
   double majority_baseline_ = 0;

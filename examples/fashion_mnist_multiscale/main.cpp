@@ -4,7 +4,7 @@
 // 0.88-0.91 test accuracy on Fashion-MNIST at 28 px; the multi-scale run should land there too.
 //
 // Data: Debian's dataset-fashion-mnist (gzipped IDX files in /usr/share/datasets/fashion-mnist),
-// read with loom::data::read_fashion_mnist (zlib, no unpacking).
+// read with examples::data::read_fashion_mnist (zlib, no unpacking).
 // Loop, on loom's short path: loom::run (spawns --nproc ranks, or joins torchrun / mpirun / srun)
 // -> loom::ProcessGroup (NCCL on a GPU, Gloo on the CPU) -> per epoch, a size drawn per image
 // (loom::sample_seed of seed, epoch, index: the same on any world size) and a loom::BatchLoader
@@ -29,13 +29,13 @@
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
-#include <loom/data/idx.hpp>
 #include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
 #include <loom/sample/all.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
 
+#include "../common/data/idx.hpp"
 #include "../common/placement.hpp"
 
 namespace fs = std::filesystem;
@@ -43,7 +43,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Options {
   int nproc = 2;
-  fs::path data = loom::data::kDebianFashionMnistDir;
+  fs::path data = examples::data::kDebianFashionMnistDir;
   std::vector<int> sizes = {20, 28, 36};
   int64_t train_subset = 0;  // first N training images (0: all 60,000)
   int64_t test_subset = 0;   // first N test images (0: all 10,000)
@@ -92,8 +92,8 @@ void train(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
   at::set_num_threads(o.threads);
   const torch::Device device = examples::model_device(pg, o.device);
   loom::Logger log(loom::StreamSink{stdout}, pg);
-  auto train_set = loom::data::read_fashion_mnist(o.data, loom::data::MnistSplit::train);
-  auto test_set = loom::data::read_fashion_mnist(o.data, loom::data::MnistSplit::test);
+  auto train_set = examples::data::read_fashion_mnist(o.data, examples::data::MnistSplit::train);
+  auto test_set = examples::data::read_fashion_mnist(o.data, examples::data::MnistSplit::test);
   const int64_t n_train = o.train_subset > 0 ? std::min<int64_t>(o.train_subset, train_set.images.size(0)) : train_set.images.size(0);
   const int64_t n_test = o.test_subset > 0 ? std::min<int64_t>(o.test_subset, test_set.images.size(0)) : test_set.images.size(0);
   const torch::Tensor test_labels = test_set.labels.slice(0, 0, n_test);

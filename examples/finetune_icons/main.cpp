@@ -2,7 +2,7 @@
 // status, ...) from its pixels, every icon at its own size, on 2 ranks by default.
 //
 // Data: Debian's adwaita-icon-theme, /usr/share/icons/Adwaita/<N>x<N>/<context>/*.png, read with
-// loom::data::IconFolder (libpng); train/validation split by icon name (the sizes of one icon
+// examples::data::IconFolder (libpng); train/validation split by icon name (the sizes of one icon
 // never straddle the split). The task (data, model, evaluation): examples/common/icons_task.hpp.
 // Loop, on loom's short path:
 //   loom::run (--nproc ranks on this machine, or one rank of a torchrun / mpirun / srun job)

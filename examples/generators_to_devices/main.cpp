@@ -2,7 +2,7 @@
 // at a time, scheduled onto 8 devices (2 generators per device), one small forecaster trained on
 // every device's collated batch with gradients reduced across devices, weighted exactly by samples.
 //
-// Data: CSV files of Debian's python3-vega-datasets (read with loom::data::read_csv): hourly
+// Data: CSV files of Debian's python3-vega-datasets (read with examples::data::read_csv): hourly
 // temperatures (Seattle, San Francisco), daily Seattle weather, monthly stock prices (5 symbols)
 // and monthly US employment (6 sectors): 16 series of 68 to 8,759 values, z-scored with the mean
 // and deviation of their first 80 % (the training part); the last 20 % is held out.
@@ -49,7 +49,6 @@
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
-#include <loom/data/csv.hpp>
 #include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
 #include <loom/reduce/module.hpp>
@@ -57,6 +56,7 @@
 #include <loom/schedule/generator_loader.hpp>
 #include <loom/schedule/rank_generator_loader.hpp>
 
+#include "../common/data/csv.hpp"
 #include "../common/placement.hpp"
 
 namespace fs = std::filesystem;
@@ -65,7 +65,7 @@ using Clock = std::chrono::steady_clock;
 struct Options {
   std::string mode = "ranks";  // ranks | in-process
   int devices = 8;
-  std::string data;           // vega-datasets folder; empty: loom::data::find_vega_datasets()
+  std::string data;           // vega-datasets folder; empty: examples::data::find_vega_datasets()
   int window = 24;            // input values per sample
   int64_t max_windows = 256;  // training windows per series and epoch (long series are strided)
   double holdout = 0.2;       // last fraction of each series held out
@@ -88,17 +88,17 @@ struct Series {
 };
 
 std::vector<Series> load_series(const Options& o) {
-  const fs::path dir = o.data.empty() ? loom::data::find_vega_datasets({LOOM_SOURCE_ROOT}) : fs::path(o.data);
+  const fs::path dir = o.data.empty() ? examples::data::find_vega_datasets({LOOM_SOURCE_ROOT}) : fs::path(o.data);
   std::vector<std::pair<std::string, std::vector<double>>> raw;
   auto add = [&](std::string name, std::vector<double> v) { raw.emplace_back(std::move(name), std::move(v)); };
-  add("seattle-temps/temp", loom::data::read_csv(dir / "seattle-temps.csv").numeric_column("temp"));
-  add("sf-temps/temp", loom::data::read_csv(dir / "sf-temps.csv").numeric_column("temp"));
-  const auto weather = loom::data::read_csv(dir / "seattle-weather.csv");
+  add("seattle-temps/temp", examples::data::read_csv(dir / "seattle-temps.csv").numeric_column("temp"));
+  add("sf-temps/temp", examples::data::read_csv(dir / "sf-temps.csv").numeric_column("temp"));
+  const auto weather = examples::data::read_csv(dir / "seattle-weather.csv");
   for (const char* c : {"temp_max", "temp_min", "wind"})
     add(fmt::format("seattle-weather/{}", c), weather.numeric_column(c));
-  for (auto& [symbol, prices] : loom::data::read_csv(dir / "stocks.csv").numeric_columns_by("symbol", "price"))
+  for (auto& [symbol, prices] : examples::data::read_csv(dir / "stocks.csv").numeric_columns_by("symbol", "price"))
     add("stocks/" + symbol, std::move(prices));
-  const auto jobs = loom::data::read_csv(dir / "us-employment.csv");
+  const auto jobs = examples::data::read_csv(dir / "us-employment.csv");
   for (const char* c : {"nonfarm", "private", "goods_producing", "service_providing", "construction", "manufacturing"})
     add(fmt::format("us-employment/{}", c), jobs.numeric_column(c));
 

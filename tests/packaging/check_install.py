@@ -71,6 +71,8 @@ def main():
             check(os.path.isfile(path), f"installed {os.path.relpath(path, root)}")
         check(not os.path.exists(os.path.join(prefix, "include", "loom", "meson.build")),
               "include/loom/meson.build is not installed")
+        check(not os.path.exists(os.path.join(prefix, "include", "loom", "data")),
+              "the examples' data readers (examples/common/data) are not installed under include/loom")
         with open(pc) as f:
             requires = [l for l in f if l.startswith("Requires")]
         check(all("range-v3" not in l and "doctest" not in l for l in requires),

@@ -1,14 +1,14 @@
-// loom/data/idx.hpp — IDX files (the MNIST / Fashion-MNIST format), gzipped or not, via zlib.
+// examples/common/data/idx.hpp — IDX files (the MNIST / Fashion-MNIST format), gzipped or not, via zlib.
 //
 // One sentence: `read_idx(path)` returns the array stored in an IDX file as a uint8 tensor with
 // the file's dimensions, and `read_fashion_mnist(dir, split)` returns Fashion-MNIST's images and
 // labels from Debian's dataset-fashion-mnist folder, without unpacking anything to disk.
 //
 // Example:
-//   auto train = loom::data::read_fashion_mnist("/usr/share/datasets/fashion-mnist",
-//                                               loom::data::MnistSplit::train);
+//   auto train = examples::data::read_fashion_mnist("/usr/share/datasets/fashion-mnist",
+//                                               examples::data::MnistSplit::train);
 //   // train.images: 60000 x 28 x 28 uint8; train.labels: 60000 int64 in [0, 10)
-//   fmt::print("{}\n", loom::data::kFashionMnistClasses[train.labels[0].item<int64_t>()]);
+//   fmt::print("{}\n", examples::data::kFashionMnistClasses[train.labels[0].item<int64_t>()]);
 //
 // Link: this header calls zlib (Meson: dependency('zlib'); pkg-config: zlib).
 //
@@ -34,7 +34,7 @@
 
 #include <loom/error.hpp>
 
-namespace loom::data {
+namespace examples::data {
 
 namespace detail {
 /// An open gzFile that closes itself; reads exactly n bytes or throws DataError naming the file.
@@ -42,9 +42,9 @@ class GzReader {
  public:
   explicit GzReader(const std::filesystem::path& path) : path_(path) {
     std::error_code ec;
-    if (!std::filesystem::is_regular_file(path, ec)) throw DataError(fmt::format("{}: no such file", path.string()));
+    if (!std::filesystem::is_regular_file(path, ec)) throw loom::DataError(fmt::format("{}: no such file", path.string()));
     file_ = gzopen(path.c_str(), "rb");
-    if (file_ == nullptr) throw DataError(fmt::format("{}: cannot open: {}", path.string(), std::strerror(errno)));
+    if (file_ == nullptr) throw loom::DataError(fmt::format("{}: cannot open: {}", path.string(), std::strerror(errno)));
   }
   GzReader(const GzReader&) = delete;
   GzReader& operator=(const GzReader&) = delete;
@@ -62,10 +62,10 @@ class GzReader {
       if (got < 0) {
         int errnum = 0;
         const char* msg = gzerror(file_, &errnum);
-        throw DataError(fmt::format("{}: corrupt while reading {}: {}", path_.string(), what, msg ? msg : "?"));
+        throw loom::DataError(fmt::format("{}: corrupt while reading {}: {}", path_.string(), what, msg ? msg : "?"));
       }
       if (got == 0)
-        throw DataError(fmt::format("{}: truncated: {} needs {} bytes, the file ends after {}", path_.string(), what, n,
+        throw loom::DataError(fmt::format("{}: truncated: {} needs {} bytes, the file ends after {}", path_.string(), what, n,
                                     done));
       done += static_cast<std::size_t>(got);
     }
@@ -89,14 +89,14 @@ inline at::Tensor read_idx(const std::filesystem::path& path) {
   unsigned char magic[4];
   in.read_exact(magic, 4, "the magic number");
   if (magic[0] != 0 || magic[1] != 0)
-    throw DataError(fmt::format("{}: not an IDX file (magic {:02x}{:02x}{:02x}{:02x})", path.string(), magic[0],
+    throw loom::DataError(fmt::format("{}: not an IDX file (magic {:02x}{:02x}{:02x}{:02x})", path.string(), magic[0],
                                 magic[1], magic[2], magic[3]));
   if (magic[2] != 0x08)
-    throw DataError(fmt::format("{}: IDX data type 0x{:02x} is not supported (only 0x08, unsigned byte)", path.string(),
+    throw loom::DataError(fmt::format("{}: IDX data type 0x{:02x} is not supported (only 0x08, unsigned byte)", path.string(),
                                 magic[2]));
   const int ndim = magic[3];
   if (ndim < 1 || ndim > 4)
-    throw DataError(fmt::format("{}: IDX with {} dimensions (expected 1..4)", path.string(), ndim));
+    throw loom::DataError(fmt::format("{}: IDX with {} dimensions (expected 1..4)", path.string(), ndim));
   std::vector<int64_t> dims(static_cast<std::size_t>(ndim));
   int64_t total = 1;
   for (int d = 0; d < ndim; ++d) {
@@ -104,7 +104,7 @@ inline at::Tensor read_idx(const std::filesystem::path& path) {
     in.read_exact(be, 4, fmt::format("dimension {}", d));
     dims[static_cast<std::size_t>(d)] = (int64_t{be[0]} << 24) | (int64_t{be[1]} << 16) | (int64_t{be[2]} << 8) | be[3];
     if (dims[static_cast<std::size_t>(d)] == 0)
-      throw DataError(fmt::format("{}: IDX dimension {} is 0", path.string(), d));
+      throw loom::DataError(fmt::format("{}: IDX dimension {} is 0", path.string(), d));
     total *= dims[static_cast<std::size_t>(d)];
   }
   at::Tensor out = at::empty(dims, at::TensorOptions().dtype(at::kByte));
@@ -140,7 +140,7 @@ inline const std::filesystem::path kDebianFashionMnistDir = "/usr/share/datasets
 inline LabelledImages read_fashion_mnist(const std::filesystem::path& dir, MnistSplit split) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec))
-    throw DataError(fmt::format("{}: Fashion-MNIST folder does not exist (install dataset-fashion-mnist)", dir.string()));
+    throw loom::DataError(fmt::format("{}: Fashion-MNIST folder does not exist (install dataset-fashion-mnist)", dir.string()));
   const std::string prefix = split == MnistSplit::train ? "train" : "t10k";
   auto pick = [&](const std::string& stem) {
     const auto gz = dir / (stem + ".gz");
@@ -151,15 +151,15 @@ inline LabelledImages read_fashion_mnist(const std::filesystem::path& dir, Mnist
   const auto label_file = pick(prefix + "-labels-idx1-ubyte");
   LabelledImages out{read_idx(image_file), read_idx(label_file)};
   if (out.images.dim() != 3)
-    throw DataError(fmt::format("{}: expected 3 dimensions (N x H x W), got {}", image_file.string(), out.images.dim()));
+    throw loom::DataError(fmt::format("{}: expected 3 dimensions (N x H x W), got {}", image_file.string(), out.images.dim()));
   if (out.labels.dim() != 1 || out.labels.size(0) != out.images.size(0))
-    throw DataError(fmt::format("{} has {} images but {} has {} labels", image_file.string(), out.images.size(0),
+    throw loom::DataError(fmt::format("{} has {} images but {} has {} labels", image_file.string(), out.images.size(0),
                                 label_file.string(), out.labels.numel()));
   out.labels = out.labels.to(at::kLong);
   const int64_t max_label = out.labels.max().item<int64_t>();
   if (max_label >= static_cast<int64_t>(kFashionMnistClasses.size()))
-    throw DataError(fmt::format("{}: label {} is outside [0, 10)", label_file.string(), max_label));
+    throw loom::DataError(fmt::format("{}: label {} is outside [0, 10)", label_file.string(), max_label));
   return out;
 }
 
-}  // namespace loom::data
+}  // namespace examples::data

@@ -1,14 +1,14 @@
-// loom/data/csv.hpp — a small CSV reader for time series (the vega-datasets CSV files).
+// examples/common/data/csv.hpp — a small CSV reader for time series (the vega-datasets CSV files).
 //
 // One sentence: `read_csv(path)` loads a CSV file with a header row into string columns, and
 // `numeric_column` / `numeric_columns_by` turn columns into series of doubles, throwing
 // loom::DataError naming the file, the line and the column for anything that is not a number.
 //
 // Example:
-//   auto dir = loom::data::find_vega_datasets();
-//   auto employment = loom::data::read_csv(dir / "us-employment.csv");
+//   auto dir = examples::data::find_vega_datasets();
+//   auto employment = examples::data::read_csv(dir / "us-employment.csv");
 //   std::vector<double> jobs = employment.numeric_column("nonfarm");        // 120 monthly values
-//   auto stocks = loom::data::read_csv(dir / "stocks.csv");
+//   auto stocks = examples::data::read_csv(dir / "stocks.csv");
 //   auto prices = stocks.numeric_columns_by("symbol", "price");             // {"AAPL": [...], ...}
 //
 // Format: RFC 4180 (comma separator, optional double quotes, "" inside quotes is a quote,
@@ -34,7 +34,7 @@
 
 #include <loom/error.hpp>
 
-namespace loom::data {
+namespace examples::data {
 
 /// A CSV file's columns as strings, plus the file name for error messages.
 ///
@@ -84,7 +84,7 @@ class CsvTable {
     for (std::size_t r = 0; r < rows(); ++r) {
       const std::string& group = columns_[k][r];
       if (group.empty())
-        throw DataError(fmt::format("{}:{}: column '{}' has a blank cell", path_.string(), lines_[r], names_[k]));
+        throw loom::DataError(fmt::format("{}:{}: column '{}' has a blank cell", path_.string(), lines_[r], names_[k]));
       out[group].push_back(all[r]);
     }
     return out;
@@ -94,7 +94,7 @@ class CsvTable {
   [[nodiscard]] std::size_t index_of(std::string_view name) const {
     for (std::size_t i = 0; i < names_.size(); ++i)
       if (names_[i] == name) return i;
-    throw DataError(fmt::format("{}: no column '{}' (columns: {})", path_.string(), name, fmt::join(names_, ", ")));
+    throw loom::DataError(fmt::format("{}: no column '{}' (columns: {})", path_.string(), name, fmt::join(names_, ", ")));
   }
 
   [[nodiscard]] std::vector<double> parse_numbers(std::size_t c) const {
@@ -103,20 +103,20 @@ class CsvTable {
     bool any = false;
     for (std::size_t r = begin; r < end; ++r) any = any || !trim(cells[r]).empty();
     if (!any)
-      throw DataError(fmt::format("{}: column '{}' is empty ({} data rows, no values)", path_.string(), names_[c],
+      throw loom::DataError(fmt::format("{}: column '{}' is empty ({} data rows, no values)", path_.string(), names_[c],
                                   end - begin));
     std::vector<double> out;
     out.reserve(end - begin);
     for (std::size_t r = begin; r < end; ++r) {
       const std::string_view cell = trim(cells[r]);
       if (cell.empty())
-        throw DataError(fmt::format("{}:{}: column '{}' has a blank cell", path_.string(), lines_[r], names_[c]));
+        throw loom::DataError(fmt::format("{}:{}: column '{}' has a blank cell", path_.string(), lines_[r], names_[c]));
       double x = 0;
       const char* first = cell.data();
       if (!cell.empty() && cell.front() == '+') ++first;
       const auto [ptr, ec] = std::from_chars(first, cell.data() + cell.size(), x);
       if (ec != std::errc() || ptr != cell.data() + cell.size())
-        throw DataError(fmt::format("{}:{}: column '{}' holds '{}', which is not a number", path_.string(), lines_[r],
+        throw loom::DataError(fmt::format("{}:{}: column '{}' holds '{}', which is not a number", path_.string(), lines_[r],
                                     names_[c], cell));
       out.push_back(x);
     }
@@ -189,7 +189,7 @@ inline std::vector<std::pair<std::size_t, std::vector<std::string>>> split_csv(s
         record_has_content = true;
     }
   }
-  if (in_quotes) throw DataError(fmt::format("{}:{}: unterminated quoted field", path.string(), record_line));
+  if (in_quotes) throw loom::DataError(fmt::format("{}:{}: unterminated quoted field", path.string(), record_line));
   end_record();
   return records;
 }
@@ -203,31 +203,31 @@ inline std::vector<std::pair<std::size_t, std::vector<std::string>>> split_csv(s
 ///         (naming file:line and both counts).
 inline CsvTable read_csv(const std::filesystem::path& path) {
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) throw DataError(fmt::format("{}: no such CSV file", path.string()));
+  if (!std::filesystem::is_regular_file(path, ec)) throw loom::DataError(fmt::format("{}: no such CSV file", path.string()));
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(fmt::format("{}: cannot open CSV file", path.string()));
+  if (!in) throw loom::DataError(fmt::format("{}: cannot open CSV file", path.string()));
   std::ostringstream buf;
   buf << in.rdbuf();
-  if (in.bad()) throw DataError(fmt::format("{}: read error", path.string()));
+  if (in.bad()) throw loom::DataError(fmt::format("{}: read error", path.string()));
   std::string text = std::move(buf).str();
   if (text.size() >= 3 && text.compare(0, 3, "\xEF\xBB\xBF") == 0) text.erase(0, 3);  // UTF-8 byte order mark
 
   auto records = detail::split_csv(text, path);
-  if (records.empty()) throw DataError(fmt::format("{}: empty CSV file (no header row)", path.string()));
+  if (records.empty()) throw loom::DataError(fmt::format("{}: empty CSV file (no header row)", path.string()));
   std::vector<std::string> names = std::move(records.front().second);
   for (std::size_t i = 0; i < names.size(); ++i) {
     if (names[i].empty())
-      throw DataError(fmt::format("{}:{}: column {} has a blank name", path.string(), records.front().first, i + 1));
+      throw loom::DataError(fmt::format("{}:{}: column {} has a blank name", path.string(), records.front().first, i + 1));
     for (std::size_t j = 0; j < i; ++j)
       if (names[j] == names[i])
-        throw DataError(fmt::format("{}:{}: column name '{}' appears twice", path.string(), records.front().first, names[i]));
+        throw loom::DataError(fmt::format("{}:{}: column name '{}' appears twice", path.string(), records.front().first, names[i]));
   }
   std::vector<std::vector<std::string>> columns(names.size());
   std::vector<std::size_t> lines;
   for (std::size_t r = 1; r < records.size(); ++r) {
     auto& [line, fields] = records[r];
     if (fields.size() != names.size())
-      throw DataError(fmt::format("{}:{}: {} fields, but the header has {} columns", path.string(), line, fields.size(),
+      throw loom::DataError(fmt::format("{}:{}: {} fields, but the header has {} columns", path.string(), line, fields.size(),
                                   names.size()));
     for (std::size_t c = 0; c < fields.size(); ++c) columns[c].push_back(std::move(fields[c]));
     lines.push_back(line);
@@ -255,8 +255,8 @@ inline std::filesystem::path find_vega_datasets(const std::vector<std::filesyste
     if (std::filesystem::is_regular_file(dir / "us-employment.csv", ec)) return dir;
   std::vector<std::string> names;
   for (const auto& d : tried) names.push_back(d.string());
-  throw DataError(fmt::format("vega-datasets CSV files not found (us-employment.csv) in: {}; run scripts/setup.sh",
+  throw loom::DataError(fmt::format("vega-datasets CSV files not found (us-employment.csv) in: {}; run scripts/setup.sh",
                               fmt::join(names, ", ")));
 }
 
-}  // namespace loom::data
+}  // namespace examples::data

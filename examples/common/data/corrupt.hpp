@@ -1,18 +1,18 @@
-// loom/data/corrupt.hpp — what a dataset reader does with a file it cannot decode.
+// examples/common/data/corrupt.hpp — what a dataset reader does with a file it cannot decode.
 //
 // One sentence: a reader either throws loom::DataError naming the first bad file (the default),
 // or, when the user chose `OnCorrupt::skip`, leaves the file out, reports one warning line per
 // file through a callback and counts it, so nothing is dropped silently.
 //
 // Example:
-//   loom::data::IconFolderOptions opts{.root = "/usr/share/icons/Adwaita",
-//                                      .on_corrupt = loom::data::OnCorrupt::skip,
+//   examples::data::IconFolderOptions opts{.root = "/usr/share/icons/Adwaita",
+//                                      .on_corrupt = examples::data::OnCorrupt::skip,
 //                                      .warn = [](std::string_view m) { std::cerr << m << '\n'; }};
-//   loom::data::IconFolder icons(opts);
+//   examples::data::IconFolder icons(opts);
 //   fmt::print("skipped {} files\n", icons.skipped().size());
 //
 // Source: the throw-or-skip choice follows torchvision's ImageFolder `is_valid_file` hook and
-// tf.data's `ignore_errors()`, but loom always reports what it skipped.
+// tf.data's `ignore_errors()`, but these readers always report what they skipped.
 #pragma once
 
 #include <cstdio>
@@ -21,7 +21,7 @@
 #include <string>
 #include <string_view>
 
-namespace loom::data {
+namespace examples::data {
 
 /// What a reader does with a file that exists but cannot be decoded (corrupt or truncated).
 /// A *missing* folder or file is always an error: there is nothing to skip.
@@ -45,4 +45,4 @@ struct SkippedFile {
   std::string reason;          ///< the decoder's message
 };
 
-}  // namespace loom::data
+}  // namespace examples::data

@@ -1,14 +1,14 @@
-// loom/data/png.hpp — decode one PNG file into a uint8 tensor with libpng.
+// examples/common/data/png.hpp — decode one PNG file into a uint8 tensor with libpng.
 //
 // One sentence: `read_png(path, channels)` returns the image at its own size as a
 // channels x height x width uint8 tensor, or throws loom::DataError naming the file.
 //
 // Example:
-//   at::Tensor img = loom::data::read_png("/usr/share/icons/Adwaita/16x16/actions/edit-copy-symbolic.symbolic.png");
+//   at::Tensor img = examples::data::read_png("/usr/share/icons/Adwaita/16x16/actions/edit-copy-symbolic.symbolic.png");
 //   // img.sizes() == {4, 16, 16}, dtype uint8 (R, G, B, A; straight, not premultiplied alpha)
 //   at::Tensor x = img.to(at::kFloat).div_(255);   // what IconFolder::get does
 //
-// Link: this header calls libpng (Meson: dependency('libpng'); pkg-config: libpng); loom's other
+// Link: this header calls libpng (Meson: dependency('libpng'); pkg-config: libpng); loom's own
 // headers do not need it.
 //
 // Source: libpng's "simplified API" (png_image_*, libpng >= 1.6), which converts every PNG colour
@@ -28,7 +28,7 @@
 
 #include <loom/error.hpp>
 
-namespace loom::data {
+namespace examples::data {
 
 /// Decodes the PNG file at `path` into a `channels` x H x W uint8 tensor.
 ///
@@ -42,10 +42,10 @@ namespace loom::data {
 /// Source: libpng simplified API (png_image_begin_read_from_file / png_image_finish_read).
 inline at::Tensor read_png(const std::filesystem::path& path, int channels = 4) {
   if (channels != 1 && channels != 3 && channels != 4)
-    throw InvalidArgument(fmt::format("read_png: channels={} (expected 1, 3 or 4)", channels));
+    throw loom::InvalidArgument(fmt::format("read_png: channels={} (expected 1, 3 or 4)", channels));
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec))
-    throw DataError(fmt::format("{}: no such PNG file", path.string()));
+    throw loom::DataError(fmt::format("{}: no such PNG file", path.string()));
 
   png_image image{};
   image.version = PNG_IMAGE_VERSION;
@@ -55,15 +55,15 @@ inline at::Tensor read_png(const std::filesystem::path& path, int channels = 4) 
   } guard{&image};
 
   if (png_image_begin_read_from_file(&image, path.c_str()) == 0)
-    throw DataError(fmt::format("{}: cannot read PNG: {}", path.string(), image.message));
+    throw loom::DataError(fmt::format("{}: cannot read PNG: {}", path.string(), image.message));
   image.format = PNG_FORMAT_RGBA;
   const auto height = static_cast<int64_t>(image.height);
   const auto width = static_cast<int64_t>(image.width);
   if (height <= 0 || width <= 0)
-    throw DataError(fmt::format("{}: PNG has an empty size {}x{}", path.string(), width, height));
+    throw loom::DataError(fmt::format("{}: PNG has an empty size {}x{}", path.string(), width, height));
   std::vector<std::uint8_t> rgba(PNG_IMAGE_SIZE(image));
   if (png_image_finish_read(&image, nullptr, rgba.data(), 0, nullptr) == 0)
-    throw DataError(fmt::format("{}: corrupt PNG: {}", path.string(), image.message));
+    throw loom::DataError(fmt::format("{}: corrupt PNG: {}", path.string(), image.message));
   // libpng reports recoverable problems (e.g. a bad CRC in an ancillary chunk) as warnings with
   // PNG_IMAGE_WARNING set; the pixels are still valid, so they are accepted.
 
@@ -84,4 +84,4 @@ inline at::Tensor read_png(const std::filesystem::path& path, int channels = 4) 
   return out;
 }
 
-}  // namespace loom::data
+}  // namespace examples::data

@@ -1,4 +1,4 @@
-// loom/data/icons.hpp — a folder of PNG icons as a classification dataset, each at its own size.
+// examples/common/data/icons.hpp — a folder of PNG icons as a classification dataset, each at its own size.
 //
 // One sentence: `IconFolder` reads an icon theme laid out as <root>/<W>x<H>/<context>/<name>.png
 // (the freedesktop layout Debian's adwaita-icon-theme uses), labels each icon with its context
@@ -6,9 +6,9 @@
 // name so the sizes of one icon never straddle the split.
 //
 // Example:
-//   loom::data::IconFolder icons({.root = "/usr/share/icons/Adwaita", .sizes = {16, 24, 32}});
-//   auto split = loom::data::split_by_name(icons, 0.25, /*seed=*/1);
-//   loom::data::IconSample s = icons.get(split.train[0]);
+//   examples::data::IconFolder icons({.root = "/usr/share/icons/Adwaita", .sizes = {16, 24, 32}});
+//   auto split = examples::data::split_by_name(icons, 0.25, /*seed=*/1);
+//   examples::data::IconSample s = icons.get(split.train[0]);
 //   // s.image: 4 x 16 x 16 float32 in [0, 1]; s.label: index into icons.classes() ("actions", ...)
 //
 // Decoding: every file is decoded once, at construction (so a corrupt file is found before
@@ -35,11 +35,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <loom/data/corrupt.hpp>
-#include <loom/data/png.hpp>
 #include <loom/error.hpp>
 
-namespace loom::data {
+#include "corrupt.hpp"
+#include "png.hpp"
+
+namespace examples::data {
 
 /// What IconFolder reads. An aggregate: use designated initializers.
 ///
@@ -123,10 +124,10 @@ class IconFolder {
     const fs::path& root = options_.root;
     std::error_code ec;
     if (!fs::is_directory(root, ec))
-      throw DataError(fmt::format("{}: icon folder does not exist (install adwaita-icon-theme, or pass the theme root)",
+      throw loom::DataError(fmt::format("{}: icon folder does not exist (install adwaita-icon-theme, or pass the theme root)",
                                   root.string()));
     if (options_.channels != 1 && options_.channels != 3 && options_.channels != 4)
-      throw InvalidArgument(fmt::format("IconFolderOptions::channels={} (expected 1, 3 or 4)", options_.channels));
+      throw loom::InvalidArgument(fmt::format("IconFolderOptions::channels={} (expected 1, 3 or 4)", options_.channels));
 
     // Collect (size, context, file) in a deterministic order.
     struct Entry {
@@ -156,7 +157,7 @@ class IconFolder {
       }
     }
     if (entries.empty())
-      throw DataError(fmt::format("{}: no PNG icons under <size>/<context>/ (sizes [{}], contexts [{}])", root.string(),
+      throw loom::DataError(fmt::format("{}: no PNG icons under <size>/<context>/ (sizes [{}], contexts [{}])", root.string(),
                                   fmt::join(options_.sizes, ", "), fmt::join(options_.contexts, ", ")));
     std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
       return std::tie(a.size, a.context, a.file) < std::tie(b.size, b.context, b.file);
@@ -171,7 +172,7 @@ class IconFolder {
       at::Tensor px;
       try {
         px = read_png(e.file, options_.channels);
-      } catch (const DataError& err) {
+      } catch (const loom::DataError& err) {
         if (options_.on_corrupt == OnCorrupt::throw_error) throw;
         skipped_.push_back({e.file, err.what()});
         options_.warn(fmt::format("skipping {} ({})", e.file.string(), err.what()));
@@ -183,7 +184,7 @@ class IconFolder {
       paths_.push_back(e.file);
     }
     if (pixels_.empty())
-      throw DataError(fmt::format("{}: every one of the {} PNG files was corrupt", root.string(), skipped_.size()));
+      throw loom::DataError(fmt::format("{}: every one of the {} PNG files was corrupt", root.string(), skipped_.size()));
   }
 
   /// Number of icons read (files skipped as corrupt are not counted).
@@ -221,7 +222,7 @@ class IconFolder {
  private:
   void check_index(std::size_t i) const {
     if (i >= pixels_.size())
-      throw InvalidArgument(fmt::format("IconFolder: index {} is outside [0, {})", i, pixels_.size()));
+      throw loom::InvalidArgument(fmt::format("IconFolder: index {} is outside [0, {})", i, pixels_.size()));
   }
 
   IconFolderOptions options_;
@@ -250,7 +251,7 @@ struct Split {
 ///         "ML test score" advice to split by entity, not by example.
 inline Split split_by_name(const IconFolder& icons, double val_fraction, std::uint64_t seed) {
   if (!(val_fraction >= 0.0 && val_fraction <= 1.0))
-    throw InvalidArgument(fmt::format("split_by_name: val_fraction={} is outside [0, 1]", val_fraction));
+    throw loom::InvalidArgument(fmt::format("split_by_name: val_fraction={} is outside [0, 1]", val_fraction));
   Split s;
   const std::string seed_text = fmt::format("{}:", seed);
   for (std::size_t i = 0; i < icons.size(); ++i) {
@@ -262,4 +263,4 @@ inline Split split_by_name(const IconFolder& icons, double val_fraction, std::ui
   return s;
 }
 
-}  // namespace loom::data
+}  // namespace examples::data
