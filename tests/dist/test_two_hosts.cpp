@@ -113,13 +113,14 @@ int worker(const std::string& mode, const std::string& out_path) {
       report.put("ok", "1");
       return 0;
     }
-    // loop: all-reduce until something fails; "ready" once one succeeded.
+    // loop: all-reduce 4 MiB tensors (several writes per send, so a dead peer's socket meets a second
+    // write: SIGPIPE territory in exec'd ranks) until something fails; "ready" once one succeeded.
+    const std::int64_t n = std::int64_t{1} << 19;
     for (long i = 0;; ++i) {
-      auto t = at::full({1024}, static_cast<double>(env.rank + 1), at::kDouble);
+      auto t = at::full({n}, static_cast<double>(env.rank + 1), at::kDouble);
       comm.all_reduce(t, loom::ReduceOp::sum);
-      if (!at::equal(t, at::full({1024}, 3.0, at::kDouble))) throw std::runtime_error("all_reduce: wrong sum");
+      if (!at::equal(t, at::full({n}, 3.0, at::kDouble))) throw std::runtime_error("all_reduce: wrong sum");
       if (i == 0) std::ofstream(out_path + ".ready") << "1\n";
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   } catch (const loom::TimeoutError& e) {
     report.put("t_error", std::to_string(now_ns()));

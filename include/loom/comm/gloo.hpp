@@ -36,6 +36,13 @@
 //      To read Gloo's socket addresses, construction ends with one small all-to-all (a few hundred
 //      bytes per peer; see loom/comm/detail/gloo_peers.hpp).
 //      After a TimeoutError or CommError the communicator is broken: destroy it (c10d behaves the same).
+// Construction: the Gloo device's address follows GlooOptions::interface's rule (GLOO_SOCKET_IFNAME,
+//      loopback masters, the local address that routes to MASTER_ADDR when this host's name resolves
+//      to loopback; loom/comm/detail/gloo_device.hpp). A rank whose construction fails writes its
+//      error to the store; the others, which connect on a helper thread and look for such a report
+//      every 20 ms through a second store connection, throw loom::CommError at once naming that rank
+//      (loom/comm/detail/gloo_join.hpp). A helper left behind that way ends by itself, at its timeout
+//      at the latest.
 // SIGPIPE: constructing a GlooCommunicator sets SIGPIPE to SIG_IGN for the whole process when its
 //      disposition is still the default (a handler the program installed is kept). Gloo writes to its
 //      sockets without MSG_NOSIGNAL, so a write to a dead peer would otherwise kill the rank with
@@ -46,7 +53,8 @@
 //      the program, as in every Python program.
 //
 // Throws: loom::InvalidArgument (undefined / non-contiguous / unsupported-dtype tensor, bad root),
-//         loom::CommError (backend failure, metadata mismatch), loom::TimeoutError (see above).
+//         loom::ConfigError (a network interface this host does not have), loom::CommError (backend
+//         failure, metadata mismatch, a peer that failed to join), loom::TimeoutError (see above).
 // Source: c10d ProcessGroupGloo (torch.distributed's "gloo" backend); avg as ncclAvg; metadata
 //         check like torch.distributed's TORCH_DISTRIBUTED_DEBUG=DETAIL collective fingerprints.
 #pragma once
@@ -250,17 +258,20 @@ class GlooWork {
 class GlooCommunicator {
  public:
   /// Rendezvous through `env` (rank 0 or torchrun's agent hosts the TCPStore), then connect Gloo.
-  /// Throws: loom::TimeoutError("rendezvous", ...), loom::CommError.
+  /// Throws: loom::TimeoutError("rendezvous", ...), and what the store constructor below throws.
   explicit GlooCommunicator(const Environment& env, GlooOptions options = {})
       : GlooCommunicator(rendezvous(env, {.timeout = options.timeout}), env.rank, env.world_size, options,
                          env.master_addr) {}
 
   /// Connect Gloo through an existing store shared by `world_size` ranks (e.g. from loom::rendezvous).
-  /// `master_addr` only chooses the Gloo device (loopback or not) when options.interface is empty.
+  /// `master_addr` only feeds the device rule (loopback, or the local address routing to it) when
+  /// options.interface and GLOO_SOCKET_IFNAME are empty.
   /// Several communicators may share one store: each uses the prefix "loom/gloo/<n>", n counting the
   /// communicators of this process (create them in the same order on every rank).
-  /// Throws: loom::InvalidArgument (rank outside [0, world_size)), loom::TimeoutError("connect", ...)
-  ///         when a peer does not connect within the timeout, loom::CommError.
+  /// Throws: loom::InvalidArgument (rank outside [0, world_size)), loom::ConfigError (a network
+  ///         interface this host does not have), loom::TimeoutError("connect", ...) when a peer does not
+  ///         connect within the timeout, loom::CommError (a peer reported that it failed to join: at
+  ///         once, naming it; or a backend failure).
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, GlooOptions options = {},
                    const std::string& master_addr = "127.0.0.1")
       : rank_(rank), world_size_(world_size), options_(std::move(options)) {

@@ -38,6 +38,11 @@
 //         (torch/distributed/elastic/agent/server/local_elastic_agent.py).
 #pragma once
 
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -128,6 +133,42 @@ inline void store_check_in(c10d::Store& store, const std::string& prefix, int ra
   }
 }
 
+/// Whether a TCP connection to host:port succeeds within `timeout` (retried every 50 ms while it is
+/// refused). A plain connect, closed at once: the rendezvous's millisecond-exact wait for the store.
+inline bool port_answers(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  for (;;) {
+    addrinfo* res = nullptr;
+    if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) == 0) {
+      for (auto* p = res; p != nullptr; p = p->ai_next) {
+        const int fd = ::socket(p->ai_family, p->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, p->ai_protocol);
+        if (fd < 0) continue;
+        bool ok = ::connect(fd, p->ai_addr, p->ai_addrlen) == 0;
+        if (!ok && errno == EINPROGRESS) {
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+          pollfd pfd{fd, POLLOUT, 0};
+          int err = 0;
+          socklen_t len = sizeof(err);
+          ok = left.count() > 0 && ::poll(&pfd, 1, static_cast<int>(left.count())) == 1 &&
+               ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+        }
+        ::close(fd);
+        if (ok) {
+          ::freeaddrinfo(res);
+          return true;
+        }
+      }
+      ::freeaddrinfo(res);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return false;
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
+  }
+}
+
 /// Rank 0's one line about a job without LOOM_RENDEZVOUS_SECRET (once per process).
 inline void warn_once_without_secret(const Environment& env) {
   static std::atomic<bool> warned{false};
@@ -169,18 +210,26 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
   // A client tries again until loom's own deadline. c10d's connect (LibTorch 1.13) counts its timeout
   // in whole seconds and gives up as soon as its next 1 s back-off step would pass it: measured, a
   // refused connect with a 1.5 s timeout gave up after 0.3 s, so a rank started a little before rank 0
-  // would not find the store. Each attempt gets the time left, rounded up to whole seconds (so the
-  // call may end up to 1 s after the timeout while an unreachable host does not answer).
+  // would not find the store. Each attempt gets the whole seconds left; in the last second a plain
+  // connect (timed to the millisecond) waits for the store to answer before c10d connects.
   const auto deadline = start + options.timeout;
   for (;;) {
     try {
       const auto left = deadline - std::chrono::steady_clock::now();
-      opts.timeout = host ? options.timeout
-                          : std::chrono::milliseconds(std::max<std::int64_t>(
-                                1000, std::chrono::ceil<std::chrono::seconds>(left).count() * 1000));
+      const auto whole = std::chrono::floor<std::chrono::seconds>(left);
+      if (!host && whole < std::chrono::seconds(1) &&
+          !detail::port_answers(env.master_addr, env.master_port,
+                                std::chrono::ceil<std::chrono::milliseconds>(left)))
+        throw TimeoutError("rendezvous", env.rank, detail::seconds_since(start),
+                           fmt::format("could not reach the store at {}:{}{} (no answer within the timeout)",
+                                       env.master_addr, env.master_port,
+                                       env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0"));
+      opts.timeout = host ? options.timeout : std::chrono::milliseconds(std::max(whole, std::chrono::seconds(1)));
       store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
       store->setTimeout(options.timeout);  // the bound of later gets and waits, not the attempt's
       break;
+    } catch (const TimeoutError&) {
+      throw;
     } catch (const std::exception& e) {
       std::string text = detail::exception_text(e);
       if (host && !detail::mentions_timeout(text))
