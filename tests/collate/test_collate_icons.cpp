@@ -6,6 +6,8 @@
 #include <set>
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <loom/collate/all.hpp>

@@ -8,6 +8,9 @@
 #include <string>
 #include <vector>
 
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <png.h>
 #include <zlib.h>
 
@@ -15,24 +18,14 @@
 #include "../../examples/common/data/icons.hpp"
 #include "../../examples/common/data/idx.hpp"
 #include "../../examples/common/data/png.hpp"
+#include "support/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 namespace data = examples::data;
 
 namespace {
 
-/// A fresh temporary folder, removed at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "loom-data-XXXXXX").string();
-    path = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using loom::test::TempDir;
 
 /// Writes an 8-bit RGBA PNG of w x h pixels with libpng; pixel (x, y) = fn(x, y) -> {r, g, b, a}.
 template <class Fn>

@@ -22,11 +22,17 @@
 #include <string>
 #include <vector>
 
+#include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <png.h>
+
+#include "support/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
+
+using loom::test::TempDir;
 
 struct RunResult {
   int exit_code = -1;
@@ -79,18 +85,6 @@ std::map<std::string, double> fields(const std::string& line) {
     m[(*it)[1].str()] = std::stod((*it)[2].str());
   return m;
 }
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "loom-examples-XXXXXX").string();
-    path = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
 

@@ -22,8 +22,11 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
 
 #include <loom/collate/all.hpp>
 #include <loom/comm/nccl.hpp>

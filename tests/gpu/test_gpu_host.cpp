@@ -11,7 +11,10 @@
 #include <string>
 #include <thread>
 
+#include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
 
 #include <loom/comm/nccl.hpp>
 #include <loom/cuda/buffer.hpp>

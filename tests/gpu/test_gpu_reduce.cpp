@@ -10,7 +10,9 @@
 #include <utility>
 #include <vector>
 
+#include <doctest/doctest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
 
 #include <loom/config.hpp>
 

@@ -7,6 +7,9 @@
 #include <utility>
 #include <vector>
 
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
 #include <loom/config.hpp>
 
 #if LOOM_TORCH_HAS_CUDA

@@ -1,20 +1,33 @@
 // loom/log in one process: sinks, rank policies, the Logger, weighted metrics, main_process_first
 // and Progress, against LocalCommunicator and a recording communicator that plays the other ranks.
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
-#include <sstream>
+#include <span>
 #include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <loom/comm/local.hpp>
 #include <loom/log/all.hpp>
 
-#include "log/recording_communicator.hpp"
+#include "support/recording_communicator.hpp"
+#include "support/temp_dir.hpp"
 
 namespace {
 
-using loom_test::RecordingCommunicator;
+using loom::test::read_file;
+using loom::test::RecordingCommunicator;
 
 /// A clock the test advances by hand; copies share the time.
 struct ManualClock {
@@ -24,20 +37,6 @@ struct ManualClock {
   [[nodiscard]] time_point now() const { return *t; }
   void advance(duration d) const { *t += d; }
 };
-
-std::string slurp(const std::filesystem::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::filesystem::path fresh_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / fmt::format("loom-test-log-{}-{}", name, ::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
 
 // --- types that do and do not model the concepts ------------------------------------------------
 struct WriteOnly {
@@ -184,7 +183,7 @@ TEST_CASE("Logger, rank-ordered policy: rank 0 prints every rank's lines in rank
   SUBCASE("rank 0 prints its lines, then rank 1's, then rank 2's") {
     loom::MemorySink mem;
     RecordingCommunicator comm(0, 3);
-    comm.on_all_gather = loom_test::gather_strings_from({"", rank1_lines, rank2_lines}, 0);
+    comm.on_all_gather = loom::test::gather_strings_from({"", rank1_lines, rank2_lines}, 0);
     loom::Logger log{mem, loom::RankOrdered{},
                      loom::RankInfo{.rank = 0, .world_size = 3, .local_rank = 0, .local_world_size = 3}};
     log.info("r0 a");
@@ -197,7 +196,7 @@ TEST_CASE("Logger, rank-ordered policy: rank 0 prints every rank's lines in rank
   SUBCASE("a non-zero rank sends its lines and prints nothing") {
     loom::MemorySink mem;
     RecordingCommunicator comm(1, 3);
-    comm.on_all_gather = loom_test::gather_strings_from({"[rank 0/3] x\n", "", rank2_lines}, 1);
+    comm.on_all_gather = loom::test::gather_strings_from({"[rank 0/3] x\n", "", rank2_lines}, 1);
     loom::Logger log{mem, loom::RankOrdered{},
                      loom::RankInfo{.rank = 1, .world_size = 3, .local_rank = 1, .local_world_size = 3}};
     log.info("r1 a\nr1 b");
@@ -240,20 +239,21 @@ TEST_CASE("all_gather_strings over a real LocalCommunicator round-trips any byte
 }
 
 TEST_CASE("FileSink: one file per rank, errors name the path or pattern") {
-  const auto dir = fresh_dir("files");
+  const loom::test::TempDir tmp("loom-test-log-files");
+  const auto& dir = tmp.path;
   for (int rank = 0; rank < 2; ++rank) {
     loom::Logger log{loom::FileSink::per_rank((dir / "train.{rank}.log").string(), rank),
                      loom::AllRanks{.with_prefix = false}, loom::RankInfo{.rank = rank, .world_size = 2}};
     log.info("hello from {}", rank);
     CHECK(log.sink().path() == (dir / fmt::format("train.{}.log", rank)).string());
   }
-  CHECK(slurp(dir / "train.0.log") == "hello from 0\n");
-  CHECK(slurp(dir / "train.1.log") == "hello from 1\n");
+  CHECK(read_file(dir / "train.0.log") == "hello from 0\n");
+  CHECK(read_file(dir / "train.1.log") == "hello from 1\n");
   {
     loom::FileSink again((dir / "train.0.log").string(), loom::FileSink::Mode::append);
     again.write("more\n");
   }
-  CHECK(slurp(dir / "train.0.log") == "hello from 0\nmore\n");
+  CHECK(read_file(dir / "train.0.log") == "hello from 0\nmore\n");
   CHECK_THROWS_WITH_AS(loom::FileSink::per_rank("train.log", 0), doctest::Contains("'train.log' has no {rank}"),
                        loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::FileSink::per_rank("train.{rank}.{oops}.log", 0), doctest::Contains("does not format"),
@@ -261,7 +261,6 @@ TEST_CASE("FileSink: one file per rank, errors name the path or pattern") {
   const std::string missing = (dir / "no" / "such" / "dir.log").string();
   const std::string expected = "cannot open log file '" + missing + "': No such file";
   CHECK_THROWS_WITH_AS(loom::FileSink{missing}, doctest::Contains(expected.c_str()), loom::InvalidArgument);
-  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("WeightedMean, field case 1: batches (0.7,256),(0.8,256),(0.9,10) on one rank -> 393/522") {
@@ -361,7 +360,7 @@ TEST_CASE("main_process_first: rank 0's exception reaches rank 1 as RemoteError,
   comm.on_all_reduce = [&](at::Tensor& t, loom::ReduceOp) {
     if (++reduces == 1) t[0] += 1.0;  // phase 1: rank 0 reports a failure
   };
-  comm.on_all_gather = loom_test::gather_strings_from({"cache directory /data is read-only", ""}, 1);
+  comm.on_all_gather = loom::test::gather_strings_from({"cache directory /data is read-only", ""}, 1);
   bool ran = false;
   CHECK_THROWS_WITH_AS(loom::main_process_first(comm, [&] { ran = true; }),
                        "loom: main_process_first: the block failed on rank 0 so rank 1 did not run it: "
@@ -378,7 +377,7 @@ TEST_CASE("main_process_first: a follower's failure reaches the leader too (phas
   comm.on_all_reduce = [&](at::Tensor& t, loom::ReduceOp) {
     if (++reduces == 2) t[0] += 1.0;  // phase 2: rank 2 reports a failure
   };
-  comm.on_all_gather = loom_test::gather_strings_from({"", "", "disk full"}, 0);
+  comm.on_all_gather = loom::test::gather_strings_from({"", "", "disk full"}, 0);
   CHECK_THROWS_WITH_AS(
       loom::main_process_first(comm, [] {}),
       "loom: main_process_first: the block failed on another rank (rank 0 succeeded): rank 2: disk full",

@@ -1,36 +1,33 @@
-// loom/log with real ranks: processes started by loom::spawn, talking Gloo on loopback.
-// A failed REQUIRE in a child throws; spawn turns it into a SpawnError that fails the test here.
-// Ranks write to files in a per-test temporary folder; the parent reads them after spawn returned.
+// loom/log with real ranks: processes started by loom::spawn, talking Gloo on loopback
+// (loom::test::run_ranks). A failed REQUIRE in a child throws; spawn turns it into a SpawnError that
+// fails the test here. Ranks write to files in a per-test temporary folder; the parent reads them
+// after the ranks returned.
+#include <array>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <set>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 #include <thread>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
 #include <loom/log/all.hpp>
+
+#include "support/ranks.hpp"
+#include "support/temp_dir.hpp"
 
 namespace {
 
-constexpr auto kCommTimeout = std::chrono::seconds(20);
-loom::SpawnOptions spawn_options() {
-  return {.timeout = std::chrono::seconds(120)};
-}
+const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(20), .spawn_timeout = std::chrono::seconds(120)};
 
-std::filesystem::path fresh_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / fmt::format("loom-test-logmr-{}-{}", name, ::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-std::string slurp(const std::filesystem::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using loom::test::read_file;
 
 /// 2 nodes x (world/2) ranks, as torchrun would number them.
 loom::RankInfo two_nodes(int rank, int world) {
@@ -63,11 +60,11 @@ struct ManualClock {
 }  // namespace
 
 TEST_CASE("multi-rank Logger: rank-0 policy writes only rank 0's lines; all-ranks prefixes every rank's") {
-  const auto dir = fresh_dir("policies");
-  loom::spawn(
+  const loom::test::TempDir tmp("loom-test-logmr-policies");
+  const auto& dir = tmp.path;
+  loom::test::run_ranks(
       3,
-      [&](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [&](loom::GlooCommunicator& comm, const loom::Environment& env) {
         const auto me = loom::rank_info(env);
         {
           loom::Logger log{loom::FileSink((dir / "rank0.log").string(), loom::FileSink::Mode::append), me};
@@ -80,22 +77,21 @@ TEST_CASE("multi-rank Logger: rank-0 policy writes only rank 0's lines; all-rank
         }
         comm.barrier();
       },
-      spawn_options());
-  CHECK(slurp(dir / "rank0.log") == "hello from rank 0\n");
-  std::istringstream all(slurp(dir / "all.log"));
+      kRanks);
+  CHECK(read_file(dir / "rank0.log") == "hello from rank 0\n");
+  std::istringstream all(read_file(dir / "all.log"));
   std::set<std::string> lines;
   for (std::string l; std::getline(all, l);) lines.insert(l);
   CHECK(lines == std::set<std::string>{"[rank 0/3] hello from rank 0", "[rank 1/3] hello from rank 1",
                                        "[rank 2/3] hello from rank 2"});
-  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("multi-rank Logger: rank-ordered lines come out in rank order, whatever the arrival order") {
-  const auto dir = fresh_dir("ordered");
-  loom::spawn(
+  const loom::test::TempDir tmp("loom-test-logmr-ordered");
+  const auto& dir = tmp.path;
+  loom::test::run_ranks(
       3,
-      [&](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [&](loom::GlooCommunicator& comm, const loom::Environment& env) {
         // Every rank writes to its own file; only rank 0's may receive text.
         loom::Logger log{loom::FileSink::per_rank((dir / "ordered.{rank}.log").string(), env.rank), loom::RankOrdered{},
                          loom::rank_info(env)};
@@ -109,8 +105,8 @@ TEST_CASE("multi-rank Logger: rank-ordered lines come out in rank order, whateve
         log.info("step 2 on rank {}", env.rank);
         log.sync(comm);
       },
-      spawn_options());
-  CHECK(slurp(dir / "ordered.0.log") ==
+      kRanks);
+  CHECK(read_file(dir / "ordered.0.log") ==
         "[rank 0/3] step 1 on rank 0\n"
         "[rank 1/3] step 1 on rank 1\n"
         "[rank 1/3] warning: rank 1 has a second line\n"
@@ -118,25 +114,22 @@ TEST_CASE("multi-rank Logger: rank-ordered lines come out in rank order, whateve
         "[rank 0/3] step 2 on rank 0\n"
         "[rank 1/3] step 2 on rank 1\n"
         "[rank 2/3] step 2 on rank 2\n");
-  CHECK(slurp(dir / "ordered.1.log").empty());
-  CHECK(slurp(dir / "ordered.2.log").empty());
-  std::filesystem::remove_all(dir);
+  CHECK(read_file(dir / "ordered.1.log").empty());
+  CHECK(read_file(dir / "ordered.2.log").empty());
 }
 
 TEST_CASE("multi-rank global_mean: sizes 3 and 2 with value 1.0 give exactly 1.0; 3 ranks against a hand sum") {
-  loom::spawn(
+  loom::test::run_ranks(
       2,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         loom::WeightedMean m;
         m.add(1.0, env.rank == 0 ? 3 : 2);
         REQUIRE(loom::global_mean(comm, m) == 1.0);
       },
-      spawn_options());
-  loom::spawn(
+      kRanks);
+  loom::test::run_ranks(
       3,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         // rank r: batches (r + 1, 2) and (0.5, r); by hand: sum = 2+0 + 4+0.5 + 6+1 = 13.5, weight = 6 + 3 = 9.
         loom::WeightedMean loss, count;
         loss.add(env.rank + 1.0, 2);
@@ -147,15 +140,15 @@ TEST_CASE("multi-rank global_mean: sizes 3 and 2 with value 1.0 give exactly 1.0
         REQUIRE(means[0] == 13.5 / 9.0);
         REQUIRE(means[1] == 1.0);  // (0 + 1 + 2) / 3
       },
-      spawn_options());
+      kRanks);
 }
 
 TEST_CASE("multi-rank main_process_first: rank 0 finishes its block before the others start theirs") {
-  const auto dir = fresh_dir("first");
-  loom::spawn(
+  const loom::test::TempDir tmp("loom-test-logmr-first");
+  const auto& dir = tmp.path;
+  loom::test::run_ranks(
       3,
-      [&](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [&](loom::GlooCommunicator& comm, const loom::Environment& env) {
         const auto marker = dir / "cache.ready";
         if (env.rank != 0) touch(dir / fmt::format("entered.{}", env.rank));  // about to call it
         const int n = loom::main_process_first(comm, loom::rank_info(env), [&] {
@@ -173,16 +166,15 @@ TEST_CASE("multi-rank main_process_first: rank 0 finishes its block before the o
         });
         REQUIRE(n == (env.rank == 0 ? 1 : 2));
       },
-      spawn_options());
-  std::filesystem::remove_all(dir);
+      kRanks);
 }
 
 TEST_CASE("multi-rank main_process_first per node: local rank 0 of each simulated node leads") {
-  const auto dir = fresh_dir("pernode");
-  loom::spawn(
+  const loom::test::TempDir tmp("loom-test-logmr-pernode");
+  const auto& dir = tmp.path;
+  loom::test::run_ranks(
       4,
-      [&](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [&](loom::GlooCommunicator& comm, const loom::Environment& env) {
         const auto me = two_nodes(env.rank, 4);
         const int node = env.rank / 2;
         const auto marker = dir / fmt::format("node{}.ready", node);
@@ -197,20 +189,18 @@ TEST_CASE("multi-rank main_process_first per node: local rank 0 of each simulate
                 std::this_thread::sleep_for(std::chrono::milliseconds(200));
                 std::ofstream(marker) << env.rank << "\n";
               } else {
-                REQUIRE(slurp(marker) == fmt::format("{}\n", env.rank - 1));
+                REQUIRE(read_file(marker) == fmt::format("{}\n", env.rank - 1));
               }
             },
             loom::Leader::local_rank_zero);
       },
-      spawn_options());
-  std::filesystem::remove_all(dir);
+      kRanks);
 }
 
 TEST_CASE("multi-rank main_process_first: an exception on rank 0 reaches the others as RemoteError, no hang") {
-  loom::spawn(
+  loom::test::run_ranks(
       3,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         bool ran = false;
         try {
           loom::main_process_first(comm, [&] {
@@ -238,15 +228,15 @@ TEST_CASE("multi-rank main_process_first: an exception on rank 0 reaches the oth
         // a peer that would never come.
         comm.barrier();
       },
-      spawn_options());
+      kRanks);
 }
 
 TEST_CASE("multi-rank Progress: global samples summed over ranks; bars on rank 0, or on ranks 0 and 2 per node") {
-  const auto dir = fresh_dir("progress");
-  loom::spawn(
+  const loom::test::TempDir tmp("loom-test-logmr-progress");
+  const auto& dir = tmp.path;
+  loom::test::run_ranks(
       4,
-      [&](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [&](loom::GlooCommunicator& comm, const loom::Environment& env) {
         const auto me = two_nodes(env.rank, 4);
         for (auto leader : {loom::Leader::global_rank_zero, loom::Leader::local_rank_zero}) {
           ManualClock clock;
@@ -268,20 +258,19 @@ TEST_CASE("multi-rank Progress: global samples summed over ranks; bars on rank 0
           REQUIRE(p.global_samples() == 40);
         }
       },
-      spawn_options());
+      kRanks);
   // By hand: sums after steps 2 and 4 (t = 2 s, 4 s): 20 and 40 of 100 samples, 10 samples/s.
   const std::string lines =
       "epoch: 20/100 samples (20.0%), 10.0 samples/s, elapsed 0:00:02, ETA 0:00:08\n"
       "epoch: 40/100 samples (40.0%), 10.0 samples/s, elapsed 0:00:04, ETA 0:00:06\n"
       "epoch: done, 40 samples in 0:00:04, 10.0 samples/s\n";
-  CHECK(slurp(dir / "global.0.log") == lines);
-  for (int r : {1, 2, 3}) CHECK(slurp(dir / fmt::format("global.{}.log", r)).empty());
+  CHECK(read_file(dir / "global.0.log") == lines);
+  for (int r : {1, 2, 3}) CHECK(read_file(dir / fmt::format("global.{}.log", r)).empty());
   for (int r : {0, 2}) {
     std::string prefixed;
     std::istringstream in(lines);
     for (std::string l; std::getline(in, l);) prefixed += fmt::format("[rank {}/4] {}\n", r, l);
-    CHECK(slurp(dir / fmt::format("local.{}.log", r)) == prefixed);
+    CHECK(read_file(dir / fmt::format("local.{}.log", r)) == prefixed);
   }
-  for (int r : {1, 3}) CHECK(slurp(dir / fmt::format("local.{}.log", r)).empty());
-  std::filesystem::remove_all(dir);
+  for (int r : {1, 3}) CHECK(read_file(dir / fmt::format("local.{}.log", r)).empty());
 }

@@ -1,11 +1,16 @@
 // loom/reduce/buckets.hpp (pure assignment rule) and the concepts of loom/reduce and
 // loom/accumulate: which types model them and which do not.
+#include <cstdint>
+#include <vector>
+
+#include <doctest/doctest.h>
+
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/reduce/buckets.hpp>
 #include <loom/reduce/reducer.hpp>
 
-#include "recording_comm.hpp"
+#include "support/recording_communicator.hpp"
 
 namespace {
 
@@ -86,7 +91,7 @@ TEST_CASE("assign_buckets: bad input names the value") {
 
 TEST_CASE("concepts: GradientReducer models and non-models") {
   static_assert(loom::GradientReducer<loom::Reducer<loom::LocalCommunicator>>);
-  static_assert(loom::GradientReducer<loom::Reducer<loom::test::BlockingRecordingCommunicator>>);
+  static_assert(loom::GradientReducer<loom::Reducer<loom::test::RecordingCommunicator>>);
   static_assert(loom::GradientReducer<PlanRecorder>);
   static_assert(!loom::GradientReducer<OnlyPrepares>, "finish_window is required");
   static_assert(!loom::GradientReducer<WrongResult>, "finish_window must return loom::Reduction");

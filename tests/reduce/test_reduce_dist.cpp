@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <filesystem>
 
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/script.h>
 
 #include <loom/accumulate/accumulator.hpp>
@@ -11,10 +14,10 @@
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 
-#include "../reference/grad_reference.hpp"
-#include "../reference/reduce_reference.hpp"
-#include "dist_harness.hpp"
-#include "models.hpp"
+#include "reference/grad_reference.hpp"
+#include "reference/reduce_reference.hpp"
+#include "support/models.hpp"
+#include "support/ranks.hpp"
 
 using loom::test::run_ranks;
 

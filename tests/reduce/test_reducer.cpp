@@ -1,7 +1,9 @@
 // loom::Reducer in one process: LocalCommunicator and the recording archetypes. Multi-rank
-// behaviour is in test_reduce_dist.cpp / test_field_dist.cpp (real processes over Gloo).
+// behaviour is in test_reduce_dist.cpp and tests/accumulate/test_field_dist.cpp (real processes over Gloo).
 #include <sstream>
 
+#include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <torch/script.h>
 
 #include <loom/accumulate/accumulator.hpp>
@@ -10,9 +12,9 @@
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 
-#include "../reference/grad_reference.hpp"
-#include "models.hpp"
-#include "recording_comm.hpp"
+#include "reference/grad_reference.hpp"
+#include "support/models.hpp"
+#include "support/recording_communicator.hpp"
 
 namespace {
 
@@ -22,7 +24,7 @@ bool inside(const at::Tensor& view, const at::Tensor& bucket) {
   return v >= b && v + view.numel() * view.element_size() <= b + bucket.numel() * bucket.element_size();
 }
 
-int count(const loom::test::CommLog& log, const std::string& name) {
+int count(const loom::test::CallLog& log, const std::string& name) {
   return static_cast<int>(std::count_if(log.begin(), log.end(), [&](const auto& c) { return c.name == name; }));
 }
 
@@ -86,69 +88,69 @@ TEST_CASE("Reducer + Accumulator in one process: micro-batches [2, 3, 5] give th
 
 TEST_CASE("Reducer: no collective before the boundary; at the boundary one count all-reduce then the buckets, from hooks") {
   loom::test::Mlp model(at::kFloat);
-  loom::test::RecordingCommunicator comm;
+  loom::test::AsyncRecordingCommunicator comm;
   // Tiny caps: 4 buckets (b2, w2, b1, w1 in reverse registration order).
   loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4});
-  CHECK(comm.log().empty());  // world size 1: no check, no broadcast
+  CHECK(comm.calls().empty());  // world size 1: no check, no broadcast
   loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
 
   auto mb1 = acc.micro_batch(4);
   model.loss_sum(loom::test::batch_x(0, 4, at::kFloat), loom::test::batch_y(0, 4, at::kFloat)).backward();
-  CHECK(comm.log().empty());  // no_sync: nothing sent
+  CHECK(comm.calls().empty());  // no_sync: nothing sent
   CHECK_FALSE(mb1.finish().boundary);
 
   auto mb2 = acc.micro_batch(4);
   REQUIRE(mb2.boundary());
-  REQUIRE(comm.log().size() == 1);  // the sample count leaves before backward
-  CHECK(comm.log()[0].name == "all_reduce_async");
-  CHECK((comm.log()[0].dtype == torch::kLong));
-  CHECK(comm.log()[0].numel == 2);
+  REQUIRE(comm.calls().size() == 1);  // the sample count leaves before backward
+  CHECK(comm.calls()[0].name == "all_reduce_async");
+  CHECK((comm.calls()[0].dtype == torch::kLong));
+  CHECK(comm.calls()[0].numel == 2);
   model.loss_sum(loom::test::batch_x(4, 4, at::kFloat), loom::test::batch_y(4, 4, at::kFloat)).backward();
   // All four buckets were launched by the hooks, during backward, in bucket order, without waiting
   // for the count (each is divided to the average after it comes back).
-  REQUIRE(comm.log().size() == 5);
+  REQUIRE(comm.calls().size() == 5);
   const std::vector<std::int64_t> numels = {loom::test::kOut + 1, loom::test::kOut * loom::test::kHidden + 1,
                                             loom::test::kHidden + 1, loom::test::kHidden * loom::test::kIn + 1};
   for (std::size_t k = 0; k < 4; ++k) {
-    CHECK(comm.log()[k + 1].name == "all_reduce_async");
-    CHECK(comm.log()[k + 1].numel == numels[k]);  // gradient elements + one used-flag
-    CHECK((comm.log()[k + 1].dtype == torch::kFloat));
+    CHECK(comm.calls()[k + 1].name == "all_reduce_async");
+    CHECK(comm.calls()[k + 1].numel == numels[k]);  // gradient elements + one used-flag
+    CHECK((comm.calls()[k + 1].dtype == torch::kFloat));
   }
   auto step = mb2.finish();
   CHECK(step.apply);
   CHECK(step.global_samples == 8);
   // finish_window: the count first, then the buckets in launch order.
-  REQUIRE(comm.log().size() == 10);
-  CHECK(comm.log()[5].name == "wait");
-  CHECK(comm.log()[5].id == comm.log()[0].id);
-  for (std::size_t k = 0; k < 4; ++k) CHECK(comm.log()[6 + k].id == comm.log()[1 + k].id);
-  CHECK(count(comm.log(), "wait") == 5);
-  CHECK(count(comm.log(), "all_reduce_async") == 5);
+  REQUIRE(comm.calls().size() == 10);
+  CHECK(comm.calls()[5].name == "wait");
+  CHECK(comm.calls()[5].id == comm.calls()[0].id);
+  for (std::size_t k = 0; k < 4; ++k) CHECK(comm.calls()[6 + k].id == comm.calls()[1 + k].id);
+  CHECK(count(comm.calls(), "wait") == 5);
+  CHECK(count(comm.calls(), "all_reduce_async") == 5);
 }
 
 TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blocking communicator works too") {
   loom::test::Mlp model(at::kFloat);
-  loom::test::RecordingCommunicator comm;
+  loom::test::AsyncRecordingCommunicator comm;
   loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4, .overlap = false});
   reducer.prepare_backward({.sync = true, .window_samples = 3});
   model.loss_sum(loom::test::batch_x(0, 3, at::kFloat), loom::test::batch_y(0, 3, at::kFloat)).backward();
-  CHECK(comm.log().size() == 1);  // only the count
+  CHECK(comm.calls().size() == 1);  // only the count
   auto r = reducer.finish_window();
   CHECK(r.reduced);
-  CHECK(count(comm.log(), "all_reduce_async") == 5);
+  CHECK(count(comm.calls(), "all_reduce_async") == 5);
 
   loom::test::Mlp model2(at::kFloat);
-  loom::test::BlockingRecordingCommunicator blocking;
+  loom::test::RecordingCommunicator blocking;
   loom::Reducer r2(blocking, model2.list(), {.wire_dtype = at::kHalf});
   r2.prepare_backward({.sync = true, .window_samples = 3});
   model2.loss_sum(loom::test::batch_x(0, 3, at::kFloat), loom::test::batch_y(0, 3, at::kFloat)).backward();
   auto rr = r2.finish_window();
   CHECK(rr.reduced);
-  REQUIRE(blocking.log().size() == 2);
-  CHECK((blocking.log()[0].dtype == torch::kLong));
-  CHECK(blocking.log()[1].name == "all_reduce");
-  CHECK((blocking.log()[1].dtype == torch::kHalf));  // compressed on the wire
-  CHECK(blocking.log()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4);  // one bucket: 32 gradients + 4 used-flags
+  REQUIRE(blocking.calls().size() == 2);
+  CHECK((blocking.calls()[0].dtype == torch::kLong));
+  CHECK(blocking.calls()[1].name == "all_reduce");
+  CHECK((blocking.calls()[1].dtype == torch::kHalf));  // compressed on the wire
+  CHECK(blocking.calls()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4);  // one bucket: 32 gradients + 4 used-flags
   // Same gradient as the uncompressed model, to float16 precision.
   CHECK(loom::test::max_relative_error(model2.grads(), model.grads()) < 1e-2);
 }

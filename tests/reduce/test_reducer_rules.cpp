@@ -1,23 +1,24 @@
-// loom::Reducer, loom::Accumulator and loom::LossScaler in one process: the rules a user cannot see
-// go wrong — a gradient that arrives twice, a parameter set that changed after construction,
-// float16 gradients and losses near the dtype's limits, the float16 wire across magnitudes, host
-// reads, and a failed collective in end_epoch. Multi-rank twins: test_rules_dist.cpp.
+// loom::Reducer driven by loom::Accumulator in one process: the rules a user cannot see go wrong —
+// a gradient that arrives twice, a parameter set that changed after construction, float16
+// gradients and losses near the dtype's limits, the float16 wire across magnitudes, host reads.
+// Multi-rank twins: test_rules_dist.cpp. The LossScaler's dtype promotion and a failed collective
+// in end_epoch: tests/accumulate/test_accumulator.cpp.
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
-#include <loom/accumulate/loss_scaler.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 
-#include "../reference/grad_reference.hpp"
-#include "models.hpp"
-#include "recording_comm.hpp"
+#include "reference/grad_reference.hpp"
+#include "support/models.hpp"
+#include "support/recording_communicator.hpp"
 
 namespace {
 
@@ -154,20 +155,6 @@ TEST_CASE("Reducer: float16 gradients whose sum or norm exceeds 65504 are finite
   }
 }
 
-TEST_CASE("LossScaler: a float16 loss is scaled in float32 (GradScaler's promotion), so loss x 65536 stays finite") {
-  loom::LossScaler scaler;  // 65536
-  auto loss = torch::tensor({2.0}, torch::kDouble).to(torch::kHalf).squeeze();
-  auto scaled = scaler.scale(loss);
-  CHECK((scaled.scalar_type() == torch::kFloat));
-  CHECK(value(scaled) == 131072.0);
-  auto bf = scaler.scale(torch::tensor({3.0}, torch::kBFloat16));
-  CHECK((bf.scalar_type() == torch::kFloat));
-  CHECK(value(bf) == 196608.0);
-  // float32 and float64 losses keep their dtype.
-  CHECK((scaler.scale(torch::tensor({1.0}, torch::kDouble)).scalar_type() == torch::kDouble));
-  CHECK((scaler.scale(torch::tensor({1.0}, torch::kFloat)).scalar_type() == torch::kFloat));
-}
-
 TEST_CASE("Reducer: float16 wire across magnitudes — within the stated bound, realistic gradients not flushed to zero") {
   // One process, N = 64 samples. The exact gradient of element i is m_i (the mean over the
   // window), so each element's summed gradient is 64 m_i. m spans 1e-10 .. 1e2: float16's normal
@@ -203,44 +190,9 @@ TEST_CASE("Reducer: float16 wire across magnitudes — within the stated bound, 
   CHECK(got[0].item<double>() == 0.0);
 }
 
-namespace {
-
-/// World size 1, but every all-reduce after the first `healthy` ones fails in wait() like a dead peer.
-class FailingCommunicator : public loom::test::BlockingRecordingCommunicator {
- public:
-  struct Work {
-    bool fail = false;
-    void wait() const {
-      if (fail) throw loom::TimeoutError("all_reduce", 0, 1.5, "a peer closed its connection");
-    }
-    [[nodiscard]] bool is_completed() const { return true; }
-  };
-  explicit FailingCommunicator(int healthy) : healthy_(healthy) {}
-  Work all_reduce_async(at::Tensor& t, loom::ReduceOp) {
-    loom::detail::check_collective_tensor(t, "all_reduce");
-    return Work{.fail = healthy_-- <= 0};
-  }
-
- private:
-  int healthy_;
-};
-
-}  // namespace
-
-TEST_CASE("Accumulator::end_epoch: a failed collective marks the accumulator broken, so a retry names the cause") {
-  auto w = scalar_param(1.0);
-  FailingCommunicator comm(/*healthy=*/0);
-  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
-  loom::Accumulator acc(reducer, {.micro_batches_per_step = 4});
-  REQUIRE_FALSE(acc.run(1, [&] { (w * 2.0).sum().backward(); }).boundary);
-  CHECK_THROWS_AS((void)acc.end_epoch(), loom::TimeoutError);
-  CHECK_THROWS_WITH_AS((void)acc.end_epoch(), doctest::Contains("failed"), loom::Error);
-  CHECK_THROWS_WITH_AS((void)acc.micro_batch(1), doctest::Contains("all_reduce timed out"), loom::Error);
-}
-
 TEST_CASE("Reducer: at most one host read per step, none inside autograd hooks") {
   loom::test::Mlp model(at::kFloat);
-  loom::test::RecordingCommunicator comm;
+  loom::test::AsyncRecordingCommunicator comm;
   loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4, .max_grad_norm = 10.0});
   loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
   std::int64_t first = 0;

@@ -1,15 +1,16 @@
 // The reducer's rules on real ranks (Gloo on loopback): buffers broadcast at every step, a
 // gradient arriving twice, the parameter set changed by module->to(dtype), the float16 wire.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 
-#include "../reference/grad_reference.hpp"
-#include "dist_harness.hpp"
-#include "models.hpp"
+#include "reference/grad_reference.hpp"
+#include "support/models.hpp"
+#include "support/ranks.hpp"
 
 using loom::test::run_ranks;
 

@@ -1,18 +1,26 @@
 // Tests of loom/sample in one process: DistributedSampler against PyTorch's conventions, the
 // distributed bucket batch sampler's guarantees, resuming, the concept ladder, and gather_results
 // over a thread-group communicator archetype. Real multi-process runs: test_sample_dist.cpp.
+#include <algorithm>
+#include <cstdint>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <doctest/doctest.h>
+#include <torch/torch.h>
 
 #include <loom/collate/all.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/sample/all.hpp>
 
 #include "reference/sample_reference.hpp"
-#include "thread_comm.hpp"
+#include "support/thread_communicator.hpp"
 
 namespace {
 
@@ -337,11 +345,11 @@ TEST_CASE("bucket batch sampler: bad input") {
 TEST_CASE("gather_results: drops the padding duplicates and returns dataset order (3 thread ranks)") {
   const int64_t n = 10;
   const int r = 3;
-  loom_test::ThreadGroup group(r);
+  loom::test::ThreadGroup group(r);
   std::vector<loom::GatheredResults> results(r);
   std::vector<std::vector<std::string>> calls(r);
   group.run([&](int rank) {
-    loom_test::ThreadCommunicator comm(group, rank);
+    loom::test::ThreadCommunicator comm(group, rank);
     auto s = loom::DistributedSampler::for_communicator(comm, {.dataset_size = n, .shuffle = true, .seed = 5});
     std::vector<int64_t> seen;
     std::vector<double> rows;
@@ -364,10 +372,10 @@ TEST_CASE("gather_results: drops the padding duplicates and returns dataset orde
 }
 
 TEST_CASE("gather_results: variable-length ranks (one with no rows), no dataset_size, first occurrence wins") {
-  loom_test::ThreadGroup group(3);
+  loom::test::ThreadGroup group(3);
   std::vector<loom::GatheredResults> results(3);
   group.run([&](int rank) {
-    loom_test::ThreadCommunicator comm(group, rank);
+    loom::test::ThreadCommunicator comm(group, rank);
     std::vector<int64_t> idx;
     at::Tensor values;
     if (rank == 0) {
@@ -390,10 +398,10 @@ TEST_CASE("gather_results: variable-length ranks (one with no rows), no dataset_
 
 TEST_CASE("gather_results: bad input on one rank makes every rank throw the same error (nobody hangs)") {
   for (int bad_kind = 0; bad_kind < 4; ++bad_kind) {
-    loom_test::ThreadGroup group(3);
+    loom::test::ThreadGroup group(3);
     std::vector<std::string> errors(3);
     group.run([&](int rank) {
-      loom_test::ThreadCommunicator comm(group, rank);
+      loom::test::ThreadCommunicator comm(group, rank);
       std::vector<int64_t> idx{rank};
       at::Tensor values = torch::zeros({1, 2});
       if (rank == 1) {
@@ -413,10 +421,10 @@ TEST_CASE("gather_results: bad input on one rank makes every rank throw the same
     for (const auto& e : errors) CHECK(e.find(expected[bad_kind]) != std::string::npos);
   }
   // A sample no rank evaluated.
-  loom_test::ThreadGroup group(2);
+  loom::test::ThreadGroup group(2);
   std::vector<std::string> errors(2);
   group.run([&](int rank) {
-    loom_test::ThreadCommunicator comm(group, rank);
+    loom::test::ThreadCommunicator comm(group, rank);
     std::vector<int64_t> idx{rank == 0 ? 0 : 2};
     try {
       (void)loom::gather_results(comm, idx, torch::zeros({1}), {.dataset_size = 3});

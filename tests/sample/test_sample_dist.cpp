@@ -1,55 +1,43 @@
-// Multi-rank tests of loom/sample with real processes (loom::spawn) over Gloo on loopback:
-// distributed evaluation gathers, sampler agreement across ranks, and bad input on one rank.
-// Ranks write what they saw to files; the parent process checks them.
+// Multi-rank tests of loom/sample with real processes (loom::spawn, through loom::test::run_ranks)
+// over Gloo on loopback: distributed evaluation gathers, sampler agreement across ranks, and bad
+// input on one rank. Ranks write what they saw to files; the parent process checks them.
+#include <chrono>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/torch.h>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
 #include <loom/sample/all.hpp>
+
+#include "support/ranks.hpp"
+#include "support/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string templ = (fs::temp_directory_path() / "loom-sample-XXXXXX").string();
-    REQUIRE(mkdtemp(templ.data()) != nullptr);
-    path = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  [[nodiscard]] std::string read(const std::string& name) const {
-    std::ifstream in(path / name);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
-};
+using loom::test::write_file;
 
-void write_file(const fs::path& p, const std::string& text) {
-  std::ofstream out(p);
-  out << text;
-}
-
-const loom::GlooOptions kGloo{.timeout = std::chrono::seconds(30)};
-const loom::SpawnOptions kSpawn{.timeout = std::chrono::seconds(120)};
+const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)};
 
 }  // namespace
 
 TEST_CASE("multi-rank: gather_results over Gloo returns each sample once, in dataset order (3 ranks)") {
-  TempDir dir;
+  loom::test::TempDir dir("loom-sample");
   const fs::path d = dir.path;
-  loom::spawn(
+  loom::test::run_ranks(
       3,
-      [d](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, kGloo);
+      [d](loom::GlooCommunicator& comm, const loom::Environment& env) {
         const int64_t n = 10;
         auto s = loom::DistributedSampler::for_communicator(comm, {.dataset_size = n, .shuffle = true, .seed = 3});
         s.set_epoch(2);
@@ -75,20 +63,19 @@ TEST_CASE("multi-rank: gather_results over Gloo returns each sample once, in dat
                                fmt::join(v.indices, ","),
                                fmt::join(std::vector<int64_t>(v.values.data_ptr<int64_t>(), v.values.data_ptr<int64_t>() + v.values.numel()), ",")));
       },
-      kSpawn);
+      kRanks);
   for (int r = 0; r < 3; ++r)
     CHECK(dir.read(fmt::format("rank{}", r)) == "0,1,2,3,4,5,6,7,8,9|2|0,10,20,30,40,50,60,70,80,90|100,200,201|100,-100,200,-200,201,-201");
 }
 
 TEST_CASE("multi-rank: samplers agree across ranks and every rank runs the same number of steps (3 ranks)") {
-  TempDir dir;
+  loom::test::TempDir dir("loom-sample");
   const fs::path d = dir.path;
   std::vector<int64_t> lengths;
   for (int64_t i = 0; i < 97; ++i) lengths.push_back(1 + (i * 37) % 41);
-  loom::spawn(
+  loom::test::run_ranks(
       3,
-      [d, lengths](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, kGloo);
+      [d, lengths](loom::GlooCommunicator& comm, const loom::Environment& env) {
         // DistributedSampler: the same permutation on every rank (compare rank 0's over the wire).
         auto ds = loom::DistributedSampler::for_communicator(comm, {.dataset_size = 50, .seed = 21});
         ds.set_epoch(6);
@@ -114,7 +101,7 @@ TEST_CASE("multi-rank: samplers agree across ranks and every rank runs the same 
         }
         write_file(d / fmt::format("rank{}", env.rank), fmt::format("{}|{}|{}", steps, total.item<double>(), fmt::join(counted, ",")));
       },
-      kSpawn);
+      kRanks);
   std::multiset<int64_t> all;
   std::string steps0;
   for (int r = 0; r < 3; ++r) {
@@ -133,12 +120,11 @@ TEST_CASE("multi-rank: samplers agree across ranks and every rank runs the same 
 }
 
 TEST_CASE("multi-rank: a bad index on one rank makes every rank throw loom::InvalidArgument, not time out") {
-  TempDir dir;
+  loom::test::TempDir dir("loom-sample");
   const fs::path d = dir.path;
-  loom::spawn(
+  loom::test::run_ranks(
       2,
-      [d](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, kGloo);
+      [d](loom::GlooCommunicator& comm, const loom::Environment& env) {
         std::vector<int64_t> idx{env.rank == 1 ? int64_t{-4} : int64_t{0}};
         try {
           (void)loom::gather_results(comm, idx, torch::zeros({1, 3}), {.dataset_size = 4});
@@ -148,7 +134,7 @@ TEST_CASE("multi-rank: a bad index on one rank makes every rank throw loom::Inva
         }
         comm.barrier();  // the communicator still works: nobody is stuck in a collective
       },
-      kSpawn);
+      kRanks);
   for (int r = 0; r < 2; ++r)
     CHECK(dir.read(fmt::format("rank{}", r)) == "loom: gather_results: rank 1 passed index -4, outside [0, 4)");
 }

@@ -18,11 +18,12 @@
 #include <thread>
 #include <vector>
 
+#include <doctest/doctest.h>
 #include <torch/torch.h>
 
 #include <loom/schedule/assign.hpp>
 
-namespace loom_test {
+namespace loom::test {
 
 /// A deterministic pseudo-random delay in [0, max_us) microseconds for (seed, g, k).
 inline std::chrono::microseconds jitter(uint64_t seed, int g, int64_t k, int max_us) {
@@ -150,4 +151,4 @@ inline at::Tensor expected_rows(const std::vector<int>& gens, int64_t k) {
   return t;
 }
 
-}  // namespace loom_test
+}  // namespace loom::test

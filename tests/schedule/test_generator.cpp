@@ -90,7 +90,7 @@ TEST_CASE("SampleGenerator: callables returning optional and input ranges model 
   };
   static_assert(loom::CallableSampleGenerator<decltype(lambda)>);
   static_assert(loom::SampleGenerator<decltype(lambda)>);
-  static_assert(loom::SampleGenerator<loom_test::Stream>);
+  static_assert(loom::SampleGenerator<loom::test::Stream>);
   static_assert(loom::SampleGenerator<std::function<std::optional<at::Tensor>()>>);
   static_assert(loom::SampleGenerator<std::function<std::optional<std::pair<at::Tensor, int64_t>>()>>);
   static_assert(std::same_as<loom::generator_sample_t<decltype(lambda)>, at::Tensor>);
@@ -109,8 +109,8 @@ TEST_CASE("SampleGenerator: callables returning optional and input ranges model 
   static_assert(!loom::SampleGenerator<std::optional<at::Tensor>>, "an optional is a value, not a stream");
 
   static_assert(loom::SkippableSampleGenerator<WithSkip>);
-  static_assert(loom::SkippableSampleGenerator<loom_test::SkippableStream>);
-  static_assert(!loom::SkippableSampleGenerator<loom_test::Stream>);
+  static_assert(loom::SkippableSampleGenerator<loom::test::SkippableStream>);
+  static_assert(!loom::SkippableSampleGenerator<loom::test::Stream>);
   static_assert(!loom::SkippableSampleGenerator<RangeWithSkip>, "a range's position lives in its iterator");
 }
 
@@ -140,7 +140,7 @@ TEST_CASE("GeneratorCursor: one interface for both kinds; never asks again after
   CHECK(c3.next()->equal(torch::full({2}, 1, torch::kLong)));
   CHECK_THROWS_WITH(c3.next(), "single-pass archetype throws");
 
-  loom::detail::GeneratorCursor<loom_test::SkippableStream> c4(loom_test::SkippableStream{});
+  loom::detail::GeneratorCursor<loom::test::SkippableStream> c4(loom::test::SkippableStream{});
   CHECK(c4.skip(7) == 7);
   CHECK(c4.next()->equal(torch::tensor({int64_t{0}, int64_t{7}})));
 }

@@ -12,9 +12,9 @@
 
 #include "helpers.hpp"
 
-using loom_test::expected_rows;
-using loom_test::Stream;
-using loom_test::streams;
+using loom::test::expected_rows;
+using loom::test::Stream;
+using loom::test::streams;
 using V = std::vector<std::vector<int>>;
 
 namespace {
@@ -151,7 +151,7 @@ TEST_CASE("GeneratorLoader: stop_at_shortest with an endless generator — repor
   auto make = [] {
     std::vector<Gen> gens;
     gens.emplace_back(Stream{.g = 0, .length = 4});
-    gens.emplace_back(loom_test::EndlessStream{.g = 1});
+    gens.emplace_back(loom::test::EndlessStream{.g = 1});
     return gens;
   };
   auto run = [](loom::GeneratorLoader<Gen>& s) {
@@ -162,7 +162,7 @@ TEST_CASE("GeneratorLoader: stop_at_shortest with an endless generator — repor
     }
     CHECK(k == 4);
     const loom::GeneratorLoaderReport r =
-        loom_test::within(20s, "GeneratorLoader::report()", [&] { return s.report(); });
+        loom::test::within(20s, "GeneratorLoader::report()", [&] { return s.report(); });
     CHECK(r.steps == 4);
     CHECK(r.shortest_generator == 0);
     REQUIRE(r.generators.size() == 2);
@@ -469,7 +469,7 @@ TEST_CASE("GeneratorLoader: a saved state resumes to the uninterrupted sequence"
   }
   SUBCASE("skippable generators: skip() instead of replay") {
     auto skipped = std::make_shared<std::atomic<int64_t>>(0);
-    std::vector<loom_test::SkippableStream> gens(10);
+    std::vector<loom::test::SkippableStream> gens(10);
     for (int g = 0; g < 10; ++g) {
       gens[static_cast<size_t>(g)].g = g;
       gens[static_cast<size_t>(g)].length = 8;
@@ -537,7 +537,7 @@ TEST_CASE("GeneratorLoader: a transfer that fails on the consumer's side ends th
 }
 
 TEST_CASE("GeneratorLoader: a generator that reuses one output tensor still gets its own rows in every batch") {
-  loom::GeneratorLoader<loom_test::ReusingStream> loader(loom_test::fast_and_slow_reusing(6),
+  loom::GeneratorLoader<loom::test::ReusingStream> loader(loom::test::fast_and_slow_reusing(6),
                                                          {.num_devices = 1, .prefetch_depth = 3});
   int64_t k = 0;
   for (auto& step : loader) {
@@ -585,7 +585,7 @@ TEST_CASE("GeneratorLoader: fresh samples reach the batch without a copy; a reus
     CHECK(k == 5);
   }
   SUBCASE("a reused buffer: each batch holds its own copy with its own values") {
-    loom::GeneratorLoader<loom_test::ReusingStream, KeepCollate> loader(loom_test::fast_and_slow_reusing(5),
+    loom::GeneratorLoader<loom::test::ReusingStream, KeepCollate> loader(loom::test::fast_and_slow_reusing(5),
                                                                         {.num_devices = 1, .prefetch_depth = 3});
     std::vector<std::vector<at::Tensor>> kept;
     for (auto& step : loader) kept.push_back(step.devices[0].batch);  // batches kept past the generator's later calls

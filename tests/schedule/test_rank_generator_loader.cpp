@@ -1,26 +1,30 @@
-// RankGeneratorLoader: the per-rank mode with 2 real processes over Gloo on loopback (loom::spawn).
-// Inside a spawned rank, failures must throw (REQUIRE or loom errors): a CHECK in a child cannot
-// fail the parent's test; spawn turns a child's exception into a SpawnError.
+// RankGeneratorLoader: the per-rank mode with 2 real processes over Gloo on loopback (loom::spawn,
+// through loom::test::run_ranks). Inside a spawned rank, failures must throw (REQUIRE or loom
+// errors): a CHECK in a child cannot fail the parent's test; spawn turns a child's exception into a
+// SpawnError.
+#include <chrono>
+#include <cstdint>
 #include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
 #include <loom/comm/gloo.hpp>
 #include <loom/comm/local.hpp>
-#include <loom/dist/spawn.hpp>
 #include <loom/schedule/rank_generator_loader.hpp>
 
 #include "helpers.hpp"
+#include "support/ranks.hpp"
 
-using loom_test::expected_rows;
-using loom_test::Stream;
+using loom::test::expected_rows;
+using loom::test::Stream;
 
 namespace {
-constexpr auto kCommTimeout = std::chrono::seconds(20);
-loom::SpawnOptions spawn_opts() {
-  return {.timeout = std::chrono::seconds(90)};
-}
+const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(20), .spawn_timeout = std::chrono::seconds(90)};
 
 const std::vector<int64_t> kLengths = {5, 7, 3, 9};
 
@@ -50,7 +54,7 @@ TEST_CASE("RankGeneratorLoader: with a LocalCommunicator it is the 1-device sche
 TEST_CASE(
     "RankGeneratorLoader: a generator that reuses one output tensor still gets its own rows in every batch (1 rank)") {
   loom::LocalCommunicator comm;
-  loom::RankGeneratorLoader loader(comm, loom_test::fast_and_slow_reusing(6), {.prefetch_depth = 3});
+  loom::RankGeneratorLoader loader(comm, loom::test::fast_and_slow_reusing(6), {.prefetch_depth = 3});
   int64_t k = 0;
   for (auto& db : loader) {
     CAPTURE(k);
@@ -68,10 +72,9 @@ TEST_CASE("RankGeneratorLoader: num_devices other than 1 is refused, naming the 
 }
 
 TEST_CASE("RankGeneratorLoader: 2 ranks — each rank's generators and batches, as the assignment says") {
-  loom::spawn(
+  loom::test::run_ranks(
       2,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         for (auto policy : {loom::Assignment::contiguous(), loom::Assignment::round_robin()}) {
           // 6 generators over 2 ranks: contiguous {0,1,2} / {3,4,5}; round-robin {0,2,4} / {1,3,5}
           const std::vector<int> hand = policy.kind == loom::Assignment::Kind::contiguous
@@ -99,14 +102,13 @@ TEST_CASE("RankGeneratorLoader: 2 ranks — each rank's generators and batches, 
           REQUIRE(k == 6);
         }
       },
-      spawn_opts());
+      kRanks);
 }
 
 TEST_CASE("RankGeneratorLoader: 2 ranks, unequal lengths, stop_at_shortest — same step count, unread reported") {
-  loom::spawn(
+  loom::test::run_ranks(
       2,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         // lengths 5, 7, 3, 9: rank 0 runs {0, 1}, rank 1 runs {2, 3}; generator 2 is the shortest (3)
         loom::RankGeneratorLoader s(
             comm, 4,
@@ -130,7 +132,7 @@ TEST_CASE("RankGeneratorLoader: 2 ranks, unequal lengths, stop_at_shortest — s
           REQUIRE(g.unread_exact);
         }
       },
-      spawn_opts());
+      kRanks);
 }
 
 namespace {
@@ -139,7 +141,7 @@ using AnyStream = std::function<std::optional<at::Tensor>()>;
 // Generator 0 ends after 4 samples, generator 1 never ends.
 AnyStream four_or_endless(int g) {
   if (g == 0) return Stream{.g = 0, .length = 4};
-  return loom_test::EndlessStream{.g = g};
+  return loom::test::EndlessStream{.g = g};
 }
 
 // Runs the schedule of `s` (this rank's generator `g`, 4 steps), then report() under a deadline.
@@ -154,7 +156,7 @@ loom::GeneratorLoaderReport run_four_steps_and_report(Sched& s, int g, loom::Glo
   }
   REQUIRE(k == 4);
   const loom::GeneratorLoaderReport r =
-      loom_test::within(20s, "RankGeneratorLoader::report()", [&] { return s.report(); });
+      loom::test::within(20s, "RankGeneratorLoader::report()", [&] { return s.report(); });
   REQUIRE(r.steps == 4);
   REQUIRE(r.shortest_generator == 0);
   REQUIRE(r.generators.size() == 1);
@@ -180,7 +182,7 @@ TEST_CASE("RankGeneratorLoader: stop_at_shortest with an endless generator — r
   CHECK(k == 4);
   using namespace std::chrono_literals;
   const loom::GeneratorLoaderReport r =
-      loom_test::within(20s, "RankGeneratorLoader::report()", [&] { return s.report(); });
+      loom::test::within(20s, "RankGeneratorLoader::report()", [&] { return s.report(); });
   REQUIRE(r.generators.size() == 2);
   CHECK(r.generators[0].unread == 0);
   CHECK(r.generators[0].unread_exact);
@@ -192,10 +194,9 @@ TEST_CASE("RankGeneratorLoader: stop_at_shortest with an endless generator — r
 
 TEST_CASE(
     "RankGeneratorLoader: 2 ranks, stop_at_shortest with an endless generator on rank 1 — report() returns on both") {
-  loom::spawn(
+  loom::test::run_ranks(
       2,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         // rank 0 runs generator 0 (4 samples), rank 1 runs generator 1 (endless)
         {  // default: no counting; unread = prefetched and dropped, at most prefetch_depth
           loom::RankGeneratorLoader s(comm, 2, four_or_endless, {.prefetch_depth = 2});
@@ -212,14 +213,13 @@ TEST_CASE(
           }
         }
       },
-      spawn_opts());
+      kRanks);
 }
 
 TEST_CASE("RankGeneratorLoader: 2 ranks, unequal lengths, drain — every sample once, dry rank gets empty batches") {
-  loom::spawn(
+  loom::test::run_ranks(
       2,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         // round-robin: rank 0 runs {0, 2} (lengths 5, 3), rank 1 runs {1, 3} (lengths 7, 9): 9 steps
         loom::RankGeneratorLoader s(
             comm, 4,
@@ -249,14 +249,13 @@ TEST_CASE("RankGeneratorLoader: 2 ranks, unequal lengths, drain — every sample
         REQUIRE(k == 9);
         REQUIRE(rows == (env.rank == 0 ? 5 + 3 : 7 + 9));
       },
-      spawn_opts());
+      kRanks);
 }
 
 TEST_CASE("RankGeneratorLoader: a generator throwing at sample 5 on rank 1 reaches both ranks, naming it") {
-  loom::spawn(
+  loom::test::run_ranks(
       2,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         loom::RankGeneratorLoader s(
             comm, 4, [&](int g) { return Stream{.g = g, .throw_at = g == 3 ? 5 : -1, .jitter_us = 500}; });
         int64_t k = 0;
@@ -280,14 +279,13 @@ TEST_CASE("RankGeneratorLoader: a generator throwing at sample 5 on rank 1 reach
         }
         REQUIRE(k == 5);
       },
-      spawn_opts());
+      kRanks);
 }
 
 TEST_CASE("RankGeneratorLoader: ranks configured differently get a ConfigError, not a hang") {
-  loom::spawn(
+  loom::test::run_ranks(
       2,
-      [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = kCommTimeout});
+      [](loom::GlooCommunicator& comm, const loom::Environment& env) {
         const int n = env.rank == 0 ? 4 : 6;
         loom::RankGeneratorLoader s(comm, n, [&](int g) { return Stream{.g = g, .length = 3}; });
         bool threw = false;
@@ -298,5 +296,5 @@ TEST_CASE("RankGeneratorLoader: ranks configured differently get a ConfigError, 
         }
         REQUIRE(threw);
       },
-      spawn_opts());
+      kRanks);
 }

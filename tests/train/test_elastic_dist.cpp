@@ -3,26 +3,35 @@
 // one, with every sample used exactly once.
 //
 // The data: 37 sequences of lengths 2, 3 or 5 (3 features each) with 2 targets, closed forms of
-// the index (tests/reduce/models.hpp's sample_x / sample_y, varied along the sequence); the model:
-// the 2-layer MLP of tests/reduce/models.hpp applied to each sequence's mean. Plan: exact-shape
+// the index (tests/support/models.hpp's sample_x / sample_y, varied along the sequence); the model:
+// the 2-layer MLP of tests/support/models.hpp applied to each sequence's mean. Plan: exact-shape
 // buckets of at most 3 samples, 2 batches per optimizer step (the epoch's last step is partial),
 // SGD with momentum (its state carries across steps, so the order of steps matters).
-#include <cstdio>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/global_batch.hpp>
 
-#include "../reduce/models.hpp"
+#include "support/models.hpp"
+#include "support/ranks.hpp"
+#include "support/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 
@@ -47,30 +56,9 @@ std::vector<std::vector<int64_t>> shapes() {
 
 const loom::GlobalBatchOptions kPlan{.seed = 17, .max_samples = 3, .batches_per_step = 2};
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string templ = (fs::temp_directory_path() / "loom-elastic-XXXXXX").string();
-    REQUIRE(mkdtemp(templ.data()) != nullptr);
-    path = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_file(const fs::path& p, const std::string& text) {
-  std::ofstream out(p);
-  out << text;
-}
+using loom::test::read_file;
+using loom::test::TempDir;
+using loom::test::write_file;
 
 std::string to_text(const std::vector<at::Tensor>& ts) {
   std::string out;
@@ -103,8 +91,7 @@ double max_relative(const std::vector<double>& a, const std::vector<double>& b) 
 /// What one rank does: trains `steps` optimizer steps from `dir/checkpoint` (or from the initial
 /// weights), then rank 0 writes the parameters, the momentum buffers and the cursor. Every rank
 /// appends the sample indices it trained on to `dir/uses.<rank>`.
-void train(const loom::Environment& env, const fs::path& dir, int steps, const std::string& tag) {
-  loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(30)});
+void train(loom::GlooCommunicator& comm, const fs::path& dir, int steps, const std::string& tag) {
   loom::test::Mlp model(at::kDouble);
   torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
   loom::GlobalBatchSampler sampler(comm, shapes(), kPlan);
@@ -119,7 +106,7 @@ void train(const loom::Environment& env, const fs::path& dir, int steps, const s
   }
   loom::Reducer reducer(comm, model.list());
   loom::Accumulator acc(reducer, {.micro_batches_per_step = 0});  // steps come from the plan
-  std::ofstream uses(dir / fmt::format("uses.{}.{}", tag, env.rank));
+  std::ofstream uses(dir / fmt::format("uses.{}.{}", tag, comm.rank()));
   int done = 0;
   while (done < steps) {
     auto item = sampler.next();
@@ -150,7 +137,7 @@ void train(const loom::Environment& env, const fs::path& dir, int steps, const s
     sgd.zero_grad();
     ++done;
   }
-  if (env.rank == 0) {
+  if (comm.rank() == 0) {
     write_file(dir / fmt::format("params.{}", tag), to_text(model.params));
     write_file(dir / "checkpoint.params", to_text(model.params));
     torch::save(sgd, (dir / "checkpoint.sgd").string());
@@ -159,8 +146,8 @@ void train(const loom::Environment& env, const fs::path& dir, int steps, const s
 }
 
 void run(int world, const fs::path& dir, int steps, const std::string& tag) {
-  loom::spawn(world, [&](const loom::Environment& env) { train(env, dir, steps, tag); },
-              {.timeout = std::chrono::seconds(120)});
+  loom::test::run_ranks(world, [&](loom::GlooCommunicator& comm) { train(comm, dir, steps, tag); },
+                        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
 }
 
 std::map<int64_t, int> count_uses(const fs::path& dir, const std::string& tag) {
@@ -189,7 +176,7 @@ TEST_CASE("trajectory: an epoch and 2 steps (its partial last step included) on 
   std::map<int, std::vector<double>> params;
   const int steps = epoch_steps() + 2;
   for (int w : {1, 2, 3}) {
-    TempDir dir;
+    TempDir dir("loom-elastic");
     run(w, dir.path, steps, "run");
     params[w] = parse(read_file(dir.path / "params.run"));
     // Every sample once in epoch 0, a few twice (the 2 steps of epoch 1).
@@ -202,19 +189,19 @@ TEST_CASE("trajectory: an epoch and 2 steps (its partial last step included) on 
   CHECK(e2 < 1e-12);
   CHECK(e3 < 1e-12);
   // The steps moved the parameters (the comparison is not between two initial states).
-  TempDir none;
+  TempDir none("loom-elastic");
   run(1, none.path, 1, "one");
   CHECK(max_relative(parse(read_file(none.path / "params.one")), params[1]) > 1e-3);
 }
 
 TEST_CASE("resume on another world size: 3 steps on W, 3 more on W' equal 6 uninterrupted steps; each sample once") {
   REQUIRE(epoch_steps() > 6);
-  TempDir straight;
+  TempDir straight("loom-elastic");
   run(2, straight.path, 6, "all");
   const auto reference = parse(read_file(straight.path / "params.all"));
   const auto ref_uses = count_uses(straight.path, "all");
   for (auto [first, second] : {std::pair{2, 3}, std::pair{3, 1}}) {
-    TempDir dir;
+    TempDir dir("loom-elastic");
     run(first, dir.path, 3, "a");
     run(second, dir.path, 3, "b");
     const double err = max_relative(parse(read_file(dir.path / "params.b")), reference);

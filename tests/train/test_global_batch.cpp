@@ -6,7 +6,9 @@
 #include <random>
 #include <set>
 
+#include <ATen/ATen.h>
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <loom/sample/global_batch.hpp>
 #include <loom/sample/sample_seed.hpp>

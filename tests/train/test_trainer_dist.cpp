@@ -1,14 +1,26 @@
 // loom::Trainer, Metrics and run() on real ranks (Gloo on loopback).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <loom/comm/gloo.hpp>
 #include <loom/dist/run.hpp>
-#include <loom/dist/spawn.hpp>
 #include <loom/log/named_metrics.hpp>
 #include <loom/log/progress.hpp>
 #include <loom/log/sink.hpp>
 
+#include "support/ranks.hpp"
 #include "trainer_fixture.hpp"
 
 namespace {
@@ -113,10 +125,9 @@ TEST_CASE("on_step runs equally often on every rank although the loop body does 
 }
 
 TEST_CASE("Metrics by name on 2 ranks: different orders, a name only one rank saw, one collective") {
-  loom::spawn(2, [](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(30)});
+  loom::test::run_ranks(2, [](loom::GlooCommunicator& comm) {
     loom::Metrics metrics(comm);
-    if (env.rank == 0) {
+    if (comm.rank() == 0) {
       metrics.add("loss", 1.0, 3);
       metrics.add("acc", 0.25, 4);
     } else {
@@ -129,7 +140,7 @@ TEST_CASE("Metrics by name on 2 ranks: different orders, a name only one rank sa
     expect(metrics.mean("acc") == 0.5, fmt::format("acc {}", metrics.mean("acc")));
     expect(metrics.mean("only_rank_1") == 5.0, "a name only rank 1 added, read on both ranks");
     expect(metrics.weight("loss") == 4.0, "weights summed");
-  }, {.timeout = std::chrono::seconds(60)});
+  }, {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(60)});
 }
 
 }  // TEST_SUITE

@@ -2,7 +2,7 @@
 // protocol written by hand over Reducer + Accumulator) that the trainer tests compare.
 //
 // Data: 29 sequences of lengths 2, 3 or 5 with 3 features and 2 float64 targets, closed forms of
-// the index (tests/reduce/models.hpp). Model: the 2-layer float64 MLP of models.hpp applied to each
+// the index (tests/support/models.hpp). Model: the 2-layer float64 MLP of models.hpp applied to each
 // sequence's mean. Loss: the batch mean of the per-sample squared error (PyTorch's default
 // reduction), so the trainer multiplies it by the batch's samples.
 #pragma once
@@ -19,7 +19,7 @@
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
 
-#include "../reduce/models.hpp"
+#include "support/models.hpp"
 
 namespace loom::test {
 

@@ -1,10 +1,28 @@
-// loom::Accumulator in one process (LocalCommunicator): the field cases that need one rank,
-// with the numbers from the issue. Multi-rank field cases: test_field_dist.cpp.
+// loom::Accumulator and loom::LossScaler in one process: field cases with their numbers worked by
+// hand (sample weighting, the remainder, loss scaling with clipping), boundaries every S samples,
+// ranks without samples, misuse, a failed collective in end_epoch, and the loss scaler's dtype
+// promotion. Multi-rank field cases: test_field_dist.cpp.
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/accumulate/loss_scaler.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/reduce/reducer.hpp>
 
+#include "support/recording_communicator.hpp"
+
 namespace {
+
+at::Tensor scalar_param(double v, at::ScalarType dtype = at::kDouble) {
+  return torch::tensor({v}, torch::kDouble).to(dtype).requires_grad_();
+}
+
+double value(const at::Tensor& t) { return t.item<double>(); }
 
 // One scalar parameter w = 1; the loss of a sample x is w * x, so d loss / dw = x.
 struct Scalar {
@@ -210,4 +228,53 @@ TEST_CASE("Accumulator: a rank with no sample gets no NaN; misuse is a loom erro
   // An exception between micro_batch() and finish() leaves the accumulator unusable, loudly.
   CHECK_THROWS_AS(acc.run(1, [] { throw std::runtime_error("forward failed"); }), std::runtime_error);
   CHECK_THROWS_WITH_AS((void)acc.micro_batch(1), doctest::Contains("abandoned"), loom::Error);
+}
+
+TEST_CASE("LossScaler: a float16 loss is scaled in float32 (GradScaler's promotion), so loss x 65536 stays finite") {
+  loom::LossScaler scaler;  // 65536
+  auto loss = torch::tensor({2.0}, torch::kDouble).to(torch::kHalf).squeeze();
+  auto scaled = scaler.scale(loss);
+  CHECK((scaled.scalar_type() == torch::kFloat));
+  CHECK(value(scaled) == 131072.0);
+  auto bf = scaler.scale(torch::tensor({3.0}, torch::kBFloat16));
+  CHECK((bf.scalar_type() == torch::kFloat));
+  CHECK(value(bf) == 196608.0);
+  // float32 and float64 losses keep their dtype.
+  CHECK((scaler.scale(torch::tensor({1.0}, torch::kDouble)).scalar_type() == torch::kDouble));
+  CHECK((scaler.scale(torch::tensor({1.0}, torch::kFloat)).scalar_type() == torch::kFloat));
+}
+
+namespace {
+
+/// World size 1, but every all-reduce after the first `healthy` ones fails in wait() like a dead peer.
+class FailingCommunicator : public loom::test::RecordingCommunicator {
+ public:
+  struct Work {
+    bool fail = false;
+    void wait() const {
+      if (fail) throw loom::TimeoutError("all_reduce", 0, 1.5, "a peer closed its connection");
+    }
+    [[nodiscard]] bool is_completed() const { return true; }
+  };
+  explicit FailingCommunicator(int healthy) : healthy_(healthy) {}
+  Work all_reduce_async(at::Tensor& t, loom::ReduceOp) {
+    loom::detail::check_collective_tensor(t, "all_reduce");
+    return Work{.fail = healthy_-- <= 0};
+  }
+
+ private:
+  int healthy_;
+};
+
+}  // namespace
+
+TEST_CASE("Accumulator::end_epoch: a failed collective marks the accumulator broken, so a retry names the cause") {
+  auto w = scalar_param(1.0);
+  FailingCommunicator comm(/*healthy=*/0);
+  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
+  loom::Accumulator acc(reducer, {.micro_batches_per_step = 4});
+  REQUIRE_FALSE(acc.run(1, [&] { (w * 2.0).sum().backward(); }).boundary);
+  CHECK_THROWS_AS((void)acc.end_epoch(), loom::TimeoutError);
+  CHECK_THROWS_WITH_AS((void)acc.end_epoch(), doctest::Contains("failed"), loom::Error);
+  CHECK_THROWS_WITH_AS((void)acc.micro_batch(1), doctest::Contains("all_reduce timed out"), loom::Error);
 }

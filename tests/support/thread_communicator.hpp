@@ -1,20 +1,24 @@
-// tests/sample/thread_comm.hpp — archetype: a Communicator whose ranks are threads of one process.
+// tests/support/thread_communicator.hpp — archetype: a Communicator whose ranks are threads of one process.
 //
 // Only for tests of the gather/deduplicate logic: collectives meet at a std::barrier and exchange
 // tensors through shared slots. It records each rank's calls, and checks what real backends
 // require (every rank passes the same shape and dtype to all_gather), so a helper that forgot to
-// pad fails here as it would on Gloo. Real multi-process runs are in test_sample_dist.cpp.
+// pad fails here as it would on Gloo. Real multi-process runs: tests/support/ranks.hpp.
 #pragma once
 
 #include <barrier>
+#include <chrono>
+#include <exception>
 #include <functional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
 #include <loom/comm/communicator.hpp>
 
-namespace loom_test {
+namespace loom::test {
 
 class ThreadGroup {
  public:
@@ -95,4 +99,4 @@ class ThreadCommunicator {
 };
 static_assert(loom::Communicator<ThreadCommunicator>);
 
-}  // namespace loom_test
+}  // namespace loom::test

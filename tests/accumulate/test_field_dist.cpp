@@ -1,8 +1,19 @@
-// The multi-rank "cases from the field" of issue 4, with their numbers, over real processes.
+// loom::Accumulator over real processes (Gloo on loopback): multi-rank field cases with their
+// numbers worked by hand — the synchronising micro-batch, uneven inputs, ranks without samples,
+// unused parameters, loss scaling with a non-finite gradient on one rank.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <torch/torch.h>
+
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/reduce/reducer.hpp>
 
-#include "dist_harness.hpp"
+#include "support/ranks.hpp"
 
 using loom::test::run_ranks;
 

@@ -1,4 +1,5 @@
-// tests/reduce/models.hpp — small deterministic models and data for reducer/accumulator tests.
+// tests/support/models.hpp — small deterministic models and data for reducer, accumulator and
+// trainer tests.
 // Data are closed-form functions of the sample index (no RNG state), so every process of a
 // multi-rank test and the single-process reference see the same samples.
 #pragma once
