@@ -10,6 +10,13 @@
 #include <loom/dist/spawn.hpp>
 
 #include <csignal>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include "support/temp_dir.hpp"
+
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -173,5 +180,49 @@ TEST_CASE("GlooCommunicator: in a 3-rank job each survivor names the rank that d
       // The first survivor to fail can only have seen rank 1 go; the second may see the first leave.
       CHECK(named_dead >= 1);
     }
+  }
+}
+
+TEST_CASE("GlooCommunicator: abort() on a live rank ends its peers' pending collectives at once, naming it") {
+  // Rank 0 stays alive and keeps its communicator until both peers wrote their error (or 50 s went
+  // by), so the peers can only have failed because of abort(): without it they would wait until rank
+  // 0 gave up and exited, and rank 0 would report "gave up".
+  loom::test::TempDir dir("loom-abort");
+  const std::string path = dir.path.string();
+  loom::spawn(3, [path](const loom::Environment& env) {
+    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(60), .check_metadata = false});
+    auto t = torch::full({1024}, 1.0f);
+    comm.all_reduce(t, loom::ReduceOp::sum);  // connected and used
+    if (env.rank == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the peers' all_reduce is pending
+      comm.abort();
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(50);
+      while (!(fs::exists(path + "/error1") && fs::exists(path + "/error2"))) {
+        if (std::chrono::steady_clock::now() > deadline) {
+          loom::test::write_file(path + "/rank0", "gave up");
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      loom::test::write_file(path + "/rank0", "peers failed while rank 0 was alive");
+      return;
+    }
+    try {
+      comm.all_reduce(t, loom::ReduceOp::sum);
+      loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", "returned");
+    } catch (const loom::TimeoutError& e) {
+      loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", e.what());
+    }
+    fs::rename(path + "/error" + std::to_string(env.rank) + ".tmp", path + "/error" + std::to_string(env.rank));
+  }, {.timeout = std::chrono::seconds(90)});
+  CHECK(dir.read("rank0") == "peers failed while rank 0 was alive");
+  for (int r : {1, 2}) {
+    const std::string error = dir.read("error" + std::to_string(r));
+    INFO(error);
+    CHECK(error.find("all_reduce timed out on rank " + std::to_string(r)) != std::string::npos);
+    CHECK(error.find("closed its connection") != std::string::npos);
+    // The peer it names: rank 0, or the other survivor when that one gave up first and shut down.
+    const int peer = named_peer(error);
+    CHECK((peer == 0 || peer == 3 - r));
   }
 }

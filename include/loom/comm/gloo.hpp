@@ -36,6 +36,9 @@
 //      To read Gloo's socket addresses, construction ends with one small all-to-all (a few hundred
 //      bytes per peer; see loom/comm/detail/gloo_peers.hpp).
 //      After a TimeoutError or CommError the communicator is broken: destroy it (c10d behaves the same).
+//      A collective that fails also shuts down every connection of the communicator on this rank, so
+//      the peers' pending collectives fail at once with an error naming this rank, rather than at
+//      their timeout (loom/comm/detail/gloo_peers.hpp).
 // Construction: the Gloo device's address follows GlooOptions::interface's rule (GLOO_SOCKET_IFNAME,
 //      loopback masters, the local address that routes to MASTER_ADDR when this host's name resolves
 //      to loopback; loom/comm/detail/gloo_device.hpp). A rank whose construction fails writes its
@@ -188,6 +191,9 @@ class GlooWork {
       if (s.finish) s.finish();
     } catch (const std::exception& e) {
       s.error = error_for(s, detail::exception_text(e), detail::seconds_since(start));
+      // The communicator is broken now: end every connection, so the peers fail at once naming
+      // this rank, and this rank's queued collectives do not wait for their timeouts.
+      if (s.peers) s.peers->shutdown_connections();
       std::rethrow_exception(s.error);
     }
   }
@@ -406,6 +412,15 @@ class GlooCommunicator {
   [[nodiscard]] const std::string& device_description() const noexcept { return device_; }
   /// The underlying c10d process group (for c10d APIs loom does not wrap).
   [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_; }
+
+  /// Breaks the communicator on purpose: shuts down every connection of this rank's Gloo process group,
+  /// so every peer's pending and later collectives fail at once with a TimeoutError naming this rank
+  /// ("peer rank r closed its connection"), and this rank's own fail too. Safe from any thread at any
+  /// time, e.g. from a watchdog or when this rank decides to stop (like NcclCommunicator::abort). A
+  /// failing collective does the same by itself. Afterwards only destroying the communicator is legal.
+  void abort() const noexcept {
+    if (peers_) peers_->shutdown_connections();
+  }
 
   /// In place: every rank ends with the reduction of `t` over ranks.
   /// Shape: same shape and dtype on every rank. Throws: see header.

@@ -24,6 +24,12 @@
 //    So a message naming either address becomes "peer rank r". Only virtual calls and data members of
 //    Gloo are used (nothing needs a Gloo symbol at link time); what cannot be read stays out of the
 //    table, and errors then say "a peer".
+// 3. Failing fast everywhere. When a collective fails on a rank (a peer died, a timeout), Gloo closes
+//    only the connection that failed (all of them on a timeout); the rank's other connections stay
+//    open while its queued collectives wait for their own timeouts, so a peer waiting on this rank
+//    learns nothing until then, and its error names no peer. GlooPeerTable::shutdown_connections()
+//    shuts down every recorded socket of the communicator: every peer reads the end of its
+//    connection to this rank at once and names it, and this rank's own queued collectives fail.
 //
 // Source: Gloo's TCP transport (gloo/transport/tcp/pair.cc: writev; Address::str() prints
 //         "[ip]:port" with the port field as stored, i.e. in network byte order, then "$seq" when set),
@@ -133,6 +139,7 @@ class GlooPeerTable {
       table.add_remote_ends(pg, rank);
     } catch (...) {
       table.entries_.clear();
+      table.sockets_.clear();
     }
 #else
     (void)pg;
@@ -162,6 +169,26 @@ class GlooPeerTable {
   /// Number of known connections (tests).
   [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
 
+  /// Number of this rank's Gloo sockets that shutdown_connections() would shut down (tests).
+  [[nodiscard]] std::size_t connections() const noexcept { return sockets_.size(); }
+
+  /// Shuts down (shutdown(2), SHUT_RDWR) every socket of this rank's Gloo connections, so each peer
+  /// reads the end of its connection to this rank at once ("Connection closed by peer", naming this
+  /// rank) instead of waiting for its timeout, and this rank's own pending operations fail. The
+  /// descriptors stay open (Gloo closes them); a descriptor whose local and remote addresses are no
+  /// longer the recorded ones (Gloo closed it and the number was reused) is left alone. Called when a
+  /// collective failed: the communicator is broken from then on (c10d behaves the same).
+  void shutdown_connections() const noexcept {
+    for (const auto& sock : sockets_) {
+      sockaddr_storage local{}, remote{};
+      socklen_t llen = sizeof(local), rlen = sizeof(remote);
+      if (::getsockname(sock.fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0) continue;
+      if (::getpeername(sock.fd, reinterpret_cast<sockaddr*>(&remote), &rlen) != 0) continue;
+      if (socket_name(local) != sock.local || socket_name(remote) != sock.remote) continue;
+      ::shutdown(sock.fd, SHUT_RDWR);
+    }
+  }
+
   /// Adds a remote socket address for `peer_rank`, as Gloo prints it (port in network byte order)
   /// and with the port in host order, in case a Gloo release prints it that way.
   void add(const sockaddr_storage& ss, int peer_rank) {
@@ -188,7 +215,10 @@ class GlooPeerTable {
         auto it = remote_of.find(local.front());
         if (it == remote_of.end())  // a Gloo that prints the port in host order
           it = remote_of.find({local.front().ip, static_cast<long>(htons(static_cast<std::uint16_t>(local.front().port)))});
-        if (it != remote_of.end()) add(it->second, static_cast<int>(r));
+        if (it != remote_of.end()) {
+          add(it->second.remote, static_cast<int>(r));
+          sockets_.push_back({it->second.fd, it->first, socket_name(it->second.remote)});
+        }
       }
     }
 #else
@@ -256,9 +286,16 @@ class GlooPeerTable {
     return {};
   }
 
-  /// This process's connected TCP sockets: local address (as Gloo prints it) -> remote address.
-  static std::map<GlooSocketName, sockaddr_storage> connected_sockets() {
-    std::map<GlooSocketName, sockaddr_storage> out;
+  /// A connected TCP socket of this process: its descriptor and remote address.
+  struct ConnectedSocket {
+    int fd = -1;
+    sockaddr_storage remote{};
+  };
+
+  /// This process's connected TCP sockets: local address (as Gloo prints it) -> descriptor and
+  /// remote address.
+  static std::map<GlooSocketName, ConnectedSocket> connected_sockets() {
+    std::map<GlooSocketName, ConnectedSocket> out;
     DIR* dir = ::opendir("/proc/self/fd");
     if (dir == nullptr) return out;
     while (const dirent* e = ::readdir(dir)) {
@@ -270,7 +307,7 @@ class GlooPeerTable {
       if (::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &llen) != 0) continue;
       if (local.ss_family != AF_INET && local.ss_family != AF_INET6) continue;
       if (::getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&remote), &rlen) != 0) continue;
-      out.emplace(socket_name(local), remote);
+      out.emplace(socket_name(local), ConnectedSocket{static_cast<int>(fd), remote});
     }
     ::closedir(dir);
     return out;
@@ -296,7 +333,14 @@ class GlooPeerTable {
     GlooSocketName name;
     int rank = -1;
   };
+  /// One of this rank's Gloo connections: descriptor, local and remote address when recorded.
+  struct Socket {
+    int fd = -1;
+    GlooSocketName local;
+    GlooSocketName remote;
+  };
   std::vector<Entry> entries_;
+  std::vector<Socket> sockets_;
 };
 
 }  // namespace loom::detail
