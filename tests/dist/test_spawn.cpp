@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -299,8 +300,11 @@ std::string rendezvous_with_stranger(const std::map<std::string, std::string>& e
   close(fd);  // rank 0's store takes the port over
   std::atomic<bool> stop{false};
   std::atomic<int> forged{0};
+  std::mutex error_mutex;
+  std::string stranger_error = "(none)";  // the stranger's last failure, for the report
   // The stranger: connects as a store client as soon as rank 0 listens, and forges the check-in keys
   // of the first ten rendezvous generations (what an outsider would try).
+  const auto started = std::chrono::steady_clock::now();
   std::thread stranger([&, port = port] {
     while (!stop) {
       try {
@@ -316,8 +320,12 @@ std::string rendezvous_with_stranger(const std::map<std::string, std::string>& e
           forged = 1;  // (a rank that accepts may exit and close the store before the later generations)
         }
         return;
-      } catch (const std::exception&) {
+      } catch (const std::exception& e) {
         if (forged == 1) return;
+        {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          stranger_error = fmt::format("{:.3f} s: {}", loom::detail::seconds_since(started), e.what());
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     }
@@ -341,6 +349,7 @@ std::string rendezvous_with_stranger(const std::map<std::string, std::string>& e
   }, options);
   stop = true;
   stranger.join();
+  INFO("the stranger's last error at ", stranger_error, "; spawn returned after ", loom::detail::seconds_since(started), " s");
   CHECK(forged == 1);  // the stranger did reach the store and write its keys
   return out.read("result");
 }
