@@ -26,13 +26,18 @@
 //               .pool = pool})`.
 //   collate_padding/{round_up_32,auto_boundaries}: padding fraction counters on the icon sizes
 //       (same number of buckets); the timed part is computing the boundaries.
+//   sweep/{memcpy,loom}/batch:N  how cost grows with the batch size: collate_mixed's 4096 samples
+//       with batches of N = 8, 32, 128, 512 (memcpy: N-slot reused buffers, one per shape).
 //
 // Method: inputs are built once, outside the timed loop; every variant touches the same source
 // bytes; warm-up runs apart (MinWarmUpTime); real time. Speeds are bytes of sample data per
 // second. After the run, a summary prints the ratios loom/memcpy and loom/naive per suite (from
-// medians when --benchmark_repetitions is given). On a shared machine run with
+// medians when --benchmark_repetitions is given), and one line per ratio that scripts read:
+//   RATIO <name> median=<m> min=<a> max=<b> n=<repetitions> goal>=<g> met|NOT-met
+// (baseline time / loom time of repetition i of each). On a shared machine run with
 // --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true (repetitions of the
-// variants interleaved, so load drifts hit them alike).
+// variants interleaved, so load drifts hit them alike); --benchmark_out=FILE.json
+// --benchmark_out_format=json feeds scripts/plot_benchmarks.sh.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -218,6 +223,38 @@ void BM_collate_mixed_loom(benchmark::State& state) {
   state.counters["batches_per_pass"] = static_cast<double>(batches) / static_cast<double>(state.iterations());
 }
 
+// ---- sweep over the batch size (collate_mixed's samples) ----
+void BM_sweep_memcpy(benchmark::State& state) {
+  const auto& in = inputs_mixed();
+  const int64_t n = state.range(0);
+  std::map<std::vector<int64_t>, std::pair<std::vector<char>, int64_t>> groups;  // buffer, running count
+  std::vector<char*> dst;
+  for (const auto& s : in.samples) {
+    auto& [buf, count] = groups[s.first.sizes().vec()];
+    if (buf.empty()) buf.assign(static_cast<std::size_t>(n) * s.first.nbytes(), 0);  // faulted in before timing
+    dst.push_back(buf.data() + (count++ % n) * static_cast<int64_t>(s.first.nbytes()));
+  }
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < in.samples.size(); ++i)
+      std::memcpy(dst[i], in.samples[i].first.data_ptr(), in.samples[i].first.nbytes());
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * in.bytes);
+}
+
+void BM_sweep_loom(benchmark::State& state) {
+  const auto& in = inputs_mixed();
+  auto pool = std::make_shared<loom::BufferPool>();
+  auto pass = [&] {
+    for (loom::Batch& b : in.samples | loom::views::bucket_by_shape({.max_samples = state.range(0), .pool = pool}))
+      benchmark::DoNotOptimize(b.data.data_ptr());
+  };
+  pass();  // untimed: maps the pool's buffers
+  for (auto _ : state) pass();
+  state.SetBytesProcessed(state.iterations() * in.bytes);
+}
+
 // The floor for pad-to-max: each sample's bytes into its row of one of 8 reused batch buffers
 // (64 rows of the longest possible length); padding is not written.
 void BM_collate_padded_memcpy(benchmark::State& state) {
@@ -332,6 +369,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
       }
       times_[name] = {r.GetAdjustedRealTime(), r.GetAdjustedCPUTime()};
     }
+    for (const Run& r : runs)
+      if (r.run_type == Run::RT_Iteration) reps_[r.run_name.str()].push_back(r.GetAdjustedRealTime());
   }
   void Finalize() override {
     ConsoleReporter::Finalize();
@@ -346,11 +385,39 @@ class RatioReporter : public benchmark::ConsoleReporter {
             suite, mem.first / mine.first, naive.first / mine.first, mem.second / mine.second,
             naive.second / mine.second);
     }
+    out << "\n";
+    ratio_line(out, "collate_224_loom_vs_memcpy", "collate_224/memcpy", "collate_224/loom", 0.95);
+    ratio_line(out, "collate_mixed_loom_vs_memcpy", "collate_mixed/memcpy", "collate_mixed/loom", 0.9);
+    ratio_line(out, "collate_padded_loom_vs_memcpy", "collate_padded/memcpy", "collate_padded/loom", 0.0);
+    for (int n : {8, 32, 128, 512})
+      ratio_line(out, fmt::format("sweep_loom_vs_memcpy/batch:{}", n), fmt::format("sweep/memcpy/batch:{}", n),
+                 fmt::format("sweep/loom/batch:{}", n), 0.9);
+  }
+
+  /// baseline time / loom time of repetition i of each: median, min, max.
+  void ratio_line(std::ostream& out, const std::string& label, const std::string& base, const std::string& mine, double goal) {
+    auto find = [&](const std::string& name) -> const std::vector<double>* {
+      for (const auto& [k, v] : reps_)
+        if (k == name || k.rfind(name + "/", 0) == 0) return &v;
+      return nullptr;
+    };
+    const auto *b = find(base), *l = find(mine);
+    if (b == nullptr || l == nullptr) return;
+    std::vector<double> r;
+    for (std::size_t i = 0; i < std::min(b->size(), l->size()); ++i) r.push_back((*b)[i] / (*l)[i]);
+    if (r.empty()) return;
+    std::vector<double> sorted = r;
+    std::sort(sorted.begin(), sorted.end());
+    const std::size_t m = sorted.size();
+    const double med = m % 2 == 1 ? sorted[m / 2] : 0.5 * (sorted[m / 2 - 1] + sorted[m / 2]);
+    out << fmt::format("RATIO {:<34} median={:.3f} min={:.3f} max={:.3f} n={} goal>={:.2f} {}\n", label, med, sorted.front(),
+                       sorted.back(), m, goal, med >= goal ? "met" : "NOT-met");
   }
 
  private:
   std::map<std::string, std::pair<double, double>> times_;  // name -> (real, cpu) time per iteration
   std::set<std::string> median_seen_;
+  std::map<std::string, std::vector<double>> reps_;  // full run name -> real time of each repetition
 };
 
 }  // namespace
@@ -400,6 +467,8 @@ BENCHMARK(BM_collate_padded_loom)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond)
     ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_sweep_memcpy)->Name("sweep/memcpy")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_sweep_loom)->Name("sweep/loom")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
 BENCHMARK(BM_collate_padding_round_up_32)->Name("collate_padding/round_up_32")->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_collate_padding_auto_boundaries)->Name("collate_padding/auto_boundaries")->Unit(benchmark::kMicrosecond);
 
