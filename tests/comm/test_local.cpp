@@ -18,3 +18,27 @@ TEST_CASE("LocalCommunicator: collectives are the identity and check their tenso
                        doctest::Contains("unsupported dtype Bool"), loom::InvalidArgument);
   CHECK_THROWS_AS(comm.broadcast(t, 1), loom::InvalidArgument);
 }
+
+namespace {
+/// Everything of a Communicator except device(): loom's parts could not know where to allocate.
+struct NoDevice {
+  int rank() const { return 0; }
+  int world_size() const { return 1; }
+  std::chrono::milliseconds timeout() const { return std::chrono::seconds(1); }
+  void all_reduce(at::Tensor&, loom::ReduceOp) {}
+  void broadcast(at::Tensor&, int) {}
+  std::vector<at::Tensor> all_gather(const at::Tensor& t) { return {t}; }
+  void barrier() {}
+};
+/// The same with device().
+struct WithDevice : NoDevice {
+  c10::Device device() const { return c10::Device(c10::kCPU); }
+};
+}  // namespace
+
+TEST_CASE("Communicator requires device(): where the collectives take their tensors") {
+  static_assert(!loom::Communicator<NoDevice>, "device() is required");
+  static_assert(loom::Communicator<WithDevice>);
+  static_assert(loom::AsyncCommunicator<loom::LocalCommunicator>);
+  CHECK(loom::LocalCommunicator{}.device() == c10::Device(c10::kCPU));
+}

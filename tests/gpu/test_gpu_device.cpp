@@ -263,7 +263,8 @@ TEST_CASE("NCCL all_reduce at world size 1: every dtype and op leaves exact valu
   loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 60s});
   CHECK(comm.rank() == 0);
   CHECK(comm.world_size() == 1);
-  CHECK(comm.device() == 0);
+  CHECK(comm.device() == c10::Device(c10::kCUDA, 0));
+  CHECK(comm.device_index() == 0);
   for_each_dtype([&]<class T>(at::ScalarType dtype) {
     for (auto op : {loom::ReduceOp::sum, loom::ReduceOp::avg, loom::ReduceOp::min, loom::ReduceOp::max}) {
       CAPTURE(c10::toString(dtype));
@@ -339,7 +340,7 @@ TEST_CASE("NcclCommunicator from a launcher Environment: rendezvous over a TCPSt
   loom::NcclCommunicator comm(env, {.timeout = 60s});
   CHECK(comm.rank() == 0);
   CHECK(comm.world_size() == 1);
-  CHECK(comm.device() == env.local_rank);
+  CHECK(comm.device_index() == env.local_rank);
   comm.barrier();
 }
 

@@ -72,6 +72,7 @@ class RecordingCommunicator {
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int world_size() const noexcept { return world_size_; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return std::chrono::seconds(5); }
+  [[nodiscard]] c10::Device device() const noexcept { return c10::Device(c10::kCPU); }
 
   void all_reduce(at::Tensor& t, loom::ReduceOp op) {
     loom::detail::check_collective_tensor(t, "all_reduce");

@@ -71,6 +71,7 @@ class ThreadCommunicator {
   [[nodiscard]] int rank() const { return rank_; }
   [[nodiscard]] int world_size() const { return g_->size(); }
   [[nodiscard]] std::chrono::milliseconds timeout() const { return std::chrono::seconds(30); }
+  [[nodiscard]] c10::Device device() const { return c10::Device(c10::kCPU); }
   void all_reduce(at::Tensor& t, loom::ReduceOp) {
     calls.push_back("all_reduce");
     auto all = g_->all_gather(rank_, t);

@@ -6,7 +6,7 @@
 //   comm.all_reduce(t, loom::ReduceOp::sum);               // t unchanged
 //
 // Contents: the Communicator / AsyncCommunicator concepts and ReduceOp (communicator.hpp),
-// collective_device (device.hpp), LocalCommunicator (local.hpp), GlooCommunicator (gloo.hpp, when
+// LocalCommunicator (local.hpp), GlooCommunicator (gloo.hpp, when
 // the build has Gloo: LOOM_HAS_GLOO), NcclCommunicator (nccl.hpp, when the build has NCCL and a
 // LibTorch with CUDA: LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA, the condition under which
 // loom/dist/process_group.hpp uses it). A build with NCCL but a CPU LibTorch includes
@@ -16,7 +16,6 @@
 #include <loom/config.hpp>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/device.hpp>
 #include <loom/comm/local.hpp>
 #if LOOM_HAS_GLOO
 #include <loom/comm/gloo.hpp>

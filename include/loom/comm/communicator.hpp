@@ -29,6 +29,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 #include <loom/error.hpp>
@@ -77,6 +78,11 @@ concept WorkHandle = requires(W& w) {
 ///  4. `broadcast(t, root)`: in place, every rank ends with root's `t`.
 ///  5. `all_gather(t)`: returns world_size() tensors, entry r is rank r's `t` (same shape on all ranks).
 ///  6. `barrier()`: returns once every rank has entered it.
+///  7. `device()`: the c10::Device every tensor handed to the collectives lives on (the CPU for
+///     LocalCommunicator and GlooCommunicator, the rank's CUDA device for NcclCommunicator).
+///     Reason: loom's parts allocate their own small collective tensors (sample counts, flags,
+///     norms, metrics, sampler checks) and must put them where the backend takes them; NCCL takes
+///     device memory only.
 /// Tensors must be defined, contiguous, of a supported dtype (float32, float64, bfloat16,
 /// float16, int32, int64); otherwise loom::InvalidArgument (see detail::check_collective_tensor).
 /// Not required: thread safety (one thread issues a communicator's collectives), async forms.
@@ -85,6 +91,7 @@ concept Communicator = requires(C& c, const C& cc, at::Tensor& t, const at::Tens
   { cc.rank() } -> std::convertible_to<int>;
   { cc.world_size() } -> std::convertible_to<int>;
   { cc.timeout() } -> std::convertible_to<std::chrono::milliseconds>;
+  { cc.device() } -> std::same_as<c10::Device>;
   c.all_reduce(t, op);
   c.broadcast(t, root);
   { c.all_gather(ct) } -> std::same_as<std::vector<at::Tensor>>;

@@ -410,6 +410,10 @@ class GlooCommunicator {
   /// Which address this rank's Gloo device uses and why (the rule of GlooOptions::interface), e.g.
   /// "198.18.0.2 (the local address that routes to MASTER_ADDR 198.18.0.1; ...)".
   [[nodiscard]] const std::string& device_description() const noexcept { return device_; }
+  /// The CPU: where loom's parts allocate the tensors they hand to this communicator. (c10d's Gloo
+  /// process group also accepts CUDA tensors when LibTorch was built with CUDA, staging them through
+  /// host memory; Debian's LibTorch is CPU-only.)
+  [[nodiscard]] c10::Device device() const noexcept { return c10::Device(c10::kCPU); }
   /// The underlying c10d process group (for c10d APIs loom does not wrap).
   [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_; }
 

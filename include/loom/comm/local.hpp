@@ -59,6 +59,10 @@ class LocalCommunicator {
 
   void barrier() const noexcept {}
 
+  /// The CPU: collectives take CPU tensors (a copy or nothing happens; any device would do, the CPU
+  /// keeps loom's own collective tensors off the GPU).
+  [[nodiscard]] c10::Device device() const noexcept { return c10::Device(c10::kCPU); }
+
  private:
   std::chrono::milliseconds timeout_;
 };

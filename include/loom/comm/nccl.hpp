@@ -605,8 +605,12 @@ class NcclCommunicator {
   [[nodiscard]] int rank() const noexcept { return state_->site.rank; }
   [[nodiscard]] int world_size() const noexcept { return state_->site.world_size; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return state_->timeout; }
-  /// The CUDA device of this rank.
-  [[nodiscard]] int device() const noexcept { return state_->site.device; }
+  /// The CUDA device of this rank: every tensor handed to a collective must live there.
+  [[nodiscard]] c10::Device device() const noexcept {
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(state_->site.device));
+  }
+  /// The ordinal of device() (as the CUDA runtime counts, under CUDA_VISIBLE_DEVICES).
+  [[nodiscard]] int device_index() const noexcept { return state_->site.device; }
   /// The stream the collectives run on.
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_->stream->get(); }
   /// The raw NCCL communicator (nullptr after abort/destroy), for calls loom does not wrap. The
@@ -769,7 +773,7 @@ class NcclCommunicator {
     return detail::fetch_unique_id(store, key, rank, options.timeout);
   }
 
-  void check_tensor(const at::Tensor& t, std::string_view collective) const { detail::check_nccl_tensor(t, device(), collective); }
+  void check_tensor(const at::Tensor& t, std::string_view collective) const { detail::check_nccl_tensor(t, device_index(), collective); }
 
   static void check_pointer(const void* p, std::size_t count, std::string_view collective) {
     if (p == nullptr && count > 0)

@@ -29,7 +29,6 @@
 #include <c10/core/Device.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/device.hpp>
 #include <loom/error.hpp>
 
 namespace loom::detail {
@@ -37,7 +36,7 @@ namespace loom::detail {
 /// Every rank's `text`, indexed by rank. Two collectives (all_gather of lengths, then of bytes).
 template <Communicator C>
 [[nodiscard]] std::vector<std::string> all_gather_strings(C& comm, std::string_view text) {
-  const auto device = collective_device(comm);
+  const auto device = comm.device();
   const auto cpu_long = at::TensorOptions().dtype(at::kLong);
   at::Tensor length = at::empty({1}, cpu_long);
   length.data_ptr<std::int64_t>()[0] = static_cast<std::int64_t>(text.size());
@@ -70,7 +69,7 @@ template <Communicator C>
 [[nodiscard]] std::vector<double> all_reduce_sums(C& comm, std::span<const double> values) {
   at::Tensor t = at::empty({static_cast<std::int64_t>(values.size())}, at::TensorOptions().dtype(at::kDouble));
   if (!values.empty()) std::memcpy(t.data_ptr<double>(), values.data(), values.size() * sizeof(double));
-  const auto device = collective_device(comm);
+  const auto device = comm.device();
   if (device.is_cpu()) {
     comm.all_reduce(t, ReduceOp::sum);
   } else {

@@ -43,7 +43,6 @@
 
 #include <loom/collate/batch.hpp>
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/device.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 
@@ -152,7 +151,7 @@ class Metrics {
     if (reduced_) return;
     reduced_ = true;
     const auto cap = static_cast<int64_t>(options_.capacity);
-    const auto device = detail::collective_device(*comm_);
+    const auto device = comm_->device();
     at::Tensor host = at::zeros({cap, 4}, at::kDouble);
     auto* h = host.data_ptr<double>();
     for (int64_t k = 0; k < cap; ++k) h[4 * k + 3] = -1;

@@ -29,7 +29,6 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/device.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 
@@ -119,7 +118,7 @@ template <Communicator Comm>
 void check_same_parameters(Comm& comm, const ParameterList& list) {
   if (comm.world_size() == 1) return;
   const auto desc = detail::descriptors(list);
-  const auto device = detail::collective_device(comm);
+  const auto device = comm.device();
   auto summary = at::empty({3}, at::kLong);
   auto* s = summary.data_ptr<std::int64_t>();
   s[0] = static_cast<std::int64_t>(list.params.size());
@@ -174,7 +173,7 @@ template <Communicator Comm>
 void broadcast_from_rank0(Comm& comm, const ParameterList& list, std::size_t piece_bytes = std::size_t{256} << 20) {
   if (comm.world_size() == 1) return;
   at::NoGradGuard no_grad;
-  const auto device = detail::collective_device(comm);
+  const auto device = comm.device();
   std::vector<at::Tensor> all;
   all.reserve(list.params.size() + list.buffers.size());
   for (std::size_t i = 0; i < list.params.size(); ++i) {

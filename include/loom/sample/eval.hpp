@@ -20,7 +20,7 @@
 //   2. all_gather the indices and the rows, each padded to the largest row count (indices with -1).
 //   3. Walk the rows in the samplers' global order (row j of every rank, rank 0 first, then row
 //      j + 1): the first occurrence of an index is kept, later ones are the padding duplicates.
-// The tensors are exchanged on the communicator's device (loom::detail::collective_device: NCCL a GPU, Gloo the CPU).
+// The tensors are exchanged on the communicator's device (comm.device(): NCCL a GPU, Gloo the CPU).
 //
 // Shape: indices has n entries; values is n x (trailing shape), the same trailing shape and dtype
 //        on every rank (at most 6 trailing dimensions), a dtype the communicator supports (float32,
@@ -46,7 +46,6 @@
 #include <ATen/ops/empty.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/device.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -110,7 +109,7 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
     header[4] = values.size(0);
   }
   if (header[0] == kGatherRange) header[4] = bad_value;
-  const at::Device device = detail::collective_device(comm);  // where the communicator takes its tensors
+  const at::Device device = comm.device();  // where the communicator takes its tensors
   auto to_device = [&](const at::Tensor& t) { return device.is_cpu() ? t : t.to(device); };
 
   at::Tensor h = at::empty({kGatherHeader}, at::TensorOptions(at::kLong));

@@ -23,7 +23,7 @@
 //
 // Collectives: the agreement runs on the consumer's thread, on the same communicator as the
 // training loop's collectives, and in the same order on every rank (decisions are identical);
-// its tensors live on the communicator's device (loom::detail::collective_device).
+// its tensors live on the communicator's device (comm.device()).
 //
 // Source: the agreement on "who still has data" follows DDP's join context (a per-step
 // all-reduce of a has-data flag), batched over the steps that are already prefetched.
@@ -43,7 +43,6 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/device.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/collate_fn.hpp>
@@ -221,7 +220,7 @@ class RankGeneratorLoader {
   std::vector<std::vector<std::int64_t>> all_gather(const std::vector<std::int64_t>& mine) {
     at::Tensor t = at::empty({static_cast<std::int64_t>(mine.size())}, at::TensorOptions().dtype(at::kLong));
     std::memcpy(t.data_ptr<std::int64_t>(), mine.data(), mine.size() * sizeof(std::int64_t));
-    const c10::Device device = detail::collective_device(comm_);
+    const c10::Device device = comm_.device();
     if (device != c10::Device(c10::kCPU)) t = t.to(at::TensorOptions().device(device));
     std::vector<at::Tensor> all = comm_.all_gather(t);
     std::vector<std::vector<std::int64_t>> out;

@@ -34,7 +34,6 @@
 #include <loom/collate/collator.hpp>
 #include <loom/collate/sample.hpp>
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/device.hpp>
 #include <loom/sample/bucket_batch.hpp>
 #include <loom/sample/global_batch.hpp>
 
@@ -61,7 +60,7 @@ class BatchLoader {
         fetch_(std::move(fetch)),
         options_(std::move(options)),
         projection_(std::move(projection)),
-        device_(options_.device.value_or(detail::collective_device(comm))) {
+        device_(options_.device.value_or(comm.device())) {
     if (device_.is_cuda() && !options_.collate.allocate && !options_.collate.pool)
       options_.collate.allocate = [](c10::IntArrayRef sizes, c10::ScalarType dtype) {
         return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(true));

@@ -22,7 +22,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/device.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/buckets.hpp>
 #include <loom/reduce/concepts.hpp>
@@ -56,7 +55,7 @@ class ReducerState {
   using Work = typename WorkOf<Comm>::type;
 
   ReducerState(Comm& comm, ParameterList list, ReducerOptions options)
-      : comm_(&comm), options_(std::move(options)), list_(std::move(list)), device_(collective_device(comm)) {
+      : comm_(&comm), options_(std::move(options)), list_(std::move(list)), device_(comm.device()) {
     validate_options();
     if (!list_.names.empty() && list_.names.size() != list_.params.size())
       throw InvalidArgument(fmt::format("Reducer: {} names for {} parameters", list_.names.size(), list_.params.size()));
