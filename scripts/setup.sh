@@ -21,8 +21,9 @@ packages=(
   openmpi-bin libopenmpi-dev
   # image decoding and real data for the examples and tests
   libpng-dev libstb-dev adwaita-icon-theme dataset-fashion-mnist
-  # valgrind for the composition-overhead script (callgrind)
-  valgrind
+  # valgrind for the composition-overhead script (callgrind); gnuplot for the benchmark figures
+  # (scripts/plot_benchmarks.sh); clang-format for the format check of the tests
+  valgrind gnuplot-nox clang-format
 )
 
 missing=()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runs every CPU benchmark suite once, one after another, and keeps what docs/benchmarks.md reports.
+#
+# Usage: scripts/run_benchmarks.sh [BUILD_DIR] [OUTDIR]     (defaults: build, bench-results)
+# Writes OUTDIR/<suite>.txt (console output, RATIO lines at the end), OUTDIR/<suite>.json (every
+# repetition, Google Benchmark JSON), OUTDIR/load.txt (uptime before and after each suite) and the
+# figures OUTDIR/reduce_sweep.png, OUTDIR/collate_sweep.png (scripts/plot_benchmarks.sh).
+# Run it on a quiet machine: nothing else building, load average under 1.5 (it warns otherwise);
+# the figures in docs/benchmarks.md quote the load next to each table.
+# Time: about 15 minutes on 2 cores.
+set -euo pipefail
+build=${1:-build}
+out=${2:-bench-results}
+mkdir -p "$out"
+bench="$build/bench"
+[ -x "$bench/bench_reduce" ] || { echo "no $bench/bench_reduce: build with -Dbenchmarks=true first" >&2; exit 1; }
+: > "$out/load.txt"
+load() { echo "$1 $2: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/load.txt"; }
+warn_if_loaded() {
+  local l
+  l=$(cut -d' ' -f1 /proc/loadavg)
+  if awk -v l="$l" 'BEGIN{exit !(l >= 1.5)}'; then echo "warning: load average $l >= 1.5: the figures will be noisy" >&2; fi
+}
+run() {  # run NAME COMMAND...
+  local name=$1; shift
+  warn_if_loaded
+  load "$name" before
+  echo "== $name: $*" | tee "$out/$name.txt"
+  "$@" 2>&1 | tee -a "$out/$name.txt"
+  load "$name" after
+}
+git -C "$(dirname "$0")/.." rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || true
+run reduce "$bench/bench_reduce" --benchmark_out="$out/reduce.json" --benchmark_out_format=json
+run collate "$bench/bench_collate" --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true \
+  --benchmark_out="$out/collate.json" --benchmark_out_format=json
+run schedule "$bench/bench_schedule" --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
+  --benchmark_out="$out/schedule.json" --benchmark_out_format=json
+run comm "$bench/bench_comm"
+run plan "$bench/bench_plan"
+[ -x "$bench/bench_finetune" ] && run finetune "$bench/bench_finetune"
+if command -v gnuplot >/dev/null; then
+  "$(dirname "$0")/plot_benchmarks.sh" "$out" "$out/reduce.json" "$out/collate.json"
+else
+  echo "gnuplot not installed: no figures (apt-get install gnuplot-nox)" >&2
+fi
