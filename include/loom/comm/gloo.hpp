@@ -102,6 +102,8 @@
 #include <loom/comm/detail/gloo_device.hpp>
 #include <loom/comm/detail/gloo_join.hpp>
 #include <loom/comm/detail/gloo_peers.hpp>
+#include <loom/detail/exception_text.hpp>
+#include <loom/detail/process_counter.hpp>
 #include <loom/dist/environment.hpp>
 #include <loom/dist/rendezvous.hpp>
 #include <loom/error.hpp>
@@ -158,11 +160,6 @@ inline bool mentions_peer_gone(const std::string& text) {
   return false;
 }
 
-/// Counts communicators of this process, so each gets its own store prefix (same order on all ranks).
-inline std::atomic<int>& gloo_generation() {
-  static std::atomic<int> gen{0};
-  return gen;
-}
 
 }  // namespace detail
 
@@ -288,7 +285,7 @@ class GlooCommunicator {
     detail::ignore_sigpipe_if_default();  // before Gloo opens a socket; see the header comment
     const auto start = std::chrono::steady_clock::now();
     const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
-        fmt::format("loom/gloo/{}", detail::gloo_generation().fetch_add(1)), std::move(store));
+        fmt::format("loom/gloo/{}", detail::next_in_process(detail::Counted::gloo_communicator)), std::move(store));
     c10::intrusive_ptr<c10d::Store> side = prefixed;
     if (world_size > 1) {
       try {

@@ -62,6 +62,8 @@
 #include <fmt/format.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/detail/exception_text.hpp>
+#include <loom/detail/process_counter.hpp>
 #include <loom/dist/environment.hpp>
 #include <loom/error.hpp>
 
@@ -76,33 +78,11 @@ struct RendezvousOptions {
 
 namespace detail {
 
-/// The text of an exception without LibTorch's C++ backtrace (c10::Error::what() carries one).
-inline std::string exception_text(const std::exception& e) {
-  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
-  return e.what();
-}
-
-inline std::string exception_text(const std::exception_ptr& p) {
-  try {
-    std::rethrow_exception(p);
-  } catch (const std::exception& e) {
-    return exception_text(e);
-  } catch (...) {
-    return "a non-standard exception";
-  }
-}
-
 /// True when a backend message says the operation timed out.
 inline bool mentions_timeout(const std::string& text) {
   return text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos;
 }
 
-/// Counts rendezvous calls of this process, so that two communicators created in the same order on
-/// every rank use distinct keys.
-inline std::atomic<int>& rendezvous_generation() {
-  static std::atomic<int> gen{0};
-  return gen;
-}
 
 /// Seconds since `start`.
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -250,7 +230,7 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
   else if (env.rank == 0)
     detail::warn_once_without_secret(env);
 
-  const int gen = detail::rendezvous_generation().fetch_add(1);
+  const auto gen = detail::next_in_process(detail::Counted::rendezvous);
   detail::store_check_in(*store, fmt::format("loom/rdzv/{}", gen), env.rank, env.world_size, options.timeout, start);
   return store;
 }

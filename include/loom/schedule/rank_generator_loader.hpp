@@ -43,6 +43,7 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/detail/exception_text.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/collate_fn.hpp>
@@ -276,7 +277,7 @@ class RankGeneratorLoader {
       // every rank takes part in the message exchange, then throws
       std::vector<std::int64_t> words(kMessageWords, 0);
       if (stopper == rank_) {
-        const std::string text = detail::exception_message(local_error);
+        const std::string text = detail::exception_text(local_error);
         std::memcpy(words.data(), text.data(), std::min(text.size(), sizeof(std::int64_t) * kMessageWords - 1));
       }
       const auto messages = all_gather(words);

@@ -23,6 +23,7 @@
 
 #include <fmt/format.h>
 
+#include <loom/detail/exception_text.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/detail/cursor.hpp>
@@ -34,16 +35,6 @@
 
 namespace loom::detail {
 
-/// The message of an exception_ptr's exception ("unknown exception" for non-std types).
-inline std::string exception_message(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown exception (not derived from std::exception)";
-  }
-}
 
 /// The first event that stops production, ordered by (step, device, position of the generator
 /// in its device): a stop_at_shortest end, a failure, or an external stop (device -1) requested
@@ -374,7 +365,7 @@ class LoaderEngine {
                            .generator = g,
                            .sample = position_[gi],
                            .error = std::make_exception_ptr(
-                               GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
+                               GeneratorError(g, label(d), position_[gi], exception_text(error), error))});
           stop_others = true;
         } else if (!s) {
           ended_at_[gi] = k;
@@ -504,7 +495,7 @@ class LoaderEngine {
                          .generator = g,
                          .sample = position_[gi],
                          .error = std::make_exception_ptr(
-                             GeneratorError(g, label(d), position_[gi], exception_message(error), error))});
+                             GeneratorError(g, label(d), position_[gi], exception_text(error), error))});
         consumer_cv_.notify_all();
         worker_cv_.notify_all();
         return false;
