@@ -395,7 +395,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
   }
 
   /// baseline time / loom time of repetition i of each: median, min, max.
-  void ratio_line(std::ostream& out, const std::string& label, const std::string& base, const std::string& mine, double goal) {
+  void ratio_line(std::ostream& out, const std::string& label, const std::string& base, const std::string& mine,
+                  double goal) {
     auto find = [&](const std::string& name) -> const std::vector<double>* {
       for (const auto& [k, v] : reps_)
         if (k == name || k.rfind(name + "/", 0) == 0) return &v;
@@ -410,8 +411,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
     std::sort(sorted.begin(), sorted.end());
     const std::size_t m = sorted.size();
     const double med = m % 2 == 1 ? sorted[m / 2] : 0.5 * (sorted[m / 2 - 1] + sorted[m / 2]);
-    out << fmt::format("RATIO {:<34} median={:.3f} min={:.3f} max={:.3f} n={} goal>={:.2f} {}\n", label, med, sorted.front(),
-                       sorted.back(), m, goal, med >= goal ? "met" : "NOT-met");
+    out << fmt::format("RATIO {:<34} median={:.3f} min={:.3f} max={:.3f} n={} goal>={:.2f} {}\n", label, med,
+                       sorted.front(), sorted.back(), m, goal, med >= goal ? "met" : "NOT-met");
   }
 
  private:
@@ -467,8 +468,26 @@ BENCHMARK(BM_collate_padded_loom)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond)
     ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_sweep_memcpy)->Name("sweep/memcpy")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_sweep_loom)->Name("sweep/loom")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_sweep_memcpy)
+    ->Name("sweep/memcpy")
+    ->ArgName("batch")
+    ->Arg(8)
+    ->Arg(32)
+    ->Arg(128)
+    ->Arg(512)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
+BENCHMARK(BM_sweep_loom)
+    ->Name("sweep/loom")
+    ->ArgName("batch")
+    ->Arg(8)
+    ->Arg(32)
+    ->Arg(128)
+    ->Arg(512)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinWarmUpTime(kWarmUp);
 BENCHMARK(BM_collate_padding_round_up_32)->Name("collate_padding/round_up_32")->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_collate_padding_auto_boundaries)->Name("collate_padding/auto_boundaries")->Unit(benchmark::kMicrosecond);
 

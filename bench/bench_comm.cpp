@@ -13,14 +13,14 @@
 // buffers are allocated outside the timed loop and hold zeros (sums stay 0, no inf/denormals).
 // Defaults: 5 repetitions, random interleaving, medians reported (flags on the command line win).
 // Usage: bench_comm [--benchmark_filter=...] [--benchmark_min_time=...] [--benchmark_repetitions=...]
+#include <map>
+#include <string>
+#include <utility>
+
 #include <benchmark/benchmark.h>
 
 #include <loom/comm/gloo.hpp>
 #include <loom/dist/spawn.hpp>
-
-#include <map>
-#include <string>
-#include <utility>
 
 namespace {
 
@@ -83,7 +83,8 @@ void BM_AllReduce(benchmark::State& state, Variant variant) {
   for (auto _ : state) run_once(*g_comms, variant, buf);
   const double n = kRanks;
   state.counters["bytes"] = static_cast<double>(bytes);
-  state.counters["algbw"] = benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["algbw"] =
+      benchmark::Counter(static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["busbw"] =
       benchmark::Counter(static_cast<double>(bytes) * 2.0 * (n - 1) / n, benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -129,43 +130,47 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace
 
 int main(int argc, char** argv) {
-  loom::spawn(kRanks, [&](const loom::Environment& env) {
-    const auto timeout = std::chrono::seconds(300);
-    auto store = loom::rendezvous(env, {.timeout = timeout});
-    Comms comms{loom::GlooCommunicator(store, env.rank, env.world_size, {.timeout = timeout, .check_metadata = false}),
-                loom::GlooCommunicator(store, env.rank, env.world_size, {.timeout = timeout})};
-    if (env.rank != 0) {
-      serve(comms);
-      return;
-    }
-    g_comms = &comms;
-    for (auto [name, variant] : {std::pair{"allreduce/raw_c10d", kRaw}, std::pair{"allreduce/loom", kLoom},
-                                 std::pair{"allreduce/loom_checked", kLoomChecked}}) {
-      benchmark::RegisterBenchmark(name, BM_AllReduce, variant)
-          ->RangeMultiplier(4)
-          ->Range(4 << 10, 64 << 20)
-          ->UseRealTime()
-          ->Unit(benchmark::kMicrosecond);
-    }
-    // Defaults for a noisy shared machine: 5 repetitions in random interleaving (variants and sizes
-    // alternate, so a burst of load hits all of them) and medians; command-line flags override them.
-    std::vector<char*> args(argv, argv + argc);
-    std::string reps = "--benchmark_repetitions=5", interleave = "--benchmark_enable_random_interleaving=true",
-                aggregates = "--benchmark_report_aggregates_only=true", min_time = "--benchmark_min_time=0.2";
-    for (auto* flag : {&reps, &interleave, &aggregates, &min_time}) {
-      const std::string name = flag->substr(0, flag->find('='));
-      bool given = false;
-      for (int i = 1; i < argc; ++i) given = given || std::string(argv[i]).rfind(name, 0) == 0;
-      if (!given) args.insert(args.begin() + 1, flag->data());
-    }
-    int ac = static_cast<int>(args.size());
-    benchmark::Initialize(&ac, args.data());
-    RatioReporter reporter;
-    benchmark::RunSpecifiedBenchmarks(&reporter);
-    benchmark::Shutdown();
-    exchange_command(comms, {kStop, 0, 0});
-    g_comms = nullptr;
-    g_cache.clear();
-  }, {.timeout = std::chrono::hours(1)});
+  loom::spawn(
+      kRanks,
+      [&](const loom::Environment& env) {
+        const auto timeout = std::chrono::seconds(300);
+        auto store = loom::rendezvous(env, {.timeout = timeout});
+        Comms comms{
+            loom::GlooCommunicator(store, env.rank, env.world_size, {.timeout = timeout, .check_metadata = false}),
+            loom::GlooCommunicator(store, env.rank, env.world_size, {.timeout = timeout})};
+        if (env.rank != 0) {
+          serve(comms);
+          return;
+        }
+        g_comms = &comms;
+        for (auto [name, variant] : {std::pair{"allreduce/raw_c10d", kRaw}, std::pair{"allreduce/loom", kLoom},
+                                     std::pair{"allreduce/loom_checked", kLoomChecked}}) {
+          benchmark::RegisterBenchmark(name, BM_AllReduce, variant)
+              ->RangeMultiplier(4)
+              ->Range(4 << 10, 64 << 20)
+              ->UseRealTime()
+              ->Unit(benchmark::kMicrosecond);
+        }
+        // Defaults for a noisy shared machine: 5 repetitions in random interleaving (variants and sizes
+        // alternate, so a burst of load hits all of them) and medians; command-line flags override them.
+        std::vector<char*> args(argv, argv + argc);
+        std::string reps = "--benchmark_repetitions=5", interleave = "--benchmark_enable_random_interleaving=true",
+                    aggregates = "--benchmark_report_aggregates_only=true", min_time = "--benchmark_min_time=0.2";
+        for (auto* flag : {&reps, &interleave, &aggregates, &min_time}) {
+          const std::string name = flag->substr(0, flag->find('='));
+          bool given = false;
+          for (int i = 1; i < argc; ++i) given = given || std::string(argv[i]).rfind(name, 0) == 0;
+          if (!given) args.insert(args.begin() + 1, flag->data());
+        }
+        int ac = static_cast<int>(args.size());
+        benchmark::Initialize(&ac, args.data());
+        RatioReporter reporter;
+        benchmark::RunSpecifiedBenchmarks(&reporter);
+        benchmark::Shutdown();
+        exchange_command(comms, {kStop, 0, 0});
+        g_comms = nullptr;
+        g_cache.clear();
+      },
+      {.timeout = std::chrono::hours(1)});
   return 0;
 }

@@ -23,8 +23,6 @@
 // evaluation excluded), the samples trained (over all ranks) and the validation accuracy through a
 // file; the benchmark's manual time is that training time. Counters: samples_per_s, val_accuracy,
 // steps (optimizer steps). Run: build-dir/bench/bench_finetune [--benchmark_filter=...].
-#include <benchmark/benchmark.h>
-
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -35,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
@@ -62,16 +61,18 @@ const examples::IconTaskOptions kTask{};  // the example's defaults: sizes 16, 2
 enum class Method { one_at_a_time, group_in_batch, accumulate_32, loom };
 
 struct Result {
-  double seconds = 0;      // training time (rank 0)
-  int64_t samples = 0;     // samples trained, all ranks
-  int64_t steps = 0;       // optimizer steps
-  double accuracy = 0;     // final validation accuracy
+  double seconds = 0;   // training time (rank 0)
+  int64_t samples = 0;  // samples trained, all ranks
+  int64_t steps = 0;    // optimizer steps
+  double accuracy = 0;  // final validation accuracy
 };
 
-double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
-at::Tensor stack_samples(const examples::IconTask& task, const std::vector<int64_t>& subset, const std::vector<int64_t>& js,
-                         std::vector<int64_t>& labels) {
+at::Tensor stack_samples(const examples::IconTask& task, const std::vector<int64_t>& subset,
+                         const std::vector<int64_t>& js, std::vector<int64_t>& labels) {
   std::vector<at::Tensor> xs;
   for (int64_t j : js) {
     auto [x, y] = task.sample(subset, j);
@@ -95,13 +96,16 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
   double seconds = 0;
   if (method == Method::loom) {
     loom::BatchLoader loader(pg, task.shapes_of(train), [&](int64_t j) { return task.sample(train, j); },
-                             {.seed = kTask.seed, .max_samples = kBatch, .max_elements = kBatchPixels * kTask.channels,
+                             {.seed = kTask.seed,
+                              .max_samples = kBatch,
+                              .max_elements = kBatchPixels * kTask.channels,
                               .batches_per_step = pg.world_size()});
     loom::Trainer trainer(pg, *model, opt);
     trainer.on_step([&](const loom::SyncResult& s) { r.samples += s.global_samples; });
     for (int64_t e = 0; e < kEpochs; ++e) {
       const auto t0 = Clock::now();
-      for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(F::cross_entropy(model->forward(b.data), b.targets), b);
+      for (loom::Batch& b : trainer.epoch(loader, e))
+        trainer.backward(F::cross_entropy(model->forward(b.data), b.targets), b);
       seconds += since(t0);
     }
     r.steps = trainer.steps();
@@ -112,7 +116,8 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
     // batch's last group closes the step.
     const int64_t per_step = method == Method::accumulate_32 ? kBatch : method == Method::one_at_a_time ? 1 : 0;
     loom::Accumulator acc(reducer, {.micro_batches_per_step = per_step});
-    loom::DistributedSampler sampler({.dataset_size = n, .num_replicas = pg.world_size(), .rank = pg.rank(), .seed = kTask.seed});
+    loom::DistributedSampler sampler(
+        {.dataset_size = n, .num_replicas = pg.world_size(), .rank = pg.rank(), .seed = kTask.seed});
     for (int64_t e = 0; e < kEpochs; ++e) {
       sampler.set_epoch(e);
       const auto t0 = Clock::now();
@@ -140,7 +145,9 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
         // A random batch of 32, split into same-shape groups: one forward per group, loss = sum of
         // group means x group share (the batch mean), one step per batch.
         std::map<int64_t, std::vector<int64_t>> groups;
-        for (int64_t i : pending) groups[task.icons().pixels(static_cast<std::size_t>(train[static_cast<std::size_t>(i)])).size(1)].push_back(i);
+        for (int64_t i : pending)
+          groups[task.icons().pixels(static_cast<std::size_t>(train[static_cast<std::size_t>(i)])).size(1)].push_back(
+              i);
         std::size_t g = 0;
         for (auto& [side, js] : groups) {
           std::vector<int64_t> labels;
@@ -158,7 +165,8 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
       seconds += since(t0);
     }
   }
-  const examples::EvalResult ev = task.evaluate(pg, model, torch::Device(torch::kCPU), kBatch, kBatchPixels * kTask.channels);
+  const examples::EvalResult ev =
+      task.evaluate(pg, model, torch::Device(torch::kCPU), kBatch, kBatchPixels * kTask.channels);
   r.seconds = seconds;
   r.accuracy = ev.accuracy;
   if (pg.rank() == 0) {
@@ -171,8 +179,9 @@ void BM_Finetune(benchmark::State& state, Method method, int nproc) {
   const fs::path out = fs::temp_directory_path() / fmt::format("loom-bench-finetune-{}.txt", ::getpid());
   for (auto _ : state) {
     fs::remove(out);
-    loom::run([&](loom::ProcessGroup& pg) { train_rank(pg, method, out); },
-              {.nproc = nproc, .group = {.backend = loom::Backend::gloo}, .spawn = {.timeout = std::chrono::minutes(20)}});
+    loom::run(
+        [&](loom::ProcessGroup& pg) { train_rank(pg, method, out); },
+        {.nproc = nproc, .group = {.backend = loom::Backend::gloo}, .spawn = {.timeout = std::chrono::minutes(20)}});
     std::ifstream f(out);
     Result r;
     if (!(f >> r.seconds >> r.samples >> r.steps >> r.accuracy)) {
@@ -195,8 +204,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   for (int nproc : {1, 2})
-    for (auto [name, m] : {std::pair{"one_at_a_time", Method::one_at_a_time}, std::pair{"group_in_batch", Method::group_in_batch},
-                           std::pair{"accumulate_32", Method::accumulate_32}, std::pair{"loom", Method::loom}})
+    for (auto [name, m] :
+         {std::pair{"one_at_a_time", Method::one_at_a_time}, std::pair{"group_in_batch", Method::group_in_batch},
+          std::pair{"accumulate_32", Method::accumulate_32}, std::pair{"loom", Method::loom}})
       benchmark::RegisterBenchmark(fmt::format("finetune/{}/ranks:{}", name, nproc).c_str(), BM_Finetune, m, nproc)
           ->Iterations(1)
           ->UseManualTime()

@@ -27,14 +27,13 @@ int main() {
 }
 #else
 
-#include <benchmark/benchmark.h>
-
 #include <cstring>
 #include <functional>
 #include <optional>
 #include <string>
 
 #include <ATen/ATen.h>
+#include <benchmark/benchmark.h>
 
 #include <loom/cuda/buffer.hpp>
 #include <loom/cuda/device.hpp>
@@ -117,8 +116,12 @@ void transfer_loop(benchmark::State& state, bool pinned) {
   }
   state.SetBytesProcessed(state.iterations() * bytes);
 }
-void BM_h2d_cuda_transfer_pinned(benchmark::State& state) { transfer_loop(state, true); }
-void BM_h2d_cuda_transfer_staged(benchmark::State& state) { transfer_loop(state, false); }
+void BM_h2d_cuda_transfer_pinned(benchmark::State& state) {
+  transfer_loop(state, true);
+}
+void BM_h2d_cuda_transfer_staged(benchmark::State& state) {
+  transfer_loop(state, false);
+}
 BENCHMARK(BM_h2d_cuda_transfer_pinned)->Name("h2d_cuda_transfer_pinned")->Apply(byte_sizes);
 BENCHMARK(BM_h2d_cuda_transfer_staged)->Name("h2d_cuda_transfer_staged")->Apply(byte_sizes);
 

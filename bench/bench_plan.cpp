@@ -13,12 +13,12 @@
 // units and no dealing can beat ceil-to-half(mean) / mean: about 1.03-1.07 with 4 batches per
 // rank, half that with 8.
 // Run: build-dir/bench/bench_plan. Needs adwaita-icon-theme (/usr/share/icons/Adwaita).
-#include <benchmark/benchmark.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <vector>
+
+#include <benchmark/benchmark.h>
 
 #include <loom/sample/global_batch.hpp>
 
@@ -28,8 +28,11 @@ namespace {
 
 const std::vector<std::vector<int64_t>>& icon_shapes() {
   static const std::vector<std::vector<int64_t>> shapes = [] {
-    examples::data::IconFolder icons({.root = "/usr/share/icons/Adwaita", .sizes = {16, 24, 32, 48}, .channels = 4,
-                                      .on_corrupt = examples::data::OnCorrupt::skip, .warn = [](std::string_view) {}});
+    examples::data::IconFolder icons({.root = "/usr/share/icons/Adwaita",
+                                      .sizes = {16, 24, 32, 48},
+                                      .channels = 4,
+                                      .on_corrupt = examples::data::OnCorrupt::skip,
+                                      .warn = [](std::string_view) {}});
     std::vector<std::vector<int64_t>> s;
     for (std::size_t i = 0; i < icons.size(); ++i) {
       const auto sz = icons.pixels(i).sizes();
@@ -41,8 +44,12 @@ const std::vector<std::vector<int64_t>>& icon_shapes() {
 }
 
 loom::GlobalBatchOptions options(int world, int per_rank, loom::Dealing dealing) {
-  return {.world_size = world, .seed = 1, .max_samples = 64, .max_elements = 32 * 32 * 32 * 4,
-          .batches_per_step = per_rank * world, .dealing = dealing};
+  return {.world_size = world,
+          .seed = 1,
+          .max_samples = 64,
+          .max_elements = 32 * 32 * 32 * 4,
+          .batches_per_step = per_rank * world,
+          .dealing = dealing};
 }
 
 void BM_Deal(benchmark::State& state, loom::Dealing dealing) {
@@ -55,10 +62,13 @@ void BM_Deal(benchmark::State& state, loom::Dealing dealing) {
     loom::GlobalBatchSampler s(shapes, options(world, per_rank, dealing));
     s.set_epoch(epoch);
     for (int64_t k = 0; k < s.num_steps(); ++k) {
-      if (s.plan().steps[static_cast<std::size_t>(k)].num_batches < per_rank * world) continue;  // the epoch's partial last step
+      if (s.plan().steps[static_cast<std::size_t>(k)].num_batches < per_rank * world)
+        continue;  // the epoch's partial last step
       std::vector<double> load(static_cast<std::size_t>(world), 0.0);
       for (int r = 0; r < world; ++r)
-        for (int64_t j : s.assignment(k, r)) load[static_cast<std::size_t>(r)] += static_cast<double>(s.plan().batches[static_cast<std::size_t>(j)].padded_elements);
+        for (int64_t j : s.assignment(k, r))
+          load[static_cast<std::size_t>(r)] +=
+              static_cast<double>(s.plan().batches[static_cast<std::size_t>(j)].padded_elements);
       double mean = 0;
       for (double l : load) mean += l / world;
       const double ratio = *std::max_element(load.begin(), load.end()) / mean;
@@ -71,7 +81,8 @@ void BM_Deal(benchmark::State& state, loom::Dealing dealing) {
     auto plan = loom::plan_epoch(shapes, options(world, per_rank, dealing), 0);
     for (const auto& st : plan.steps) {
       std::vector<int64_t> costs;
-      for (int64_t j = 0; j < st.num_batches; ++j) costs.push_back(plan.batches[static_cast<std::size_t>(st.first_batch + j)].padded_elements);
+      for (int64_t j = 0; j < st.num_batches; ++j)
+        costs.push_back(plan.batches[static_cast<std::size_t>(st.first_batch + j)].padded_elements);
       benchmark::DoNotOptimize(loom::deal(costs, world, dealing));
     }
   }
@@ -88,7 +99,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_plan: /usr/share/icons/Adwaita is missing (apt-get install adwaita-icon-theme)\n");
     return 1;
   }
-  for (auto [name, d] : {std::pair{"deal/balanced", loom::Dealing::balanced}, std::pair{"deal/round_robin", loom::Dealing::round_robin}})
+  for (auto [name, d] :
+       {std::pair{"deal/balanced", loom::Dealing::balanced}, std::pair{"deal/round_robin", loom::Dealing::round_robin}})
     benchmark::RegisterBenchmark(name, BM_Deal, d)
         ->ArgNames({"ranks", "batches_per_rank"})
         ->ArgsProduct({{2, 4, 8}, {4, 8}})

@@ -35,8 +35,6 @@
 // `bench_reduce --cuda` measures the reducer on a GPU at world size 1 over NCCL (see run_cuda).
 // `bench_reduce --overhead=loom|hand|trainer|lowlevel` runs one of the training loops compared by
 // instruction count in scripts/callgrind_overhead.sh (one process, no benchmark framework).
-#include <benchmark/benchmark.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -45,8 +43,9 @@
 #include <string>
 #include <vector>
 
-#include <torch/torch.h>
+#include <benchmark/benchmark.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/gloo.hpp>
@@ -54,6 +53,7 @@
 #include <loom/config.hpp>
 #if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+
 #include <loom/comm/nccl.hpp>
 #endif
 #include <loom/dist/spawn.hpp>
@@ -74,60 +74,167 @@ struct Shape {
 // (conv1 1x1, conv2 3x3, conv3 1x1 expanding x4, a downsample in each layer's first block), fc.
 const std::vector<Shape>& resnet50_shapes() {
   static const std::vector<Shape> shapes = {
-    {"conv1.weight", {64, 3, 7, 7}}, {"bn1.weight", {64}}, {"bn1.bias", {64}},
-    {"layer1.0.conv1.weight", {64, 64, 1, 1}}, {"layer1.0.bn1.weight", {64}}, {"layer1.0.bn1.bias", {64}},
-    {"layer1.0.conv2.weight", {64, 64, 3, 3}}, {"layer1.0.bn2.weight", {64}}, {"layer1.0.bn2.bias", {64}},
-    {"layer1.0.conv3.weight", {256, 64, 1, 1}}, {"layer1.0.bn3.weight", {256}}, {"layer1.0.bn3.bias", {256}},
-    {"layer1.0.downsample.0.weight", {256, 64, 1, 1}}, {"layer1.0.downsample.1.weight", {256}}, {"layer1.0.downsample.1.bias", {256}},
-    {"layer1.1.conv1.weight", {64, 256, 1, 1}}, {"layer1.1.bn1.weight", {64}}, {"layer1.1.bn1.bias", {64}},
-    {"layer1.1.conv2.weight", {64, 64, 3, 3}}, {"layer1.1.bn2.weight", {64}}, {"layer1.1.bn2.bias", {64}},
-    {"layer1.1.conv3.weight", {256, 64, 1, 1}}, {"layer1.1.bn3.weight", {256}}, {"layer1.1.bn3.bias", {256}},
-    {"layer1.2.conv1.weight", {64, 256, 1, 1}}, {"layer1.2.bn1.weight", {64}}, {"layer1.2.bn1.bias", {64}},
-    {"layer1.2.conv2.weight", {64, 64, 3, 3}}, {"layer1.2.bn2.weight", {64}}, {"layer1.2.bn2.bias", {64}},
-    {"layer1.2.conv3.weight", {256, 64, 1, 1}}, {"layer1.2.bn3.weight", {256}}, {"layer1.2.bn3.bias", {256}},
-    {"layer2.0.conv1.weight", {128, 256, 1, 1}}, {"layer2.0.bn1.weight", {128}}, {"layer2.0.bn1.bias", {128}},
-    {"layer2.0.conv2.weight", {128, 128, 3, 3}}, {"layer2.0.bn2.weight", {128}}, {"layer2.0.bn2.bias", {128}},
-    {"layer2.0.conv3.weight", {512, 128, 1, 1}}, {"layer2.0.bn3.weight", {512}}, {"layer2.0.bn3.bias", {512}},
-    {"layer2.0.downsample.0.weight", {512, 256, 1, 1}}, {"layer2.0.downsample.1.weight", {512}}, {"layer2.0.downsample.1.bias", {512}},
-    {"layer2.1.conv1.weight", {128, 512, 1, 1}}, {"layer2.1.bn1.weight", {128}}, {"layer2.1.bn1.bias", {128}},
-    {"layer2.1.conv2.weight", {128, 128, 3, 3}}, {"layer2.1.bn2.weight", {128}}, {"layer2.1.bn2.bias", {128}},
-    {"layer2.1.conv3.weight", {512, 128, 1, 1}}, {"layer2.1.bn3.weight", {512}}, {"layer2.1.bn3.bias", {512}},
-    {"layer2.2.conv1.weight", {128, 512, 1, 1}}, {"layer2.2.bn1.weight", {128}}, {"layer2.2.bn1.bias", {128}},
-    {"layer2.2.conv2.weight", {128, 128, 3, 3}}, {"layer2.2.bn2.weight", {128}}, {"layer2.2.bn2.bias", {128}},
-    {"layer2.2.conv3.weight", {512, 128, 1, 1}}, {"layer2.2.bn3.weight", {512}}, {"layer2.2.bn3.bias", {512}},
-    {"layer2.3.conv1.weight", {128, 512, 1, 1}}, {"layer2.3.bn1.weight", {128}}, {"layer2.3.bn1.bias", {128}},
-    {"layer2.3.conv2.weight", {128, 128, 3, 3}}, {"layer2.3.bn2.weight", {128}}, {"layer2.3.bn2.bias", {128}},
-    {"layer2.3.conv3.weight", {512, 128, 1, 1}}, {"layer2.3.bn3.weight", {512}}, {"layer2.3.bn3.bias", {512}},
-    {"layer3.0.conv1.weight", {256, 512, 1, 1}}, {"layer3.0.bn1.weight", {256}}, {"layer3.0.bn1.bias", {256}},
-    {"layer3.0.conv2.weight", {256, 256, 3, 3}}, {"layer3.0.bn2.weight", {256}}, {"layer3.0.bn2.bias", {256}},
-    {"layer3.0.conv3.weight", {1024, 256, 1, 1}}, {"layer3.0.bn3.weight", {1024}}, {"layer3.0.bn3.bias", {1024}},
-    {"layer3.0.downsample.0.weight", {1024, 512, 1, 1}}, {"layer3.0.downsample.1.weight", {1024}}, {"layer3.0.downsample.1.bias", {1024}},
-    {"layer3.1.conv1.weight", {256, 1024, 1, 1}}, {"layer3.1.bn1.weight", {256}}, {"layer3.1.bn1.bias", {256}},
-    {"layer3.1.conv2.weight", {256, 256, 3, 3}}, {"layer3.1.bn2.weight", {256}}, {"layer3.1.bn2.bias", {256}},
-    {"layer3.1.conv3.weight", {1024, 256, 1, 1}}, {"layer3.1.bn3.weight", {1024}}, {"layer3.1.bn3.bias", {1024}},
-    {"layer3.2.conv1.weight", {256, 1024, 1, 1}}, {"layer3.2.bn1.weight", {256}}, {"layer3.2.bn1.bias", {256}},
-    {"layer3.2.conv2.weight", {256, 256, 3, 3}}, {"layer3.2.bn2.weight", {256}}, {"layer3.2.bn2.bias", {256}},
-    {"layer3.2.conv3.weight", {1024, 256, 1, 1}}, {"layer3.2.bn3.weight", {1024}}, {"layer3.2.bn3.bias", {1024}},
-    {"layer3.3.conv1.weight", {256, 1024, 1, 1}}, {"layer3.3.bn1.weight", {256}}, {"layer3.3.bn1.bias", {256}},
-    {"layer3.3.conv2.weight", {256, 256, 3, 3}}, {"layer3.3.bn2.weight", {256}}, {"layer3.3.bn2.bias", {256}},
-    {"layer3.3.conv3.weight", {1024, 256, 1, 1}}, {"layer3.3.bn3.weight", {1024}}, {"layer3.3.bn3.bias", {1024}},
-    {"layer3.4.conv1.weight", {256, 1024, 1, 1}}, {"layer3.4.bn1.weight", {256}}, {"layer3.4.bn1.bias", {256}},
-    {"layer3.4.conv2.weight", {256, 256, 3, 3}}, {"layer3.4.bn2.weight", {256}}, {"layer3.4.bn2.bias", {256}},
-    {"layer3.4.conv3.weight", {1024, 256, 1, 1}}, {"layer3.4.bn3.weight", {1024}}, {"layer3.4.bn3.bias", {1024}},
-    {"layer3.5.conv1.weight", {256, 1024, 1, 1}}, {"layer3.5.bn1.weight", {256}}, {"layer3.5.bn1.bias", {256}},
-    {"layer3.5.conv2.weight", {256, 256, 3, 3}}, {"layer3.5.bn2.weight", {256}}, {"layer3.5.bn2.bias", {256}},
-    {"layer3.5.conv3.weight", {1024, 256, 1, 1}}, {"layer3.5.bn3.weight", {1024}}, {"layer3.5.bn3.bias", {1024}},
-    {"layer4.0.conv1.weight", {512, 1024, 1, 1}}, {"layer4.0.bn1.weight", {512}}, {"layer4.0.bn1.bias", {512}},
-    {"layer4.0.conv2.weight", {512, 512, 3, 3}}, {"layer4.0.bn2.weight", {512}}, {"layer4.0.bn2.bias", {512}},
-    {"layer4.0.conv3.weight", {2048, 512, 1, 1}}, {"layer4.0.bn3.weight", {2048}}, {"layer4.0.bn3.bias", {2048}},
-    {"layer4.0.downsample.0.weight", {2048, 1024, 1, 1}}, {"layer4.0.downsample.1.weight", {2048}}, {"layer4.0.downsample.1.bias", {2048}},
-    {"layer4.1.conv1.weight", {512, 2048, 1, 1}}, {"layer4.1.bn1.weight", {512}}, {"layer4.1.bn1.bias", {512}},
-    {"layer4.1.conv2.weight", {512, 512, 3, 3}}, {"layer4.1.bn2.weight", {512}}, {"layer4.1.bn2.bias", {512}},
-    {"layer4.1.conv3.weight", {2048, 512, 1, 1}}, {"layer4.1.bn3.weight", {2048}}, {"layer4.1.bn3.bias", {2048}},
-    {"layer4.2.conv1.weight", {512, 2048, 1, 1}}, {"layer4.2.bn1.weight", {512}}, {"layer4.2.bn1.bias", {512}},
-    {"layer4.2.conv2.weight", {512, 512, 3, 3}}, {"layer4.2.bn2.weight", {512}}, {"layer4.2.bn2.bias", {512}},
-    {"layer4.2.conv3.weight", {2048, 512, 1, 1}}, {"layer4.2.bn3.weight", {2048}}, {"layer4.2.bn3.bias", {2048}},
-    {"fc.weight", {1000, 2048}}, {"fc.bias", {1000}},
+      {"conv1.weight", {64, 3, 7, 7}},
+      {"bn1.weight", {64}},
+      {"bn1.bias", {64}},
+      {"layer1.0.conv1.weight", {64, 64, 1, 1}},
+      {"layer1.0.bn1.weight", {64}},
+      {"layer1.0.bn1.bias", {64}},
+      {"layer1.0.conv2.weight", {64, 64, 3, 3}},
+      {"layer1.0.bn2.weight", {64}},
+      {"layer1.0.bn2.bias", {64}},
+      {"layer1.0.conv3.weight", {256, 64, 1, 1}},
+      {"layer1.0.bn3.weight", {256}},
+      {"layer1.0.bn3.bias", {256}},
+      {"layer1.0.downsample.0.weight", {256, 64, 1, 1}},
+      {"layer1.0.downsample.1.weight", {256}},
+      {"layer1.0.downsample.1.bias", {256}},
+      {"layer1.1.conv1.weight", {64, 256, 1, 1}},
+      {"layer1.1.bn1.weight", {64}},
+      {"layer1.1.bn1.bias", {64}},
+      {"layer1.1.conv2.weight", {64, 64, 3, 3}},
+      {"layer1.1.bn2.weight", {64}},
+      {"layer1.1.bn2.bias", {64}},
+      {"layer1.1.conv3.weight", {256, 64, 1, 1}},
+      {"layer1.1.bn3.weight", {256}},
+      {"layer1.1.bn3.bias", {256}},
+      {"layer1.2.conv1.weight", {64, 256, 1, 1}},
+      {"layer1.2.bn1.weight", {64}},
+      {"layer1.2.bn1.bias", {64}},
+      {"layer1.2.conv2.weight", {64, 64, 3, 3}},
+      {"layer1.2.bn2.weight", {64}},
+      {"layer1.2.bn2.bias", {64}},
+      {"layer1.2.conv3.weight", {256, 64, 1, 1}},
+      {"layer1.2.bn3.weight", {256}},
+      {"layer1.2.bn3.bias", {256}},
+      {"layer2.0.conv1.weight", {128, 256, 1, 1}},
+      {"layer2.0.bn1.weight", {128}},
+      {"layer2.0.bn1.bias", {128}},
+      {"layer2.0.conv2.weight", {128, 128, 3, 3}},
+      {"layer2.0.bn2.weight", {128}},
+      {"layer2.0.bn2.bias", {128}},
+      {"layer2.0.conv3.weight", {512, 128, 1, 1}},
+      {"layer2.0.bn3.weight", {512}},
+      {"layer2.0.bn3.bias", {512}},
+      {"layer2.0.downsample.0.weight", {512, 256, 1, 1}},
+      {"layer2.0.downsample.1.weight", {512}},
+      {"layer2.0.downsample.1.bias", {512}},
+      {"layer2.1.conv1.weight", {128, 512, 1, 1}},
+      {"layer2.1.bn1.weight", {128}},
+      {"layer2.1.bn1.bias", {128}},
+      {"layer2.1.conv2.weight", {128, 128, 3, 3}},
+      {"layer2.1.bn2.weight", {128}},
+      {"layer2.1.bn2.bias", {128}},
+      {"layer2.1.conv3.weight", {512, 128, 1, 1}},
+      {"layer2.1.bn3.weight", {512}},
+      {"layer2.1.bn3.bias", {512}},
+      {"layer2.2.conv1.weight", {128, 512, 1, 1}},
+      {"layer2.2.bn1.weight", {128}},
+      {"layer2.2.bn1.bias", {128}},
+      {"layer2.2.conv2.weight", {128, 128, 3, 3}},
+      {"layer2.2.bn2.weight", {128}},
+      {"layer2.2.bn2.bias", {128}},
+      {"layer2.2.conv3.weight", {512, 128, 1, 1}},
+      {"layer2.2.bn3.weight", {512}},
+      {"layer2.2.bn3.bias", {512}},
+      {"layer2.3.conv1.weight", {128, 512, 1, 1}},
+      {"layer2.3.bn1.weight", {128}},
+      {"layer2.3.bn1.bias", {128}},
+      {"layer2.3.conv2.weight", {128, 128, 3, 3}},
+      {"layer2.3.bn2.weight", {128}},
+      {"layer2.3.bn2.bias", {128}},
+      {"layer2.3.conv3.weight", {512, 128, 1, 1}},
+      {"layer2.3.bn3.weight", {512}},
+      {"layer2.3.bn3.bias", {512}},
+      {"layer3.0.conv1.weight", {256, 512, 1, 1}},
+      {"layer3.0.bn1.weight", {256}},
+      {"layer3.0.bn1.bias", {256}},
+      {"layer3.0.conv2.weight", {256, 256, 3, 3}},
+      {"layer3.0.bn2.weight", {256}},
+      {"layer3.0.bn2.bias", {256}},
+      {"layer3.0.conv3.weight", {1024, 256, 1, 1}},
+      {"layer3.0.bn3.weight", {1024}},
+      {"layer3.0.bn3.bias", {1024}},
+      {"layer3.0.downsample.0.weight", {1024, 512, 1, 1}},
+      {"layer3.0.downsample.1.weight", {1024}},
+      {"layer3.0.downsample.1.bias", {1024}},
+      {"layer3.1.conv1.weight", {256, 1024, 1, 1}},
+      {"layer3.1.bn1.weight", {256}},
+      {"layer3.1.bn1.bias", {256}},
+      {"layer3.1.conv2.weight", {256, 256, 3, 3}},
+      {"layer3.1.bn2.weight", {256}},
+      {"layer3.1.bn2.bias", {256}},
+      {"layer3.1.conv3.weight", {1024, 256, 1, 1}},
+      {"layer3.1.bn3.weight", {1024}},
+      {"layer3.1.bn3.bias", {1024}},
+      {"layer3.2.conv1.weight", {256, 1024, 1, 1}},
+      {"layer3.2.bn1.weight", {256}},
+      {"layer3.2.bn1.bias", {256}},
+      {"layer3.2.conv2.weight", {256, 256, 3, 3}},
+      {"layer3.2.bn2.weight", {256}},
+      {"layer3.2.bn2.bias", {256}},
+      {"layer3.2.conv3.weight", {1024, 256, 1, 1}},
+      {"layer3.2.bn3.weight", {1024}},
+      {"layer3.2.bn3.bias", {1024}},
+      {"layer3.3.conv1.weight", {256, 1024, 1, 1}},
+      {"layer3.3.bn1.weight", {256}},
+      {"layer3.3.bn1.bias", {256}},
+      {"layer3.3.conv2.weight", {256, 256, 3, 3}},
+      {"layer3.3.bn2.weight", {256}},
+      {"layer3.3.bn2.bias", {256}},
+      {"layer3.3.conv3.weight", {1024, 256, 1, 1}},
+      {"layer3.3.bn3.weight", {1024}},
+      {"layer3.3.bn3.bias", {1024}},
+      {"layer3.4.conv1.weight", {256, 1024, 1, 1}},
+      {"layer3.4.bn1.weight", {256}},
+      {"layer3.4.bn1.bias", {256}},
+      {"layer3.4.conv2.weight", {256, 256, 3, 3}},
+      {"layer3.4.bn2.weight", {256}},
+      {"layer3.4.bn2.bias", {256}},
+      {"layer3.4.conv3.weight", {1024, 256, 1, 1}},
+      {"layer3.4.bn3.weight", {1024}},
+      {"layer3.4.bn3.bias", {1024}},
+      {"layer3.5.conv1.weight", {256, 1024, 1, 1}},
+      {"layer3.5.bn1.weight", {256}},
+      {"layer3.5.bn1.bias", {256}},
+      {"layer3.5.conv2.weight", {256, 256, 3, 3}},
+      {"layer3.5.bn2.weight", {256}},
+      {"layer3.5.bn2.bias", {256}},
+      {"layer3.5.conv3.weight", {1024, 256, 1, 1}},
+      {"layer3.5.bn3.weight", {1024}},
+      {"layer3.5.bn3.bias", {1024}},
+      {"layer4.0.conv1.weight", {512, 1024, 1, 1}},
+      {"layer4.0.bn1.weight", {512}},
+      {"layer4.0.bn1.bias", {512}},
+      {"layer4.0.conv2.weight", {512, 512, 3, 3}},
+      {"layer4.0.bn2.weight", {512}},
+      {"layer4.0.bn2.bias", {512}},
+      {"layer4.0.conv3.weight", {2048, 512, 1, 1}},
+      {"layer4.0.bn3.weight", {2048}},
+      {"layer4.0.bn3.bias", {2048}},
+      {"layer4.0.downsample.0.weight", {2048, 1024, 1, 1}},
+      {"layer4.0.downsample.1.weight", {2048}},
+      {"layer4.0.downsample.1.bias", {2048}},
+      {"layer4.1.conv1.weight", {512, 2048, 1, 1}},
+      {"layer4.1.bn1.weight", {512}},
+      {"layer4.1.bn1.bias", {512}},
+      {"layer4.1.conv2.weight", {512, 512, 3, 3}},
+      {"layer4.1.bn2.weight", {512}},
+      {"layer4.1.bn2.bias", {512}},
+      {"layer4.1.conv3.weight", {2048, 512, 1, 1}},
+      {"layer4.1.bn3.weight", {2048}},
+      {"layer4.1.bn3.bias", {2048}},
+      {"layer4.2.conv1.weight", {512, 2048, 1, 1}},
+      {"layer4.2.bn1.weight", {512}},
+      {"layer4.2.bn1.bias", {512}},
+      {"layer4.2.conv2.weight", {512, 512, 3, 3}},
+      {"layer4.2.bn2.weight", {512}},
+      {"layer4.2.bn2.bias", {512}},
+      {"layer4.2.conv3.weight", {2048, 512, 1, 1}},
+      {"layer4.2.bn3.weight", {2048}},
+      {"layer4.2.bn3.bias", {2048}},
+      {"fc.weight", {1000, 2048}},
+      {"fc.bias", {1000}},
   };
   return shapes;
 }
@@ -136,7 +243,8 @@ constexpr int kWorld = 2;
 constexpr int kIterations = 5;
 loom::GlooCommunicator* g_comm = nullptr;
 
-std::vector<at::Tensor> tensors_like(const std::vector<std::vector<std::int64_t>>& shapes, bool requires_grad, float value) {
+std::vector<at::Tensor> tensors_like(const std::vector<std::vector<std::int64_t>>& shapes, bool requires_grad,
+                                     float value) {
   std::vector<at::Tensor> out;
   for (const auto& s : shapes) {
     auto t = torch::full(s, value);
@@ -180,7 +288,9 @@ struct Variant {
 // One blocking all-reduce (and divide) per gradient tensor: the naive loop.
 struct PerTensor : Variant {
   std::vector<at::Tensor> grads;
-  explicit PerTensor(const std::vector<std::vector<std::int64_t>>& shapes) : grads(tensors_like(shapes, false, 1e-3f)) { bytes = bytes_of(shapes); }
+  explicit PerTensor(const std::vector<std::vector<std::int64_t>>& shapes) : grads(tensors_like(shapes, false, 1e-3f)) {
+    bytes = bytes_of(shapes);
+  }
   void step() override {
     for (auto& g : grads) {
       g_comm->all_reduce(g, loom::ReduceOp::sum);
@@ -201,7 +311,8 @@ struct LoomMarked : Variant {
   std::vector<at::Tensor> params;
   loom::Reducer<loom::GlooCommunicator> reducer;
   explicit LoomMarked(const std::vector<std::vector<std::int64_t>>& shapes)
-      : params(tensors_like(shapes, true, 0.5f)), reducer(*g_comm, {.params = params}, {.average = loom::Average::world_size}) {
+      : params(tensors_like(shapes, true, 0.5f)),
+        reducer(*g_comm, {.params = params}, {.average = loom::Average::world_size}) {
     bytes = bytes_of(shapes);
     reducer.prepare_backward({.sync = false});  // gradients become bucket views
     for (auto& p : params) p.mutable_grad().fill_(1e-3f);
@@ -228,7 +339,8 @@ struct GradSource : torch::autograd::Function<GradSource> {
 
 // The ResNet-50 gradients delivered by a backward pass (subtract it from the next two).
 struct BackwardOnly : Variant {
-  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f), grads = tensors_like(resnet50_sizes(), false, 1e-3f);
+  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f),
+                          grads = tensors_like(resnet50_sizes(), false, 1e-3f);
   BackwardOnly() { bytes = bytes_of(resnet50_sizes()); }
   void step() override {
     g_source = &grads;
@@ -238,7 +350,8 @@ struct BackwardOnly : Variant {
 
 // loom::Reducer launched from its hooks during that backward.
 struct LoomHooks : Variant {
-  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f), grads = tensors_like(resnet50_sizes(), false, 1e-3f);
+  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f),
+                          grads = tensors_like(resnet50_sizes(), false, 1e-3f);
   loom::Reducer<loom::GlooCommunicator> reducer{*g_comm, {.params = params}, {.average = loom::Average::world_size}};
   LoomHooks() { bytes = bytes_of(resnet50_sizes()); }
   void step() override {
@@ -252,22 +365,25 @@ struct LoomHooks : Variant {
 // c10d::Reducer (DistributedDataParallel's reducer; 25 MiB / 1 MiB buckets, gradient_as_bucket_view)
 // driven the way DDP's Python wrapper drives it, on the same backward.
 struct Ddp : Variant {
-  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f), grads = tensors_like(resnet50_sizes(), false, 1e-3f);
+  std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f),
+                          grads = tensors_like(resnet50_sizes(), false, 1e-3f);
   std::unique_ptr<c10d::Reducer> reducer;
   Ddp() {
     bytes = bytes_of(resnet50_sizes());
     // As torch.nn.parallel.DistributedDataParallel (1.13) sets it up: assignment in parameter
     // order with [1 MiB, 25 MiB] caps, then buckets reversed.
     const std::vector<bool> sparse(params.size(), false);
-    auto [indices, limits] = c10d::compute_bucket_assignment_by_size(params, {std::size_t{1} << 20, std::size_t{25} << 20}, sparse);
+    auto [indices, limits] =
+        c10d::compute_bucket_assignment_by_size(params, {std::size_t{1} << 20, std::size_t{25} << 20}, sparse);
     std::reverse(indices.begin(), indices.end());
     std::reverse(limits.begin(), limits.end());
     std::unordered_map<std::size_t, std::string> names;
     for (std::size_t i = 0; i < params.size(); ++i) names[i] = resnet50_shapes()[i].name;
-    reducer = std::make_unique<c10d::Reducer>(params, indices, limits, g_comm->process_group(), sparse,
-                                              /*bucket_bytes_cap=*/std::int64_t{25} << 20, /*find_unused_parameters=*/false,
-                                              /*gradient_as_bucket_view=*/true, names,
-                                              /*first_bucket_bytes_cap=*/std::int64_t{1} << 20);
+    reducer =
+        std::make_unique<c10d::Reducer>(params, indices, limits, g_comm->process_group(), sparse,
+                                        /*bucket_bytes_cap=*/std::int64_t{25} << 20, /*find_unused_parameters=*/false,
+                                        /*gradient_as_bucket_view=*/true, names,
+                                        /*first_bucket_bytes_cap=*/std::int64_t{1} << 20);
   }
   void step() override {
     g_source = &grads;
@@ -299,10 +415,12 @@ struct OverlapCnn : Variant {
   loom::Accumulator<loom::Reducer<loom::GlooCommunicator>> acc;
   at::Tensor x = torch::randn({16, 3, 32, 32}), y = torch::randint(0, 10, {16});
   explicit OverlapCnn(bool overlap)
-      : reducer(*g_comm, loom::parameters_of(*net), {.bucket_cap_bytes = 4 * loom::kMiB, .overlap = overlap}), acc(reducer) {}
+      : reducer(*g_comm, loom::parameters_of(*net), {.bucket_cap_bytes = 4 * loom::kMiB, .overlap = overlap}),
+        acc(reducer) {}
   void step() override {
     acc.run(16, [&] {
-      torch::nn::functional::cross_entropy(net->forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+      torch::nn::functional::cross_entropy(net->forward(x), y,
+                                           torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
           .backward();
     });
   }
@@ -330,7 +448,8 @@ const std::vector<Entry>& entries() {
     e.push_back({"overlap_cnn/overlapped", [] { return std::make_unique<OverlapCnn>(true); }});
     for (std::int64_t n : kSweep) {
       const auto shapes = sweep_sizes(n);
-      e.push_back({fmt::format("sweep/flat/params:{}", n), [shapes] { return std::make_unique<Flat>(bytes_of(shapes)); }});
+      e.push_back(
+          {fmt::format("sweep/flat/params:{}", n), [shapes] { return std::make_unique<Flat>(bytes_of(shapes)); }});
       e.push_back({fmt::format("sweep/loom/params:{}", n), [shapes] { return std::make_unique<LoomMarked>(shapes); }});
     }
     return e;
@@ -371,7 +490,8 @@ void run_variant(benchmark::State& state, std::int64_t id) {
   for (auto _ : state) v.step();
   if (v.bytes > 0) {
     state.counters["bytes"] = static_cast<double>(v.bytes);
-    state.counters["algbw_GBps"] = benchmark::Counter(static_cast<double>(v.bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["algbw_GBps"] =
+        benchmark::Counter(static_cast<double>(v.bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["busbw_GBps"] = benchmark::Counter(static_cast<double>(v.bytes) * 1e-9 * 2.0 * (kWorld - 1) / kWorld,
                                                       benchmark::Counter::kIsIterationInvariantRate);
   }
@@ -410,7 +530,8 @@ void print_ratio(const std::map<std::string, std::vector<double>>& t, const std:
   auto b = t.find(base), l = t.find(loom);
   if (b == t.end() || l == t.end()) return;
   std::vector<double> r;
-  for (std::size_t i = 0; i < std::min(b->second.size(), l->second.size()); ++i) r.push_back(b->second[i] / l->second[i]);
+  for (std::size_t i = 0; i < std::min(b->second.size(), l->second.size()); ++i)
+    r.push_back(b->second[i] / l->second[i]);
   if (r.empty()) return;
   const double med = median(r);
   std::printf("RATIO %-34s median=%.3f min=%.3f max=%.3f n=%zu goal>=%.2f %s\n", label.c_str(), med,
@@ -431,10 +552,12 @@ void print_ratios(const std::map<std::string, std::vector<double>>& t) {
     auto it = t.find(name);
     return it == t.end() ? 0.0 : median(it->second);
   };
-  const double bw = get("reduce_resnet50/backward_only"), hooks = get("reduce_resnet50/loom_hooks"), dd = get("reduce_resnet50/ddp");
+  const double bw = get("reduce_resnet50/backward_only"), hooks = get("reduce_resnet50/loom_hooks"),
+               dd = get("reduce_resnet50/ddp");
   if (hooks > bw && dd > bw)
-    std::printf("reduction part of loom_hooks / ddp (medians minus backward_only): loom %.1f ms, ddp %.1f ms -> %.2fx\n",
-                (hooks - bw) * 1e3, (dd - bw) * 1e3, (dd - bw) / (hooks - bw));
+    std::printf(
+        "reduction part of loom_hooks / ddp (medians minus backward_only): loom %.1f ms, ddp %.1f ms -> %.2fx\n",
+        (hooks - bw) * 1e3, (dd - bw) * 1e3, (dd - bw) / (hooks - bw));
 }
 
 void register_all() {
@@ -471,7 +594,8 @@ torch::nn::Sequential make_mlp() {
 }
 
 at::Tensor mlp_loss(torch::nn::Sequential& net, const at::Tensor& x, const at::Tensor& y) {
-  return torch::nn::functional::cross_entropy(net->forward(x), y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  return torch::nn::functional::cross_entropy(net->forward(x), y,
+                                              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
 }
 
 constexpr int kOverheadFirst = 8, kOverheadMicroBatches = 40, kOverheadK = 4;
@@ -486,7 +610,8 @@ struct OverheadSamples {
     OverheadData d;
     for (int b = 0; b < 48; ++b)
       for (int r = 0; r < 32; ++r) {
-        samples.emplace_back(d.xs[static_cast<std::size_t>(b)][r].clone(), d.ys[static_cast<std::size_t>(b)][r].item<std::int64_t>());
+        samples.emplace_back(d.xs[static_cast<std::size_t>(b)][r].clone(),
+                             d.ys[static_cast<std::size_t>(b)][r].item<std::int64_t>());
         shapes.push_back({128});
       }
   }
@@ -514,10 +639,13 @@ struct LowLevel {
   loom::Reducer<loom::LocalCommunicator> reducer;
   loom::Accumulator<loom::Reducer<loom::LocalCommunicator>> acc;
   LowLevel(loom::LocalCommunicator& comm, const OverheadSamples& d, torch::nn::Sequential& net)
-      : sampler(comm, d.shapes, kOverheadPlan), reducer(comm, loom::parameters_of(*net)), acc(reducer, {.micro_batches_per_step = 0}) {}
+      : sampler(comm, d.shapes, kOverheadPlan),
+        reducer(comm, loom::parameters_of(*net)),
+        acc(reducer, {.micro_batches_per_step = 0}) {}
 };
 
-void lowlevel_epoch(torch::nn::Sequential& net, LowLevel& l, const OverheadSamples& d, torch::optim::SGD& sgd, std::int64_t epoch) {
+void lowlevel_epoch(torch::nn::Sequential& net, LowLevel& l, const OverheadSamples& d, torch::optim::SGD& sgd,
+                    std::int64_t epoch) {
   auto fetch = overhead_fetch(d);
   l.sampler.set_epoch(epoch);
   while (auto item = l.sampler.next()) {
@@ -536,20 +664,20 @@ void lowlevel_epoch(torch::nn::Sequential& net, LowLevel& l, const OverheadSampl
 
 }  // namespace
 
-extern "C" __attribute__((noinline)) void loom_overhead_trainer_loop(torch::nn::Sequential& net, OverheadTrainer& trainer,
-                                                                      OverheadLoader& loader) {
+extern "C" __attribute__((noinline)) void loom_overhead_trainer_loop(torch::nn::Sequential& net,
+                                                                     OverheadTrainer& trainer, OverheadLoader& loader) {
   trainer_epoch(net, trainer, loader, 1);
 }
 
 extern "C" __attribute__((noinline)) void loom_overhead_lowlevel_loop(torch::nn::Sequential& net, LowLevel& l,
-                                                                       const OverheadSamples& d, torch::optim::SGD& sgd) {
+                                                                      const OverheadSamples& d,
+                                                                      torch::optim::SGD& sgd) {
   lowlevel_epoch(net, l, d, sgd, 1);
 }
 
-
-extern "C" __attribute__((noinline)) void loom_overhead_loom_loop(torch::nn::Sequential& net, OverheadData& data,
-                                                                   loom::Accumulator<loom::Reducer<loom::LocalCommunicator>>& acc,
-                                                                   torch::optim::SGD& sgd) {
+extern "C" __attribute__((noinline)) void loom_overhead_loom_loop(
+    torch::nn::Sequential& net, OverheadData& data, loom::Accumulator<loom::Reducer<loom::LocalCommunicator>>& acc,
+    torch::optim::SGD& sgd) {
   for (int i = kOverheadFirst; i < kOverheadFirst + kOverheadMicroBatches; ++i) {
     auto step = acc.run(32, [&] { mlp_loss(net, data.xs[i], data.ys[i]).backward(); });
     if (step) sgd.step();
@@ -557,14 +685,15 @@ extern "C" __attribute__((noinline)) void loom_overhead_loom_loop(torch::nn::Seq
   }
 }
 
-extern "C" __attribute__((noinline)) void loom_overhead_hand_loop(torch::nn::Sequential& net, OverheadData& data, at::Tensor& flat,
-                                                                   torch::optim::SGD& sgd) {
+extern "C" __attribute__((noinline)) void loom_overhead_hand_loop(torch::nn::Sequential& net, OverheadData& data,
+                                                                  at::Tensor& flat, torch::optim::SGD& sgd) {
   std::int64_t samples = 0;
   for (int i = kOverheadFirst; i < kOverheadFirst + kOverheadMicroBatches; ++i) {
     mlp_loss(net, data.xs[i], data.ys[i]).backward();
     samples += 32;
     if ((i + 1) % kOverheadK == 0) {
-      const bool bad = loom::detail::scale_and_check(flat, static_cast<double>(samples), /*divide=*/true, /*check=*/true);
+      const bool bad =
+          loom::detail::scale_and_check(flat, static_cast<double>(samples), /*divide=*/true, /*check=*/true);
       if (!bad) sgd.step();
       sgd.zero_grad();
       samples = 0;
@@ -713,7 +842,8 @@ int run_cuda(int argc, char** argv) {
                                                        {"cuda_resnet50/backward_only", &cuda_backward_only},
                                                        {"cuda_resnet50/loom_hooks", &cuda_loom_hooks}};
   for (const auto& [name, fn] : all)
-    benchmark::RegisterBenchmark(name, fn)->Iterations(20)->Repetitions(7)->UseRealTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(name, fn)->Iterations(20)->Repetitions(7)->UseRealTime()->Unit(
+        benchmark::kMillisecond);
   std::vector<char*> cargs{argv[0]};
   for (int i = 2; i < argc; ++i) cargs.push_back(argv[i]);
   std::string interleave = "--benchmark_enable_random_interleaving=true";
@@ -743,34 +873,37 @@ int main(int argc, char** argv) {
     return 77;
 #endif
   }
-  loom::spawn(kWorld, [&](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(300), .check_metadata = false});
-    g_comm = &comm;
-    if (env.rank == 0) {
-      // Defaults for a noisy machine: 11 repetitions in random interleaving (every variant and size
-      // alternates, so a burst of load hits all of them); the ratios pair repetition i of each.
-      std::vector<char*> cargs;
-      for (auto& a : args) cargs.push_back(a.data());
-      std::string reps = "--benchmark_repetitions=11", interleave = "--benchmark_enable_random_interleaving=true";
-      for (auto* flag : {&reps, &interleave}) {
-        const std::string name = flag->substr(0, flag->find('='));
-        bool given = false;
-        for (const auto& a : args) given = given || a.rfind(name, 0) == 0;
-        if (!given) cargs.insert(cargs.begin() + 1, flag->data());
-      }
-      int ac = static_cast<int>(cargs.size());
-      benchmark::Initialize(&ac, cargs.data());
-      register_all();
-      RatioReporter reporter;
-      benchmark::RunSpecifiedBenchmarks(&reporter);
-      benchmark::Shutdown();
-      exchange_command(-1, 0);
-      print_ratios(reporter.times);
-    } else {
-      serve();
-    }
-    g_variants.clear();
-    g_comm = nullptr;
-  }, {.timeout = std::chrono::hours(2)});
+  loom::spawn(kWorld,
+              [&](const loom::Environment& env) {
+                loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(300), .check_metadata = false});
+                g_comm = &comm;
+                if (env.rank == 0) {
+                  // Defaults for a noisy machine: 11 repetitions in random interleaving (every variant and size
+                  // alternates, so a burst of load hits all of them); the ratios pair repetition i of each.
+                  std::vector<char*> cargs;
+                  for (auto& a : args) cargs.push_back(a.data());
+                  std::string reps = "--benchmark_repetitions=11",
+                              interleave = "--benchmark_enable_random_interleaving=true";
+                  for (auto* flag : {&reps, &interleave}) {
+                    const std::string name = flag->substr(0, flag->find('='));
+                    bool given = false;
+                    for (const auto& a : args) given = given || a.rfind(name, 0) == 0;
+                    if (!given) cargs.insert(cargs.begin() + 1, flag->data());
+                  }
+                  int ac = static_cast<int>(cargs.size());
+                  benchmark::Initialize(&ac, cargs.data());
+                  register_all();
+                  RatioReporter reporter;
+                  benchmark::RunSpecifiedBenchmarks(&reporter);
+                  benchmark::Shutdown();
+                  exchange_command(-1, 0);
+                  print_ratios(reporter.times);
+                } else {
+                  serve();
+                }
+                g_variants.clear();
+                g_comm = nullptr;
+              },
+              {.timeout = std::chrono::hours(2)});
   return 0;
 }

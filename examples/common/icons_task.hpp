@@ -33,27 +33,27 @@ namespace examples {
 /// What the icon task reads and how it splits it.
 struct IconTaskOptions {
   std::filesystem::path data = "/usr/share/icons/Adwaita";
-  std::vector<int> sizes = {16, 24, 32, 48};          ///< sizes to train on, px
-  std::vector<int> pretrain_sizes = {16, 24};         ///< sizes of the pre-training subset, px
-  int channels = 4;                                   ///< 4 = RGBA, 3 = RGB over black, 1 = alpha
-  double val_fraction = 0.25;                         ///< fraction of icon names held out
-  uint64_t seed = 1;                                  ///< seed of the split
-  int64_t subset = 0;                                 ///< keep about 1/k of the icon names (0 = all)
-  bool skip_corrupt = false;                          ///< skip undecodable PNG files with a warning
+  std::vector<int> sizes = {16, 24, 32, 48};   ///< sizes to train on, px
+  std::vector<int> pretrain_sizes = {16, 24};  ///< sizes of the pre-training subset, px
+  int channels = 4;                            ///< 4 = RGBA, 3 = RGB over black, 1 = alpha
+  double val_fraction = 0.25;                  ///< fraction of icon names held out
+  uint64_t seed = 1;                           ///< seed of the split
+  int64_t subset = 0;                          ///< keep about 1/k of the icon names (0 = all)
+  bool skip_corrupt = false;                   ///< skip undecodable PNG files with a warning
 };
 
 struct IconNetImpl : torch::nn::Module {
   IconNetImpl(int channels, int width, int classes)
       : features(register_module(
             "features",
-            torch::nn::Sequential(
-                torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, width, 3).padding(1)), torch::nn::GroupNorm(8, width),
-                torch::nn::ReLU(), torch::nn::MaxPool2d(2),
-                torch::nn::Conv2d(torch::nn::Conv2dOptions(width, 2 * width, 3).padding(1)),
-                torch::nn::GroupNorm(8, 2 * width), torch::nn::ReLU(), torch::nn::MaxPool2d(2),
-                torch::nn::Conv2d(torch::nn::Conv2dOptions(2 * width, 4 * width, 3).padding(1)),
-                torch::nn::GroupNorm(8, 4 * width), torch::nn::ReLU(),
-                torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions({2, 2})), torch::nn::Flatten()))),
+            torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, width, 3).padding(1)),
+                                  torch::nn::GroupNorm(8, width), torch::nn::ReLU(), torch::nn::MaxPool2d(2),
+                                  torch::nn::Conv2d(torch::nn::Conv2dOptions(width, 2 * width, 3).padding(1)),
+                                  torch::nn::GroupNorm(8, 2 * width), torch::nn::ReLU(), torch::nn::MaxPool2d(2),
+                                  torch::nn::Conv2d(torch::nn::Conv2dOptions(2 * width, 4 * width, 3).padding(1)),
+                                  torch::nn::GroupNorm(8, 4 * width), torch::nn::ReLU(),
+                                  torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions({2, 2})),
+                                  torch::nn::Flatten()))),
         head(register_module("head", torch::nn::Linear(16 * width, classes))) {}
 
   torch::Tensor forward(const torch::Tensor& x) { return head->forward(features->forward(x)); }
@@ -95,13 +95,15 @@ class IconTask {
       if (!keep(i)) continue;
       const int side = static_cast<int>(icons_.pixels(static_cast<std::size_t>(i)).size(1));
       if (std::find(o.sizes.begin(), o.sizes.end(), side) != o.sizes.end()) train_.push_back(i);
-      if (std::find(o.pretrain_sizes.begin(), o.pretrain_sizes.end(), side) != o.pretrain_sizes.end()) train_small_.push_back(i);
+      if (std::find(o.pretrain_sizes.begin(), o.pretrain_sizes.end(), side) != o.pretrain_sizes.end())
+        train_small_.push_back(i);
     }
     for (int64_t i : split.val)
       if (keep(i)) val_.push_back(i);
     if (train_.empty() || val_.empty())
-      throw loom::InvalidArgument(fmt::format("no training ({}) or validation ({}) icons left: lower --subset or --val-fraction",
-                                              train_.size(), val_.size()));
+      throw loom::InvalidArgument(
+          fmt::format("no training ({}) or validation ({}) icons left: lower --subset or --val-fraction", train_.size(),
+                      val_.size()));
     std::vector<int64_t> counts(icons_.classes().size(), 0);
     for (int64_t i : val_) ++counts[static_cast<std::size_t>(icons_.label(static_cast<std::size_t>(i)))];
     const auto top = std::max_element(counts.begin(), counts.end());
@@ -138,11 +140,14 @@ class IconTask {
 
   /// Accuracy and mean loss over the validation split, each sample once over all ranks.
   template <class Comm>
-  EvalResult evaluate(Comm& comm, IconNet& model, torch::Device device, int64_t max_samples, int64_t max_elements) const {
+  EvalResult evaluate(Comm& comm, IconNet& model, torch::Device device, int64_t max_samples,
+                      int64_t max_elements) const {
     model->eval();
     torch::NoGradGuard no_grad;
     loom::GlobalBatchSampler sampler(comm, shapes_of(val_),
-                                     {.shuffle = false, .max_samples = max_samples, .max_elements = max_elements,
+                                     {.shuffle = false,
+                                      .max_samples = max_samples,
+                                      .max_elements = max_elements,
                                       .batches_per_step = comm.world_size()});
     loom::Metrics metrics(comm);
     while (auto item = sampler.next()) {

@@ -27,7 +27,8 @@ inline bool wants_cuda(const std::string& device) {
   if (device != "auto" && device != "cpu" && device != "cuda")
     throw loom::ConfigError("--device '" + device + "' is not one of auto, cpu, cuda");
   const bool cuda = torch::cuda::is_available();
-  if (device == "cuda" && !cuda) throw loom::ConfigError("--device cuda: this LibTorch or machine has no CUDA device; use --device cpu");
+  if (device == "cuda" && !cuda)
+    throw loom::ConfigError("--device cuda: this LibTorch or machine has no CUDA device; use --device cpu");
   return device == "cuda" || (device == "auto" && cuda);
 }
 
@@ -42,7 +43,8 @@ inline torch::Device model_device(const loom::ProcessGroup& pg, const std::strin
   if (pg.device().is_cuda()) return pg.device();
   if (!wants_cuda(device)) return torch::Device(torch::kCPU);
   const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-  const auto d = loom::rank_cuda_device(pg.environment(), static_cast<int>(torch::cuda::device_count()), visible ? visible : "");
+  const auto d =
+      loom::rank_cuda_device(pg.environment(), static_cast<int>(torch::cuda::device_count()), visible ? visible : "");
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(d.ordinal));
 }
 

@@ -76,10 +76,9 @@ torch::Tensor image_at(const torch::Tensor& images, int64_t i, int64_t s) {
   torch::Tensor x = images[i].to(torch::kFloat).div_(255.0).unsqueeze(0);  // 1 x 28 x 28
   if (s == x.size(1)) return x;
   namespace F = torch::nn::functional;
-  return F::interpolate(x.unsqueeze(0), F::InterpolateFuncOptions()
-                                            .size(std::vector<int64_t>{s, s})
-                                            .mode(torch::kBilinear)
-                                            .align_corners(false))
+  return F::interpolate(
+             x.unsqueeze(0),
+             F::InterpolateFuncOptions().size(std::vector<int64_t>{s, s}).mode(torch::kBilinear).align_corners(false))
       .squeeze(0);
 }
 
@@ -94,13 +93,16 @@ void train(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
   loom::Logger log(loom::StreamSink{stdout}, pg);
   auto train_set = examples::data::read_fashion_mnist(o.data, examples::data::MnistSplit::train);
   auto test_set = examples::data::read_fashion_mnist(o.data, examples::data::MnistSplit::test);
-  const int64_t n_train = o.train_subset > 0 ? std::min<int64_t>(o.train_subset, train_set.images.size(0)) : train_set.images.size(0);
-  const int64_t n_test = o.test_subset > 0 ? std::min<int64_t>(o.test_subset, test_set.images.size(0)) : test_set.images.size(0);
+  const int64_t n_train =
+      o.train_subset > 0 ? std::min<int64_t>(o.train_subset, train_set.images.size(0)) : train_set.images.size(0);
+  const int64_t n_test =
+      o.test_subset > 0 ? std::min<int64_t>(o.test_subset, test_set.images.size(0)) : test_set.images.size(0);
   const torch::Tensor test_labels = test_set.labels.slice(0, 0, n_test);
   const double baseline = torch::bincount(test_labels).max().item<double>() / static_cast<double>(n_test);
-  log.info("fashion_mnist_multiscale: {} rank(s), backend {}, device {}; {} training and {} test images, sizes {} px, "
-           "baseline (majority class) {:.4f}",
-           pg.world_size(), loom::to_string(pg.backend()), device.str(), n_train, n_test, fmt::join(o.sizes, ","), baseline);
+  log.info(
+      "fashion_mnist_multiscale: {} rank(s), backend {}, device {}; {} training and {} test images, sizes {} px, "
+      "baseline (majority class) {:.4f}",
+      pg.world_size(), loom::to_string(pg.backend()), device.str(), n_train, n_test, fmt::join(o.sizes, ","), baseline);
 
   torch::manual_seed(o.seed);
   auto model = make_cnn(o.width);
@@ -111,7 +113,8 @@ void train(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
   auto evaluate = [&](int64_t s) {
     torch::NoGradGuard no_grad;
     model->eval();
-    loom::DistributedSampler sampler({.dataset_size = n_test, .num_replicas = pg.world_size(), .rank = pg.rank(), .shuffle = false});
+    loom::DistributedSampler sampler(
+        {.dataset_size = n_test, .num_replicas = pg.world_size(), .rank = pg.rank(), .shuffle = false});
     std::vector<int64_t> seen;
     std::vector<torch::Tensor> preds;
     std::vector<torch::Tensor> xs;
@@ -142,14 +145,16 @@ void train(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
       shapes[static_cast<std::size_t>(i)] = {1, s, s};
     }
     // This epoch's shapes: a loader of its own (the plan is a function of the shapes).
-    loom::BatchLoader loader(
-        pg, std::move(shapes),
-        [&](int64_t i) {
-          const int64_t s = size_of(o.sizes, o.seed, epoch, i);
-          return std::pair<torch::Tensor, int64_t>(image_at(train_set.images, i, s), train_set.labels[i].item<int64_t>());
-        },
-        {.seed = o.seed, .max_samples = o.max_batch, .batches_per_step = o.batches_per_step}, {.device = device});
-    loom::Progress progress{loom::StreamSink{stdout}, loom::rank_info(pg), {.total = n_train, .label = fmt::format("epoch {}", epoch + 1)}};
+    loom::BatchLoader loader(pg, std::move(shapes),
+                             [&](int64_t i) {
+                               const int64_t s = size_of(o.sizes, o.seed, epoch, i);
+                               return std::pair<torch::Tensor, int64_t>(image_at(train_set.images, i, s),
+                                                                        train_set.labels[i].item<int64_t>());
+                             },
+                             {.seed = o.seed, .max_samples = o.max_batch, .batches_per_step = o.batches_per_step},
+                             {.device = device});
+    loom::Progress progress{
+        loom::StreamSink{stdout}, loom::rank_info(pg), {.total = n_train, .label = fmt::format("epoch {}", epoch + 1)}};
     trainer.on_step([&](const loom::SyncResult& r) { progress.add_global(r.global_samples); });
     loom::Metrics metrics(pg);
     for (loom::Batch& b : trainer.epoch(loader, epoch)) {
@@ -166,8 +171,9 @@ void train(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
       accuracy += a / static_cast<double>(o.sizes.size());
       per_size.push_back(fmt::format("{}px={:.4f}", s, a));
     }
-    log.info("epoch {}/{}: train_loss={:.4f} test_accuracy={:.4f} ({}) baseline={:.4f} seconds={:.1f}", epoch + 1, o.epochs,
-             train_loss, accuracy, fmt::join(per_size, " "), baseline, std::chrono::duration<double>(Clock::now() - t0).count());
+    log.info("epoch {}/{}: train_loss={:.4f} test_accuracy={:.4f} ({}) baseline={:.4f} seconds={:.1f}", epoch + 1,
+             o.epochs, train_loss, accuracy, fmt::join(per_size, " "), baseline,
+             std::chrono::duration<double>(Clock::now() - t0).count());
   }
   log.info("result: test_accuracy={:.4f} baseline={:.4f} epochs={} seconds={:.1f}", accuracy, baseline, o.epochs,
            std::chrono::duration<double>(Clock::now() - start).count());
@@ -177,25 +183,31 @@ int main(int argc, char** argv) {
   const auto start = Clock::now();
   Options o;
   CLI::App app{"Fashion-MNIST at several sizes per epoch, shape-bucketed, over several ranks."};
-  app.add_option("--nproc", o.nproc, "ranks to spawn on this machine (ignored under torchrun/mpirun/srun)")->check(CLI::Range(1, 64));
+  app.add_option("--nproc", o.nproc, "ranks to spawn on this machine (ignored under torchrun/mpirun/srun)")
+      ->check(CLI::Range(1, 64));
   app.add_option("--data", o.data, "folder of the (gzipped) IDX files");
-  app.add_option("--sizes", o.sizes, "image sizes to draw from, px (>= 12)")->delimiter(',')->check(CLI::Range(12, 256));
+  app.add_option("--sizes", o.sizes, "image sizes to draw from, px (>= 12)")
+      ->delimiter(',')
+      ->check(CLI::Range(12, 256));
   app.add_option("--train-subset", o.train_subset, "use the first N training images (0: all)");
   app.add_option("--test-subset", o.test_subset, "use the first N test images (0: all)");
   app.add_option("--epochs", o.epochs, "epochs")->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "AdamW learning rate");
   app.add_option("--width", o.width, "channels of the first conv layer; a multiple of 8");
   app.add_option("--max-batch", o.max_batch, "samples per batch")->check(CLI::PositiveNumber);
-  app.add_option("--batches-per-step", o.batches_per_step,
-                 "batches per optimizer step, for the whole job (dealt to the ranks: the same steps on any number of ranks)")
+  app.add_option(
+         "--batches-per-step", o.batches_per_step,
+         "batches per optimizer step, for the whole job (dealt to the ranks: the same steps on any number of ranks)")
       ->check(CLI::PositiveNumber);
   app.add_option("--seed", o.seed, "seed of the weights, the sizes and the shuffles");
   app.add_option("--threads", o.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
-  app.add_option("--device", o.device, "auto | cpu | cuda (the model's device; a GPU is LOCAL_RANK among CUDA_VISIBLE_DEVICES)")
+  app.add_option("--device", o.device,
+                 "auto | cpu | cuda (the model's device; a GPU is LOCAL_RANK among CUDA_VISIBLE_DEVICES)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--backend", o.backend, "auto | gloo | nccl (auto: NCCL for a GPU model, Gloo for a CPU one)")
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
-  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous and in any collective")->check(CLI::PositiveNumber);
+  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous and in any collective")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (o.width % 8 != 0) {
     fmt::print(stderr, "--width {} must be a multiple of 8 (GroupNorm groups)\n", o.width);

@@ -120,7 +120,8 @@ RunState load_checkpoint(const fs::path& file, IconNet& model, torch::optim::Opt
   archive.read("model", model_archive);
   model->load(model_archive);
   if (!archive.try_read("optimizer", opt_archive))
-    throw loom::DataError(fmt::format("{}: has no optimizer state (a pre-trained model: pass it with --init)", file.string()));
+    throw loom::DataError(
+        fmt::format("{}: has no optimizer state (a pre-trained model: pass it with --init)", file.string()));
   opt.load(opt_archive);
   c10::IValue cursor;
   torch::Tensor steps, secs;
@@ -153,16 +154,21 @@ int64_t init_from(const fs::path& file, IconNet& model) {
     }
   }
   if (copied == 0)
-    throw loom::DataError(fmt::format("{}: none of its tensors matches IconNet's parameters by name and shape", file.string()));
+    throw loom::DataError(
+        fmt::format("{}: none of its tensors matches IconNet's parameters by name and shape", file.string()));
   return copied;
 }
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 /// Cosine decay from lr to lr / 10 over the epochs: a function of the epoch alone, so a resumed run
 /// uses the same rates.
 double learning_rate(const Options& o, int64_t epoch) {
-  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(std::numbers::pi * static_cast<double>(epoch) / static_cast<double>(o.epochs))));
+  return o.lr *
+         (0.1 +
+          0.9 * 0.5 * (1.0 + std::cos(std::numbers::pi * static_cast<double>(epoch) / static_cast<double>(o.epochs))));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -173,13 +179,13 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   const torch::Device device = examples::model_device(pg, o.device);
   const auto& env = pg.environment();
   loom::Logger log(loom::StreamSink{stdout}, pg);
-  log.info("finetune_icons: {} rank(s) ({} launcher), backend {}, device {}", pg.world_size(), loom::to_string(env.launcher),
-           loom::to_string(pg.backend()), device.str());
+  log.info("finetune_icons: {} rank(s) ({} launcher), backend {}, device {}", pg.world_size(),
+           loom::to_string(env.launcher), loom::to_string(pg.backend()), device.str());
   const examples::IconTask task(o.task, [&](std::string_view m) { log.warning("{}", m); });
   if (task.skipped() > 0) log.warning("{} corrupt PNG files skipped", task.skipped());
-  log.info("icons: {} train ({} at sizes {} for pre-training), {} validation, {} classes, sizes {}", task.train().size(),
-           task.train_small().size(), fmt::join(o.task.pretrain_sizes, ","), task.val().size(), task.classes(),
-           fmt::join(o.task.sizes, ","));
+  log.info("icons: {} train ({} at sizes {} for pre-training), {} validation, {} classes, sizes {}",
+           task.train().size(), task.train_small().size(), fmt::join(o.task.pretrain_sizes, ","), task.val().size(),
+           task.classes(), fmt::join(o.task.sizes, ","));
   log.info("majority baseline: always '{}' = {:.4f} of validation", task.majority_class(), task.majority_baseline());
 
   torch::manual_seed(o.task.seed);  // same initial weights on every rank (the trainer also broadcasts rank 0's)
@@ -189,7 +195,9 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   const fs::path pretrained = o.out / "pretrained.pt";
   const fs::path checkpoint = o.out / "checkpoint.pt";
   const int64_t max_elements = o.batch_pixels * o.task.channels;
-  const loom::GlobalBatchOptions plan{.seed = o.task.seed, .max_samples = o.max_batch, .max_elements = max_elements,
+  const loom::GlobalBatchOptions plan{.seed = o.task.seed,
+                                      .max_samples = o.max_batch,
+                                      .max_elements = max_elements,
                                       .batches_per_step = o.batches_per_step};
   auto evaluate = [&] { return task.evaluate(pg, model, device, o.max_batch, max_elements); };
 
@@ -206,10 +214,11 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     log.info("initialised {} parameter tensors from {}", init_from(o.init, model), o.init);
   } else if (o.pretrain_epochs > 0) {
     // Pre-training: the small sizes only, a higher learning rate, then save.
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.pretrain_lr).weight_decay(o.weight_decay));
+    torch::optim::AdamW opt(model->parameters(),
+                            torch::optim::AdamWOptions(o.pretrain_lr).weight_decay(o.weight_decay));
     loom::Trainer trainer(pg, *model, opt);
-    loom::BatchLoader loader(pg, task.shapes_of(task.train_small()), [&](int64_t j) { return task.sample(task.train_small(), j); },
-                             plan, {.device = device});
+    loom::BatchLoader loader(pg, task.shapes_of(task.train_small()),
+                             [&](int64_t j) { return task.sample(task.train_small(), j); }, plan, {.device = device});
     for (int64_t e = 0; e < o.pretrain_epochs; ++e) {
       const auto t0 = Clock::now();
       loom::Metrics metrics(pg);
@@ -220,8 +229,10 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
       }
       const double train_loss = metrics.mean("loss");
       const examples::EvalResult ev = evaluate();
-      log.info("pretrain epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} seconds={:.1f}",
-               e + 1, o.pretrain_epochs, train_loss, ev.loss, ev.accuracy, task.majority_baseline(), seconds_since(t0));
+      log.info(
+          "pretrain epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} "
+          "seconds={:.1f}",
+          e + 1, o.pretrain_epochs, train_loss, ev.loss, ev.accuracy, task.majority_baseline(), seconds_since(t0));
     }
     if (pg.rank() == 0) save_checkpoint(pretrained, model, nullptr, {});
     pg.barrier();
@@ -233,8 +244,8 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   }
 
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
-  loom::BatchLoader loader(pg, task.shapes_of(task.train()), [&](int64_t j) { return task.sample(task.train(), j); }, plan,
-                           {.device = device});
+  loom::BatchLoader loader(pg, task.shapes_of(task.train()), [&](int64_t j) { return task.sample(task.train(), j); },
+                           plan, {.device = device});
   RunState st;
   double seconds_before = 0;
   int64_t first_epoch = 0;
@@ -243,16 +254,18 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     seconds_before = st.seconds;
     loader.resume(st.cursor);  // throws naming the fingerprints if the options or the data changed
     first_epoch = st.cursor.epoch;
-    log.info("resumed at fine-tune epoch {}, global step {} of {} (optimizer step {}), on {} rank(s): global_step={} ranks={}",
-             st.cursor.epoch + 1, st.cursor.step, loader.sampler().num_steps(), st.steps, pg.world_size(), st.cursor.step,
-             pg.world_size());
+    log.info(
+        "resumed at fine-tune epoch {}, global step {} of {} (optimizer step {}), on {} rank(s): global_step={} "
+        "ranks={}",
+        st.cursor.epoch + 1, st.cursor.step, loader.sampler().num_steps(), st.steps, pg.world_size(), st.cursor.step,
+        pg.world_size());
   }
   loom::Trainer trainer(pg, *model, opt);  // after loading: it broadcasts rank 0's weights
   log.info("fine-tune plan: batches_per_epoch={} optimizer_steps_per_epoch={} batches_per_step={} ranks={}",
            loader.sampler().plan().batches.size(), loader.sampler().num_steps(), o.batches_per_step, pg.world_size());
   const examples::EvalResult before = evaluate();
-  log.info("fine-tune start: val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f}", before.loss, before.accuracy,
-           task.majority_baseline());
+  log.info("fine-tune start: val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f}", before.loss,
+           before.accuracy, task.majority_baseline());
 
   examples::EvalResult last = before;
   double train_loss = 0;
@@ -260,9 +273,12 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   bool stopped = false;
   for (int64_t e = first_epoch; e < o.epochs && !stopped; ++e) {
     const auto t0 = Clock::now();
-    for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, e));
-    loom::Progress progress{loom::StreamSink{stdout}, loom::rank_info(pg),
-                            {.total = static_cast<int64_t>(task.train().size()), .label = fmt::format("epoch {}", e + 1)}};
+    for (auto& group : opt.param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(o, e));
+    loom::Progress progress{
+        loom::StreamSink{stdout},
+        loom::rank_info(pg),
+        {.total = static_cast<int64_t>(task.train().size()), .label = fmt::format("epoch {}", e + 1)}};
     // Every rank runs on_step at every step (its share of the batches may be empty), so the
     // checkpoint and the stop decision are taken at the same step everywhere.
     trainer.on_step([&](const loom::SyncResult& r) {
@@ -284,7 +300,8 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     }
     if (trainer.stopped()) {
       stopped = true;
-      log.info("stopped after {} optimizer steps as asked (--stop-after-steps); checkpoint {}", st.steps, checkpoint.string());
+      log.info("stopped after {} optimizer steps as asked (--stop-after-steps); checkpoint {}", st.steps,
+               checkpoint.string());
       break;
     }
     progress.finish(pg);
@@ -296,30 +313,39 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     st.cursor.step = 0;
     st.seconds = seconds_before + seconds_since(start);
     if (pg.rank() == 0) save_checkpoint(checkpoint, model, &opt, st);
-    log.info("epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} seconds={:.1f}", e + 1,
-             o.epochs, train_loss, last.loss, last.accuracy, task.majority_baseline(), seconds_since(t0));
+    log.info(
+        "epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} seconds={:.1f}",
+        e + 1, o.epochs, train_loss, last.loss, last.accuracy, task.majority_baseline(), seconds_since(t0));
   }
   pg.barrier();
   if (stopped) return;
-  log.info("result: val_accuracy={:.4f} val_loss={:.6f} train_loss={:.6f} majority_baseline={:.4f} epochs={} steps={} seconds={:.1f}",
-           last.accuracy, last.loss, train_loss, task.majority_baseline(), epochs_done, st.steps, seconds_before + seconds_since(start));
+  log.info(
+      "result: val_accuracy={:.4f} val_loss={:.6f} train_loss={:.6f} majority_baseline={:.4f} epochs={} steps={} "
+      "seconds={:.1f}",
+      last.accuracy, last.loss, train_loss, task.majority_baseline(), epochs_done, st.steps,
+      seconds_before + seconds_since(start));
 }
 
 int main(int argc, char** argv) {
   const auto start = Clock::now();
   Options o;
   CLI::App app{"Fine-tune a small CNN on Adwaita's icons (each at its own size) over several ranks."};
-  app.add_option("--nproc", o.nproc, "ranks to spawn on this machine (ignored under torchrun/mpirun/srun)")->check(CLI::Range(1, 64));
-  app.add_option("--device", o.device, "auto | cpu | cuda (the model's device; a GPU is LOCAL_RANK among CUDA_VISIBLE_DEVICES)")
+  app.add_option("--nproc", o.nproc, "ranks to spawn on this machine (ignored under torchrun/mpirun/srun)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--device", o.device,
+                 "auto | cpu | cuda (the model's device; a GPU is LOCAL_RANK among CUDA_VISIBLE_DEVICES)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--backend", o.backend, "auto | gloo | nccl (auto: NCCL for a GPU model, Gloo for a CPU one)")
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
-  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous and in any collective")->check(CLI::PositiveNumber);
+  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous and in any collective")
+      ->check(CLI::PositiveNumber);
   app.add_option("--data", o.task.data, "icon theme root (<N>x<N>/<context>/*.png)");
   app.add_option("--sizes", o.task.sizes, "icon sizes to fine-tune on, px")->delimiter(',');
   app.add_option("--pretrain-sizes", o.task.pretrain_sizes, "icon sizes to pre-train on, px")->delimiter(',');
-  app.add_option("--channels", o.task.channels, "4 = RGBA, 3 = RGB over black, 1 = alpha")->check(CLI::IsMember({1, 3, 4}));
-  app.add_option("--val-fraction", o.task.val_fraction, "fraction of icon names held out")->check(CLI::Range(0.01, 0.9));
+  app.add_option("--channels", o.task.channels, "4 = RGBA, 3 = RGB over black, 1 = alpha")
+      ->check(CLI::IsMember({1, 3, 4}));
+  app.add_option("--val-fraction", o.task.val_fraction, "fraction of icon names held out")
+      ->check(CLI::Range(0.01, 0.9));
   app.add_option("--seed", o.task.seed, "seed of the split, the initial weights and the shuffles");
   app.add_option("--subset", o.task.subset, "keep about 1/k of the icon names (short runs; 0 = all)");
   app.add_option("--pretrain-epochs", o.pretrain_epochs, "pre-training epochs (0: none)");
@@ -329,14 +355,17 @@ int main(int argc, char** argv) {
   app.add_option("--width", o.width, "channels of the first conv layer (x2, x4 after); a multiple of 8");
   app.add_option("--batch-pixels", o.batch_pixels, "pixels (H x W) per batch");
   app.add_option("--max-batch", o.max_batch, "samples per batch");
-  app.add_option("--batches-per-step", o.batches_per_step,
-                 "batches per optimizer step, for the whole job (dealt to the ranks: the same steps on any number of ranks)")
+  app.add_option(
+         "--batches-per-step", o.batches_per_step,
+         "batches per optimizer step, for the whole job (dealt to the ranks: the same steps on any number of ranks)")
       ->check(CLI::PositiveNumber);
   app.add_option("--out", o.out, "folder for pretrained.pt and checkpoint.pt");
   app.add_option("--init", o.init, "start from this model file (a checkpoint or TorchScript) instead of pre-training");
   app.add_option("--resume", o.resume, "resume fine-tuning from this checkpoint (any number of ranks)");
-  app.add_option("--checkpoint-every", o.checkpoint_every, "optimizer steps between mid-epoch checkpoints (0: epoch ends)");
-  app.add_option("--stop-after-steps", o.stop_after_steps, "stop after this many fine-tuning optimizer steps (tests resume)");
+  app.add_option("--checkpoint-every", o.checkpoint_every,
+                 "optimizer steps between mid-epoch checkpoints (0: epoch ends)");
+  app.add_option("--stop-after-steps", o.stop_after_steps,
+                 "stop after this many fine-tuning optimizer steps (tests resume)");
   app.add_flag("--skip-corrupt", o.task.skip_corrupt, "skip undecodable PNG files with a warning instead of failing");
   app.add_option("--threads", o.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);

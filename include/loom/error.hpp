@@ -62,8 +62,8 @@ class CommError : public Error {
 class TimeoutError : public CommError {
  public:
   TimeoutError(std::string collective, int rank, double seconds_waited, const std::string& detail = {})
-      : CommError(fmt::format("{} timed out on rank {} after {:.3f} s{}{}", collective, rank,
-                              seconds_waited, detail.empty() ? "" : ": ", detail)),
+      : CommError(fmt::format("{} timed out on rank {} after {:.3f} s{}{}", collective, rank, seconds_waited,
+                              detail.empty() ? "" : ": ", detail)),
         collective_(std::move(collective)),
         rank_(rank),
         seconds_(seconds_waited) {}
@@ -95,15 +95,15 @@ class DataError : public Error {
 
 namespace detail {
 [[noreturn]] inline void assert_fail(const char* expr, const char* file, int line, const std::string& msg) {
-  throw Error(fmt::format("internal invariant violated: {} at {}:{}{}{}", expr, file, line,
-                          msg.empty() ? "" : ": ", msg));
+  throw Error(
+      fmt::format("internal invariant violated: {} at {}:{}{}{}", expr, file, line, msg.empty() ? "" : ": ", msg));
 }
 }  // namespace detail
 
 }  // namespace loom
 
 /// Checks an internal invariant (a loom bug if it fails); throws loom::Error with file:line.
-#define LOOM_ASSERT(cond, ...)                                                             \
-  do {                                                                                     \
+#define LOOM_ASSERT(cond, ...)                                                                     \
+  do {                                                                                             \
     if (!(cond)) ::loom::detail::assert_fail(#cond, __FILE__, __LINE__, std::string{__VA_ARGS__}); \
   } while (false)

@@ -20,19 +20,14 @@
 // (they need the CUDA runtime, and NCCL, at link time); reduce/jit.hpp (TorchScript modules).
 #pragma once
 
-#include <loom/config.hpp>
-#include <loom/error.hpp>
-
-#include <loom/comm/all.hpp>
-#include <loom/dist/all.hpp>
-
+#include <loom/accumulate/all.hpp>
 #include <loom/collate/all.hpp>
+#include <loom/comm/all.hpp>
+#include <loom/config.hpp>
+#include <loom/dist/all.hpp>
+#include <loom/error.hpp>
+#include <loom/log/all.hpp>
+#include <loom/reduce/all.hpp>
 #include <loom/sample/all.hpp>
 #include <loom/schedule/all.hpp>
-
-#include <loom/accumulate/all.hpp>
-#include <loom/reduce/all.hpp>
-
-#include <loom/log/all.hpp>
-
 #include <loom/train/all.hpp>

@@ -22,7 +22,9 @@ at::Tensor scalar_param(double v, at::ScalarType dtype = at::kDouble) {
   return torch::tensor({v}, torch::kDouble).to(dtype).requires_grad_();
 }
 
-double value(const at::Tensor& t) { return t.item<double>(); }
+double value(const at::Tensor& t) {
+  return t.item<double>();
+}
 
 // One scalar parameter w = 1; the loss of a sample x is w * x, so d loss / dw = x.
 struct Scalar {
@@ -92,7 +94,8 @@ TEST_CASE("field: sample-weighted accumulation gives 18/10 = 1.8, not the mean o
     Scalar s({.average = loom::Average::none});
     loom::Accumulator acc(s.reducer, {.micro_batches_per_step = 3});
     for (const auto& xs : std::vector<std::vector<double>>{{1, 3}, {2, 2, 5}, {1, 1, 1, 1, 1}})
-      acc.run(static_cast<std::int64_t>(xs.size()), [&] { (s.w * torch::tensor(xs, torch::kDouble)).mean().div(3.0).backward(); });
+      acc.run(static_cast<std::int64_t>(xs.size()),
+              [&] { (s.w * torch::tensor(xs, torch::kDouble)).mean().div(3.0).backward(); });
     CHECK(s.grad() == doctest::Approx(2.0).epsilon(1e-15));
     CHECK(s.grad() != doctest::Approx(1.8));
   }
@@ -131,11 +134,15 @@ TEST_CASE("field: remainder — 10 micro-batches with K = 4 make 3 steps (window
   CHECK(g3 == std::vector<double>{1.0});
 }
 
-TEST_CASE("field: loss scale 1024, K = 2, [1.5, 0] + [1.5, 4], max norm 1: unscale once, clip -> [0.6, 0.8]; inf skips and halves once") {
+TEST_CASE(
+    "field: loss scale 1024, K = 2, [1.5, 0] + [1.5, 4], max norm 1: unscale once, clip -> [0.6, 0.8]; inf skips and "
+    "halves once") {
   auto w = torch::zeros({2}).requires_grad_();
   loom::LocalCommunicator comm;
-  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.average = loom::Average::world_size, .max_grad_norm = 1.0});
-  loom::Accumulator acc(reducer, {.micro_batches_per_step = 2, .loss_scaling = loom::LossScalerOptions{.init_scale = 1024}});
+  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}},
+                        {.average = loom::Average::world_size, .max_grad_norm = 1.0});
+  loom::Accumulator acc(reducer,
+                        {.micro_batches_per_step = 2, .loss_scaling = loom::LossScalerOptions{.init_scale = 1024}});
   auto g1 = torch::tensor({1.5f, 0.0f});
   auto g2 = torch::tensor({1.5f, 4.0f});
   auto window = [&](const at::Tensor& second) {
@@ -182,8 +189,10 @@ TEST_CASE("Accumulator: boundaries every S samples; the remainder keeps its true
   loom::Accumulator acc(s.reducer, {.micro_batches_per_step = 0, .samples_per_step = 6});
   std::vector<std::int64_t> boundaries;
   int i = 0;
-  for (std::vector<double> xs : std::vector<std::vector<double>>{{1, 1}, {2, 2, 2}, {3, 3, 3, 3, 3}, {4}, {5, 5, 5, 5}}) {
-    auto step = acc.run(static_cast<std::int64_t>(xs.size()), [&] { (s.w * torch::tensor(xs, torch::kDouble)).sum().backward(); });
+  for (std::vector<double> xs :
+       std::vector<std::vector<double>>{{1, 1}, {2, 2, 2}, {3, 3, 3, 3, 3}, {4}, {5, 5, 5, 5}}) {
+    auto step = acc.run(static_cast<std::int64_t>(xs.size()),
+                        [&] { (s.w * torch::tensor(xs, torch::kDouble)).sum().backward(); });
     if (step.boundary) {
       boundaries.push_back(i);
       CHECK(step.global_samples == 10);
@@ -216,12 +225,13 @@ TEST_CASE("Accumulator: a rank with no sample gets no NaN; misuse is a loom erro
   CHECK(zero.global_samples == 0);
   CHECK(s.w.grad().item<double>() == 0.0);
 
-  CHECK_THROWS_WITH_AS(loom::Accumulator(s.reducer, {.micro_batches_per_step = -1}), doctest::Contains("micro_batches_per_step = -1"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Accumulator(s.reducer, {.micro_batches_per_step = -1}),
+                       doctest::Contains("micro_batches_per_step = -1"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS((void)acc.micro_batch(-2), doctest::Contains("num_samples = -2"), loom::InvalidArgument);
   {
     auto open = acc.micro_batch(1);
-    CHECK_THROWS_WITH_AS((void)acc.micro_batch(1), doctest::Contains("previous micro-batch was not finished"), loom::Error);
+    CHECK_THROWS_WITH_AS((void)acc.micro_batch(1), doctest::Contains("previous micro-batch was not finished"),
+                         loom::Error);
     open.finish();
     CHECK_THROWS_WITH_AS(open.finish(), doctest::Contains("finish called twice"), loom::Error);
   }

@@ -6,17 +6,19 @@
 //
 // Inputs are small integers, exactly representable in every dtype, so results are compared with
 // tolerance 0 against closed forms computed here in float64 (nccl-tests' "verifiable" idea).
+#include <cmath>
+
 #include <loom/comm/gloo.hpp>
 #include <loom/dist/rendezvous.hpp>
 #include <loom/dist/spawn.hpp>
-
-#include <cmath>
 
 namespace {
 
 constexpr auto kTestTimeout = std::chrono::seconds(20);
 
-loom::SpawnOptions spawn_opts() { return {.timeout = std::chrono::seconds(120)}; }
+loom::SpawnOptions spawn_opts() {
+  return {.timeout = std::chrono::seconds(120)};
+}
 
 /// Throws (so that spawn reports it) when `ok` is false.
 void expect(bool ok, const std::string& what) {
@@ -26,7 +28,9 @@ void expect(bool ok, const std::string& what) {
 const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kInt, at::kLong};
 
 /// Rank r's input element i: (r + 1) * (i + 1), negated for odd i.
-double input_value(int rank, int i) { return (rank + 1) * (i + 1) * (i % 2 == 1 ? -1.0 : 1.0); }
+double input_value(int rank, int i) {
+  return (rank + 1) * (i + 1) * (i % 2 == 1 ? -1.0 : 1.0);
+}
 
 at::Tensor input_tensor(int rank, at::ScalarType dtype) {
   std::vector<double> v;
@@ -102,19 +106,26 @@ TEST_CASE("GlooCommunicator models AsyncCommunicator; its work handle models Wor
 }
 
 TEST_CASE("GlooCommunicator: 2-rank all_reduce sum of float32 equals the closed form") {
-  loom::spawn(2, [](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
-    REQUIRE(comm.rank() == env.rank);
-    REQUIRE(comm.world_size() == 2);
-    auto t = torch::full({5}, static_cast<float>(env.rank + 1));
-    comm.all_reduce(t, loom::ReduceOp::sum);
-    REQUIRE(torch::equal(t, torch::full({5}, 3.0f)));
-  }, spawn_opts());
+  loom::spawn(
+      2,
+      [](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
+        REQUIRE(comm.rank() == env.rank);
+        REQUIRE(comm.world_size() == 2);
+        auto t = torch::full({5}, static_cast<float>(env.rank + 1));
+        comm.all_reduce(t, loom::ReduceOp::sum);
+        REQUIRE(torch::equal(t, torch::full({5}, 3.0f)));
+      },
+      spawn_opts());
 }
 
 TEST_CASE("GlooCommunicator: all_reduce sum/avg/min/max, broadcast from every root, all_gather, every dtype") {
-  SUBCASE("2 ranks") { loom::spawn(2, check_all_collectives, spawn_opts()); }
-  SUBCASE("3 ranks") { loom::spawn(3, check_all_collectives, spawn_opts()); }
+  SUBCASE("2 ranks") {
+    loom::spawn(2, check_all_collectives, spawn_opts());
+  }
+  SUBCASE("3 ranks") {
+    loom::spawn(3, check_all_collectives, spawn_opts());
+  }
 }
 
 TEST_CASE("GlooCommunicator: the expected values are not the identity (the test can fail)") {
@@ -128,99 +139,115 @@ TEST_CASE("GlooCommunicator: the expected values are not the identity (the test 
 }
 
 TEST_CASE("GlooCommunicator: async all-reduces complete in order and wait() is idempotent") {
-  loom::spawn(2, [](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
-    std::vector<at::Tensor> ts;
-    std::vector<loom::GlooWork> works;
-    for (int k = 0; k < 4; ++k) ts.push_back(torch::full({1000}, static_cast<double>((env.rank + 1) * (k + 1))));
-    for (int k = 0; k < 4; ++k) works.push_back(comm.all_reduce_async(ts[k], k % 2 == 0 ? loom::ReduceOp::sum : loom::ReduceOp::avg));
-    for (int k = 3; k >= 0; --k) works[k].wait();  // any wait order
-    for (int k = 0; k < 4; ++k) {
-      expect(works[k].is_completed(), "is_completed after wait");
-      works[k].wait();
-      const double want = k % 2 == 0 ? 3.0 * (k + 1) : 1.5 * (k + 1);
-      expect(torch::equal(ts[k], torch::full({1000}, want, torch::kDouble)),
-             fmt::format("async k={} got {}", k, ts[k][0].item<double>()));
-    }
-    // bfloat16 async: staged through float32, copied back by wait().
-    auto b = torch::full({8}, env.rank + 1.0, torch::kBFloat16);
-    auto w = comm.all_reduce_async(b, loom::ReduceOp::max);
-    w.wait();
-    expect(torch::equal(b, torch::full({8}, 2.0, torch::kBFloat16)), "bf16 async max");
-    // Copies share one pending state: avg divides once however many copies wait.
-    auto a = torch::full({4}, 2.0 * (env.rank + 1));
-    auto w1 = comm.all_reduce_async(a, loom::ReduceOp::avg);
-    auto w2 = w1;
-    w1.wait();
-    w2.wait();
-    expect(w2.is_completed() && torch::equal(a, torch::full({4}, 3.0)), "avg through two copies of a handle");
-    loom::GlooWork empty;
-    expect(empty.is_completed(), "an empty handle is complete");
-    empty.wait();
-  }, spawn_opts());
+  loom::spawn(
+      2,
+      [](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
+        std::vector<at::Tensor> ts;
+        std::vector<loom::GlooWork> works;
+        for (int k = 0; k < 4; ++k) ts.push_back(torch::full({1000}, static_cast<double>((env.rank + 1) * (k + 1))));
+        for (int k = 0; k < 4; ++k)
+          works.push_back(comm.all_reduce_async(ts[k], k % 2 == 0 ? loom::ReduceOp::sum : loom::ReduceOp::avg));
+        for (int k = 3; k >= 0; --k) works[k].wait();  // any wait order
+        for (int k = 0; k < 4; ++k) {
+          expect(works[k].is_completed(), "is_completed after wait");
+          works[k].wait();
+          const double want = k % 2 == 0 ? 3.0 * (k + 1) : 1.5 * (k + 1);
+          expect(torch::equal(ts[k], torch::full({1000}, want, torch::kDouble)),
+                 fmt::format("async k={} got {}", k, ts[k][0].item<double>()));
+        }
+        // bfloat16 async: staged through float32, copied back by wait().
+        auto b = torch::full({8}, env.rank + 1.0, torch::kBFloat16);
+        auto w = comm.all_reduce_async(b, loom::ReduceOp::max);
+        w.wait();
+        expect(torch::equal(b, torch::full({8}, 2.0, torch::kBFloat16)), "bf16 async max");
+        // Copies share one pending state: avg divides once however many copies wait.
+        auto a = torch::full({4}, 2.0 * (env.rank + 1));
+        auto w1 = comm.all_reduce_async(a, loom::ReduceOp::avg);
+        auto w2 = w1;
+        w1.wait();
+        w2.wait();
+        expect(w2.is_completed() && torch::equal(a, torch::full({4}, 3.0)), "avg through two copies of a handle");
+        loom::GlooWork empty;
+        expect(empty.is_completed(), "an empty handle is complete");
+        empty.wait();
+      },
+      spawn_opts());
 }
 
 TEST_CASE("GlooCommunicator: bad tensors and mismatches across ranks are loom errors, not garbage") {
-  loom::spawn(2, [](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
-    // Local checks (no collective is started, so the ranks stay in step).
-    auto nc = torch::zeros({3, 4}).t();
-    REQUIRE_THROWS_WITH_AS(comm.all_reduce(nc, loom::ReduceOp::sum), doctest::Contains("not contiguous"),
-                           loom::InvalidArgument);
-    auto b = torch::zeros({2}, torch::kBool);
-    REQUIRE_THROWS_WITH_AS(comm.broadcast(b, 0), doctest::Contains("unsupported dtype Bool"), loom::InvalidArgument);
-    auto ok = torch::zeros({2});
-    REQUIRE_THROWS_WITH_AS(comm.broadcast(ok, 2), doctest::Contains("root 2 is outside [0, 2)"), loom::InvalidArgument);
+  loom::spawn(
+      2,
+      [](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
+        // Local checks (no collective is started, so the ranks stay in step).
+        auto nc = torch::zeros({3, 4}).t();
+        REQUIRE_THROWS_WITH_AS(comm.all_reduce(nc, loom::ReduceOp::sum), doctest::Contains("not contiguous"),
+                               loom::InvalidArgument);
+        auto b = torch::zeros({2}, torch::kBool);
+        REQUIRE_THROWS_WITH_AS(comm.broadcast(b, 0), doctest::Contains("unsupported dtype Bool"),
+                               loom::InvalidArgument);
+        auto ok = torch::zeros({2});
+        REQUIRE_THROWS_WITH_AS(comm.broadcast(ok, 2), doctest::Contains("root 2 is outside [0, 2)"),
+                               loom::InvalidArgument);
 
-    // dtype mismatch: rank 0 float32, rank 1 float64.
-    auto t = env.rank == 0 ? torch::ones({4}, torch::kFloat) : torch::ones({4}, torch::kDouble);
-    REQUIRE_THROWS_WITH_AS(comm.all_reduce(t, loom::ReduceOp::sum),
-                           doctest::Contains("rank 0: all_reduce op=sum Float [4]; rank 1: all_reduce op=sum Double [4]"),
-                           loom::CommError);
-    // shape mismatch in all_gather.
-    auto s = env.rank == 0 ? torch::ones({2, 3}) : torch::ones({3, 2});
-    REQUIRE_THROWS_WITH_AS(comm.all_gather(s), doctest::Contains("rank 0: all_gather Float [2x3]; rank 1: all_gather Float [3x2]"),
-                           loom::CommError);
-    // different roots, different ops.
-    auto r = torch::ones({2});
-    REQUIRE_THROWS_WITH_AS(comm.broadcast(r, env.rank), doctest::Contains("root=0 Float [2]; rank 1: broadcast root=1"),
-                           loom::CommError);
-    REQUIRE_THROWS_WITH_AS(comm.all_reduce(r, env.rank == 0 ? loom::ReduceOp::min : loom::ReduceOp::max),
-                           doctest::Contains("op=min"), loom::CommError);
-    // different collectives.
-    if (env.rank == 0) {
-      REQUIRE_THROWS_WITH_AS(comm.all_reduce(r, loom::ReduceOp::sum), doctest::Contains("rank 1: broadcast root=0"),
-                             loom::CommError);
-    } else {
-      REQUIRE_THROWS_AS(comm.broadcast(r, 0), loom::CommError);
-    }
-    // The check is itself a clean collective: the communicator still works afterwards.
-    auto u = torch::full({3}, env.rank + 1.0);
-    comm.all_reduce(u, loom::ReduceOp::sum);
-    expect(torch::equal(u, torch::full({3}, 3.0)), "all_reduce after mismatch errors");
-  }, spawn_opts());
+        // dtype mismatch: rank 0 float32, rank 1 float64.
+        auto t = env.rank == 0 ? torch::ones({4}, torch::kFloat) : torch::ones({4}, torch::kDouble);
+        REQUIRE_THROWS_WITH_AS(
+            comm.all_reduce(t, loom::ReduceOp::sum),
+            doctest::Contains("rank 0: all_reduce op=sum Float [4]; rank 1: all_reduce op=sum Double [4]"),
+            loom::CommError);
+        // shape mismatch in all_gather.
+        auto s = env.rank == 0 ? torch::ones({2, 3}) : torch::ones({3, 2});
+        REQUIRE_THROWS_WITH_AS(comm.all_gather(s),
+                               doctest::Contains("rank 0: all_gather Float [2x3]; rank 1: all_gather Float [3x2]"),
+                               loom::CommError);
+        // different roots, different ops.
+        auto r = torch::ones({2});
+        REQUIRE_THROWS_WITH_AS(comm.broadcast(r, env.rank),
+                               doctest::Contains("root=0 Float [2]; rank 1: broadcast root=1"), loom::CommError);
+        REQUIRE_THROWS_WITH_AS(comm.all_reduce(r, env.rank == 0 ? loom::ReduceOp::min : loom::ReduceOp::max),
+                               doctest::Contains("op=min"), loom::CommError);
+        // different collectives.
+        if (env.rank == 0) {
+          REQUIRE_THROWS_WITH_AS(comm.all_reduce(r, loom::ReduceOp::sum), doctest::Contains("rank 1: broadcast root=0"),
+                                 loom::CommError);
+        } else {
+          REQUIRE_THROWS_AS(comm.broadcast(r, 0), loom::CommError);
+        }
+        // The check is itself a clean collective: the communicator still works afterwards.
+        auto u = torch::full({3}, env.rank + 1.0);
+        comm.all_reduce(u, loom::ReduceOp::sum);
+        expect(torch::equal(u, torch::full({3}, 3.0)), "all_reduce after mismatch errors");
+      },
+      spawn_opts());
 }
 
-TEST_CASE("GlooCommunicator: a rank that exits before a collective gives the others a TimeoutError, and spawn names it") {
+TEST_CASE(
+    "GlooCommunicator: a rank that exits before a collective gives the others a TimeoutError, and spawn names it") {
   const auto timeout = std::chrono::seconds(3);
   bool threw = false;
   try {
-    loom::spawn(3, [timeout](const loom::Environment& env) {
-      loom::GlooCommunicator comm(env, {.timeout = timeout});
-      if (env.rank == 1) std::_Exit(3);  // dies before the collective
-      auto t = torch::ones({1024});
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        comm.all_reduce(t, loom::ReduceOp::sum);
-      } catch (const loom::TimeoutError& e) {
-        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        expect(e.collective() == "all_reduce" && e.rank() == env.rank, "TimeoutError names collective and rank");
-        expect(e.seconds_waited() >= 0 && e.seconds_waited() <= 3.0 + 2.0 && waited <= 3.0 + 2.0,
-               fmt::format("TimeoutError within the timeout (waited {:.3f} s, reported {:.3f} s)", waited, e.seconds_waited()));
-        throw;  // reported by spawn
-      }
-      throw std::runtime_error("all_reduce returned although rank 1 is dead");
-    }, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(10)});
+    loom::spawn(
+        3,
+        [timeout](const loom::Environment& env) {
+          loom::GlooCommunicator comm(env, {.timeout = timeout});
+          if (env.rank == 1) std::_Exit(3);  // dies before the collective
+          auto t = torch::ones({1024});
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            comm.all_reduce(t, loom::ReduceOp::sum);
+          } catch (const loom::TimeoutError& e) {
+            const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            expect(e.collective() == "all_reduce" && e.rank() == env.rank, "TimeoutError names collective and rank");
+            expect(e.seconds_waited() >= 0 && e.seconds_waited() <= 3.0 + 2.0 && waited <= 3.0 + 2.0,
+                   fmt::format("TimeoutError within the timeout (waited {:.3f} s, reported {:.3f} s)", waited,
+                               e.seconds_waited()));
+            throw;  // reported by spawn
+          }
+          throw std::runtime_error("all_reduce returned although rank 1 is dead");
+        },
+        {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(10)});
   } catch (const loom::SpawnError& e) {
     threw = true;
     MESSAGE(std::string(e.what()));
@@ -231,7 +258,8 @@ TEST_CASE("GlooCommunicator: a rank that exits before a collective gives the oth
     REQUIRE(e.failures().size() == 3);
     for (std::size_t i = 1; i < 3; ++i) {
       CHECK(e.failures()[i].kind == loom::RankFailure::Kind::exception);
-      CHECK(e.failures()[i].message.find("loom::TimeoutError: loom: all_reduce timed out on rank") != std::string::npos);
+      CHECK(e.failures()[i].message.find("loom::TimeoutError: loom: all_reduce timed out on rank") !=
+            std::string::npos);
     }
   }
   CHECK(threw);
@@ -240,21 +268,23 @@ TEST_CASE("GlooCommunicator: a rank that exits before a collective gives the oth
 TEST_CASE("GlooCommunicator: a peer that never calls the collective: TimeoutError from wait() after the timeout") {
   bool threw = false;
   try {
-    loom::spawn(2, [](const loom::Environment& env) {
-      loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(2)});
-      if (env.rank == 1) {
-        std::this_thread::sleep_for(std::chrono::seconds(6));  // alive, but never joins
-        return;
-      }
-      auto t = torch::ones({16});
-      auto w = comm.all_reduce_async(t, loom::ReduceOp::sum);  // async: the timeout surfaces in wait()
-      try {
-        w.wait();
-      } catch (const loom::TimeoutError&) {
-        w.wait();  // a failed handle rethrows the same TimeoutError on every wait
-        throw std::runtime_error("the second wait() returned normally");
-      }
-    }, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(10)});
+    loom::spawn(2,
+                [](const loom::Environment& env) {
+                  loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(2)});
+                  if (env.rank == 1) {
+                    std::this_thread::sleep_for(std::chrono::seconds(6));  // alive, but never joins
+                    return;
+                  }
+                  auto t = torch::ones({16});
+                  auto w = comm.all_reduce_async(t, loom::ReduceOp::sum);  // async: the timeout surfaces in wait()
+                  try {
+                    w.wait();
+                  } catch (const loom::TimeoutError&) {
+                    w.wait();  // a failed handle rethrows the same TimeoutError on every wait
+                    throw std::runtime_error("the second wait() returned normally");
+                  }
+                },
+                {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(10)});
   } catch (const loom::SpawnError& e) {
     threw = true;
     MESSAGE(std::string(e.what()));
@@ -266,27 +296,33 @@ TEST_CASE("GlooCommunicator: a peer that never calls the collective: TimeoutErro
 }
 
 TEST_CASE("GlooCommunicator: metadata check off (hot path) still reduces correctly") {
-  loom::spawn(2, [](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = kTestTimeout, .check_metadata = false});
-    for (auto dtype : kDtypes) {
-      auto t = input_tensor(env.rank, dtype);
-      comm.all_reduce(t, loom::ReduceOp::sum);
-      expect(torch::equal(t, expected_reduction(2, loom::ReduceOp::sum, dtype)), c10::toString(dtype));
-    }
-  }, spawn_opts());
+  loom::spawn(
+      2,
+      [](const loom::Environment& env) {
+        loom::GlooCommunicator comm(env, {.timeout = kTestTimeout, .check_metadata = false});
+        for (auto dtype : kDtypes) {
+          auto t = input_tensor(env.rank, dtype);
+          comm.all_reduce(t, loom::ReduceOp::sum);
+          expect(torch::equal(t, expected_reduction(2, loom::ReduceOp::sum, dtype)), c10::toString(dtype));
+        }
+      },
+      spawn_opts());
 }
 
 TEST_CASE("GlooCommunicator: two communicators on one store, constructed from a store") {
-  loom::spawn(2, [](const loom::Environment& env) {
-    auto store = loom::rendezvous(env, {.timeout = kTestTimeout});
-    loom::GlooCommunicator a(store, env.rank, env.world_size, {.timeout = kTestTimeout});
-    loom::GlooCommunicator b(store, env.rank, env.world_size, {.timeout = kTestTimeout});
-    auto x = torch::full({2}, env.rank + 1.0);
-    auto y = torch::full({2}, 10.0 * (env.rank + 1));
-    b.all_reduce(y, loom::ReduceOp::sum);
-    a.all_reduce(x, loom::ReduceOp::max);
-    expect(torch::equal(x, torch::full({2}, 2.0)) && torch::equal(y, torch::full({2}, 30.0)), "two communicators");
-  }, spawn_opts());
+  loom::spawn(
+      2,
+      [](const loom::Environment& env) {
+        auto store = loom::rendezvous(env, {.timeout = kTestTimeout});
+        loom::GlooCommunicator a(store, env.rank, env.world_size, {.timeout = kTestTimeout});
+        loom::GlooCommunicator b(store, env.rank, env.world_size, {.timeout = kTestTimeout});
+        auto x = torch::full({2}, env.rank + 1.0);
+        auto y = torch::full({2}, 10.0 * (env.rank + 1));
+        b.all_reduce(y, loom::ReduceOp::sum);
+        a.all_reduce(x, loom::ReduceOp::max);
+        expect(torch::equal(x, torch::full({2}, 2.0)) && torch::equal(y, torch::full({2}, 30.0)), "two communicators");
+      },
+      spawn_opts());
   CHECK_THROWS_AS(loom::GlooCommunicator(c10::intrusive_ptr<c10d::Store>(), 0, 1), loom::InvalidArgument);
 }
 
@@ -300,15 +336,19 @@ TEST_CASE("GlooCommunicator under torchrun's agent store: every rank is a client
   auto agent = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
   const auto port = agent->getPort();
   REQUIRE(port != 0);
-  loom::spawn(2, [](const loom::Environment& env) {
-    expect(env.use_agent_store && env.restart_count == 2, "agent store variables read");
-    loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
-    auto t = torch::full({3}, env.rank + 1.0);
-    comm.all_reduce(t, loom::ReduceOp::sum);
-    expect(torch::equal(t, torch::full({3}, 3.0)), "all_reduce through the agent store");
-  }, {.timeout = std::chrono::seconds(60),
-      .env = {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "2"},
-              {"MASTER_PORT", std::to_string(port)}, {"LOOM_RENDEZVOUS_SECRET", "0123abcd"}}});
+  loom::spawn(2,
+              [](const loom::Environment& env) {
+                expect(env.use_agent_store && env.restart_count == 2, "agent store variables read");
+                loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
+                auto t = torch::full({3}, env.rank + 1.0);
+                comm.all_reduce(t, loom::ReduceOp::sum);
+                expect(torch::equal(t, torch::full({3}, 3.0)), "all_reduce through the agent store");
+              },
+              {.timeout = std::chrono::seconds(60),
+               .env = {{"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                       {"TORCHELASTIC_RESTART_COUNT", "2"},
+                       {"MASTER_PORT", std::to_string(port)},
+                       {"LOOM_RENDEZVOUS_SECRET", "0123abcd"}}});
   // Both ranks checked in under torchrun's prefix and the job's secret (generation 0: the first
   // rendezvous of each child), and nowhere else.
   CHECK(agent->add("/worker/attempt_2/loom/job/0123abcd/loom/rdzv/0/arrived", 0) == 2);
@@ -317,13 +357,16 @@ TEST_CASE("GlooCommunicator under torchrun's agent store: every rank is a client
 }
 
 TEST_CASE("GlooCommunicator for one process: no port is opened, collectives are the identity") {
-  loom::spawn(1, [](int) {
-    loom::GlooCommunicator comm(loom::Environment{}, {.timeout = kTestTimeout});  // rank 0 of 1, HashStore
-    auto t = torch::tensor({1.5, -2.0});
-    comm.all_reduce(t, loom::ReduceOp::avg);
-    expect(torch::equal(t, torch::tensor({1.5, -2.0})), "identity all_reduce");
-    auto g = comm.all_gather(t);
-    expect(g.size() == 1 && torch::equal(g[0], t), "identity all_gather");
-    comm.barrier();
-  }, spawn_opts());
+  loom::spawn(
+      1,
+      [](int) {
+        loom::GlooCommunicator comm(loom::Environment{}, {.timeout = kTestTimeout});  // rank 0 of 1, HashStore
+        auto t = torch::tensor({1.5, -2.0});
+        comm.all_reduce(t, loom::ReduceOp::avg);
+        expect(torch::equal(t, torch::tensor({1.5, -2.0})), "identity all_reduce");
+        auto g = comm.all_gather(t);
+        expect(g.size() == 1 && torch::equal(g[0], t), "identity all_gather");
+        comm.barrier();
+      },
+      spawn_opts());
 }

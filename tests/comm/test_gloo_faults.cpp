@@ -6,13 +6,13 @@
 // SIGPIPE in the writing thread (Gloo's TCP transport writes with writev, without MSG_NOSIGNAL). A
 // small tensor fits in one write and never reaches the second one. The scenario runs 20 times in one
 // test case, so a race that loses one time in five shows up here.
-#include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
-
 #include <csignal>
 #include <filesystem>
 #include <string>
 #include <thread>
+
+#include <loom/comm/gloo.hpp>
+#include <loom/dist/spawn.hpp>
 
 #include "support/temp_dir.hpp"
 
@@ -34,7 +34,9 @@ int named_peer(const std::string& message) {
 
 }  // namespace
 
-TEST_CASE("GlooCommunicator: a peer that exits during multi-MiB collectives: every survivor throws naming the peer, 20 times") {
+TEST_CASE(
+    "GlooCommunicator: a peer that exits during multi-MiB collectives: every survivor throws naming the peer, 20 "
+    "times") {
   for (int round = 0; round < kRepeats; ++round) {
     CAPTURE(round);
     // Mostly 3 ranks (a survivor's I/O thread then competes with two reducing processes for the cores,
@@ -43,26 +45,28 @@ TEST_CASE("GlooCommunicator: a peer that exits during multi-MiB collectives: eve
     const int nprocs = round % 4 == 3 ? 2 : 3;
     const int dead = (round % 3) % nprocs;
     try {
-      loom::spawn(nprocs, [dead, round](const loom::Environment& env) {
-        // No metadata check: the big all-reduce itself must be what meets the dead peer.
-        loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(10), .check_metadata = false});
-        auto t = torch::full({kBigNumel}, static_cast<float>(env.rank + 1));
-        // One collective that completes, so the connections carried data before the peer dies.
-        comm.all_reduce(t, loom::ReduceOp::sum);
-        if (env.rank == dead) std::_Exit(3);
-        // Start sending at a delay varied by round, so the peer's close lands before or during the sends.
-        std::this_thread::sleep_for(std::chrono::microseconds(200 * (round % 5)));
-        // Four 4 MiB all-reduces in flight at once (as a gradient reducer keeps its buckets), so several
-        // writes to the dead peer's socket are queued when its close arrives.
-        std::vector<at::Tensor> buckets;
-        for (int k = 0; k < 4; ++k) buckets.push_back(torch::full({kBigNumel / 4}, 1.0f));
-        for (int i = 0; i < 100; ++i) {
-          std::vector<loom::GlooWork> works;
-          for (auto& b : buckets) works.push_back(comm.all_reduce_async(b, loom::ReduceOp::sum));
-          for (auto& w : works) w.wait();
-        }
-        throw std::runtime_error("100 rounds of all_reduce returned although a peer is dead");
-      }, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(15)});
+      loom::spawn(nprocs,
+                  [dead, round](const loom::Environment& env) {
+                    // No metadata check: the big all-reduce itself must be what meets the dead peer.
+                    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(10), .check_metadata = false});
+                    auto t = torch::full({kBigNumel}, static_cast<float>(env.rank + 1));
+                    // One collective that completes, so the connections carried data before the peer dies.
+                    comm.all_reduce(t, loom::ReduceOp::sum);
+                    if (env.rank == dead) std::_Exit(3);
+                    // Start sending at a delay varied by round, so the peer's close lands before or during the sends.
+                    std::this_thread::sleep_for(std::chrono::microseconds(200 * (round % 5)));
+                    // Four 4 MiB all-reduces in flight at once (as a gradient reducer keeps its buckets), so several
+                    // writes to the dead peer's socket are queued when its close arrives.
+                    std::vector<at::Tensor> buckets;
+                    for (int k = 0; k < 4; ++k) buckets.push_back(torch::full({kBigNumel / 4}, 1.0f));
+                    for (int i = 0; i < 100; ++i) {
+                      std::vector<loom::GlooWork> works;
+                      for (auto& b : buckets) works.push_back(comm.all_reduce_async(b, loom::ReduceOp::sum));
+                      for (auto& w : works) w.wait();
+                    }
+                    throw std::runtime_error("100 rounds of all_reduce returned although a peer is dead");
+                  },
+                  {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(15)});
       FAIL("spawn did not throw");
     } catch (const loom::SpawnError& e) {
       const std::string what = e.what();
@@ -89,37 +93,43 @@ TEST_CASE("GlooCommunicator: a peer that exits during multi-MiB collectives: eve
 }
 
 TEST_CASE("GlooCommunicator: constructing one ignores SIGPIPE if (and only if) it still had its default disposition") {
-  loom::spawn(2, [](const loom::Environment& env) {
-    struct sigaction a {};
-    if (env.rank == 1) {
-      // A program's own handler is kept.
-      struct sigaction handler {};
-      handler.sa_handler = [](int) {};
-      sigaction(SIGPIPE, &handler, nullptr);
-    }
-    sigaction(SIGPIPE, nullptr, &a);
-    const auto before = a.sa_handler;
-    if (env.rank == 0 && before != SIG_DFL) throw std::runtime_error("rank 0 did not start with SIGPIPE at SIG_DFL");
-    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
-    sigaction(SIGPIPE, nullptr, &a);
-    if (env.rank == 0 && a.sa_handler != SIG_IGN) throw std::runtime_error("SIGPIPE still at SIG_DFL after construction");
-    if (env.rank == 1 && a.sa_handler != before) throw std::runtime_error("the program's SIGPIPE handler was replaced");
-    // What that buys: writing twice to a TCP connection whose other end is closed fails with EPIPE
-    // (the first write draws the reset) instead of killing the process.
-    int pair[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM, 0, pair) != 0) throw std::runtime_error("socketpair failed");
-    close(pair[1]);
-    const char byte = 'x';
-    const auto first = write(pair[0], &byte, 1);
-    const int first_errno = errno;
-    const auto second = write(pair[0], &byte, 1);
-    const int second_errno = errno;
-    close(pair[0]);
-    if (first != -1 || first_errno != EPIPE || second != -1 || second_errno != EPIPE)
-      throw std::runtime_error(fmt::format("writes to a closed socket returned {} ({}) and {} ({}), want -1 (EPIPE)", first,
-                                           first_errno, second, second_errno));
-    comm.barrier();
-  }, {.timeout = std::chrono::seconds(60)});
+  loom::spawn(2,
+              [](const loom::Environment& env) {
+                struct sigaction a {};
+                if (env.rank == 1) {
+                  // A program's own handler is kept.
+                  struct sigaction handler {};
+                  handler.sa_handler = [](int) {};
+                  sigaction(SIGPIPE, &handler, nullptr);
+                }
+                sigaction(SIGPIPE, nullptr, &a);
+                const auto before = a.sa_handler;
+                if (env.rank == 0 && before != SIG_DFL)
+                  throw std::runtime_error("rank 0 did not start with SIGPIPE at SIG_DFL");
+                loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
+                sigaction(SIGPIPE, nullptr, &a);
+                if (env.rank == 0 && a.sa_handler != SIG_IGN)
+                  throw std::runtime_error("SIGPIPE still at SIG_DFL after construction");
+                if (env.rank == 1 && a.sa_handler != before)
+                  throw std::runtime_error("the program's SIGPIPE handler was replaced");
+                // What that buys: writing twice to a TCP connection whose other end is closed fails with EPIPE
+                // (the first write draws the reset) instead of killing the process.
+                int pair[2];
+                if (socketpair(AF_UNIX, SOCK_STREAM, 0, pair) != 0) throw std::runtime_error("socketpair failed");
+                close(pair[1]);
+                const char byte = 'x';
+                const auto first = write(pair[0], &byte, 1);
+                const int first_errno = errno;
+                const auto second = write(pair[0], &byte, 1);
+                const int second_errno = errno;
+                close(pair[0]);
+                if (first != -1 || first_errno != EPIPE || second != -1 || second_errno != EPIPE)
+                  throw std::runtime_error(
+                      fmt::format("writes to a closed socket returned {} ({}) and {} ({}), want -1 (EPIPE)", first,
+                                  first_errno, second, second_errno));
+                comm.barrier();
+              },
+              {.timeout = std::chrono::seconds(60)});
 }
 
 TEST_CASE("GlooPeerTable: Gloo's socket addresses in its messages map to the peer's rank") {
@@ -159,14 +169,16 @@ TEST_CASE("GlooCommunicator: in a 3-rank job each survivor names the rank that d
   for (int round = 0; round < 5; ++round) {
     CAPTURE(round);
     try {
-      loom::spawn(3, [](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(10), .check_metadata = false});
-        auto t = torch::full({1024}, 1.0f);
-        comm.all_reduce(t, loom::ReduceOp::sum);
-        if (env.rank == 1) std::_Exit(3);
-        comm.all_reduce(t, loom::ReduceOp::sum);
-        throw std::runtime_error("all_reduce returned although rank 1 is dead");
-      }, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(15)});
+      loom::spawn(3,
+                  [](const loom::Environment& env) {
+                    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(10), .check_metadata = false});
+                    auto t = torch::full({1024}, 1.0f);
+                    comm.all_reduce(t, loom::ReduceOp::sum);
+                    if (env.rank == 1) std::_Exit(3);
+                    comm.all_reduce(t, loom::ReduceOp::sum);
+                    throw std::runtime_error("all_reduce returned although rank 1 is dead");
+                  },
+                  {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(15)});
       FAIL("spawn did not throw");
     } catch (const loom::SpawnError& e) {
       INFO(e.what());
@@ -189,32 +201,35 @@ TEST_CASE("GlooCommunicator: abort() on a live rank ends its peers' pending coll
   // 0 gave up and exited, and rank 0 would report "gave up".
   loom::test::TempDir dir("loom-abort");
   const std::string path = dir.path.string();
-  loom::spawn(3, [path](const loom::Environment& env) {
-    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(60), .check_metadata = false});
-    auto t = torch::full({1024}, 1.0f);
-    comm.all_reduce(t, loom::ReduceOp::sum);  // connected and used
-    if (env.rank == 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the peers' all_reduce is pending
-      comm.abort();
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(50);
-      while (!(fs::exists(path + "/error1") && fs::exists(path + "/error2"))) {
-        if (std::chrono::steady_clock::now() > deadline) {
-          loom::test::write_file(path + "/rank0", "gave up");
-          return;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      loom::test::write_file(path + "/rank0", "peers failed while rank 0 was alive");
-      return;
-    }
-    try {
-      comm.all_reduce(t, loom::ReduceOp::sum);
-      loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", "returned");
-    } catch (const loom::TimeoutError& e) {
-      loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", e.what());
-    }
-    fs::rename(path + "/error" + std::to_string(env.rank) + ".tmp", path + "/error" + std::to_string(env.rank));
-  }, {.timeout = std::chrono::seconds(90)});
+  loom::spawn(3,
+              [path](const loom::Environment& env) {
+                loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(60), .check_metadata = false});
+                auto t = torch::full({1024}, 1.0f);
+                comm.all_reduce(t, loom::ReduceOp::sum);  // connected and used
+                if (env.rank == 0) {
+                  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the peers' all_reduce is pending
+                  comm.abort();
+                  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(50);
+                  while (!(fs::exists(path + "/error1") && fs::exists(path + "/error2"))) {
+                    if (std::chrono::steady_clock::now() > deadline) {
+                      loom::test::write_file(path + "/rank0", "gave up");
+                      return;
+                    }
+                    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                  }
+                  loom::test::write_file(path + "/rank0", "peers failed while rank 0 was alive");
+                  return;
+                }
+                try {
+                  comm.all_reduce(t, loom::ReduceOp::sum);
+                  loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", "returned");
+                } catch (const loom::TimeoutError& e) {
+                  loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", e.what());
+                }
+                fs::rename(path + "/error" + std::to_string(env.rank) + ".tmp",
+                           path + "/error" + std::to_string(env.rank));
+              },
+              {.timeout = std::chrono::seconds(90)});
   CHECK(dir.read("rank0") == "peers failed while rank 0 was alive");
   for (int r : {1, 2}) {
     const std::string error = dir.read("error" + std::to_string(r));

@@ -2,10 +2,10 @@
 // GLOO_SOCKET_IFNAME, loopback masters) and what the other ranks see when one rank fails to join
 // (they stop waiting at once and name it). The rule's multi-host branch (the local address that
 // routes to MASTER_ADDR) needs a second host: tests/dist/test_two_hosts.cpp.
+#include <cstdlib>
+
 #include <loom/comm/gloo.hpp>
 #include <loom/dist/spawn.hpp>
-
-#include <cstdlib>
 
 namespace {
 
@@ -21,13 +21,15 @@ void expect(bool ok, const std::string& what) {
 /// what they saw).
 std::vector<loom::RankFailure> one_rank_fails_to_join(int nprocs, int failing) {
   try {
-    loom::spawn(nprocs, [failing](const loom::Environment& env) {
-      // The others would wait 60 s for the missing rank if nobody told them.
-      loom::GlooOptions options{.timeout = std::chrono::seconds(60)};
-      if (env.rank == failing) options.interface = "loomnoif0";
-      loom::GlooCommunicator comm(env, options);
-      comm.barrier();
-    }, {.timeout = std::chrono::seconds(50), .grace = std::chrono::seconds(30)});
+    loom::spawn(nprocs,
+                [failing](const loom::Environment& env) {
+                  // The others would wait 60 s for the missing rank if nobody told them.
+                  loom::GlooOptions options{.timeout = std::chrono::seconds(60)};
+                  if (env.rank == failing) options.interface = "loomnoif0";
+                  loom::GlooCommunicator comm(env, options);
+                  comm.barrier();
+                },
+                {.timeout = std::chrono::seconds(50), .grace = std::chrono::seconds(30)});
   } catch (const loom::SpawnError& e) {
     MESSAGE(std::string(e.what()));
     return e.failures();
@@ -83,26 +85,32 @@ TEST_CASE("Gloo device choice on this host: loopback masters keep loopback; name
 TEST_CASE("GlooCommunicator honours GLOO_SOCKET_IFNAME, a comma-separated list included") {
   for (const char* ifname : {"lo", "lo,lo"}) {
     CAPTURE(ifname);
-    loom::spawn(2, [ifname](const loom::Environment& env) {
-      loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
-      expect(comm.device_description().find(fmt::format("GLOO_SOCKET_IFNAME='{}'", ifname)) != std::string::npos,
-             "device from GLOO_SOCKET_IFNAME: " + comm.device_description());
-      // Several all-reduces, so that with two devices both of Gloo's contexts carry one.
-      for (int k = 0; k < 4; ++k) {
-        auto t = torch::full({64}, static_cast<double>(env.rank + 1 + k), torch::kDouble);
-        comm.all_reduce(t, loom::ReduceOp::sum);
-        expect(torch::equal(t, torch::full({64}, 3.0 + 2 * k, torch::kDouble)), fmt::format("all_reduce {}", k));
-      }
-    }, {.timeout = std::chrono::seconds(60), .env = {{"GLOO_SOCKET_IFNAME", ifname}}});
+    loom::spawn(
+        2,
+        [ifname](const loom::Environment& env) {
+          loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
+          expect(comm.device_description().find(fmt::format("GLOO_SOCKET_IFNAME='{}'", ifname)) != std::string::npos,
+                 "device from GLOO_SOCKET_IFNAME: " + comm.device_description());
+          // Several all-reduces, so that with two devices both of Gloo's contexts carry one.
+          for (int k = 0; k < 4; ++k) {
+            auto t = torch::full({64}, static_cast<double>(env.rank + 1 + k), torch::kDouble);
+            comm.all_reduce(t, loom::ReduceOp::sum);
+            expect(torch::equal(t, torch::full({64}, 3.0 + 2 * k, torch::kDouble)), fmt::format("all_reduce {}", k));
+          }
+        },
+        {.timeout = std::chrono::seconds(60), .env = {{"GLOO_SOCKET_IFNAME", ifname}}});
   }
   // Without it, a loopback master keeps loopback.
-  loom::spawn(1, [](const loom::Environment& env0) {
-    loom::Environment env = env0;
-    env.world_size = 1;
-    loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
-    expect(comm.device_description().rfind("127.0.0.1 (MASTER_ADDR '127.0.0.1' is a loopback address", 0) == 0,
-           comm.device_description());
-  }, {.env = {{"GLOO_SOCKET_IFNAME", ""}}});
+  loom::spawn(1,
+              [](const loom::Environment& env0) {
+                loom::Environment env = env0;
+                env.world_size = 1;
+                loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
+                expect(
+                    comm.device_description().rfind("127.0.0.1 (MASTER_ADDR '127.0.0.1' is a loopback address", 0) == 0,
+                    comm.device_description());
+              },
+              {.env = {{"GLOO_SOCKET_IFNAME", ""}}});
 }
 
 TEST_CASE("GlooCommunicator: when one rank fails to join, the others stop waiting at once and name it") {
@@ -120,7 +128,8 @@ TEST_CASE("GlooCommunicator: when one rank fails to join, the others stop waitin
         CHECK(r.message.find("loom::ConfigError: loom: GlooOptions::interface='loomnoif0'") == 0);
       } else {
         CHECK(r.message.find(fmt::format("loom::CommError: loom: GlooCommunicator: rank {}/{} stopped waiting for its "
-                                         "peers after", r.rank, nprocs)) == 0);
+                                         "peers after",
+                                         r.rank, nprocs)) == 0);
         CHECK(r.message.find(fmt::format("because rank {} (", failing)) != std::string::npos);
         CHECK(r.message.find("failed to join: loom: GlooOptions::interface='loomnoif0'") != std::string::npos);
       }

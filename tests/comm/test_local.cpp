@@ -14,8 +14,8 @@ TEST_CASE("LocalCommunicator: collectives are the identity and check their tenso
   auto nc = torch::zeros({3, 4}).t();
   CHECK_THROWS_AS(comm.all_reduce(nc, loom::ReduceOp::sum), loom::InvalidArgument);
   auto b = torch::zeros({2}, torch::kBool);
-  CHECK_THROWS_WITH_AS(comm.all_reduce(b, loom::ReduceOp::sum),
-                       doctest::Contains("unsupported dtype Bool"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(comm.all_reduce(b, loom::ReduceOp::sum), doctest::Contains("unsupported dtype Bool"),
+                       loom::InvalidArgument);
   CHECK_THROWS_AS(comm.broadcast(t, 1), loom::InvalidArgument);
 }
 

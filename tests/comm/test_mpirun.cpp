@@ -3,20 +3,19 @@
 // and each MPI rank reads OMPI_COMM_WORLD_* through loom::Environment::from_env(), builds a
 // GlooCommunicator and checks an all-reduce and an all-gather against closed forms.
 // Exit codes: 0 pass, 1 fail, 77 skipped (mpirun not installed), as Meson expects.
-#include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
-
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <signal.h>
 #include <string>
+#include <sys/wait.h>
 #include <thread>
+#include <unistd.h>
 #include <vector>
+
+#include <loom/comm/gloo.hpp>
+#include <loom/dist/spawn.hpp>
 
 namespace {
 
@@ -65,8 +64,15 @@ int driver() {
     return 77;
   }
   auto [fd, port] = loom::detail::reserve_port();  // held until rank 0's store listens
-  std::vector<std::string> args = {mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2",
-                                   "-x", "MASTER_ADDR=127.0.0.1", "-x", fmt::format("MASTER_PORT={}", port),
+  std::vector<std::string> args = {mpirun,
+                                   "--allow-run-as-root",
+                                   "--oversubscribe",
+                                   "-np",
+                                   "2",
+                                   "-x",
+                                   "MASTER_ADDR=127.0.0.1",
+                                   "-x",
+                                   fmt::format("MASTER_PORT={}", port),
                                    std::filesystem::canonical("/proc/self/exe").string()};
   fmt::print("running: {}\n", fmt::join(args, " "));
   std::fflush(stdout);
@@ -76,7 +82,8 @@ int driver() {
     ::setpgid(0, 0);
     ::close(fd);
     // The ranks must see Open MPI's variables only, not a torchrun job this test might run under.
-    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID"}) ::unsetenv(v);
+    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID"})
+      ::unsetenv(v);
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -103,7 +110,8 @@ int driver() {
     fmt::print("PASS: 2 ranks under mpirun all-reduced over Gloo\n");
     return 0;
   }
-  fmt::print(stderr, "FAIL: mpirun exited with status {}\n", WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+  fmt::print(stderr, "FAIL: mpirun exited with status {}\n",
+             WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
   return 1;
 }
 

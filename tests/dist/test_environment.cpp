@@ -1,15 +1,18 @@
 // Environment parsing: every launcher, the derived fields, and every bad value named in its error.
-#include <loom/dist/environment.hpp>
-
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <loom/dist/environment.hpp>
 
 using loom::Environment;
 using Vars = std::map<std::string, std::string, std::less<>>;
 
 namespace {
 Vars torchrun(std::string rank, std::string world) {
-  return {{"RANK", std::move(rank)}, {"WORLD_SIZE", std::move(world)}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29400"}};
+  return {{"RANK", std::move(rank)},
+          {"WORLD_SIZE", std::move(world)},
+          {"MASTER_ADDR", "10.0.0.1"},
+          {"MASTER_PORT", "29400"}};
 }
 Vars with(Vars v, const std::string& k, const std::string& value) {
   v[k] = value;
@@ -73,8 +76,9 @@ TEST_CASE("Environment: torchrun variables") {
   SUBCASE("2 nodes x 2 ranks: local rank 0 of each node is global rank 0 and 2") {
     std::vector<int> local_mains;
     for (int r = 0; r < 4; ++r) {
-      auto e = Environment::from_map(with(with(with(torchrun(std::to_string(r), "4"), "LOCAL_RANK", std::to_string(r % 2)),
-                                                "LOCAL_WORLD_SIZE", "2"), "GROUP_RANK", std::to_string(r / 2)));
+      auto e = Environment::from_map(with(
+          with(with(torchrun(std::to_string(r), "4"), "LOCAL_RANK", std::to_string(r % 2)), "LOCAL_WORLD_SIZE", "2"),
+          "GROUP_RANK", std::to_string(r / 2)));
       if (e.is_local_main()) local_mains.push_back(r);
       CHECK(e.node_rank == r / 2);
     }
@@ -86,8 +90,8 @@ TEST_CASE("Environment: torchrun variables") {
 }
 
 TEST_CASE("Environment: torchrun agent store variables") {
-  auto env = Environment::from_map(with(with(torchrun("0", "2"), "TORCHELASTIC_USE_AGENT_STORE", "True"),
-                                        "TORCHELASTIC_RESTART_COUNT", "3"));
+  auto env = Environment::from_map(
+      with(with(torchrun("0", "2"), "TORCHELASTIC_USE_AGENT_STORE", "True"), "TORCHELASTIC_RESTART_COUNT", "3"));
   CHECK(env.use_agent_store);
   CHECK(env.restart_count == 3);
   CHECK_FALSE(Environment::from_map(with(torchrun("0", "2"), "TORCHELASTIC_USE_AGENT_STORE", "False")).use_agent_store);
@@ -96,15 +100,20 @@ TEST_CASE("Environment: torchrun agent store variables") {
 TEST_CASE("Environment: the job's rendezvous secret, whatever the launcher") {
   CHECK(Environment::from_map(torchrun("0", "2")).rendezvous_secret.empty());
   CHECK(Environment::from_map(with(torchrun("0", "2"), "LOOM_RENDEZVOUS_SECRET", "9f3a")).rendezvous_secret == "9f3a");
-  Vars mpi{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_ADDR", "node0"},
+  Vars mpi{{"OMPI_COMM_WORLD_RANK", "0"},
+           {"OMPI_COMM_WORLD_SIZE", "2"},
+           {"MASTER_ADDR", "node0"},
            {"LOOM_RENDEZVOUS_SECRET", "c0ffee"}};
   CHECK(Environment::from_map(mpi).rendezvous_secret == "c0ffee");
   CHECK(Environment::from_map({{"LOOM_RENDEZVOUS_SECRET", "ab"}}).rendezvous_secret == "ab");
 }
 
 TEST_CASE("Environment: Open MPI variables") {
-  Vars vars{{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
-            {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"MASTER_ADDR", "node0"}};
+  Vars vars{{"OMPI_COMM_WORLD_RANK", "3"},
+            {"OMPI_COMM_WORLD_SIZE", "4"},
+            {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+            {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+            {"MASTER_ADDR", "node0"}};
   auto env = Environment::from_map(vars);
   CHECK(env.launcher == loom::Launcher::mpirun);
   CHECK(env.rank == 3);
@@ -123,7 +132,7 @@ TEST_CASE("Environment: Open MPI variables") {
 }
 
 TEST_CASE("Environment: Slurm variables") {
-  Vars vars{{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}, {"SLURM_TASKS_PER_NODE", "4(x2)"},
+  Vars vars{{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},    {"SLURM_TASKS_PER_NODE", "4(x2)"},
             {"SLURM_NODEID", "1"}, {"SLURM_NNODES", "2"}, {"MASTER_ADDR", "gpu-01"}, {"MASTER_PORT", "12345"}};
   auto env = Environment::from_map(vars);
   CHECK(env.launcher == loom::Launcher::slurm);
@@ -160,7 +169,8 @@ TEST_CASE("Environment: every bad value is a ConfigError naming the variable and
   bad(without(torchrun("0", "2"), "WORLD_SIZE"), "RANK is set but WORLD_SIZE is not");
   bad(with(torchrun("0", "2"), "LOCAL_RANK", "x"), "LOCAL_RANK='x' is not an integer");
   bad(with(torchrun("0", "2"), "LOCAL_RANK", "-3"), "LOCAL_RANK=-3 is negative");
-  bad(with(with(torchrun("0", "4"), "LOCAL_RANK", "2"), "LOCAL_WORLD_SIZE", "2"), "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2");
+  bad(with(with(torchrun("0", "4"), "LOCAL_RANK", "2"), "LOCAL_WORLD_SIZE", "2"),
+      "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2");
   bad(with(torchrun("0", "2"), "LOCAL_WORLD_SIZE", "3"), "LOCAL_WORLD_SIZE=3 is larger than WORLD_SIZE=2");
   bad(with(torchrun("0", "2"), "LOCAL_WORLD_SIZE", "0"), "LOCAL_WORLD_SIZE=0 must be at least 1");
   bad(with(torchrun("0", "2"), "MASTER_PORT", "70000"), "MASTER_PORT=70000 is outside [1, 65535]");
@@ -170,19 +180,26 @@ TEST_CASE("Environment: every bad value is a ConfigError naming the variable and
   bad(without(torchrun("0", "2"), "MASTER_ADDR"), "MASTER_ADDR is not set but WORLD_SIZE=2 (> 1)");
   bad(with(torchrun("0", "2"), "MASTER_ADDR", ""), "MASTER_ADDR is empty but WORLD_SIZE=2 (> 1)");
   bad(with(with(torchrun("1", "4"), "GROUP_RANK", "2"), "GROUP_WORLD_SIZE", "2"), "node rank 2");
-  bad(with(torchrun("0", "2"), "TORCHELASTIC_USE_AGENT_STORE", "maybe"), "TORCHELASTIC_USE_AGENT_STORE='maybe' is not True or False");
+  bad(with(torchrun("0", "2"), "TORCHELASTIC_USE_AGENT_STORE", "maybe"),
+      "TORCHELASTIC_USE_AGENT_STORE='maybe' is not True or False");
   bad(with(torchrun("0", "2"), "TORCHELASTIC_RESTART_COUNT", "-1"), "TORCHELASTIC_RESTART_COUNT=-1 is negative");
   bad(with(torchrun("0", "2"), "LOOM_RENDEZVOUS_SECRET", "ab cd\n"), "LOOM_RENDEZVOUS_SECRET contains whitespace");
   bad({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK='x' is not an integer");
-  bad({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK=2 is not below OMPI_COMM_WORLD_SIZE=2");
+  bad({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
+      "OMPI_COMM_WORLD_RANK=2 is not below OMPI_COMM_WORLD_SIZE=2");
   bad({{"OMPI_COMM_WORLD_RANK", "0"}}, "OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not");
   bad({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
-      "MASTER_ADDR is not set but OMPI_COMM_WORLD_SIZE=2 (> 1); export MASTER_ADDR=<host of rank 0> and pass it with mpirun -x MASTER_ADDR");
-  bad({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
-       {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}, {"MASTER_ADDR", "h"}},
+      "MASTER_ADDR is not set but OMPI_COMM_WORLD_SIZE=2 (> 1); export MASTER_ADDR=<host of rank 0> and pass it with "
+      "mpirun -x MASTER_ADDR");
+  bad({{"OMPI_COMM_WORLD_RANK", "1"},
+       {"OMPI_COMM_WORLD_SIZE", "2"},
+       {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
+       {"MASTER_ADDR", "h"}},
       "OMPI_COMM_WORLD_LOCAL_RANK=1 is not below OMPI_COMM_WORLD_LOCAL_SIZE=1");
   bad({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "2"}}, "SLURM_PROCID=3 is not below SLURM_NTASKS=2");
-  bad({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "-1"}, {"MASTER_ADDR", "h"}}, "SLURM_LOCALID=-1 is negative");
+  bad({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "-1"}, {"MASTER_ADDR", "h"}},
+      "SLURM_LOCALID=-1 is negative");
   bad({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "x2"}}, "SLURM_NTASKS='x2' is not an integer");
   // And the same values are fine when they are in range (the checks are not over-eager).
   CHECK_NOTHROW(Environment::from_map(with(torchrun("1", "2"), "MASTER_PORT", "65535")));

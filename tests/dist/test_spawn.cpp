@@ -1,20 +1,19 @@
 // loom::spawn and spawn_command: variables seen by the ranks, every way a rank can fail, the overall
 // timeout, the fork rule (intra-op threads), and rendezvous timeouts.
-#include <loom/dist/rendezvous.hpp>
-#include <loom/dist/spawn.hpp>
-
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <csignal>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <unistd.h>
+
+#include <loom/dist/rendezvous.hpp>
+#include <loom/dist/spawn.hpp>
 
 namespace fs = std::filesystem;
 
@@ -62,9 +61,9 @@ TEST_CASE("spawn: every rank runs once with torchrun's variables") {
   const fs::path d = dir.path;
   loom::spawn(3, [d](const loom::Environment& env) {
     write_file(d / fmt::format("rank{}", env.rank),
-               fmt::format("{} {} {} {} {} {} {} {} {} {}", env.rank, env.world_size, env.local_rank, env.local_world_size,
-                           env.master_addr, env.master_port, to_string(env.launcher), std::getenv("OMP_NUM_THREADS"),
-                           at::get_num_threads(), env.rendezvous_secret));
+               fmt::format("{} {} {} {} {} {} {} {} {} {}", env.rank, env.world_size, env.local_rank,
+                           env.local_world_size, env.master_addr, env.master_port, to_string(env.launcher),
+                           std::getenv("OMP_NUM_THREADS"), at::get_num_threads(), env.rendezvous_secret));
   });
   std::string port, secret;
   for (int r = 0; r < 3; ++r) {
@@ -98,7 +97,8 @@ TEST_CASE("spawn: children start with default signal handling, not the parent's 
   const bool parent_has_handler = parent_action.sa_handler != SIG_DFL;
   CHECK(parent_has_handler);  // otherwise this test proves nothing
   // A signal the parent ignores stays ignored in the ranks, as across execve(2).
-  struct sigaction ignore {}, saved {};
+  struct sigaction ignore {
+  }, saved{};
   ignore.sa_handler = SIG_IGN;
   REQUIRE(sigaction(SIGUSR2, &ignore, &saved) == 0);
   loom::spawn(1, [](int) {
@@ -133,10 +133,12 @@ TEST_CASE("spawn: fn(int) form, one rank, and SpawnOptions::env") {
 
 TEST_CASE("spawn: an exception in one rank is reported with its type and text; the others are terminated") {
   try {
-    loom::spawn(3, [](int rank) {
-      if (rank == 1) throw std::out_of_range("boom from rank 1");
-      std::this_thread::sleep_for(std::chrono::seconds(60));  // must be terminated, not waited for
-    }, {.timeout = std::chrono::seconds(50), .grace = std::chrono::milliseconds(200)});
+    loom::spawn(3,
+                [](int rank) {
+                  if (rank == 1) throw std::out_of_range("boom from rank 1");
+                  std::this_thread::sleep_for(std::chrono::seconds(60));  // must be terminated, not waited for
+                },
+                {.timeout = std::chrono::seconds(50), .grace = std::chrono::milliseconds(200)});
     FAIL("spawn did not throw");
   } catch (const loom::SpawnError& e) {
     INFO(e.what());
@@ -146,16 +148,19 @@ TEST_CASE("spawn: an exception in one rank is reported with its type and text; t
     CHECK(e.failures()[0].message == "std::out_of_range: boom from rank 1");
     CHECK(e.failures()[1].kind == loom::RankFailure::Kind::terminated);
     CHECK(e.failures()[2].kind == loom::RankFailure::Kind::terminated);
-    CHECK(std::string(e.what()).rfind("loom: spawn: rank 1 threw std::out_of_range: boom from rank 1 (of 3 ranks)", 0) == 0);
+    CHECK(std::string(e.what()).rfind("loom: spawn: rank 1 threw std::out_of_range: boom from rank 1 (of 3 ranks)",
+                                      0) == 0);
   }
 }
 
 TEST_CASE("spawn: a non-zero exit code and a signal are named") {
   try {
-    loom::spawn(2, [](int rank) {
-      if (rank == 1) std::exit(7);
-      std::this_thread::sleep_for(std::chrono::seconds(60));
-    }, {.grace = std::chrono::milliseconds(100)});
+    loom::spawn(2,
+                [](int rank) {
+                  if (rank == 1) std::exit(7);
+                  std::this_thread::sleep_for(std::chrono::seconds(60));
+                },
+                {.grace = std::chrono::milliseconds(100)});
     FAIL("spawn did not throw");
   } catch (const loom::SpawnError& e) {
     CHECK(e.failed_rank() == 1);
@@ -186,21 +191,24 @@ TEST_CASE("spawn: the overall timeout terminates every rank and names the ones s
   term_marker = (dir.path / "term1").string();
   const fs::path d = dir.path;
   try {
-    loom::spawn(2, [d](int rank) {
-      if (rank == 1) {
-        struct sigaction on_term {};
-        on_term.sa_handler = [](int) { ::close(::open(term_marker.c_str(), O_CREAT | O_WRONLY, 0600)); };
-        sigaction(SIGTERM, &on_term, nullptr);
-      }
-      write_file(d / fmt::format("started{}", rank), "");
-      for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      write_file(d / fmt::format("finished{}", rank), "");
-    }, {.timeout = std::chrono::seconds(2), .kill_after = std::chrono::milliseconds(300)});
+    loom::spawn(2,
+                [d](int rank) {
+                  if (rank == 1) {
+                    struct sigaction on_term {};
+                    on_term.sa_handler = [](int) { ::close(::open(term_marker.c_str(), O_CREAT | O_WRONLY, 0600)); };
+                    sigaction(SIGTERM, &on_term, nullptr);
+                  }
+                  write_file(d / fmt::format("started{}", rank), "");
+                  for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                  write_file(d / fmt::format("finished{}", rank), "");
+                },
+                {.timeout = std::chrono::seconds(2), .kill_after = std::chrono::milliseconds(300)});
     FAIL("spawn did not throw");
   } catch (const loom::TimeoutError& e) {
     INFO(e.what());
     CHECK(e.collective() == "spawn");
-    CHECK(std::string(e.what()).find("ranks [0, 1] of 2 were still running after the 2.000 s limit") != std::string::npos);
+    CHECK(std::string(e.what()).find("ranks [0, 1] of 2 were still running after the 2.000 s limit") !=
+          std::string::npos);
   }
   CHECK(fs::exists(dir.path / "started0"));
   CHECK(fs::exists(dir.path / "started1"));
@@ -217,16 +225,19 @@ TEST_CASE("spawn: the fork rule: a parent that used the OpenMP pool, children wi
   auto x = torch::rand({512, 1024});
   CHECK((x * 2 + 1).exp().sum().item<double>() > 0);
   at::set_num_threads(before);
-  loom::spawn(2, [](int) {
-    if (at::get_num_threads() != 1) throw std::runtime_error("child has more than one intra-op thread");
-    auto y = torch::rand({512, 1024});
-    if (!((y * 2 + 1).exp().sum().item<double>() > 0)) throw std::runtime_error("bad sum");
-  }, {.timeout = std::chrono::seconds(60)});
+  loom::spawn(2,
+              [](int) {
+                if (at::get_num_threads() != 1) throw std::runtime_error("child has more than one intra-op thread");
+                auto y = torch::rand({512, 1024});
+                if (!((y * 2 + 1).exp().sum().item<double>() > 0)) throw std::runtime_error("bad sum");
+              },
+              {.timeout = std::chrono::seconds(60)});
 }
 
 TEST_CASE("spawn_command: the exec-based mode runs a program per rank") {
   TempDir dir;
-  loom::spawn_command(2, {"/bin/sh", "-c", fmt::format("echo \"$RANK $WORLD_SIZE $MASTER_ADDR\" > {}/r$RANK", dir.path.string())});
+  loom::spawn_command(
+      2, {"/bin/sh", "-c", fmt::format("echo \"$RANK $WORLD_SIZE $MASTER_ADDR\" > {}/r$RANK", dir.path.string())});
   CHECK(dir.read("r0") == "0 2 127.0.0.1\n");
   CHECK(dir.read("r1") == "1 2 127.0.0.1\n");
   try {
@@ -252,40 +263,47 @@ TEST_CASE("rendezvous: unreachable store and missing ranks are TimeoutErrors nam
   auto [fd, port] = loom::detail::reserve_port();
   // In a rank of its own, so that a rendezvous that ignored its timeout ends as spawn's TimeoutError
   // instead of hanging the suite; the test checks what happened, not how long it took.
-  loom::spawn(1, [port = port](int) {
-    loom::Environment client;
-    client.rank = 1;
-    client.world_size = 2;
-    client.master_port = port;
-    try {
-      (void)loom::rendezvous(client, {.timeout = std::chrono::seconds(1)});
-    } catch (const loom::TimeoutError& e) {
-      const std::string what = e.what();
-      if (e.collective() != "rendezvous" || e.rank() != 1 ||
-          what.find(fmt::format("could not reach the store at 127.0.0.1:{} hosted by rank 0", port)) == std::string::npos)
-        throw;
-      // It kept trying for the whole timeout (c10d alone gives up early), so a rank 0 that starts late
-      // is still found.
-      if (e.seconds_waited() < 1.0) throw std::runtime_error(fmt::format("gave up after {:.3f} s", e.seconds_waited()));
-      return;
-    }
-    throw std::runtime_error("rendezvous did not throw");
-  }, {.timeout = std::chrono::seconds(60)});
+  loom::spawn(1,
+              [port = port](int) {
+                loom::Environment client;
+                client.rank = 1;
+                client.world_size = 2;
+                client.master_port = port;
+                try {
+                  (void)loom::rendezvous(client, {.timeout = std::chrono::seconds(1)});
+                } catch (const loom::TimeoutError& e) {
+                  const std::string what = e.what();
+                  if (e.collective() != "rendezvous" || e.rank() != 1 ||
+                      what.find(fmt::format("could not reach the store at 127.0.0.1:{} hosted by rank 0", port)) ==
+                          std::string::npos)
+                    throw;
+                  // It kept trying for the whole timeout (c10d alone gives up early), so a rank 0 that starts late
+                  // is still found.
+                  if (e.seconds_waited() < 1.0)
+                    throw std::runtime_error(fmt::format("gave up after {:.3f} s", e.seconds_waited()));
+                  return;
+                }
+                throw std::runtime_error("rendezvous did not throw");
+              },
+              {.timeout = std::chrono::seconds(60)});
   close(fd);
 
   // Rank 0 alone in a world of 2: hosts the store, then waits for rank 1 in vain.
-  loom::spawn(1, [](const loom::Environment& env0) {
-    loom::Environment env = env0;
-    env.world_size = 2;
-    try {
-      (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(1)});
-    } catch (const loom::TimeoutError& e) {
-      if (e.collective() != "rendezvous" || std::string(e.what()).find("1 of 2 ranks arrived") == std::string::npos)
-        throw;
-      return;
-    }
-    throw std::runtime_error("rendezvous returned without rank 1");
-  }, {.timeout = std::chrono::seconds(60)});
+  loom::spawn(
+      1,
+      [](const loom::Environment& env0) {
+        loom::Environment env = env0;
+        env.world_size = 2;
+        try {
+          (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(1)});
+        } catch (const loom::TimeoutError& e) {
+          if (e.collective() != "rendezvous" || std::string(e.what()).find("1 of 2 ranks arrived") == std::string::npos)
+            throw;
+          return;
+        }
+        throw std::runtime_error("rendezvous returned without rank 1");
+      },
+      {.timeout = std::chrono::seconds(60)});
   CHECK_THROWS_AS(loom::rendezvous(loom::Environment{.rank = 2, .world_size = 2}), loom::InvalidArgument);
 }
 
@@ -335,21 +353,26 @@ std::string rendezvous_with_stranger(const std::map<std::string, std::string>& e
   const std::string err = stderr_path.string();
   loom::SpawnOptions options{.timeout = std::chrono::seconds(60), .master_port = port, .env = {}};
   for (const auto& [k, v] : env) options.env[k] = v;
-  loom::spawn(1, [result, err](const loom::Environment& env0) {
-    const int fd = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    ::dup2(fd, 2);
-    loom::Environment env = env0;
-    env.world_size = 2;
-    try {
-      (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(3)});
-      write_file(result, "accepted");
-    } catch (const loom::TimeoutError& e) {
-      write_file(result, std::string(e.what()).find("1 of 2 ranks arrived") != std::string::npos ? "rejected" : e.what());
-    }
-  }, options);
+  loom::spawn(
+      1,
+      [result, err](const loom::Environment& env0) {
+        const int fd = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        ::dup2(fd, 2);
+        loom::Environment env = env0;
+        env.world_size = 2;
+        try {
+          (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(3)});
+          write_file(result, "accepted");
+        } catch (const loom::TimeoutError& e) {
+          write_file(result,
+                     std::string(e.what()).find("1 of 2 ranks arrived") != std::string::npos ? "rejected" : e.what());
+        }
+      },
+      options);
   stop = true;
   stranger.join();
-  INFO("the stranger's last error at ", stranger_error, "; spawn returned after ", loom::detail::seconds_since(started), " s");
+  INFO("the stranger's last error at ", stranger_error, "; spawn returned after ", loom::detail::seconds_since(started),
+       " s");
   CHECK(forged == 1);  // the stranger did reach the store and write its keys
   return out.read("result");
 }

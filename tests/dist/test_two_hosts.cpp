@@ -23,30 +23,30 @@
 // killed. Rank processes die with this process (PR_SET_PDEATHSIG survives the exec chain
 // ip netns exec -> unshare -> sh -> program, which never forks).
 // Worker mode (the ranks of cases 3-6): test_two_hosts --worker join|loop OUTFILE.
-#include <loom/comm/gloo.hpp>
-#include <loom/dist/environment.hpp>
-
-#include <fcntl.h>
-#include <netdb.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <optional>
 #include <random>
+#include <signal.h>
 #include <sstream>
 #include <string>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <thread>
+#include <unistd.h>
 #include <vector>
+
+#include <netdb.h>
+
+#include <loom/comm/gloo.hpp>
+#include <loom/dist/environment.hpp>
 
 namespace fs = std::filesystem;
 
@@ -246,9 +246,17 @@ class Hosts {
   /// (the same process all the way down the exec chain).
   pid_t start(int h, const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
               const std::string& log) {
-    std::vector<std::string> args = {"ip", "netns", "exec", ns_[h], "unshare", "--uts", "--mount", "sh", "-c",
-                                     fmt::format("hostname {} && mount --bind {} /etc/hosts && exec \"$0\" \"$@\"",
-                                                 name_[h], hosts_file_[h])};
+    std::vector<std::string> args = {
+        "ip",
+        "netns",
+        "exec",
+        ns_[h],
+        "unshare",
+        "--uts",
+        "--mount",
+        "sh",
+        "-c",
+        fmt::format("hostname {} && mount --bind {} /etc/hosts && exec \"$0\" \"$@\"", name_[h], hosts_file_[h])};
     args.insert(args.end(), argv.begin(), argv.end());
     const pid_t parent = ::getpid();
     pid_t pid = ::fork();
@@ -260,10 +268,10 @@ class Hosts {
       ::dup2(fd, 1);
       ::dup2(fd, 2);
     }
-    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                          "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "LOOM_RENDEZVOUS_SECRET",
-                          "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "OMPI_COMM_WORLD_RANK",
-                          "SLURM_PROCID"})
+    for (const char* v :
+         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+          "MASTER_PORT", "GLOO_SOCKET_IFNAME", "LOOM_RENDEZVOUS_SECRET", "TORCHELASTIC_USE_AGENT_STORE",
+          "TORCHELASTIC_RESTART_COUNT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
       ::unsetenv(v);
     for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
     std::vector<char*> cargv;
@@ -380,11 +388,16 @@ struct Suite {
   int failed_checks = 0;
 
   std::map<std::string, std::string> rank_env(int rank, const std::string& master, int timeout_ms) {
-    return {{"RANK", std::to_string(rank)},        {"WORLD_SIZE", "2"},
-            {"LOCAL_RANK", "0"},                   {"LOCAL_WORLD_SIZE", "1"},
-            {"GROUP_RANK", std::to_string(rank)},  {"GROUP_WORLD_SIZE", "2"},
-            {"MASTER_ADDR", master},               {"MASTER_PORT", std::to_string(port)},
-            {"OMP_NUM_THREADS", "1"},              {"LOOM_TEST_TIMEOUT_MS", std::to_string(timeout_ms)},
+    return {{"RANK", std::to_string(rank)},
+            {"WORLD_SIZE", "2"},
+            {"LOCAL_RANK", "0"},
+            {"LOCAL_WORLD_SIZE", "1"},
+            {"GROUP_RANK", std::to_string(rank)},
+            {"GROUP_WORLD_SIZE", "2"},
+            {"MASTER_ADDR", master},
+            {"MASTER_PORT", std::to_string(port)},
+            {"OMP_NUM_THREADS", "1"},
+            {"LOOM_TEST_TIMEOUT_MS", std::to_string(timeout_ms)},
             {"LOOM_RENDEZVOUS_SECRET", secret}};
   }
   std::string secret = random_hex(16);
@@ -423,7 +436,8 @@ struct Suite {
         int fd = ::open(base_log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
         ::dup2(fd, 1);
         ::dup2(fd, 2);
-        for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+        for (const char* v :
+             {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
           ::unsetenv(v);
         ::execl(readme_loop.c_str(), readme_loop.c_str(), "--nproc", "2", static_cast<char*>(nullptr));
         ::_exit(127);
@@ -486,18 +500,23 @@ struct Suite {
     std::int64_t t_down = 0;
     std::vector<std::string> logs;
     std::vector<int> codes;
-    auto reports = loop_with_fault(name, kTimeoutMs, [&](std::vector<pid_t>&) { hosts.link(false); }, t_down, logs, codes);
+    auto reports = loop_with_fault(
+        name, kTimeoutMs, [&](std::vector<pid_t>&) { hosts.link(false); }, t_down, logs, codes);
     for (int r = 0; r < 2; ++r) {
       auto& rep = reports[r];
-      check(rep["hostname_loopback"] == "1", fmt::format("rank {}'s hostname {} resolves to loopback", r, rep["hostname"]));
-      check(rep["type"] == "TimeoutError", fmt::format("rank {} threw loom::TimeoutError (got {}: {})", r, rep["type"], rep["what"]));
+      check(rep["hostname_loopback"] == "1",
+            fmt::format("rank {}'s hostname {} resolves to loopback", r, rep["hostname"]));
+      check(rep["type"] == "TimeoutError",
+            fmt::format("rank {} threw loom::TimeoutError (got {}: {})", r, rep["type"], rep["what"]));
       check(rep["collective"] == "all_reduce", fmt::format("rank {}'s error names all_reduce: {}", r, rep["what"]));
-      check(rep["what"].find(fmt::format("on rank {}", r)) != std::string::npos, fmt::format("rank {}'s error names its rank", r));
+      check(rep["what"].find(fmt::format("on rank {}", r)) != std::string::npos,
+            fmt::format("rank {}'s error names its rank", r));
       check(rep["what"].find(fmt::format("peer rank {}", 1 - r)) != std::string::npos,
             fmt::format("rank {}'s error names peer rank {}: {}", r, 1 - r, rep["what"]));
       const double after = rep.count("t_error") ? (std::stoll(rep["t_error"]) - t_down) / 1e9 : 1e9;
       check(after <= kTimeoutMs / 1000.0 + 1.0,
-            fmt::format("rank {} threw {:.3f} s after the link went down (bound: timeout {} s + 1 s)", r, after, kTimeoutMs / 1000.0));
+            fmt::format("rank {} threw {:.3f} s after the link went down (bound: timeout {} s + 1 s)", r, after,
+                        kTimeoutMs / 1000.0));
       fmt::print("    rank {}: {:.3f} s after the link went down: {}\n", r, after, rep["what"].substr(0, 300));
     }
     hosts.link(true);
@@ -511,8 +530,8 @@ struct Suite {
     std::int64_t t_kill = 0;
     std::vector<std::string> logs;
     std::vector<int> codes;
-    auto reports = loop_with_fault(name, 20000, [&](std::vector<pid_t>& pids) { ::kill(pids[1], SIGKILL); }, t_kill,
-                                   logs, codes);
+    auto reports = loop_with_fault(
+        name, 20000, [&](std::vector<pid_t>& pids) { ::kill(pids[1], SIGKILL); }, t_kill, logs, codes);
     auto& rep = reports[0];
     check(codes[1] == -SIGKILL, fmt::format("rank 1 was killed (exit {})", codes[1]));
     check(rep["type"] == "TimeoutError" || rep["type"] == "CommError",
@@ -541,7 +560,8 @@ struct Suite {
     const std::string where = fmt::format("{}:{}", Hosts::kUnreachable, port);
     check(rep["what"].find(where) != std::string::npos, fmt::format("the error names {}: {}", where, rep["what"]));
     const double took = rep.count("t_error") ? (std::stoll(rep["t_error"]) - std::stoll(rep["t_start"])) / 1e9 : 1e9;
-    check(took <= kTimeoutMs / 1000.0 + 1.0, fmt::format("rank 1 gave up after {:.3f} s (bound: timeout 3 s + 1 s)", took));
+    check(took <= kTimeoutMs / 1000.0 + 1.0,
+          fmt::format("rank 1 gave up after {:.3f} s (bound: timeout 3 s + 1 s)", took));
     fmt::print("    rank 1: {:.3f} s: {}\n", took, rep["what"].substr(0, 300));
     (void)codes;
     end(name, {log, out});
@@ -572,7 +592,8 @@ struct Suite {
                            ? (std::stoll(r0["t_error"]) - std::stoll(r1["t_error"])) / 1e9
                            : 1e9;
     check(gap <= 1.0, fmt::format("rank 0 threw {:.3f} s after rank 1 failed (bound 1 s; its timeout is 20 s)", gap));
-    fmt::print("    rank 1: {}\n    rank 0 ({:.3f} s later): {}\n", r1["what"].substr(0, 300), gap, r0["what"].substr(0, 400));
+    fmt::print("    rank 1: {}\n    rank 0 ({:.3f} s later): {}\n", r1["what"].substr(0, 300), gap,
+               r0["what"].substr(0, 400));
     (void)codes;
     logs.insert(logs.end(), outs.begin(), outs.end());
     end(name, logs);

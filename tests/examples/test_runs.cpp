@@ -5,11 +5,6 @@
 //
 // The example executables are found through $LOOM_EXAMPLES_DIR (set by examples/meson.build);
 // a case whose executable is absent reports it and fails.
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -17,9 +12,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <netinet/in.h>
 #include <optional>
 #include <regex>
 #include <string>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -49,7 +48,8 @@ fs::path example(const std::string& name) {
 
 /// Runs `cmd` through the shell with launcher variables cleared, so the example spawns its own ranks.
 RunResult run(const std::string& cmd) {
-  const std::string full = "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u OMPI_COMM_WORLD_RANK -u SLURM_PROCID " + cmd + " 2>&1";
+  const std::string full =
+      "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u OMPI_COMM_WORLD_RANK -u SLURM_PROCID " + cmd + " 2>&1";
   MESSAGE("running: " << cmd);
   RunResult r;
   FILE* pipe = ::popen(full.c_str(), "r");
@@ -86,7 +86,9 @@ std::map<std::string, double> fields(const std::string& line) {
   return m;
 }
 
-std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+std::string q(const fs::path& p) {
+  return "'" + p.string() + "'";
+}
 
 void write_png(const fs::path& file, int size, unsigned char shade, bool disc) {
   fs::create_directories(file.parent_path());
@@ -124,227 +126,239 @@ int free_port() {
 }  // namespace
 
 TEST_SUITE("runs") {
-
-TEST_CASE("finetune_icons: a short 2-rank run learns (loss falls, accuracy beats the majority baseline)") {
-  TempDir out;
-  const auto r = run(fmt::format("{} --nproc 2 --subset 3 --epochs 2 --out {}", q(example("finetune_icons")), q(out.path)));
-  INFO(r.output);
-  REQUIRE(r.exit_code == 0);
-  const auto start = fields(line_starting(r.output, "fine-tune start:"));
-  const auto e1 = fields(line_starting(r.output, "epoch 1/2:"));
-  const auto e2 = fields(line_starting(r.output, "epoch 2/2:"));
-  const auto result = fields(line_starting(r.output, "result:"));
-  REQUIRE(start.count("val_loss") == 1);
-  REQUIRE(e2.count("train_loss") == 1);
-  REQUIRE(result.count("val_accuracy") == 1);
-  CHECK(e2.at("train_loss") < e1.at("train_loss"));
-  CHECK(e2.at("val_loss") < start.at("val_loss"));
-  CHECK(result.at("val_accuracy") > result.at("majority_baseline") + 0.05);
-  CHECK(result.at("epochs") == 2);
-  CHECK(fs::is_regular_file(out.path / "pretrained.pt"));
-  CHECK(fs::is_regular_file(out.path / "checkpoint.pt"));
-}
-
-TEST_CASE("finetune_icons: a run stopped mid-epoch and resumed from its checkpoint ends like an uninterrupted run") {
-  TempDir a, b;
-  const std::string common = fmt::format("{} --nproc 2 --subset 5 --epochs 2 --batches-per-step 4", q(example("finetune_icons")));
-  const auto full = run(fmt::format("{} --out {}", common, q(a.path)));
-  INFO(full.output);
-  REQUIRE(full.exit_code == 0);
-  const auto steps = fields(line_starting(full.output, "fine-tune plan:"));
-  REQUIRE(steps.count("optimizer_steps_per_epoch") == 1);
-  const auto per_epoch = static_cast<int64_t>(steps.at("optimizer_steps_per_epoch"));
-  REQUIRE(per_epoch >= 4);
-  const int64_t stop_at = per_epoch + per_epoch / 2;  // in the middle of epoch 2
-
-  const auto stopped = run(fmt::format("{} --out {} --stop-after-steps {}", common, q(b.path), stop_at));
-  INFO(stopped.output);
-  REQUIRE(stopped.exit_code == 0);
-  CHECK(line_starting(stopped.output, "result:").empty());
-  CHECK(!line_starting(stopped.output, "stopped after").empty());
-
-  const auto resumed = run(fmt::format("{} --out {} --resume {}", common, q(b.path), q(b.path / "checkpoint.pt")));
-  INFO(resumed.output);
-  REQUIRE(resumed.exit_code == 0);
-  CHECK(!line_starting(resumed.output, "resumed at fine-tune epoch 2").empty());
-  const auto want = fields(line_starting(full.output, "epoch 2/2:"));
-  const auto got = fields(line_starting(resumed.output, "epoch 2/2:"));
-  REQUIRE(got.count("val_loss") == 1);
-  // Same weights, same optimizer state, same batches from the saved sampler position: the same numbers.
-  CHECK(got.at("val_loss") == want.at("val_loss"));
-  CHECK(got.at("val_accuracy") == want.at("val_accuracy"));
-}
-
-TEST_CASE("finetune_icons: a run stopped on 2 ranks resumes on 3 and on 1 at the same global step and ends like the uninterrupted run") {
-  TempDir a, b;
-  const std::string options = "--subset 5 --epochs 2 --batches-per-step 4";
-  const auto full = run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), options, q(a.path)));
-  INFO(full.output);
-  REQUIRE(full.exit_code == 0);
-  const auto plan = fields(line_starting(full.output, "fine-tune plan:"));
-  REQUIRE(plan.count("optimizer_steps_per_epoch") == 1);
-  const auto per_epoch = static_cast<int64_t>(plan.at("optimizer_steps_per_epoch"));
-  REQUIRE(per_epoch >= 4);
-  const int64_t stop_at = per_epoch + per_epoch / 2;  // in the middle of epoch 2
-  const auto want = fields(line_starting(full.output, "result:"));
-  REQUIRE(want.count("val_loss") == 1);
-
-  const auto stopped = run(fmt::format("{} --nproc 2 {} --out {} --stop-after-steps {}", q(example("finetune_icons")), options,
-                                       q(b.path), stop_at));
-  INFO(stopped.output);
-  REQUIRE(stopped.exit_code == 0);
-  for (int nproc : {3, 1}) {
-    TempDir c;
-    fs::copy(b.path / "checkpoint.pt", c.path / "checkpoint.pt");
-    const auto resumed = run(fmt::format("{} --nproc {} {} --out {} --resume {}", q(example("finetune_icons")), nproc, options,
-                                         q(c.path), q(c.path / "checkpoint.pt")));
-    INFO(resumed.output);
-    REQUIRE(resumed.exit_code == 0);
-    // It says where it resumed: the global step after the last committed one, on this world size.
-    const auto at = fields(line_starting(resumed.output, "resumed at fine-tune epoch 2"));
-    REQUIRE(at.count("global_step") == 1);
-    CHECK(static_cast<int64_t>(at.at("global_step")) == stop_at - per_epoch);
-    CHECK(static_cast<int>(at.at("ranks")) == nproc);
-    const auto got = fields(line_starting(resumed.output, "result:"));
-    REQUIRE(got.count("val_loss") == 1);
-    // The same optimizer steps (every sample of the epoch once, in the same steps); float32 summation
-    // order differs with the world size.
-    CHECK(got.at("steps") == want.at("steps"));
-    CHECK(std::abs(got.at("val_loss") - want.at("val_loss")) <= 1e-4 * std::abs(want.at("val_loss")));
-  }
-}
-
-TEST_CASE("finetune_icons: under torchrun's and mpirun's variables, the same result as with spawn") {
-  const std::string args = "--subset 4 --epochs 1 --pretrain-epochs 1";
-  TempDir a, b, c;
-  const auto spawned = run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), args, q(a.path)));
-  INFO(spawned.output);
-  REQUIRE(spawned.exit_code == 0);
-  const auto want = fields(line_starting(spawned.output, "result:"));
-  REQUIRE(want.count("val_accuracy") == 1);
-
-  // torchrun's variables, set by hand for two background processes (what torchrun does).
-  const int port = free_port();
-  auto rank_cmd = [&](int rank, const fs::path& out) {
-    return fmt::format("RANK={0} WORLD_SIZE=2 LOCAL_RANK={0} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={1} {2} {3} --out {4}",
-                       rank, port, q(example("finetune_icons")), args, q(out));
-  };
-  const auto torchrun = run(fmt::format("sh -c \"{} & {} > /dev/null; wait\"",
-                                        rank_cmd(0, b.path), rank_cmd(1, b.path)));
-  INFO(torchrun.output);
-  CHECK(torchrun.output.find("(torchrun launcher)") != std::string::npos);
-  const auto got = fields(line_starting(torchrun.output, "result:"));
-  REQUIRE(got.count("val_accuracy") == 1);
-  CHECK(got.at("val_accuracy") == want.at("val_accuracy"));
-
-  if (run("command -v mpirun").exit_code != 0) {
-    MESSAGE("mpirun not installed: its part is skipped");
-    return;
-  }
-  const auto mpi = run(fmt::format("mpirun --allow-run-as-root --oversubscribe -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT={} {} {} --out {}",
-                                   free_port(), q(example("finetune_icons")), args, q(c.path)));
-  INFO(mpi.output);
-  CHECK(mpi.output.find("(mpirun launcher)") != std::string::npos);
-  const auto got_mpi = fields(line_starting(mpi.output, "result:"));
-  REQUIRE(got_mpi.count("val_accuracy") == 1);
-  CHECK(got_mpi.at("val_accuracy") == want.at("val_accuracy"));
-}
-
-TEST_CASE("finetune_icons: a missing data folder is an error naming the folder") {
-  const auto r = run(fmt::format("{} --nproc 2 --data /nonexistent/loom-icons", q(example("finetune_icons"))));
-  INFO(r.output);
-  CHECK(r.exit_code != 0);
-  CHECK(r.output.find("/nonexistent/loom-icons: icon folder does not exist") != std::string::npos);
-}
-
-TEST_CASE("finetune_icons: a corrupt PNG is an error naming it, or skipped with a warning and a count when asked") {
-  TempDir tmp;
-  const fs::path theme = tmp.path / "theme";
-  // Two contexts that differ in shape (bars vs discs), 24 names each, at 16 and 24 px.
-  for (int i = 0; i < 24; ++i)
-    for (int s : {16, 24}) {
-      const auto shade = static_cast<unsigned char>(40 + 8 * i);
-      write_png(theme / fmt::format("{}x{}", s, s) / "actions" / fmt::format("bar{}.png", i), s, shade, false);
-      write_png(theme / fmt::format("{}x{}", s, s) / "status" / fmt::format("disc{}.png", i), s, shade, true);
-    }
-  {
-    std::ofstream(theme / "16x16" / "status" / "broken.png", std::ios::binary) << "\x89PNG\r\n\x1a\n garbage after the signature";
-  }
-  const std::string cmd = fmt::format("{} --nproc 2 --data {} --sizes 16,24 --pretrain-sizes 16 --epochs 1 --out {}",
-                                      q(example("finetune_icons")), q(theme), q(tmp.path / "out"));
-  const auto strict = run(cmd);
-  INFO(strict.output);
-  CHECK(strict.exit_code != 0);
-  CHECK(strict.output.find("broken.png: ") != std::string::npos);
-  CHECK(strict.output.find("DataError") != std::string::npos);
-
-  const auto lenient = run(cmd + " --skip-corrupt");
-  INFO(lenient.output);
-  CHECK(lenient.exit_code == 0);
-  CHECK(lenient.output.find("warning: skipping " + (theme / "16x16" / "status" / "broken.png").string()) != std::string::npos);
-  CHECK(lenient.output.find("1 corrupt PNG files skipped") != std::string::npos);
-  CHECK(!line_starting(lenient.output, "result:").empty());
-}
-
-TEST_CASE("generators_to_devices: 2 ranks and in-process devices learn to beat the naive forecast, and agree") {
-  std::map<std::string, std::map<std::string, double>> results;
-  for (const std::string mode : {"--mode ranks --devices 2", "--mode in-process --devices 2", "--mode in-process --devices 8"}) {
-    const auto r = run(fmt::format("{} {} --epochs 2 --max-windows 128", q(example("generators_to_devices")), mode));
+  TEST_CASE("finetune_icons: a short 2-rank run learns (loss falls, accuracy beats the majority baseline)") {
+    TempDir out;
+    const auto r =
+        run(fmt::format("{} --nproc 2 --subset 3 --epochs 2 --out {}", q(example("finetune_icons")), q(out.path)));
     INFO(r.output);
     REQUIRE(r.exit_code == 0);
-    const auto before = fields(line_starting(r.output, "before training:"));
+    const auto start = fields(line_starting(r.output, "fine-tune start:"));
+    const auto e1 = fields(line_starting(r.output, "epoch 1/2:"));
+    const auto e2 = fields(line_starting(r.output, "epoch 2/2:"));
     const auto result = fields(line_starting(r.output, "result:"));
-    REQUIRE(before.count("model_mse") == 1);
-    REQUIRE(result.count("model_mse") == 1);
-    CHECK(result.at("model_mse") < before.at("model_mse"));  // the held-out loss falls
-    CHECK(result.at("model_mse") < result.at("naive_mse"));  // and beats the last-value forecast
-    results[mode] = result;
+    REQUIRE(start.count("val_loss") == 1);
+    REQUIRE(e2.count("train_loss") == 1);
+    REQUIRE(result.count("val_accuracy") == 1);
+    CHECK(e2.at("train_loss") < e1.at("train_loss"));
+    CHECK(e2.at("val_loss") < start.at("val_loss"));
+    CHECK(result.at("val_accuracy") > result.at("majority_baseline") + 0.05);
+    CHECK(result.at("epochs") == 2);
+    CHECK(fs::is_regular_file(out.path / "pretrained.pt"));
+    CHECK(fs::is_regular_file(out.path / "checkpoint.pt"));
   }
-  // Exact weighting: 2 ranks (2-row batches reduced over Gloo) and 2 in-process devices (2
-  // micro-batches of one window) take the same optimizer steps; only float summation order differs.
-  const double a = results["--mode ranks --devices 2"].at("model_mse");
-  const double b = results["--mode in-process --devices 2"].at("model_mse");
-  CHECK(std::abs(a - b) <= 1e-3 * a);
-}
 
-TEST_CASE("generators_to_devices: an empty CSV column is an error naming the file and the column") {
-  TempDir tmp;
-  const char* names[] = {"seattle-temps.csv", "sf-temps.csv", "seattle-weather.csv", "stocks.csv", "us-employment.csv"};
-  fs::path src;
-  for (const fs::path& dir : {fs::path("/usr/lib/python3/dist-packages/vega_datasets/_data"),
-                              fs::path(LOOM_SOURCE_ROOT) / "third_party_data" / "vega_datasets"})
-    if (fs::is_regular_file(dir / "us-employment.csv")) {
-      src = dir;
-      break;
+  TEST_CASE("finetune_icons: a run stopped mid-epoch and resumed from its checkpoint ends like an uninterrupted run") {
+    TempDir a, b;
+    const std::string common =
+        fmt::format("{} --nproc 2 --subset 5 --epochs 2 --batches-per-step 4", q(example("finetune_icons")));
+    const auto full = run(fmt::format("{} --out {}", common, q(a.path)));
+    INFO(full.output);
+    REQUIRE(full.exit_code == 0);
+    const auto steps = fields(line_starting(full.output, "fine-tune plan:"));
+    REQUIRE(steps.count("optimizer_steps_per_epoch") == 1);
+    const auto per_epoch = static_cast<int64_t>(steps.at("optimizer_steps_per_epoch"));
+    REQUIRE(per_epoch >= 4);
+    const int64_t stop_at = per_epoch + per_epoch / 2;  // in the middle of epoch 2
+
+    const auto stopped = run(fmt::format("{} --out {} --stop-after-steps {}", common, q(b.path), stop_at));
+    INFO(stopped.output);
+    REQUIRE(stopped.exit_code == 0);
+    CHECK(line_starting(stopped.output, "result:").empty());
+    CHECK(!line_starting(stopped.output, "stopped after").empty());
+
+    const auto resumed = run(fmt::format("{} --out {} --resume {}", common, q(b.path), q(b.path / "checkpoint.pt")));
+    INFO(resumed.output);
+    REQUIRE(resumed.exit_code == 0);
+    CHECK(!line_starting(resumed.output, "resumed at fine-tune epoch 2").empty());
+    const auto want = fields(line_starting(full.output, "epoch 2/2:"));
+    const auto got = fields(line_starting(resumed.output, "epoch 2/2:"));
+    REQUIRE(got.count("val_loss") == 1);
+    // Same weights, same optimizer state, same batches from the saved sampler position: the same numbers.
+    CHECK(got.at("val_loss") == want.at("val_loss"));
+    CHECK(got.at("val_accuracy") == want.at("val_accuracy"));
+  }
+
+  TEST_CASE(
+      "finetune_icons: a run stopped on 2 ranks resumes on 3 and on 1 at the same global step and ends like the "
+      "uninterrupted run") {
+    TempDir a, b;
+    const std::string options = "--subset 5 --epochs 2 --batches-per-step 4";
+    const auto full = run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), options, q(a.path)));
+    INFO(full.output);
+    REQUIRE(full.exit_code == 0);
+    const auto plan = fields(line_starting(full.output, "fine-tune plan:"));
+    REQUIRE(plan.count("optimizer_steps_per_epoch") == 1);
+    const auto per_epoch = static_cast<int64_t>(plan.at("optimizer_steps_per_epoch"));
+    REQUIRE(per_epoch >= 4);
+    const int64_t stop_at = per_epoch + per_epoch / 2;  // in the middle of epoch 2
+    const auto want = fields(line_starting(full.output, "result:"));
+    REQUIRE(want.count("val_loss") == 1);
+
+    const auto stopped = run(fmt::format("{} --nproc 2 {} --out {} --stop-after-steps {}", q(example("finetune_icons")),
+                                         options, q(b.path), stop_at));
+    INFO(stopped.output);
+    REQUIRE(stopped.exit_code == 0);
+    for (int nproc : {3, 1}) {
+      TempDir c;
+      fs::copy(b.path / "checkpoint.pt", c.path / "checkpoint.pt");
+      const auto resumed = run(fmt::format("{} --nproc {} {} --out {} --resume {}", q(example("finetune_icons")), nproc,
+                                           options, q(c.path), q(c.path / "checkpoint.pt")));
+      INFO(resumed.output);
+      REQUIRE(resumed.exit_code == 0);
+      // It says where it resumed: the global step after the last committed one, on this world size.
+      const auto at = fields(line_starting(resumed.output, "resumed at fine-tune epoch 2"));
+      REQUIRE(at.count("global_step") == 1);
+      CHECK(static_cast<int64_t>(at.at("global_step")) == stop_at - per_epoch);
+      CHECK(static_cast<int>(at.at("ranks")) == nproc);
+      const auto got = fields(line_starting(resumed.output, "result:"));
+      REQUIRE(got.count("val_loss") == 1);
+      // The same optimizer steps (every sample of the epoch once, in the same steps); float32 summation
+      // order differs with the world size.
+      CHECK(got.at("steps") == want.at("steps"));
+      CHECK(std::abs(got.at("val_loss") - want.at("val_loss")) <= 1e-4 * std::abs(want.at("val_loss")));
     }
-  REQUIRE_MESSAGE(!src.empty(), "vega-datasets CSV files not found: run scripts/setup.sh");
-  for (const char* n : names) fs::copy_file(src / n, tmp.path / n);
-  {
-    std::ofstream(tmp.path / "sf-temps.csv", std::ios::trunc) << "temp,date\n,2010/01/01 00:00:00\n,2010/01/01 01:00:00\n";
   }
-  const auto r = run(fmt::format("{} --mode in-process --data {}", q(example("generators_to_devices")), q(tmp.path)));
-  INFO(r.output);
-  CHECK(r.exit_code != 0);
-  CHECK(r.output.find((tmp.path / "sf-temps.csv").string() + ": column 'temp' is empty") != std::string::npos);
-}
 
-TEST_CASE("fashion_mnist_multiscale: a short multi-scale 2-rank run learns (loss falls, accuracy far above 0.1)") {
-  const auto r = run(fmt::format("{} --nproc 2 --train-subset 3000 --test-subset 1000 --epochs 2", q(example("fashion_mnist_multiscale"))));
-  INFO(r.output);
-  REQUIRE(r.exit_code == 0);
-  const auto e1 = fields(line_starting(r.output, "epoch 1/2:"));
-  const auto e2 = fields(line_starting(r.output, "epoch 2/2:"));
-  const auto result = fields(line_starting(r.output, "result:"));
-  REQUIRE(result.count("test_accuracy") == 1);
-  CHECK(e2.at("train_loss") < e1.at("train_loss"));
-  CHECK(result.at("test_accuracy") > result.at("baseline") + 0.4);
-}
+  TEST_CASE("finetune_icons: under torchrun's and mpirun's variables, the same result as with spawn") {
+    const std::string args = "--subset 4 --epochs 1 --pretrain-epochs 1";
+    TempDir a, b, c;
+    const auto spawned = run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), args, q(a.path)));
+    INFO(spawned.output);
+    REQUIRE(spawned.exit_code == 0);
+    const auto want = fields(line_starting(spawned.output, "result:"));
+    REQUIRE(want.count("val_accuracy") == 1);
 
-TEST_CASE("fashion_mnist_multiscale: a missing data folder is an error naming the folder") {
-  const auto r = run(fmt::format("{} --nproc 2 --data /nonexistent/fmnist", q(example("fashion_mnist_multiscale"))));
-  INFO(r.output);
-  CHECK(r.exit_code != 0);
-  CHECK(r.output.find("/nonexistent/fmnist: Fashion-MNIST folder does not exist") != std::string::npos);
-}
+    // torchrun's variables, set by hand for two background processes (what torchrun does).
+    const int port = free_port();
+    auto rank_cmd = [&](int rank, const fs::path& out) {
+      return fmt::format(
+          "RANK={0} WORLD_SIZE=2 LOCAL_RANK={0} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={1} {2} {3} --out "
+          "{4}",
+          rank, port, q(example("finetune_icons")), args, q(out));
+    };
+    const auto torchrun =
+        run(fmt::format("sh -c \"{} & {} > /dev/null; wait\"", rank_cmd(0, b.path), rank_cmd(1, b.path)));
+    INFO(torchrun.output);
+    CHECK(torchrun.output.find("(torchrun launcher)") != std::string::npos);
+    const auto got = fields(line_starting(torchrun.output, "result:"));
+    REQUIRE(got.count("val_accuracy") == 1);
+    CHECK(got.at("val_accuracy") == want.at("val_accuracy"));
+
+    if (run("command -v mpirun").exit_code != 0) {
+      MESSAGE("mpirun not installed: its part is skipped");
+      return;
+    }
+    const auto mpi = run(fmt::format(
+        "mpirun --allow-run-as-root --oversubscribe -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT={} {} {} --out {}",
+        free_port(), q(example("finetune_icons")), args, q(c.path)));
+    INFO(mpi.output);
+    CHECK(mpi.output.find("(mpirun launcher)") != std::string::npos);
+    const auto got_mpi = fields(line_starting(mpi.output, "result:"));
+    REQUIRE(got_mpi.count("val_accuracy") == 1);
+    CHECK(got_mpi.at("val_accuracy") == want.at("val_accuracy"));
+  }
+
+  TEST_CASE("finetune_icons: a missing data folder is an error naming the folder") {
+    const auto r = run(fmt::format("{} --nproc 2 --data /nonexistent/loom-icons", q(example("finetune_icons"))));
+    INFO(r.output);
+    CHECK(r.exit_code != 0);
+    CHECK(r.output.find("/nonexistent/loom-icons: icon folder does not exist") != std::string::npos);
+  }
+
+  TEST_CASE("finetune_icons: a corrupt PNG is an error naming it, or skipped with a warning and a count when asked") {
+    TempDir tmp;
+    const fs::path theme = tmp.path / "theme";
+    // Two contexts that differ in shape (bars vs discs), 24 names each, at 16 and 24 px.
+    for (int i = 0; i < 24; ++i)
+      for (int s : {16, 24}) {
+        const auto shade = static_cast<unsigned char>(40 + 8 * i);
+        write_png(theme / fmt::format("{}x{}", s, s) / "actions" / fmt::format("bar{}.png", i), s, shade, false);
+        write_png(theme / fmt::format("{}x{}", s, s) / "status" / fmt::format("disc{}.png", i), s, shade, true);
+      }
+    {
+      std::ofstream(theme / "16x16" / "status" / "broken.png", std::ios::binary)
+          << "\x89PNG\r\n\x1a\n garbage after the signature";
+    }
+    const std::string cmd = fmt::format("{} --nproc 2 --data {} --sizes 16,24 --pretrain-sizes 16 --epochs 1 --out {}",
+                                        q(example("finetune_icons")), q(theme), q(tmp.path / "out"));
+    const auto strict = run(cmd);
+    INFO(strict.output);
+    CHECK(strict.exit_code != 0);
+    CHECK(strict.output.find("broken.png: ") != std::string::npos);
+    CHECK(strict.output.find("DataError") != std::string::npos);
+
+    const auto lenient = run(cmd + " --skip-corrupt");
+    INFO(lenient.output);
+    CHECK(lenient.exit_code == 0);
+    CHECK(lenient.output.find("warning: skipping " + (theme / "16x16" / "status" / "broken.png").string()) !=
+          std::string::npos);
+    CHECK(lenient.output.find("1 corrupt PNG files skipped") != std::string::npos);
+    CHECK(!line_starting(lenient.output, "result:").empty());
+  }
+
+  TEST_CASE("generators_to_devices: 2 ranks and in-process devices learn to beat the naive forecast, and agree") {
+    std::map<std::string, std::map<std::string, double>> results;
+    for (const std::string mode :
+         {"--mode ranks --devices 2", "--mode in-process --devices 2", "--mode in-process --devices 8"}) {
+      const auto r = run(fmt::format("{} {} --epochs 2 --max-windows 128", q(example("generators_to_devices")), mode));
+      INFO(r.output);
+      REQUIRE(r.exit_code == 0);
+      const auto before = fields(line_starting(r.output, "before training:"));
+      const auto result = fields(line_starting(r.output, "result:"));
+      REQUIRE(before.count("model_mse") == 1);
+      REQUIRE(result.count("model_mse") == 1);
+      CHECK(result.at("model_mse") < before.at("model_mse"));  // the held-out loss falls
+      CHECK(result.at("model_mse") < result.at("naive_mse"));  // and beats the last-value forecast
+      results[mode] = result;
+    }
+    // Exact weighting: 2 ranks (2-row batches reduced over Gloo) and 2 in-process devices (2
+    // micro-batches of one window) take the same optimizer steps; only float summation order differs.
+    const double a = results["--mode ranks --devices 2"].at("model_mse");
+    const double b = results["--mode in-process --devices 2"].at("model_mse");
+    CHECK(std::abs(a - b) <= 1e-3 * a);
+  }
+
+  TEST_CASE("generators_to_devices: an empty CSV column is an error naming the file and the column") {
+    TempDir tmp;
+    const char* names[] = {"seattle-temps.csv", "sf-temps.csv", "seattle-weather.csv", "stocks.csv",
+                           "us-employment.csv"};
+    fs::path src;
+    for (const fs::path& dir : {fs::path("/usr/lib/python3/dist-packages/vega_datasets/_data"),
+                                fs::path(LOOM_SOURCE_ROOT) / "third_party_data" / "vega_datasets"})
+      if (fs::is_regular_file(dir / "us-employment.csv")) {
+        src = dir;
+        break;
+      }
+    REQUIRE_MESSAGE(!src.empty(), "vega-datasets CSV files not found: run scripts/setup.sh");
+    for (const char* n : names) fs::copy_file(src / n, tmp.path / n);
+    {
+      std::ofstream(tmp.path / "sf-temps.csv", std::ios::trunc)
+          << "temp,date\n,2010/01/01 00:00:00\n,2010/01/01 01:00:00\n";
+    }
+    const auto r = run(fmt::format("{} --mode in-process --data {}", q(example("generators_to_devices")), q(tmp.path)));
+    INFO(r.output);
+    CHECK(r.exit_code != 0);
+    CHECK(r.output.find((tmp.path / "sf-temps.csv").string() + ": column 'temp' is empty") != std::string::npos);
+  }
+
+  TEST_CASE("fashion_mnist_multiscale: a short multi-scale 2-rank run learns (loss falls, accuracy far above 0.1)") {
+    const auto r = run(fmt::format("{} --nproc 2 --train-subset 3000 --test-subset 1000 --epochs 2",
+                                   q(example("fashion_mnist_multiscale"))));
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    const auto e1 = fields(line_starting(r.output, "epoch 1/2:"));
+    const auto e2 = fields(line_starting(r.output, "epoch 2/2:"));
+    const auto result = fields(line_starting(r.output, "result:"));
+    REQUIRE(result.count("test_accuracy") == 1);
+    CHECK(e2.at("train_loss") < e1.at("train_loss"));
+    CHECK(result.at("test_accuracy") > result.at("baseline") + 0.4);
+  }
+
+  TEST_CASE("fashion_mnist_multiscale: a missing data folder is an error naming the folder") {
+    const auto r = run(fmt::format("{} --nproc 2 --data /nonexistent/fmnist", q(example("fashion_mnist_multiscale"))));
+    INFO(r.output);
+    CHECK(r.exit_code != 0);
+    CHECK(r.output.find("/nonexistent/fmnist: Fashion-MNIST folder does not exist") != std::string::npos);
+  }
 
 }  // TEST_SUITE("runs")

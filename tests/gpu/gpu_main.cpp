@@ -9,10 +9,10 @@
 // "--child MODE ..." runs one helper process of a multi-process test (NCCL timeouts and two ranks
 // on one GPU run in their own processes, started with posix_spawn).
 #define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
-
 #include <cstdio>
 #include <cstring>
+
+#include <doctest/doctest.h>
 
 #include <loom/config.hpp>
 #include <loom/cuda/device.hpp>
@@ -27,7 +27,9 @@ struct RunStats : doctest::IReporter {
   explicit RunStats(const doctest::ContextOptions&) {}
   void report_query(const doctest::QueryData&) override {}
   void test_run_start() override {}
-  void test_run_end(const doctest::TestRunStats& s) override { matched = static_cast<int>(s.numTestCasesPassingFilters); }
+  void test_run_end(const doctest::TestRunStats& s) override {
+    matched = static_cast<int>(s.numTestCasesPassingFilters);
+  }
   void test_case_start(const doctest::TestCaseData&) override {}
   void test_case_reenter(const doctest::TestCaseData&) override {}
   void test_case_end(const doctest::CurrentTestCaseStats&) override {}
@@ -47,19 +49,21 @@ int main(int argc, char** argv) {
   if (argc >= 3 && std::strcmp(argv[1], "--child") == 0) return loom_gpu_test_child(argc - 2, argv + 2);
   const auto probe = loom::cuda::probe_devices();
   if (probe.count == 0) {
-    std::printf("SKIP: the GPU device tests need a CUDA device, and none is usable here (%s). "
-                "They run on a GPU machine through scripts/device-check.sh.\n",
-                probe.reason.c_str());
+    std::printf(
+        "SKIP: the GPU device tests need a CUDA device, and none is usable here (%s). "
+        "They run on a GPU machine through scripts/device-check.sh.\n",
+        probe.reason.c_str());
     return 77;
   }
   std::printf("CUDA devices: %d\n", probe.count);
   doctest::Context context(argc, argv);
   const int rc = context.run();
   if (rc == 0 && RunStats::matched == 0) {
-    std::printf("SKIP: no test case of this build matched the filters, so nothing was tested "
-                "(tests of LibTorch CUDA tensors, test suite torch_cuda, are compiled only when LibTorch has CUDA; "
-                "this build: LOOM_TORCH_HAS_CUDA = %d).\n",
-                LOOM_TORCH_HAS_CUDA);
+    std::printf(
+        "SKIP: no test case of this build matched the filters, so nothing was tested "
+        "(tests of LibTorch CUDA tensors, test suite torch_cuda, are compiled only when LibTorch has CUDA; "
+        "this build: LOOM_TORCH_HAS_CUDA = %d).\n",
+        LOOM_TORCH_HAS_CUDA);
     return 77;
   }
   return rc;

@@ -6,10 +6,6 @@
 // run in which no test case matched (e.g. the torch_cuda suite of a build whose LibTorch has no
 // CUDA) as skipped too, never as passed. Inputs are
 // small integers, exact in every dtype, so results are compared bit for bit (tolerance 0).
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -17,13 +13,16 @@
 #include <functional>
 #include <iostream>
 #include <string>
+#include <sys/wait.h>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <spawn.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
@@ -80,7 +79,9 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 
 /// A host function that blocks its stream for `*static_cast<int*>(ms)` milliseconds: a "slow
 /// kernel" without compiling any device code.
-void CUDART_CB sleep_on_stream(void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms))); }
+void CUDART_CB sleep_on_stream(void* ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms)));
+}
 
 /// Starts this executable as "--child args..." and returns its pid.
 pid_t spawn_child(const std::vector<std::string>& args) {
@@ -178,7 +179,8 @@ int child_watchdog_abort() {
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::cerr << "child watchdog_abort: caught as expected after " << waited << " s: " << e.what() << "\n";
     watchdog.join();
-    if (std::string(e.what()).find("aborted while this collective was pending (abort() called)") == std::string::npos) std::_Exit(3);
+    if (std::string(e.what()).find("aborted while this collective was pending (abort() called)") == std::string::npos)
+      std::_Exit(3);
     if (waited > 2.5 || !comm.aborted()) std::_Exit(4);  // the abort ended the wait, not the 3 s stall
   }
   try {
@@ -304,8 +306,8 @@ TEST_CASE("NCCL collectives start only after the producer stream's work (slow pr
   SUBCASE("broadcast and barrier") {
     comm.broadcast(recv.get(), n, at::kFloat, 0, producer.get());
     CHECK(same_bits(to_host<float>(recv, n), values));
-    CHECK_THROWS_WITH_AS(comm.broadcast(recv.get(), n, at::kFloat, 1, nullptr), doctest::Contains("root 1 is outside [0, 1)"),
-                         loom::InvalidArgument);
+    CHECK_THROWS_WITH_AS(comm.broadcast(recv.get(), n, at::kFloat, 1, nullptr),
+                         doctest::Contains("root 1 is outside [0, 1)"), loom::InvalidArgument);
     comm.barrier();
   }
   SUBCASE("bad arguments name the value") {
@@ -371,7 +373,8 @@ TEST_CASE("NCCL with two processes on one GPU: works, or NCCL refuses with a loo
     MESSAGE("RESULT nccl_two_ranks_one_gpu: works (NCCL allowed two ranks on one GPU; sums exact for every dtype)");
     std::cout << "RESULT nccl_two_ranks_one_gpu: works" << std::endl;
   } else {
-    MESSAGE("RESULT nccl_two_ranks_one_gpu: refused (exit codes " << e0 << ", " << e1 << "; see the children's lines above)");
+    MESSAGE("RESULT nccl_two_ranks_one_gpu: refused (exit codes " << e0 << ", " << e1
+                                                                  << "; see the children's lines above)");
     std::cout << "RESULT nccl_two_ranks_one_gpu: refused (exit codes " << e0 << ", " << e1 << ")" << std::endl;
     // Acceptable only as a clean loom error in both ranks (3), or one refused and the other then
     // timed out / saw the peer fail (4 or 3).
@@ -493,7 +496,8 @@ TEST_CASE("NCCL on CUDA tensors: every dtype, ordered after LibTorch's current s
   loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 60s});
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kInt, at::kLong}) {
     CAPTURE(c10::toString(dtype));
-    auto t = (torch::arange(10007, torch::kLong).remainder(7) - 3).to(torch::TensorOptions().dtype(dtype).device(torch::kCUDA, 0));
+    auto t = (torch::arange(10007, torch::kLong).remainder(7) - 3)
+                 .to(torch::TensorOptions().dtype(dtype).device(torch::kCUDA, 0));
     const auto expected = t.clone();
     comm.all_reduce(t, loom::ReduceOp::sum);
     CHECK(torch::equal(t, expected));
@@ -515,7 +519,8 @@ TEST_CASE("NCCL on CUDA tensors: every dtype, ordered after LibTorch's current s
   CHECK(g[0].eq(5).all().item<bool>());
 
   auto cpu = torch::ones({3});
-  CHECK_THROWS_WITH_AS(comm.all_reduce(cpu, loom::ReduceOp::sum), doctest::Contains("got one on cpu"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(comm.all_reduce(cpu, loom::ReduceOp::sum), doctest::Contains("got one on cpu"),
+                       loom::InvalidArgument);
 }
 
 TEST_CASE("transfer_batch: pinned batch to the device on a copy stream; consumer waits on the event") {
@@ -554,7 +559,8 @@ TEST_CASE("GeneratorLoader with CudaTransfer: batches arrive on the GPU, equal t
       return std::make_pair(t, static_cast<int64_t>(g * 10 + k++));
     });
   loom::cuda::CudaTransfer transfer(loom::cuda::CudaTransferOptions{.cuda_devices = {0, 0}});
-  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 2}, {}, transfer);
+  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(std::move(gens),
+                                                                                     {.num_devices = 2}, {}, transfer);
   int steps = 0;
   for (auto& step : sched) {
     for (auto& db : step.devices) {
@@ -562,7 +568,8 @@ TEST_CASE("GeneratorLoader with CudaTransfer: batches arrive on the GPU, equal t
       const auto host = db.batch.data.cpu();
       for (std::size_t r = 0; r < db.generators.size(); ++r) {
         const int g = db.generators[r];
-        CHECK(torch::equal(host[static_cast<int64_t>(r)], torch::arange(16, torch::kFloat) + static_cast<float>(g * 100 + step.index)));
+        CHECK(torch::equal(host[static_cast<int64_t>(r)],
+                           torch::arange(16, torch::kFloat) + static_cast<float>(g * 100 + step.index)));
         CHECK(db.batch.targets.cpu()[static_cast<int64_t>(r)].item<int64_t>() == g * 10 + step.index);
       }
     }
@@ -584,7 +591,8 @@ TEST_CASE("GeneratorLoader with DefaultCollate into pinned memory and CudaTransf
   auto pinned = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = loom::cuda::pinned_empty});
   loom::DefaultCollate<> merge{.options = {.pool = pinned}};
   loom::cuda::CudaTransfer transfer;
-  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(std::move(gens), {.num_devices = 1}, merge, transfer);
+  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(
+      std::move(gens), {.num_devices = 1}, merge, transfer);
   int steps = 0;
   for (auto& step : sched) {
     auto& db = step.devices[0];

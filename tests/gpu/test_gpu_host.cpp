@@ -76,26 +76,31 @@ TEST_CASE("NCCL version text from both version encodings") {
 
 TEST_CASE("format_nccl_error names the call, place, code, NCCL's own words, version, rank and device") {
   const std::string msg = loom::detail::format_nccl_error(
-      ncclInvalidUsage, "ncclAllReduce(data, data, count, dtype, op, comm, stream)", "/src/loom/include/loom/comm/nccl.hpp", 42,
-      "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0", "2.28.9", {.rank = 1, .world_size = 2, .device = 0});
+      ncclInvalidUsage, "ncclAllReduce(data, data, count, dtype, op, comm, stream)",
+      "/src/loom/include/loom/comm/nccl.hpp", 42, "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0",
+      "2.28.9", {.rank = 1, .world_size = 2, .device = 0});
   CHECK(std::string_view(ncclGetErrorString(ncclInvalidUsage)).find("invalid usage") != std::string_view::npos);
-  CHECK(msg == fmt::format("NCCL call ncclAllReduce(data, data, count, dtype, op, comm, stream) failed at loom/comm/nccl.hpp:42: "
-                           "ncclInvalidUsage ({}); NCCL says: Duplicate GPU detected : rank 1 and rank 0 both on CUDA "
-                           "device 0; NCCL 2.28.9, rank 1 of 2, device 0",
-                           ncclGetErrorString(ncclInvalidUsage)));
+  CHECK(msg ==
+        fmt::format(
+            "NCCL call ncclAllReduce(data, data, count, dtype, op, comm, stream) failed at loom/comm/nccl.hpp:42: "
+            "ncclInvalidUsage ({}); NCCL says: Duplicate GPU detected : rank 1 and rank 0 both on CUDA "
+            "device 0; NCCL 2.28.9, rank 1 of 2, device 0",
+            ncclGetErrorString(ncclInvalidUsage)));
   // Unknown rank/device and no last error: those parts are left out, not printed as -1.
-  const std::string bare = loom::detail::format_nccl_error(ncclSystemError, "ncclGetUniqueId(&id)", "x/y/z.cpp", 7, "", "2.28.9", {});
+  const std::string bare =
+      loom::detail::format_nccl_error(ncclSystemError, "ncclGetUniqueId(&id)", "x/y/z.cpp", 7, "", "2.28.9", {});
   CHECK(bare == fmt::format("NCCL call ncclGetUniqueId(&id) failed at y/z.cpp:7: ncclSystemError ({}); NCCL 2.28.9",
                             ncclGetErrorString(ncclSystemError)));
 }
 
 TEST_CASE("throw_nccl_error: a forced error code becomes loom::NcclError carrying the code") {
-  for (ncclResult_t code : {ncclUnhandledCudaError, ncclSystemError, ncclInternalError, ncclInvalidArgument, ncclInvalidUsage,
-                            ncclRemoteError}) {
+  for (ncclResult_t code : {ncclUnhandledCudaError, ncclSystemError, ncclInternalError, ncclInvalidArgument,
+                            ncclInvalidUsage, ncclRemoteError}) {
     CAPTURE(loom::detail::nccl_result_name(code));
     bool caught = false;
     try {
-      loom::detail::throw_nccl_error(code, "ncclBroadcast(a, b)", __FILE__, 1234, nullptr, {.rank = 3, .world_size = 8, .device = 1});
+      loom::detail::throw_nccl_error(code, "ncclBroadcast(a, b)", __FILE__, 1234, nullptr,
+                                     {.rank = 3, .world_size = 8, .device = 1});
     } catch (const loom::NcclError& e) {
       caught = true;
       const std::string what = e.what();
@@ -117,7 +122,8 @@ TEST_CASE("unique id round trip through a c10d store, byte for byte") {
   CHECK(loom::detail::unique_id_bytes(sent).size() == NCCL_UNIQUE_ID_BYTES);
   // The reader starts first and waits, as ranks > 0 do.
   ncclUniqueId received{};
-  std::thread reader([&] { received = loom::detail::fetch_unique_id(*store, "loom/nccl/0/unique_id", 1, std::chrono::seconds(20)); });
+  std::thread reader(
+      [&] { received = loom::detail::fetch_unique_id(*store, "loom/nccl/0/unique_id", 1, std::chrono::seconds(20)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   loom::detail::publish_unique_id(*store, "loom/nccl/0/unique_id", sent);
   reader.join();
@@ -168,8 +174,8 @@ TEST_CASE("CUDA error text: a forced code names the call, the place and the code
   CHECK(loom::cuda::detail::short_file("/w/main/tests/gpu/test_gpu_host.cpp") == "gpu/test_gpu_host.cpp");
   CHECK(loom::cuda::detail::short_file("plain.cpp") == "plain.cpp");
   CHECK(loom::cuda::detail::cuda_version_text(12080) == "12.8");
-  CHECK(loom::cuda::detail::format_cuda_error(cudaErrorMemoryAllocation, "cudaMalloc(&p, n)", "/x/include/loom/cuda/buffer.hpp", 7,
-                                              0, 13000, 12080) ==
+  CHECK(loom::cuda::detail::format_cuda_error(cudaErrorMemoryAllocation, "cudaMalloc(&p, n)",
+                                              "/x/include/loom/cuda/buffer.hpp", 7, 0, 13000, 12080) ==
         "CUDA call cudaMalloc(&p, n) failed at loom/cuda/buffer.hpp:7: cudaErrorMemoryAllocation (out of memory); "
         "device 0, CUDA runtime 13.0, driver 12.8");
 
@@ -195,8 +201,8 @@ TEST_CASE("pinned allocation sizes: bytes of a contiguous tensor; negative sizes
   CHECK(loom::cuda::detail::tensor_bytes({5}, at::kBFloat16) == 10);
   CHECK(loom::cuda::detail::tensor_bytes({}, at::kDouble) == 8);
   CHECK(loom::cuda::detail::tensor_bytes({4, 0}, at::kLong) == 0);
-  CHECK_THROWS_WITH_AS(loom::cuda::detail::tensor_bytes({2, -1}, at::kFloat), doctest::Contains("negative size -1 in sizes [2, -1]"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::cuda::detail::tensor_bytes({2, -1}, at::kFloat),
+                       doctest::Contains("negative size -1 in sizes [2, -1]"), loom::InvalidArgument);
 }
 
 TEST_CASE("without a CUDA device every entry point fails with a loom::CudaError naming the call") {
@@ -209,13 +215,14 @@ TEST_CASE("without a CUDA device every entry point fails with a loom::CudaError 
   CHECK(probe.reason.rfind("cudaGetDeviceCount: cuda", 0) == 0);
   MESSAGE("no device: " << probe.reason);
 
-  CHECK_THROWS_WITH_AS((void)loom::cuda::pinned_empty({16}, at::kFloat), doctest::Contains("cudaHostAlloc(&p, 64 bytes"),
-                       loom::CudaError);
+  CHECK_THROWS_WITH_AS((void)loom::cuda::pinned_empty({16}, at::kFloat),
+                       doctest::Contains("cudaHostAlloc(&p, 64 bytes"), loom::CudaError);
   loom::cuda::PinnedPool pool;
   CHECK_THROWS_AS((void)pool.empty({16}, at::kFloat), loom::CudaError);
   CHECK(pool.stats().host_allocs == 0);
   // The device is selected first, so that is the call that fails.
-  CHECK_THROWS_WITH_AS(loom::cuda::DeviceBuffer(0, 4096), doctest::Contains("CUDA call cudaGetDevice(&d) failed"), loom::CudaError);
+  CHECK_THROWS_WITH_AS(loom::cuda::DeviceBuffer(0, 4096), doctest::Contains("CUDA call cudaGetDevice(&d) failed"),
+                       loom::CudaError);
   CHECK_THROWS_AS((void)loom::cuda::Stream::create(0), loom::CudaError);
   CHECK_THROWS_AS(loom::cuda::Event(0), loom::CudaError);
 
@@ -228,8 +235,10 @@ TEST_CASE("without a CUDA device every entry point fails with a loom::CudaError 
   } catch (const loom::CudaError& e) {
     CHECK(std::string(e.what()).find("cudaGetDevice") != std::string::npos);
   }
-  CHECK_THROWS_AS(loom::NcclCommunicator(*store, 0, 2, {.device = 0, .timeout = std::chrono::seconds(2)}), loom::CudaError);
-  CHECK_THROWS_WITH_AS(loom::NcclCommunicator(*store, 2, 2), doctest::Contains("rank 2 is outside [0, 2)"), loom::InvalidArgument);
+  CHECK_THROWS_AS(loom::NcclCommunicator(*store, 0, 2, {.device = 0, .timeout = std::chrono::seconds(2)}),
+                  loom::CudaError);
+  CHECK_THROWS_WITH_AS(loom::NcclCommunicator(*store, 2, 2), doctest::Contains("rank 2 is outside [0, 2)"),
+                       loom::InvalidArgument);
 }
 
 TEST_CASE("NcclOptions is an aggregate with designated initializers and documented defaults") {
@@ -251,8 +260,10 @@ static_assert(loom::WorkHandle<loom::NcclWork>);
 static_assert(std::is_copy_constructible_v<loom::NcclWork>, "handles are values: copies refer to the same collective");
 static_assert(!loom::WorkHandle<loom::cuda::Event>, "an Event has no wait(): use NcclWork or InFlightBatch");
 static_assert(!loom::Communicator<loom::cuda::Stream>);
-static_assert(!std::is_copy_constructible_v<loom::NcclCommunicator> && std::is_move_constructible_v<loom::NcclCommunicator>);
-static_assert(!std::is_copy_constructible_v<loom::cuda::Stream> && !std::is_copy_constructible_v<loom::cuda::DeviceBuffer>);
+static_assert(!std::is_copy_constructible_v<loom::NcclCommunicator> &&
+              std::is_move_constructible_v<loom::NcclCommunicator>);
+static_assert(!std::is_copy_constructible_v<loom::cuda::Stream> &&
+              !std::is_copy_constructible_v<loom::cuda::DeviceBuffer>);
 
 // ---- the communicator's lifecycle under a watchdog, through the NcclApi seam ------------------
 // NCCL allows one thread at a time to operate a communicator; ncclCommAbort frees it. These
@@ -264,10 +275,10 @@ namespace {
 
 struct FakeNccl {
   static inline std::mutex table_mutex;
-  static inline std::set<ncclComm_t> live;        // created and neither aborted nor destroyed
-  static inline std::atomic<int> inside{0};       // threads inside a call right now
-  static inline std::atomic<int> overlaps{0};     // calls that began while another was inside
-  static inline std::atomic<int> dead_uses{0};    // calls on a communicator that is not live
+  static inline std::set<ncclComm_t> live;      // created and neither aborted nor destroyed
+  static inline std::atomic<int> inside{0};     // threads inside a call right now
+  static inline std::atomic<int> overlaps{0};   // calls that began while another was inside
+  static inline std::atomic<int> dead_uses{0};  // calls on a communicator that is not live
   static inline std::atomic<int> aborts{0};
   static inline std::atomic<int> polls{0};
   static inline std::atomic<ncclResult_t> async_state{ncclSuccess};  // what get_async_error reports
@@ -358,7 +369,8 @@ void wait_for_polls(int n) {
 
 }  // namespace
 
-TEST_CASE("NCCL abort() from a watchdog thread while a collective waits: CommError, never a call on a freed communicator") {
+TEST_CASE(
+    "NCCL abort() from a watchdog thread while a collective waits: CommError, never a call on a freed communicator") {
   for (int trial = 0; trial < 20; ++trial) {
     CAPTURE(trial);
     FakeNccl::reset();
@@ -377,7 +389,8 @@ TEST_CASE("NCCL abort() from a watchdog thread while a collective waits: CommErr
     wait_for_polls(3 + trial % 5);
     st->abort("watchdog: all_reduce exceeded its deadline");
     waiter.join();
-    CHECK(error.find("all_reduce on rank 1: the NCCL communicator was aborted while this collective was pending") != std::string::npos);
+    CHECK(error.find("all_reduce on rank 1: the NCCL communicator was aborted while this collective was pending") !=
+          std::string::npos);
     CHECK(error.find("watchdog: all_reduce exceeded its deadline") != std::string::npos);
     CHECK(FakeNccl::overlaps.load() == 0);
     CHECK(FakeNccl::dead_uses.load() == 0);
@@ -407,7 +420,8 @@ TEST_CASE("NCCL abort() from two threads at once: ncclCommAbort runs once, the f
     CHECK(FakeNccl::overlaps.load() == 0);
     CHECK(FakeNccl::dead_uses.load() == 0);
     CHECK((st->abort_reason == "watchdog A" || st->abort_reason == "watchdog B"));
-    const std::string expected = "broadcast on rank 1: the NCCL communicator was aborted earlier (" + st->abort_reason + ")";
+    const std::string expected =
+        "broadcast on rank 1: the NCCL communicator was aborted earlier (" + st->abort_reason + ")";
     CHECK_THROWS_WITH_AS(st->ensure_live("broadcast"), doctest::Contains(expected.c_str()), loom::CommError);
   }
 }

@@ -43,8 +43,9 @@ TEST_CASE("Reducer + Accumulator over NCCL on CUDA tensors: sample-weighted grad
     auto w = w0.to(opts).requires_grad_();
     auto b = b0.to(opts).requires_grad_();
     // Tiny bucket caps: the two parameters travel in separate all-reduces.
-    loom::Reducer<loom::NcclCommunicator> reducer(comm, {.names = {"w", "b"}, .params = {w, b}},
-                                                  {.bucket_cap_bytes = 64, .first_bucket_cap_bytes = 16, .max_grad_norm = 1e6});
+    loom::Reducer<loom::NcclCommunicator> reducer(
+        comm, {.names = {"w", "b"}, .params = {w, b}},
+        {.bucket_cap_bytes = 64, .first_bucket_cap_bytes = 16, .max_grad_norm = 1e6});
     loom::Accumulator acc(reducer, {.micro_batches_per_step = 3});
     const auto x = x64.to(opts);
     const auto y = y64.to(opts);

@@ -66,10 +66,12 @@ TEST_CASE("Trainer on one GPU: NCCL and Gloo give the same losses and parameters
   double worst = 0;
   for (std::size_t k = 0; k < nccl.losses.size(); ++k)
     worst = std::max(worst, std::abs(nccl.losses[k] - gloo.losses[k]) / std::max(std::abs(gloo.losses[k]), 1e-12));
-  MESSAGE("RESULT trainer_nccl_vs_gloo: max relative loss difference " << worst << " over " << nccl.losses.size() << " batches");
+  MESSAGE("RESULT trainer_nccl_vs_gloo: max relative loss difference " << worst << " over " << nccl.losses.size()
+                                                                       << " batches");
   CHECK(worst <= 1e-5);
   for (std::size_t k = 0; k < nccl.params.size(); ++k) {
-    const double rel = (nccl.params[k] - gloo.params[k]).abs().max().item<double>() / gloo.params[k].abs().max().item<double>();
+    const double rel =
+        (nccl.params[k] - gloo.params[k]).abs().max().item<double>() / gloo.params[k].abs().max().item<double>();
     CHECK(rel <= 1e-5);
   }
 }

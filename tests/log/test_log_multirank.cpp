@@ -25,7 +25,8 @@
 
 namespace {
 
-const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(20), .spawn_timeout = std::chrono::seconds(120)};
+const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(20),
+                                     .spawn_timeout = std::chrono::seconds(120)};
 
 using loom::test::read_file;
 
@@ -35,11 +36,14 @@ loom::RankInfo two_nodes(int rank, int world) {
 }
 
 /// Creates `path` (an event another rank can see).
-void touch(const std::filesystem::path& path) { std::ofstream(path) << "1\n"; }
+void touch(const std::filesystem::path& path) {
+  std::ofstream(path) << "1\n";
+}
 
 /// Waits until every path exists (another rank's event); false if `limit` passed first. The
 /// limit only turns a missing event into a failure instead of a hang.
-bool wait_for_files(const std::vector<std::filesystem::path>& paths, std::chrono::seconds limit = std::chrono::seconds(30)) {
+bool wait_for_files(const std::vector<std::filesystem::path>& paths,
+                    std::chrono::seconds limit = std::chrono::seconds(30)) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
   for (const auto& p : paths) {
     while (!std::filesystem::exists(p)) {
@@ -218,7 +222,8 @@ TEST_CASE("multi-rank main_process_first: an exception on rank 0 reaches the oth
         } catch (const loom::TimeoutError& e) {
           // A follower that waited for a peer until the collective timeout: the failure was not
           // passed on (the no-hang guarantee broken).
-          throw std::runtime_error(fmt::format("rank {} timed out instead of hearing of rank 0's failure: {}", env.rank, e.what()));
+          throw std::runtime_error(
+              fmt::format("rank {} timed out instead of hearing of rank 0's failure: {}", env.rank, e.what()));
         } catch (const std::runtime_error& e) {
           REQUIRE(env.rank == 0);
           REQUIRE(std::string(e.what()) == "cache archive is corrupt");

@@ -41,14 +41,17 @@ struct NotAComm {
   int rank() const { return 0; }
 };
 template <class C>
-concept CanMakeReducer = requires { typename loom::Reducer<C>; };
+concept CanMakeReducer = requires {
+  typename loom::Reducer<C>;
+};
 
 }  // namespace
 
 TEST_CASE("assign_buckets: reverse order, first bucket smaller, closes at the cap, never splits") {
   // 6 float32 gradients of 100 elements (400 bytes); first cap 400 bytes, then 1000 bytes.
   auto specs = float32_specs({100, 100, 100, 100, 100, 100});
-  auto b = loom::assign_buckets(specs, loom::reverse_order(6), {.first_bucket_cap_bytes = 400, .bucket_cap_bytes = 1000});
+  auto b =
+      loom::assign_buckets(specs, loom::reverse_order(6), {.first_bucket_cap_bytes = 400, .bucket_cap_bytes = 1000});
   // 5 alone reaches 400; then 4,3,2 reach 1200 >= 1000; then 1,0 (800) flushed at the end.
   REQUIRE(b.size() == 3);
   CHECK(b[0] == std::vector<std::size_t>{5});
@@ -82,7 +85,8 @@ TEST_CASE("assign_buckets: bad input names the value") {
   std::vector<std::size_t> repeat = {0, 0, 2};
   CHECK_THROWS_WITH_AS(loom::assign_buckets(s, repeat), doctest::Contains("index 0 repeats"), loom::InvalidArgument);
   std::vector<std::size_t> out_of_range = {0, 1, 7};
-  CHECK_THROWS_WITH_AS(loom::assign_buckets(s, out_of_range), doctest::Contains("index 7 is out of range"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::assign_buckets(s, out_of_range), doctest::Contains("index 7 is out of range"),
+                       loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::assign_buckets(s, loom::reverse_order(3), {.first_bucket_cap_bytes = 0}),
                        doctest::Contains("first_bucket_cap_bytes = 0"), loom::InvalidArgument);
   std::vector<std::size_t> short_order = {0, 1};

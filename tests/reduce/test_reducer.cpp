@@ -31,11 +31,11 @@ int count(const loom::test::CallLog& log, const std::string& name) {
 }  // namespace
 
 TEST_CASE("Reducer: buckets per dtype, reverse registration order, smaller first bucket; grads are views") {
-  auto a = torch::zeros({100}).requires_grad_();                       // 400 bytes
-  auto b = torch::zeros({200}).requires_grad_();                       // 800 bytes
-  auto c = torch::zeros({50}, torch::kDouble).requires_grad_();        // 400 bytes
-  auto d = torch::zeros({300}).requires_grad_();                       // 1200 bytes
-  auto e = torch::zeros({10});                                         // frozen
+  auto a = torch::zeros({100}).requires_grad_();                 // 400 bytes
+  auto b = torch::zeros({200}).requires_grad_();                 // 800 bytes
+  auto c = torch::zeros({50}, torch::kDouble).requires_grad_();  // 400 bytes
+  auto d = torch::zeros({300}).requires_grad_();                 // 1200 bytes
+  auto e = torch::zeros({10});                                   // frozen
   loom::LocalCommunicator comm;
   loom::Reducer reducer(comm, {.names = {"a", "b", "c", "d", "e"}, .params = {a, b, c, d, e}},
                         {.bucket_cap_bytes = 1000, .first_bucket_cap_bytes = 400});
@@ -74,19 +74,22 @@ TEST_CASE("Reducer + Accumulator in one process: micro-batches [2, 3, 5] give th
     std::int64_t first = 0;
     loom::SyncResult step;
     for (std::int64_t n : {2, 3, 5}) {
-      step = acc.run(n, [&] { model.loss_sum(loom::test::batch_x(first, n), loom::test::batch_y(first, n)).backward(); });
+      step =
+          acc.run(n, [&] { model.loss_sum(loom::test::batch_x(first, n), loom::test::batch_y(first, n)).backward(); });
       first += n;
     }
     REQUIRE(step.boundary);
     CHECK(step.apply);
     CHECK(step.global_samples == 10);
     CHECK(step.micro_batches == 3);
-    const auto ref = loom::test::mean_gradient(p64, 10, [&](std::int64_t i) { return loom::test::sample_loss(p64, i); });
+    const auto ref =
+        loom::test::mean_gradient(p64, 10, [&](std::int64_t i) { return loom::test::sample_loss(p64, i); });
     CHECK(loom::test::max_relative_error(model.grads(), ref) < 1e-12);
   }
 }
 
-TEST_CASE("Reducer: no collective before the boundary; at the boundary one count all-reduce then the buckets, from hooks") {
+TEST_CASE(
+    "Reducer: no collective before the boundary; at the boundary one count all-reduce then the buckets, from hooks") {
   loom::test::Mlp model(at::kFloat);
   loom::test::AsyncRecordingCommunicator comm;
   // Tiny caps: 4 buckets (b2, w2, b1, w1 in reverse registration order).
@@ -149,7 +152,7 @@ TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blockin
   REQUIRE(blocking.calls().size() == 2);
   CHECK((blocking.calls()[0].dtype == torch::kLong));
   CHECK(blocking.calls()[1].name == "all_reduce");
-  CHECK((blocking.calls()[1].dtype == torch::kHalf));  // compressed on the wire
+  CHECK((blocking.calls()[1].dtype == torch::kHalf));               // compressed on the wire
   CHECK(blocking.calls()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4);  // one bucket: 32 gradients + 4 used-flags
   // Same gradient as the uncompressed model, to float16 precision.
   CHECK(loom::test::max_relative_error(model2.grads(), model.grads()) < 1e-2);
@@ -222,12 +225,14 @@ TEST_CASE("Reducer: LibTorch's Optimizer::zero_grad and set-to-none both work wi
   const auto p64 = model.clone64();
   for (int step = 0; step < 3; ++step) {
     const std::int64_t first = 5 * step;
-    auto s = acc.run(5, [&] { model.loss_sum(loom::test::batch_x(first, 5), loom::test::batch_y(first, 5)).backward(); });
+    auto s =
+        acc.run(5, [&] { model.loss_sum(loom::test::batch_x(first, 5), loom::test::batch_y(first, 5)).backward(); });
     REQUIRE(s.apply);
     // Reference at the current weights.
     std::vector<at::Tensor> now;
     for (const auto& p : model.params) now.push_back(p.detach().clone().set_requires_grad(true));
-    const auto ref = loom::test::mean_gradient(now, 5, [&](std::int64_t i) { return loom::test::sample_loss(now, first + i); });
+    const auto ref =
+        loom::test::mean_gradient(now, 5, [&](std::int64_t i) { return loom::test::sample_loss(now, first + i); });
     CHECK(loom::test::max_relative_error(model.grads(), ref) < 1e-12);
     sgd.step();
     if (step == 0) {
@@ -249,7 +254,8 @@ TEST_CASE("Reducer: frozen parameters are left out; gradients written by hand us
   reducer.prepare_backward({.sync = true, .window_samples = 4});
   w.mutable_grad().copy_(torch::tensor({8.0, -4.0}, torch::kDouble));
   reducer.mark_ready(0);
-  CHECK_THROWS_WITH_AS(reducer.mark_ready(1), doctest::Contains("parameter 1 ('frozen') is not a trainable"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(reducer.mark_ready(1), doctest::Contains("parameter 1 ('frozen') is not a trainable"),
+                       loom::InvalidArgument);
   auto r = reducer.finish_window();
   CHECK(r.global_samples == 4);
   CHECK(torch::equal(w.grad(), torch::tensor({2.0, -1.0}, torch::kDouble)));
@@ -280,9 +286,12 @@ TEST_CASE("Reducer: global-norm clipping equals LibTorch's clip_grad_norm_ on th
 TEST_CASE("Reducer: float16 / bfloat16 wire compression error, measured against the float32 reduction") {
   // Gradients spanning 4 decades; one process, so the error is the wire cast alone.
   // Magnitudes in [e^-4, 1] (normal numbers in float16 too), alternating signs.
-  const auto values = torch::linspace(-4, 0, 4096, torch::kDouble).exp().mul(
-      torch::linspace(0, 60, 4096, torch::kDouble).sin().ge(0).to(torch::kDouble).mul(2).sub(1));
-  for (auto [dtype, bound] : {std::pair{at::kHalf, std::ldexp(1.0, -11)}, std::pair{at::kBFloat16, std::ldexp(1.0, -8)}}) {
+  const auto values =
+      torch::linspace(-4, 0, 4096, torch::kDouble)
+          .exp()
+          .mul(torch::linspace(0, 60, 4096, torch::kDouble).sin().ge(0).to(torch::kDouble).mul(2).sub(1));
+  for (auto [dtype, bound] :
+       {std::pair{at::kHalf, std::ldexp(1.0, -11)}, std::pair{at::kBFloat16, std::ldexp(1.0, -8)}}) {
     auto exact = torch::zeros({4096}).requires_grad_();
     auto packed = torch::zeros({4096}).requires_grad_();
     loom::LocalCommunicator comm;
@@ -320,32 +329,36 @@ TEST_CASE("Reducer: misuse throws loom errors naming the value") {
   auto w = torch::ones({2}).requires_grad_();
   loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
   CHECK_THROWS_WITH_AS(reducer.finish_window(), doctest::Contains("no synchronising backward"), loom::Error);
-  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = -3}), doctest::Contains("window_samples = -3"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = -3}),
+                       doctest::Contains("window_samples = -3"), loom::InvalidArgument);
   CHECK_THROWS_AS(reducer.prepare_backward({.sync = false, .final = true}), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = 1, .grad_scale = 0.0}), doctest::Contains("grad_scale = 0"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = 1, .grad_scale = 0.0}),
+                       doctest::Contains("grad_scale = 0"), loom::InvalidArgument);
   reducer.prepare_backward({.sync = true, .window_samples = 1});
-  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true}), doctest::Contains("not closed with finish_window"), loom::Error);
+  CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true}), doctest::Contains("not closed with finish_window"),
+                       loom::Error);
   // A second gradient after the bucket was sent (two backward passes in the synchronising micro-batch).
   auto y = (w * 3.0).sum();
   y.backward({}, /*retain_graph=*/true);
-  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("parameter 0 ('w') received a second gradient"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("parameter 0 ('w') received a second gradient"),
+                       loom::InvalidArgument);
   reducer.finish_window();
 
   auto ints = torch::ones({2}, torch::kLong);
   auto leaf = torch::ones({2}).requires_grad_();
   auto nonleaf = leaf * 2;
-  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {nonleaf}}), doctest::Contains("not a leaf"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {nonleaf}}), doctest::Contains("not a leaf"),
+                       loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.names = {"x", "y"}, .params = {leaf, leaf}}),
-                       doctest::Contains("parameter 0 ('x') and parameter 1 ('y') are the same tensor"), loom::InvalidArgument);
+                       doctest::Contains("parameter 0 ('x') and parameter 1 ('y') are the same tensor"),
+                       loom::InvalidArgument);
   auto l2 = torch::ones({2}).requires_grad_();
-  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.wire_dtype = at::kInt}), doctest::Contains("wire_dtype Int"),
-                       loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.bucket_cap_bytes = 0}), doctest::Contains("bucket_cap_bytes = 0"),
-                       loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.max_grad_norm = -1.0}), doctest::Contains("max_grad_norm = -1"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.wire_dtype = at::kInt}),
+                       doctest::Contains("wire_dtype Int"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.bucket_cap_bytes = 0}),
+                       doctest::Contains("bucket_cap_bytes = 0"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::Reducer(comm, {.params = {l2}}, {.max_grad_norm = -1.0}),
+                       doctest::Contains("max_grad_norm = -1"), loom::InvalidArgument);
   (void)ints;
 }
 

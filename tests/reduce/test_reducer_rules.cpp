@@ -26,7 +26,9 @@ at::Tensor scalar_param(double v, at::ScalarType dtype = at::kDouble) {
   return torch::tensor({v}, torch::kDouble).to(dtype).requires_grad_();
 }
 
-double value(const at::Tensor& t) { return t.item<double>(); }
+double value(const at::Tensor& t) {
+  return t.item<double>();
+}
 
 }  // namespace
 
@@ -83,7 +85,8 @@ TEST_CASE("Reducer: a second gradient after the bucket left names the parameter"
   reducer.prepare_backward({.sync = true, .window_samples = 1});
   auto y = (a * 3.0).sum();
   y.backward({}, /*retain_graph=*/true);  // the only member of the bucket: it leaves at once
-  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("parameter 0 ('a') received a second gradient"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("parameter 0 ('a') received a second gradient"),
+                       loom::InvalidArgument);
 }
 
 TEST_CASE("Reducer: the parameter set changing after construction is a loom error at the next window") {
@@ -105,7 +108,8 @@ TEST_CASE("Reducer: the parameter set changing after construction is a loom erro
     (w * v).sum().backward();
     reducer.finish_window();
     v.requires_grad_(false);
-    CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = false}), doctest::Contains("parameter 1 ('v')"), loom::InvalidArgument);
+    CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = false}), doctest::Contains("parameter 1 ('v')"),
+                         loom::InvalidArgument);
   }
   SUBCASE("module->to(torch::kDouble) replaces the gradient accumulators the hooks hang on") {
     torch::manual_seed(3);
@@ -143,7 +147,8 @@ TEST_CASE("Reducer: float16 gradients whose sum or norm exceeds 65504 are finite
   }
   {
     w.mutable_grad().reset();
-    loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.average = loom::Average::none, .max_grad_norm = 1.0});
+    loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}},
+                          {.average = loom::Average::none, .max_grad_norm = 1.0});
     reducer.prepare_backward({.sync = true, .window_samples = 1});
     w.mutable_grad().fill_(1100.0);
     reducer.mark_all_ready();
@@ -155,7 +160,8 @@ TEST_CASE("Reducer: float16 gradients whose sum or norm exceeds 65504 are finite
   }
 }
 
-TEST_CASE("Reducer: float16 wire across magnitudes — within the stated bound, realistic gradients not flushed to zero") {
+TEST_CASE(
+    "Reducer: float16 wire across magnitudes — within the stated bound, realistic gradients not flushed to zero") {
   // One process, N = 64 samples. The exact gradient of element i is m_i (the mean over the
   // window), so each element's summed gradient is 64 m_i. m spans 1e-10 .. 1e2: float16's normal
   // range, its subnormal range, and below it.
@@ -181,7 +187,8 @@ TEST_CASE("Reducer: float16 wire across magnitudes — within the stated bound, 
   if (over.any().item<bool>()) {
     const auto i = over.nonzero()[0][0].item<std::int64_t>();
     FAIL_CHECK(fmt::format("m = {:.3g}: got {:.6g}, exact {:.6g}, error {:.3g} > bound {:.3g}", mean[i].item<double>(),
-                           got[i].item<double>(), exact[i].item<double>(), err[i].item<double>(), bound[i].item<double>()));
+                           got[i].item<double>(), exact[i].item<double>(), err[i].item<double>(),
+                           bound[i].item<double>()));
   }
   // A realistic small gradient (mean 1e-7 per sample, summed over 64 samples) survives within 1 %.
   const auto small = (mean - 1e-7).abs().argmin().item<std::int64_t>();
@@ -193,7 +200,8 @@ TEST_CASE("Reducer: float16 wire across magnitudes — within the stated bound, 
 TEST_CASE("Reducer: at most one host read per step, none inside autograd hooks") {
   loom::test::Mlp model(at::kFloat);
   loom::test::AsyncRecordingCommunicator comm;
-  loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4, .max_grad_norm = 10.0});
+  loom::Reducer reducer(comm, model.list(),
+                        {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4, .max_grad_norm = 10.0});
   loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
   std::int64_t first = 0;
   int steps = 0;

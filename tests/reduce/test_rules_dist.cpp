@@ -35,111 +35,113 @@ torch::nn::Sequential bn_model() {
 }  // namespace
 
 TEST_SUITE("dist") {
+  TEST_CASE("buffers: BatchNorm statistics equal rank 0's on every rank after every step (broadcast_buffers)") {
+    run_ranks(2, [](loom::GlooCommunicator& comm) {
+      const int rank = comm.rank();
+      auto net = bn_model();
+      auto bn = net[1]->as<torch::nn::BatchNorm1d>();
+      loom::Reducer reducer(comm, loom::parameters_of(*net));
+      REQUIRE(reducer.options().broadcast_buffers);
+      loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
+      torch::optim::SGD sgd(net->parameters(), 0.1);
+      int steps = 0;
+      for (int i = 0; i < 6; ++i) {
+        // Different data on each rank: rank 1's inputs are shifted by 5.
+        auto x = loom::test::batch_x(4 * i, 4) + 5.0 * rank;
+        at::Tensor before_broadcast;
+        auto step = acc.run(4, [&] {
+          net->forward(x).sum().backward();
+          before_broadcast = bn->running_mean.clone();
+        });
+        if (!step.boundary) continue;
+        ++steps;
+        REQUIRE(step.apply);
+        sgd.step();
+        sgd.zero_grad();
+        // Rank 0's statistics, everywhere; and they were not equal before (the test can fail).
+        REQUIRE(same_everywhere(comm, bn->running_mean));
+        REQUIRE(same_everywhere(comm, bn->running_var));
+        REQUIRE(same_everywhere(comm, bn->num_batches_tracked));
+        REQUIRE_FALSE(same_everywhere(comm, before_broadcast));
+        if (rank == 0) REQUIRE(torch::equal(bn->running_mean, before_broadcast));
+      }
+      REQUIRE(steps == 3);
+    });
+  }
 
-TEST_CASE("buffers: BatchNorm statistics equal rank 0's on every rank after every step (broadcast_buffers)") {
-  run_ranks(2, [](loom::GlooCommunicator& comm) {
-    const int rank = comm.rank();
-    auto net = bn_model();
-    auto bn = net[1]->as<torch::nn::BatchNorm1d>();
-    loom::Reducer reducer(comm, loom::parameters_of(*net));
-    REQUIRE(reducer.options().broadcast_buffers);
-    loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
-    torch::optim::SGD sgd(net->parameters(), 0.1);
-    int steps = 0;
-    for (int i = 0; i < 6; ++i) {
-      // Different data on each rank: rank 1's inputs are shifted by 5.
-      auto x = loom::test::batch_x(4 * i, 4) + 5.0 * rank;
-      at::Tensor before_broadcast;
-      auto step = acc.run(4, [&] {
-        net->forward(x).sum().backward();
-        before_broadcast = bn->running_mean.clone();
-      });
-      if (!step.boundary) continue;
-      ++steps;
-      REQUIRE(step.apply);
-      sgd.step();
-      sgd.zero_grad();
-      // Rank 0's statistics, everywhere; and they were not equal before (the test can fail).
-      REQUIRE(same_everywhere(comm, bn->running_mean));
-      REQUIRE(same_everywhere(comm, bn->running_var));
-      REQUIRE(same_everywhere(comm, bn->num_batches_tracked));
-      REQUIRE_FALSE(same_everywhere(comm, before_broadcast));
-      if (rank == 0) REQUIRE(torch::equal(bn->running_mean, before_broadcast));
-    }
-    REQUIRE(steps == 3);
-  });
-}
+  TEST_CASE("buffers: broadcast_buffers = false leaves each rank's statistics its own") {
+    run_ranks(2, [](loom::GlooCommunicator& comm) {
+      auto net = bn_model();
+      auto bn = net[1]->as<torch::nn::BatchNorm1d>();
+      loom::Reducer reducer(comm, loom::parameters_of(*net), {.broadcast_buffers = false});
+      loom::Accumulator acc(reducer);
+      auto x = loom::test::batch_x(0, 4) + 5.0 * comm.rank();
+      REQUIRE(acc.run(4, [&] { net->forward(x).sum().backward(); }).apply);
+      REQUIRE_FALSE(same_everywhere(comm, bn->running_mean));
+    });
+  }
 
-TEST_CASE("buffers: broadcast_buffers = false leaves each rank's statistics its own") {
-  run_ranks(2, [](loom::GlooCommunicator& comm) {
-    auto net = bn_model();
-    auto bn = net[1]->as<torch::nn::BatchNorm1d>();
-    loom::Reducer reducer(comm, loom::parameters_of(*net), {.broadcast_buffers = false});
-    loom::Accumulator acc(reducer);
-    auto x = loom::test::batch_x(0, 4) + 5.0 * comm.rank();
-    REQUIRE(acc.run(4, [&] { net->forward(x).sum().backward(); }).apply);
-    REQUIRE_FALSE(same_everywhere(comm, bn->running_mean));
-  });
-}
+  TEST_CASE("a gradient arriving twice before its bucket left, on 2 ranks: the global mean of the sums") {
+    run_ranks(2, [](loom::GlooCommunicator& comm) {
+      const double r = comm.rank();
+      auto a = torch::tensor({1.0}, torch::kDouble).requires_grad_();
+      auto b = torch::tensor({1.0}, torch::kDouble).requires_grad_();
+      loom::Reducer reducer(comm, {.names = {"a", "b"}, .params = {a, b}});
+      reducer.prepare_backward({.sync = true, .window_samples = 2 + comm.rank()});  // 2 + 3 = 5 samples
+      (a * (1.0 + r)).sum().backward();
+      (a * (2.0 + r) + b * 4.0).sum().backward();
+      reducer.finish_window();
+      // a: rank 0 gives 1 + 2, rank 1 gives 2 + 3: (3 + 5) / 5. b: (4 + 4) / 5.
+      REQUIRE(a.grad().item<double>() == doctest::Approx(8.0 / 5.0).epsilon(1e-15));
+      REQUIRE(b.grad().item<double>() == doctest::Approx(8.0 / 5.0).epsilon(1e-15));
+    });
+  }
 
-TEST_CASE("a gradient arriving twice before its bucket left, on 2 ranks: the global mean of the sums") {
-  run_ranks(2, [](loom::GlooCommunicator& comm) {
-    const double r = comm.rank();
-    auto a = torch::tensor({1.0}, torch::kDouble).requires_grad_();
-    auto b = torch::tensor({1.0}, torch::kDouble).requires_grad_();
-    loom::Reducer reducer(comm, {.names = {"a", "b"}, .params = {a, b}});
-    reducer.prepare_backward({.sync = true, .window_samples = 2 + comm.rank()});  // 2 + 3 = 5 samples
-    (a * (1.0 + r)).sum().backward();
-    (a * (2.0 + r) + b * 4.0).sum().backward();
-    reducer.finish_window();
-    // a: rank 0 gives 1 + 2, rank 1 gives 2 + 3: (3 + 5) / 5. b: (4 + 4) / 5.
-    REQUIRE(a.grad().item<double>() == doctest::Approx(8.0 / 5.0).epsilon(1e-15));
-    REQUIRE(b.grad().item<double>() == doctest::Approx(8.0 / 5.0).epsilon(1e-15));
-  });
-}
+  TEST_CASE("module->to(torch::kDouble) after the reducer was built: every rank throws naming the parameter") {
+    run_ranks(2, [](loom::GlooCommunicator& comm) {
+      torch::manual_seed(1);
+      auto net = torch::nn::Linear(3, 2);
+      loom::Reducer reducer(comm, loom::parameters_of(*net));
+      loom::Accumulator acc(reducer);
+      REQUIRE(acc.run(2, [&] { net->forward(torch::ones({2, 3})).sum().backward(); }).apply);
+      net->to(torch::kDouble);
+      REQUIRE_THROWS_WITH_AS((void)acc.micro_batch(2), doctest::Contains("parameter 0 ('weight')"),
+                             loom::InvalidArgument);
+    });
+  }
 
-TEST_CASE("module->to(torch::kDouble) after the reducer was built: every rank throws naming the parameter") {
-  run_ranks(2, [](loom::GlooCommunicator& comm) {
-    torch::manual_seed(1);
-    auto net = torch::nn::Linear(3, 2);
-    loom::Reducer reducer(comm, loom::parameters_of(*net));
-    loom::Accumulator acc(reducer);
-    REQUIRE(acc.run(2, [&] { net->forward(torch::ones({2, 3})).sum().backward(); }).apply);
-    net->to(torch::kDouble);
-    REQUIRE_THROWS_WITH_AS((void)acc.micro_batch(2), doctest::Contains("parameter 0 ('weight')"), loom::InvalidArgument);
-  });
-}
-
-TEST_CASE("float16 wire over 2 ranks across magnitudes: within the documented bound") {
-  run_ranks(2, [](loom::GlooCommunicator& comm) {
-    const int rank = comm.rank();
-    // Rank r holds n_r = 24 + 40 r samples; element i's per-sample gradient is m_i on both ranks,
-    // so the global mean is m_i and rank r's summed gradient is n_r m_i.
-    const std::int64_t n = 24 + 40 * rank, total = 24 + 64;
-    const auto mean = torch::pow(10.0, torch::linspace(-9, 2, 1101, torch::kDouble));
-    auto w = torch::zeros({1101}).requires_grad_();
-    loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.wire_dtype = at::kHalf});
-    reducer.prepare_backward({.sync = true, .window_samples = n});
-    w.mutable_grad().copy_((mean * static_cast<double>(n)).to(torch::kFloat));
-    reducer.mark_all_ready();
-    REQUIRE_FALSE(reducer.finish_window().non_finite);
-    const auto got = w.grad().to(torch::kDouble);
-    const auto err = (got - mean).abs();
-    // Bound (reducer.hpp, "Wire compression"): shares s_r = n_r m / 2 are rounded once each and
-    // summed once in float16: |error| <= (2 / total) (3 * 2^-11 * (sum of |s_r|) + 3 * 2^-25), plus
-    // float32's roundings of the input and the final multiply (2^-23 relative).
-    const auto shares = mean * static_cast<double>(total) / 2.0;
-    const auto bound = (2.0 / total) * (3 * std::ldexp(1.0, -11) * shares + 3 * std::ldexp(1.0, -25)) + mean * std::ldexp(1.0, -22);
-    const auto over = err > bound;
-    if (over.any().item<bool>()) {
-      const auto i = over.nonzero()[0][0].item<std::int64_t>();
-      throw std::runtime_error(fmt::format("m = {:.3g}: got {:.6g}, error {:.3g} > bound {:.3g}", mean[i].item<double>(),
-                                           got[i].item<double>(), err[i].item<double>(), bound[i].item<double>()));
-    }
-    // Small gradients (mean >= 1e-6 per sample: shares of 1.2e-5 and 3.2e-5, float16 subnormals) within 1 %.
-    const auto realistic = mean.ge(1e-6);
-    REQUIRE(((err / mean).masked_select(realistic)).max().item<double>() < 0.01);
-  });
-}
+  TEST_CASE("float16 wire over 2 ranks across magnitudes: within the documented bound") {
+    run_ranks(2, [](loom::GlooCommunicator& comm) {
+      const int rank = comm.rank();
+      // Rank r holds n_r = 24 + 40 r samples; element i's per-sample gradient is m_i on both ranks,
+      // so the global mean is m_i and rank r's summed gradient is n_r m_i.
+      const std::int64_t n = 24 + 40 * rank, total = 24 + 64;
+      const auto mean = torch::pow(10.0, torch::linspace(-9, 2, 1101, torch::kDouble));
+      auto w = torch::zeros({1101}).requires_grad_();
+      loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.wire_dtype = at::kHalf});
+      reducer.prepare_backward({.sync = true, .window_samples = n});
+      w.mutable_grad().copy_((mean * static_cast<double>(n)).to(torch::kFloat));
+      reducer.mark_all_ready();
+      REQUIRE_FALSE(reducer.finish_window().non_finite);
+      const auto got = w.grad().to(torch::kDouble);
+      const auto err = (got - mean).abs();
+      // Bound (reducer.hpp, "Wire compression"): shares s_r = n_r m / 2 are rounded once each and
+      // summed once in float16: |error| <= (2 / total) (3 * 2^-11 * (sum of |s_r|) + 3 * 2^-25), plus
+      // float32's roundings of the input and the final multiply (2^-23 relative).
+      const auto shares = mean * static_cast<double>(total) / 2.0;
+      const auto bound =
+          (2.0 / total) * (3 * std::ldexp(1.0, -11) * shares + 3 * std::ldexp(1.0, -25)) + mean * std::ldexp(1.0, -22);
+      const auto over = err > bound;
+      if (over.any().item<bool>()) {
+        const auto i = over.nonzero()[0][0].item<std::int64_t>();
+        throw std::runtime_error(fmt::format("m = {:.3g}: got {:.6g}, error {:.3g} > bound {:.3g}",
+                                             mean[i].item<double>(), got[i].item<double>(), err[i].item<double>(),
+                                             bound[i].item<double>()));
+      }
+      // Small gradients (mean >= 1e-6 per sample: shares of 1.2e-5 and 3.2e-5, float16 subnormals) within 1 %.
+      const auto realistic = mean.ge(1e-6);
+      REQUIRE(((err / mean).masked_select(realistic)).max().item<double>() < 0.01);
+    });
+  }
 
 }  // TEST_SUITE

@@ -28,7 +28,8 @@ struct RefBatch {
 
 /// The usual hand-written exact-shape collate: a map keyed by shape (buckets in first-seen order)
 /// of vectors of tensors, torch::stack when a group reaches max_samples, leftovers at the end.
-inline std::vector<RefBatch> map_and_stack(const std::vector<std::pair<torch::Tensor, int64_t>>& samples, int64_t max_samples) {
+inline std::vector<RefBatch> map_and_stack(const std::vector<std::pair<torch::Tensor, int64_t>>& samples,
+                                           int64_t max_samples) {
   std::vector<std::vector<int64_t>> order;  // keys in first-seen order
   std::map<std::vector<int64_t>, std::vector<int64_t>> groups;
   std::vector<RefBatch> out;
@@ -107,7 +108,8 @@ inline int64_t brute_force_min_padded(const std::map<int64_t, int64_t>& hist, in
 
 /// Greedy in-order packing of 1-D lengths under a padded-token budget (count x max length),
 /// with fairseq's multiple-of rule; a plain loop over a list of lists.
-inline std::vector<std::vector<int64_t>> greedy_padded_budget(const std::vector<int64_t>& lengths, int64_t budget, int64_t multiple = 1) {
+inline std::vector<std::vector<int64_t>> greedy_padded_budget(const std::vector<int64_t>& lengths, int64_t budget,
+                                                              int64_t multiple = 1) {
   std::vector<std::vector<int64_t>> out;
   std::vector<int64_t> cur;
   auto cost = [&](const std::vector<int64_t>& members, int64_t extra) {

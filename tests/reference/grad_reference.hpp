@@ -24,7 +24,8 @@ namespace loom::test {
 inline std::vector<at::Tensor> summed_gradient(const std::vector<at::Tensor>& params, std::int64_t n,
                                                const std::function<at::Tensor(std::int64_t)>& loss_of) {
   std::vector<at::Tensor> sum;
-  for (const auto& p : params) sum.push_back(torch::zeros(p.sizes(), p.options().dtype(torch::kDouble).requires_grad(false)));
+  for (const auto& p : params)
+    sum.push_back(torch::zeros(p.sizes(), p.options().dtype(torch::kDouble).requires_grad(false)));
   for (std::int64_t i = 0; i < n; ++i) {
     auto loss = loss_of(i);
     auto grads = torch::autograd::grad({loss}, params, /*grad_outputs=*/{}, /*retain_graph=*/false,

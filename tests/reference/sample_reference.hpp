@@ -19,8 +19,10 @@ namespace loom_ref {
 inline std::vector<int64_t> py_distributed_sampler(int64_t n, int64_t r, int64_t rank, bool drop_last,
                                                    std::vector<int64_t> indices = {}) {
   int64_t num_samples = 0;
-  if (drop_last && n % r != 0) num_samples = static_cast<int64_t>(std::ceil(static_cast<double>(n - r) / static_cast<double>(r)));
-  else num_samples = static_cast<int64_t>(std::ceil(static_cast<double>(n) / static_cast<double>(r)));
+  if (drop_last && n % r != 0)
+    num_samples = static_cast<int64_t>(std::ceil(static_cast<double>(n - r) / static_cast<double>(r)));
+  else
+    num_samples = static_cast<int64_t>(std::ceil(static_cast<double>(n) / static_cast<double>(r)));
   const int64_t total = num_samples * r;
   if (indices.empty()) {
     indices.resize(static_cast<std::size_t>(n));
@@ -32,7 +34,8 @@ inline std::vector<int64_t> py_distributed_sampler(int64_t n, int64_t r, int64_t
       std::vector<int64_t> head(indices.begin(), indices.begin() + padding);
       indices.insert(indices.end(), head.begin(), head.end());
     } else {
-      const auto times = static_cast<int64_t>(std::ceil(static_cast<double>(padding) / static_cast<double>(indices.size())));
+      const auto times =
+          static_cast<int64_t>(std::ceil(static_cast<double>(padding) / static_cast<double>(indices.size())));
       std::vector<int64_t> repeated;
       for (int64_t t = 0; t < times; ++t) repeated.insert(repeated.end(), indices.begin(), indices.end());
       indices.insert(indices.end(), repeated.begin(), repeated.begin() + padding);

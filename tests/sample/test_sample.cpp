@@ -31,7 +31,8 @@ std::vector<int64_t> drain(loom::DistributedSampler& s) {
 }
 
 loom::DistributedSampler make(int64_t n, int r, int rank, bool shuffle, bool drop_last = false, uint64_t seed = 0) {
-  return loom::DistributedSampler({.dataset_size = n, .num_replicas = r, .rank = rank, .shuffle = shuffle, .seed = seed, .drop_last = drop_last});
+  return loom::DistributedSampler(
+      {.dataset_size = n, .num_replicas = r, .rank = rank, .shuffle = shuffle, .seed = seed, .drop_last = drop_last});
 }
 
 // ---- concept ladder: models and non-models ----
@@ -139,14 +140,17 @@ TEST_CASE("DistributedSampler: a state saved mid-epoch resumes to the uninterrup
   CHECK(got == expected);
   // A state of another configuration is refused, naming the field.
   auto other = make(25, 3, 2, true, false, 10);
-  CHECK_THROWS_WITH_AS(other.load_state(first.state()), doctest::Contains("seed = 9 into a sampler with seed = 10"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(other.load_state(first.state()), doctest::Contains("seed = 9 into a sampler with seed = 10"),
+                       loom::InvalidArgument);
   auto dl = make(25, 3, 2, true, true, 9);
   CHECK_THROWS_WITH_AS(dl.load_state(first.state()), doctest::Contains("fingerprint"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::parse_sampler_state("loom-sampler v1 seed=x"), doctest::Contains("field 'seed' is not a number"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::parse_sampler_state("loom-sampler v1 seed=x"),
+                       doctest::Contains("field 'seed' is not a number"), loom::InvalidArgument);
 }
 
 TEST_CASE("DistributedSampler: bad input") {
-  CHECK_THROWS_WITH_AS(make(0, 2, 0, false), doctest::Contains("dataset_size = 0 (the dataset is empty)"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(make(0, 2, 0, false), doctest::Contains("dataset_size = 0 (the dataset is empty)"),
+                       loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(make(10, 3, 3, false), doctest::Contains("rank 3 is outside [0, 3)"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(make(10, 0, 0, false), doctest::Contains("num_replicas = 0"), loom::InvalidArgument);
   auto s = make(10, 1, 0, false);
@@ -176,8 +180,13 @@ TEST_CASE("bucket batch sampler: every sample in exactly one weight-1 batch; all
       for (bool shuffle : {false, true}) {
         std::vector<loom::DistributedBucketBatchSampler> ranks;
         for (int k = 0; k < r; ++k)
-          ranks.emplace_back(lengths, loom::BucketBatchSamplerOptions{.num_replicas = r, .rank = k, .shuffle = shuffle, .seed = 3,
-                                                                      .pad = {{.dim = 0}}, .max_elements = 256, .multiple_of = 2,
+          ranks.emplace_back(lengths, loom::BucketBatchSamplerOptions{.num_replicas = r,
+                                                                      .rank = k,
+                                                                      .shuffle = shuffle,
+                                                                      .seed = 3,
+                                                                      .pad = {{.dim = 0}},
+                                                                      .max_elements = 256,
+                                                                      .multiple_of = 2,
                                                                       .surplus = surplus});
         std::multiset<int64_t> counted;
         std::set<int64_t> plan_ids;
@@ -224,7 +233,8 @@ TEST_CASE("bucket batch sampler: SurplusPolicy::drop runs B / R steps and counts
   const int r = 4;
   int64_t seen = 0, dropped = -1;
   for (int k = 0; k < r; ++k) {
-    loom::DistributedBucketBatchSampler s(lengths, {.num_replicas = r, .rank = k, .seed = 1, .max_samples = 8, .surplus = loom::SurplusPolicy::drop});
+    loom::DistributedBucketBatchSampler s(
+        lengths, {.num_replicas = r, .rank = k, .seed = 1, .max_samples = 8, .surplus = loom::SurplusPolicy::drop});
     CHECK(s.size() == static_cast<int64_t>(s.plan().size()) / r);
     while (auto b = s.next()) {
       CHECK(b->weight == 1.0);
@@ -253,10 +263,12 @@ TEST_CASE("field case: steps per epoch are computed per bucket, never from the d
 
 TEST_CASE("bucket batch sampler: the plan is the collator's, and collate_sampled builds the batch") {
   const auto lengths = random_lengths(77, 4);
-  loom::DistributedBucketBatchSampler s(lengths, {.shuffle = false, .pad = {{.dim = 0, .multiple = 8}}, .max_samples = 6});
+  loom::DistributedBucketBatchSampler s(lengths,
+                                        {.shuffle = false, .pad = {{.dim = 0, .multiple = 8}}, .max_samples = 6});
   loom::BucketCollator<> c(loom::PaddedBucketOptions{.pad = {{.dim = 0, .multiple = 8}}, .max_samples = 6});
   std::vector<std::pair<torch::Tensor, int64_t>> data;
-  for (std::size_t i = 0; i < lengths.size(); ++i) data.emplace_back(torch::full({lengths[i]}, static_cast<double>(i)), static_cast<int64_t>(i));
+  for (std::size_t i = 0; i < lengths.size(); ++i)
+    data.emplace_back(torch::full({lengths[i]}, static_cast<double>(i)), static_cast<int64_t>(i));
   std::vector<loom::Batch> batches;
   for (const auto& d : data) {
     c.push(d);
@@ -269,7 +281,8 @@ TEST_CASE("bucket batch sampler: the plan is the collator's, and collate_sampled
     CHECK(batches[k].indices == s.plan()[k].indices);
     const auto sb = s.next();
     REQUIRE(sb.has_value());
-    auto mine = loom::collate_sampled(*sb, [&](int64_t i) { return data[static_cast<std::size_t>(i)]; }, {.mask = true});
+    auto mine =
+        loom::collate_sampled(*sb, [&](int64_t i) { return data[static_cast<std::size_t>(i)]; }, {.mask = true});
     CHECK(torch::equal(mine.data, batches[k].data));
     CHECK(torch::equal(mine.mask, batches[k].mask));
     CHECK(torch::equal(mine.targets, batches[k].targets));
@@ -306,7 +319,8 @@ TEST_CASE("collate_sampled: a fetch that decodes every sample into one reused bu
 
 TEST_CASE("bucket batch sampler: resume equals the uninterrupted sequence; epochs reshuffle") {
   const auto lengths = random_lengths(150, 5);
-  const loom::BucketBatchSamplerOptions o{.num_replicas = 3, .rank = 2, .seed = 11, .pad = {{.dim = 0}}, .max_elements = 200};
+  const loom::BucketBatchSamplerOptions o{
+      .num_replicas = 3, .rank = 2, .seed = 11, .pad = {{.dim = 0}}, .max_elements = 200};
   loom::DistributedBucketBatchSampler full(lengths, o);
   full.set_epoch(3);
   const auto expected = full.batches();
@@ -331,14 +345,17 @@ TEST_CASE("bucket batch sampler: resume equals the uninterrupted sequence; epoch
 TEST_CASE("bucket batch sampler: bad input") {
   CHECK_THROWS_WITH_AS(loom::DistributedBucketBatchSampler(std::vector<std::vector<int64_t>>{}, {.max_samples = 2}),
                        doctest::Contains("the dataset is empty"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::DistributedBucketBatchSampler(std::vector<int64_t>{3, 4}, {.num_replicas = 2, .rank = 2, .max_samples = 2}),
-                       doctest::Contains("rank 2 is outside [0, 2)"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      loom::DistributedBucketBatchSampler(std::vector<int64_t>{3, 4}, {.num_replicas = 2, .rank = 2, .max_samples = 2}),
+      doctest::Contains("rank 2 is outside [0, 2)"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::DistributedBucketBatchSampler(std::vector<int64_t>{3, 4}, {.max_samples = 0}),
                        doctest::Contains("max_samples = 0"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::DistributedBucketBatchSampler(std::vector<int64_t>{3, 0, 4}, {.max_samples = 2}),
                        doctest::Contains("shape [0]: a zero-size dimension"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::DistributedBucketBatchSampler(std::vector<int64_t>{3, 400}, {.pad = {{.dim = 0}}, .max_elements = 100}),
-                       doctest::Contains("shape [400] needs 400 (padded) elements, more than max_elements = 100"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      loom::DistributedBucketBatchSampler(std::vector<int64_t>{3, 400}, {.pad = {{.dim = 0}}, .max_elements = 100}),
+      doctest::Contains("shape [400] needs 400 (padded) elements, more than max_elements = 100"),
+      loom::InvalidArgument);
 }
 
 // ---- gather_results over a thread-group communicator -------------------------------------------
@@ -416,8 +433,10 @@ TEST_CASE("gather_results: bad input on one rank makes every rank throw the same
         errors[static_cast<std::size_t>(rank)] = e.what();
       }
     });
-    const char* expected[] = {"rank 1 passed index 99, outside [0, 10)", "rank 1 has values of dtype Float and trailing shape [3], rank 0 has Float and [2]",
-                              "rank 1 passed values of unsupported dtype Bool", "rank 1 passed 2 indices but 1 value rows"};
+    const char* expected[] = {"rank 1 passed index 99, outside [0, 10)",
+                              "rank 1 has values of dtype Float and trailing shape [3], rank 0 has Float and [2]",
+                              "rank 1 passed values of unsupported dtype Bool",
+                              "rank 1 passed 2 indices but 1 value rows"};
     for (const auto& e : errors) CHECK(e.find(expected[bad_kind]) != std::string::npos);
   }
   // A sample no rank evaluated.
@@ -432,7 +451,8 @@ TEST_CASE("gather_results: bad input on one rank makes every rank throw the same
       errors[static_cast<std::size_t>(rank)] = e.what();
     }
   });
-  for (const auto& e : errors) CHECK(e.find("index 1 (and 1 in all) of [0, 3) was evaluated by no rank") != std::string::npos);
+  for (const auto& e : errors)
+    CHECK(e.find("index 1 (and 1 in all) of [0, 3) was evaluated by no rank") != std::string::npos);
   // World size 1 with loom's LocalCommunicator.
   loom::LocalCommunicator local;
   std::vector<int64_t> idx{2, 0, 1, 0};

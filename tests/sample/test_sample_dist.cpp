@@ -28,7 +28,8 @@ namespace {
 
 using loom::test::write_file;
 
-const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)};
+const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(30),
+                                     .spawn_timeout = std::chrono::seconds(120)};
 
 }  // namespace
 
@@ -57,15 +58,21 @@ TEST_CASE("multi-rank: gather_results over Gloo returns each sample once, in dat
           vals[k][1] = -mine[static_cast<std::size_t>(k)];
         }
         auto v = loom::gather_results(comm, mine, vals);
-        write_file(d / fmt::format("rank{}", env.rank),
-                   fmt::format("{}|{}|{}|{}|{}", fmt::join(g.indices, ","), g.duplicates_dropped,
-                               fmt::join(std::vector<float>(g.values.data_ptr<float>(), g.values.data_ptr<float>() + g.values.numel()), ","),
-                               fmt::join(v.indices, ","),
-                               fmt::join(std::vector<int64_t>(v.values.data_ptr<int64_t>(), v.values.data_ptr<int64_t>() + v.values.numel()), ",")));
+        write_file(
+            d / fmt::format("rank{}", env.rank),
+            fmt::format(
+                "{}|{}|{}|{}|{}", fmt::join(g.indices, ","), g.duplicates_dropped,
+                fmt::join(std::vector<float>(g.values.data_ptr<float>(), g.values.data_ptr<float>() + g.values.numel()),
+                          ","),
+                fmt::join(v.indices, ","),
+                fmt::join(
+                    std::vector<int64_t>(v.values.data_ptr<int64_t>(), v.values.data_ptr<int64_t>() + v.values.numel()),
+                    ",")));
       },
       kRanks);
   for (int r = 0; r < 3; ++r)
-    CHECK(dir.read(fmt::format("rank{}", r)) == "0,1,2,3,4,5,6,7,8,9|2|0,10,20,30,40,50,60,70,80,90|100,200,201|100,-100,200,-200,201,-201");
+    CHECK(dir.read(fmt::format("rank{}", r)) ==
+          "0,1,2,3,4,5,6,7,8,9|2|0,10,20,30,40,50,60,70,80,90|100,200,201|100,-100,200,-200,201,-201");
 }
 
 TEST_CASE("multi-rank: samplers agree across ranks and every rank runs the same number of steps (3 ranks)") {
@@ -82,12 +89,14 @@ TEST_CASE("multi-rank: samplers agree across ranks and every rank runs the same 
         const auto global = ds.global_indices();
         auto mine = torch::tensor(global, torch::kLong);
         comm.broadcast(mine, 0);
-        if (!torch::equal(mine, torch::tensor(global, torch::kLong))) throw std::runtime_error("DistributedSampler permutations differ");
+        if (!torch::equal(mine, torch::tensor(global, torch::kLong)))
+          throw std::runtime_error("DistributedSampler permutations differ");
         // Bucket batch sampler: run its steps with a real collective per step (a rank with fewer
         // steps would hang or time out), summing the weighted sample counts.
         std::vector<std::vector<int64_t>> shapes;
         for (int64_t l : lengths) shapes.push_back({l});
-        auto s = loom::DistributedBucketBatchSampler::for_communicator(comm, shapes, {.seed = 8, .pad = {{.dim = 0}}, .max_elements = 120});
+        auto s = loom::DistributedBucketBatchSampler::for_communicator(
+            comm, shapes, {.seed = 8, .pad = {{.dim = 0}}, .max_elements = 120});
         s.set_epoch(1);
         int64_t steps = 0;
         std::vector<int64_t> counted;
@@ -99,7 +108,8 @@ TEST_CASE("multi-rank: samplers agree across ranks and every rank runs the same 
           ++steps;
           if (b->weight == 1.0) counted.insert(counted.end(), b->indices.begin(), b->indices.end());
         }
-        write_file(d / fmt::format("rank{}", env.rank), fmt::format("{}|{}|{}", steps, total.item<double>(), fmt::join(counted, ",")));
+        write_file(d / fmt::format("rank{}", env.rank),
+                   fmt::format("{}|{}|{}", steps, total.item<double>(), fmt::join(counted, ",")));
       },
       kRanks);
   std::multiset<int64_t> all;

@@ -538,7 +538,7 @@ TEST_CASE("GeneratorLoader: a transfer that fails on the consumer's side ends th
 
 TEST_CASE("GeneratorLoader: a generator that reuses one output tensor still gets its own rows in every batch") {
   loom::GeneratorLoader<loom::test::ReusingStream> loader(loom::test::fast_and_slow_reusing(6),
-                                                         {.num_devices = 1, .prefetch_depth = 3});
+                                                          {.num_devices = 1, .prefetch_depth = 3});
   int64_t k = 0;
   for (auto& step : loader) {
     CAPTURE(k);
@@ -586,7 +586,7 @@ TEST_CASE("GeneratorLoader: fresh samples reach the batch without a copy; a reus
   }
   SUBCASE("a reused buffer: each batch holds its own copy with its own values") {
     loom::GeneratorLoader<loom::test::ReusingStream, KeepCollate> loader(loom::test::fast_and_slow_reusing(5),
-                                                                        {.num_devices = 1, .prefetch_depth = 3});
+                                                                         {.num_devices = 1, .prefetch_depth = 3});
     std::vector<std::vector<at::Tensor>> kept;
     for (auto& step : loader) kept.push_back(step.devices[0].batch);  // batches kept past the generator's later calls
     REQUIRE(kept.size() == 5);

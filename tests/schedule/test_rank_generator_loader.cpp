@@ -24,7 +24,8 @@ using loom::test::expected_rows;
 using loom::test::Stream;
 
 namespace {
-const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(20), .spawn_timeout = std::chrono::seconds(90)};
+const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(20),
+                                     .spawn_timeout = std::chrono::seconds(90)};
 
 const std::vector<int64_t> kLengths = {5, 7, 3, 9};
 

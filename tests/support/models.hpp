@@ -20,13 +20,15 @@ inline constexpr std::int64_t kIn = 3, kHidden = 5, kOut = 2;
 /// Features of sample i: kIn values in [-1, 1].
 inline at::Tensor sample_x(std::int64_t i, at::ScalarType dtype = at::kDouble) {
   std::vector<double> v;
-  for (std::int64_t j = 0; j < kIn; ++j) v.push_back(std::sin(0.37 * static_cast<double>(i) + 1.3 * static_cast<double>(j) + 0.1));
+  for (std::int64_t j = 0; j < kIn; ++j)
+    v.push_back(std::sin(0.37 * static_cast<double>(i) + 1.3 * static_cast<double>(j) + 0.1));
   return torch::tensor(v, torch::dtype(torch::kDouble)).to(dtype);
 }
 /// Target of sample i: kOut values.
 inline at::Tensor sample_y(std::int64_t i, at::ScalarType dtype = at::kDouble) {
   std::vector<double> v;
-  for (std::int64_t j = 0; j < kOut; ++j) v.push_back(std::cos(0.71 * static_cast<double>(i) - 0.9 * static_cast<double>(j)));
+  for (std::int64_t j = 0; j < kOut; ++j)
+    v.push_back(std::cos(0.71 * static_cast<double>(i) - 0.9 * static_cast<double>(j)));
   return torch::tensor(v, torch::dtype(torch::kDouble)).to(dtype);
 }
 /// Rows for sample indices [first, first + n).
@@ -60,8 +62,12 @@ struct Mlp {
     return torch::nn::functional::linear(torch::tanh(torch::nn::functional::linear(x, p[0], p[1])), p[2], p[3]);
   }
   /// Loss SUMMED over the rows of x (squared error).
-  [[nodiscard]] at::Tensor loss_sum(const at::Tensor& x, const at::Tensor& y) const { return (forward(x) - y).pow(2).sum(); }
-  [[nodiscard]] ParameterList list() const { return {.names = {"w1", "b1", "w2", "b2"}, .params = params, .buffers = {}}; }
+  [[nodiscard]] at::Tensor loss_sum(const at::Tensor& x, const at::Tensor& y) const {
+    return (forward(x) - y).pow(2).sum();
+  }
+  [[nodiscard]] ParameterList list() const {
+    return {.names = {"w1", "b1", "w2", "b2"}, .params = params, .buffers = {}};
+  }
   [[nodiscard]] std::vector<at::Tensor> grads() const {
     std::vector<at::Tensor> g;
     for (const auto& p : params) g.push_back(p.grad().defined() ? p.grad().detach().clone() : at::Tensor());

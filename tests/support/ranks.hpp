@@ -27,27 +27,26 @@ namespace loom::test {
 
 /// How long a rank's collectives and the whole spawned job may take.
 struct RankOptions {
-  std::chrono::milliseconds comm_timeout = std::chrono::seconds(30);   ///< GlooOptions::timeout
+  std::chrono::milliseconds comm_timeout = std::chrono::seconds(30);    ///< GlooOptions::timeout
   std::chrono::milliseconds spawn_timeout = std::chrono::seconds(180);  ///< SpawnOptions::timeout
 };
 
 /// Runs fn(comm) or fn(comm, env) on `n` ranks, each with its own GlooCommunicator (blocking
 /// collectives check their metadata across ranks, the GlooOptions default).
 template <class Fn>
-  requires std::invocable<Fn&, loom::GlooCommunicator&> ||
-           std::invocable<Fn&, loom::GlooCommunicator&, const loom::Environment&>
+requires std::invocable<Fn&, loom::GlooCommunicator&> ||
+    std::invocable<Fn&, loom::GlooCommunicator&, const loom::Environment&>
 void run_ranks(int n, Fn&& fn, RankOptions options = {}) {
-  loom::spawn(
-      n,
-      [&](const loom::Environment& env) {
-        loom::GlooCommunicator comm(env, {.timeout = options.comm_timeout});
-        if constexpr (std::invocable<Fn&, loom::GlooCommunicator&, const loom::Environment&>) {
-          fn(comm, env);
-        } else {
-          fn(comm);
-        }
-      },
-      {.timeout = options.spawn_timeout});
+  loom::spawn(n,
+              [&](const loom::Environment& env) {
+                loom::GlooCommunicator comm(env, {.timeout = options.comm_timeout});
+                if constexpr (std::invocable<Fn&, loom::GlooCommunicator&, const loom::Environment&>) {
+                  fn(comm, env);
+                } else {
+                  fn(comm);
+                }
+              },
+              {.timeout = options.spawn_timeout});
 }
 
 }  // namespace loom::test

@@ -32,7 +32,8 @@ class ThreadGroup {
     std::vector<at::Tensor> out;
     std::string mismatch;
     for (const auto& s : slots_) {
-      if (s.sizes() != slots_[0].sizes() || s.scalar_type() != slots_[0].scalar_type()) mismatch = "shape/dtype differ across ranks";
+      if (s.sizes() != slots_[0].sizes() || s.scalar_type() != slots_[0].scalar_type())
+        mismatch = "shape/dtype differ across ranks";
       out.push_back(s.clone());
     }
     sync_.arrive_and_wait();

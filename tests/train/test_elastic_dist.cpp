@@ -39,7 +39,9 @@ namespace {
 
 constexpr int64_t kSamples = 37;
 
-int64_t length_of(int64_t i) { return i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5; }
+int64_t length_of(int64_t i) {
+  return i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5;
+}
 
 /// Sample i: (L x 3 float64 sequence, 2 float64 targets).
 std::pair<at::Tensor, at::Tensor> sample(int64_t i) {
@@ -163,56 +165,60 @@ std::map<int64_t, int> count_uses(const fs::path& dir, const std::string& tag) {
 }  // namespace
 
 TEST_SUITE("dist") {
-
-int epoch_steps() { return static_cast<int>(loom::plan_epoch(shapes(), kPlan, 0).steps.size()); }
-
-TEST_CASE("the plan: more than 6 steps per epoch, a partial last step (the cases below need both)") {
-  const auto plan = loom::plan_epoch(shapes(), kPlan, 0);
-  REQUIRE(plan.steps.size() > 6);
-  CHECK(plan.steps.back().num_batches == 1);
-}
-
-TEST_CASE("trajectory: an epoch and 2 steps (its partial last step included) on 1, 2 and 3 ranks end equal (float64, 1e-12)") {
-  std::map<int, std::vector<double>> params;
-  const int steps = epoch_steps() + 2;
-  for (int w : {1, 2, 3}) {
-    TempDir dir("loom-elastic");
-    run(w, dir.path, steps, "run");
-    params[w] = parse(read_file(dir.path / "params.run"));
-    // Every sample once in epoch 0, a few twice (the 2 steps of epoch 1).
-    const auto uses = count_uses(dir.path, "run");
-    CHECK(static_cast<int64_t>(uses.size()) == kSamples);
-    for (const auto& [i, k] : uses) CHECK((k == 1 || k == 2));
+  int epoch_steps() {
+    return static_cast<int>(loom::plan_epoch(shapes(), kPlan, 0).steps.size());
   }
-  const double e2 = max_relative(params[2], params[1]), e3 = max_relative(params[3], params[1]);
-  MESSAGE(fmt::format("relative difference to W = 1: W = 2 {:.3g}, W = 3 {:.3g}", e2, e3));
-  CHECK(e2 < 1e-12);
-  CHECK(e3 < 1e-12);
-  // The steps moved the parameters (the comparison is not between two initial states).
-  TempDir none("loom-elastic");
-  run(1, none.path, 1, "one");
-  CHECK(max_relative(parse(read_file(none.path / "params.one")), params[1]) > 1e-3);
-}
 
-TEST_CASE("resume on another world size: 3 steps on W, 3 more on W' equal 6 uninterrupted steps; each sample once") {
-  REQUIRE(epoch_steps() > 6);
-  TempDir straight("loom-elastic");
-  run(2, straight.path, 6, "all");
-  const auto reference = parse(read_file(straight.path / "params.all"));
-  const auto ref_uses = count_uses(straight.path, "all");
-  for (auto [first, second] : {std::pair{2, 3}, std::pair{3, 1}}) {
-    TempDir dir("loom-elastic");
-    run(first, dir.path, 3, "a");
-    run(second, dir.path, 3, "b");
-    const double err = max_relative(parse(read_file(dir.path / "params.b")), reference);
-    MESSAGE(fmt::format("W = {} then W = {}: relative difference to the uninterrupted W = 2 run {:.3g}", first, second, err));
-    CHECK(err < 1e-12);
-    auto uses = count_uses(dir.path, "a");
-    for (const auto& [i, k] : count_uses(dir.path, "b")) uses[i] += k;
-    CHECK(uses == ref_uses);  // the same samples as the uninterrupted run
-    CHECK(uses.size() >= 12);
-    for (const auto& [i, k] : uses) CHECK(k == 1);  // 6 steps inside epoch 0: each sample once
+  TEST_CASE("the plan: more than 6 steps per epoch, a partial last step (the cases below need both)") {
+    const auto plan = loom::plan_epoch(shapes(), kPlan, 0);
+    REQUIRE(plan.steps.size() > 6);
+    CHECK(plan.steps.back().num_batches == 1);
   }
-}
+
+  TEST_CASE(
+      "trajectory: an epoch and 2 steps (its partial last step included) on 1, 2 and 3 ranks end equal (float64, "
+      "1e-12)") {
+    std::map<int, std::vector<double>> params;
+    const int steps = epoch_steps() + 2;
+    for (int w : {1, 2, 3}) {
+      TempDir dir("loom-elastic");
+      run(w, dir.path, steps, "run");
+      params[w] = parse(read_file(dir.path / "params.run"));
+      // Every sample once in epoch 0, a few twice (the 2 steps of epoch 1).
+      const auto uses = count_uses(dir.path, "run");
+      CHECK(static_cast<int64_t>(uses.size()) == kSamples);
+      for (const auto& [i, k] : uses) CHECK((k == 1 || k == 2));
+    }
+    const double e2 = max_relative(params[2], params[1]), e3 = max_relative(params[3], params[1]);
+    MESSAGE(fmt::format("relative difference to W = 1: W = 2 {:.3g}, W = 3 {:.3g}", e2, e3));
+    CHECK(e2 < 1e-12);
+    CHECK(e3 < 1e-12);
+    // The steps moved the parameters (the comparison is not between two initial states).
+    TempDir none("loom-elastic");
+    run(1, none.path, 1, "one");
+    CHECK(max_relative(parse(read_file(none.path / "params.one")), params[1]) > 1e-3);
+  }
+
+  TEST_CASE("resume on another world size: 3 steps on W, 3 more on W' equal 6 uninterrupted steps; each sample once") {
+    REQUIRE(epoch_steps() > 6);
+    TempDir straight("loom-elastic");
+    run(2, straight.path, 6, "all");
+    const auto reference = parse(read_file(straight.path / "params.all"));
+    const auto ref_uses = count_uses(straight.path, "all");
+    for (auto [first, second] : {std::pair{2, 3}, std::pair{3, 1}}) {
+      TempDir dir("loom-elastic");
+      run(first, dir.path, 3, "a");
+      run(second, dir.path, 3, "b");
+      const double err = max_relative(parse(read_file(dir.path / "params.b")), reference);
+      MESSAGE(fmt::format("W = {} then W = {}: relative difference to the uninterrupted W = 2 run {:.3g}", first,
+                          second, err));
+      CHECK(err < 1e-12);
+      auto uses = count_uses(dir.path, "a");
+      for (const auto& [i, k] : count_uses(dir.path, "b")) uses[i] += k;
+      CHECK(uses == ref_uses);  // the same samples as the uninterrupted run
+      CHECK(uses.size() >= 12);
+      for (const auto& [i, k] : uses) CHECK(k == 1);  // 6 steps inside epoch 0: each sample once
+    }
+  }
 
 }  // TEST_SUITE

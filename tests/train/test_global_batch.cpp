@@ -31,8 +31,8 @@ Shapes random_shapes(uint64_t seed, int n, int sizes) {
 
 /// Per global step, the sorted sample indices every rank of a world of `w` runs (weight-1 items),
 /// gathered by iterating each rank's sampler; also counts uses of every sample.
-std::vector<std::vector<int64_t>> steps_over_ranks(const Shapes& shapes, loom::GlobalBatchOptions o, int w, int64_t epoch,
-                                                   std::map<int64_t, int>* uses = nullptr) {
+std::vector<std::vector<int64_t>> steps_over_ranks(const Shapes& shapes, loom::GlobalBatchOptions o, int w,
+                                                   int64_t epoch, std::map<int64_t, int>* uses = nullptr) {
   std::vector<std::vector<int64_t>> steps;
   for (int r = 0; r < w; ++r) {
     o.world_size = w;
@@ -74,10 +74,12 @@ TEST_CASE("deal: LPT on costs, deterministic, every item once; round robin as do
   // More ranks than items: the extra ranks get nothing.
   CHECK(loom::deal(costs, 6, loom::Dealing::balanced) == std::vector<std::vector<int64_t>>{{0}, {2}, {3}, {1}, {}, {}});
   // Ties: plan order first, lowest rank first.
-  CHECK(loom::deal(std::vector<int64_t>{3, 3, 3}, 2, loom::Dealing::balanced) == std::vector<std::vector<int64_t>>{{0, 2}, {1}});
-  CHECK_THROWS_WITH_AS(loom::deal(costs, 0, loom::Dealing::balanced), doctest::Contains("world_size = 0"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::deal(std::vector<int64_t>{1, -4}, 2, loom::Dealing::balanced), doctest::Contains("cost -4 of item 1"),
+  CHECK(loom::deal(std::vector<int64_t>{3, 3, 3}, 2, loom::Dealing::balanced) ==
+        std::vector<std::vector<int64_t>>{{0, 2}, {1}});
+  CHECK_THROWS_WITH_AS(loom::deal(costs, 0, loom::Dealing::balanced), doctest::Contains("world_size = 0"),
                        loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::deal(std::vector<int64_t>{1, -4}, 2, loom::Dealing::balanced),
+                       doctest::Contains("cost -4 of item 1"), loom::InvalidArgument);
   // Property: every item exactly once; the max load within Graham's list-scheduling bound
   // total / W + (1 - 1/W) x largest (round robin has no such bound).
   std::mt19937_64 rng(11);
@@ -101,7 +103,8 @@ TEST_CASE("deal: LPT on costs, deterministic, every item once; round robin as do
       biggest = std::max(biggest, x);
     }
     CHECK(std::all_of(seen.begin(), seen.end(), [](int k) { return k == 1; }));
-    CHECK(static_cast<double>(max_load) <= static_cast<double>(total) / w + (1.0 - 1.0 / w) * static_cast<double>(biggest) + 1e-9);
+    CHECK(static_cast<double>(max_load) <=
+          static_cast<double>(total) / w + (1.0 - 1.0 / w) * static_cast<double>(biggest) + 1e-9);
   }
 }
 
@@ -131,7 +134,8 @@ TEST_CASE("plan_epoch: steps by batches, samples or elements; the last step take
   CHECK(next == static_cast<int64_t>(by_batches.batches.size()));
   CHECK(samples == 101);
 
-  const auto by_samples = loom::plan_epoch(shapes, {.seed = 5, .max_samples = 4, .batches_per_step = 0, .samples_per_step = 10}, 2);
+  const auto by_samples =
+      loom::plan_epoch(shapes, {.seed = 5, .max_samples = 4, .batches_per_step = 0, .samples_per_step = 10}, 2);
   for (std::size_t k = 0; k + 1 < by_samples.steps.size(); ++k) {
     CHECK(by_samples.steps[k].num_samples >= 10);
     CHECK(by_samples.steps[k].num_samples - 10 < 4);  // closed by the batch that reached 10
@@ -141,8 +145,8 @@ TEST_CASE("plan_epoch: steps by batches, samples or elements; the last step take
 
   CHECK_THROWS_WITH_AS(loom::plan_epoch(shapes, {.batches_per_step = 0}, 0), doctest::Contains("no rule closes a step"),
                        loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::plan_epoch(shapes, {.batches_per_step = -2}, 0), doctest::Contains("batches_per_step = -2"),
-                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::plan_epoch(shapes, {.batches_per_step = -2}, 0),
+                       doctest::Contains("batches_per_step = -2"), loom::InvalidArgument);
   CHECK_THROWS_AS(loom::plan_epoch({}, {}, 0), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::plan_epoch(shapes, {}, -1), doctest::Contains("epoch -1"), loom::InvalidArgument);
 }
@@ -150,7 +154,8 @@ TEST_CASE("plan_epoch: steps by batches, samples or elements; the last step take
 TEST_CASE("GlobalBatchSampler: for W = 1..5 every step holds the same samples, each sample once, none dropped") {
   for (uint64_t trial = 0; trial < 12; ++trial) {  // property test over random shape lists and options
     const Shapes shapes = random_shapes(100 + trial, 30 + static_cast<int>(trial * 7), 2 + static_cast<int>(trial % 3));
-    loom::GlobalBatchOptions o{.seed = trial, .max_samples = 2 + static_cast<int64_t>(trial % 4),
+    loom::GlobalBatchOptions o{.seed = trial,
+                               .max_samples = 2 + static_cast<int64_t>(trial % 4),
                                .batches_per_step = 1 + static_cast<int64_t>(trial % 5)};
     if (trial % 3 == 1) o.pad = {{.dim = 1, .boundaries = {16, 32}}, {.dim = 2, .boundaries = {16, 32}}};
     if (trial % 4 == 3) o.dealing = loom::Dealing::round_robin;
@@ -210,8 +215,10 @@ TEST_CASE("GlobalBatchSampler: a cursor from W = 2 resumes on W = 3 and W = 1 wi
     const auto c = s.cursor();
     CHECK(c.step == 3);
     CHECK(c.epoch == 1);
-    if (r == 0) cursor = c;
-    else CHECK(c == cursor);
+    if (r == 0)
+      cursor = c;
+    else
+      CHECK(c == cursor);
   }
   // The checkpoint's text survives a round trip.
   CHECK(loom::parse_global_cursor(loom::to_string(cursor)) == cursor);
@@ -279,7 +286,9 @@ TEST_CASE("GlobalBatchSampler: balanced dealing keeps the busiest rank near the 
     for (int64_t k = 0; k + 1 < x.num_steps(); ++k) {  // full steps (16 batches: 4 per rank)
       std::vector<double> load(4, 0);
       for (int r = 0; r < 4; ++r)
-        for (int64_t j : x.assignment(k, r)) load[static_cast<std::size_t>(r)] += static_cast<double>(x.plan().batches[static_cast<std::size_t>(j)].padded_elements);
+        for (int64_t j : x.assignment(k, r))
+          load[static_cast<std::size_t>(r)] +=
+              static_cast<double>(x.plan().batches[static_cast<std::size_t>(j)].padded_elements);
       const double mean = (load[0] + load[1] + load[2] + load[3]) / 4;
       ratio = std::max(ratio, *std::max_element(load.begin(), load.end()) / mean);
     }
@@ -289,9 +298,10 @@ TEST_CASE("GlobalBatchSampler: balanced dealing keeps the busiest rank near the 
   MESSAGE(fmt::format("max/mean per step: balanced {:.3f}, round robin {:.3f}", balanced, rr));
   CHECK(balanced < rr);
   CHECK(balanced < 1.25);
-  CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(shapes, {.world_size = 2, .rank = 2}), doctest::Contains("rank 2 is outside [0, 2)"),
+  CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(shapes, {.world_size = 2, .rank = 2}),
+                       doctest::Contains("rank 2 is outside [0, 2)"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(shapes, {.world_size = 0}), doctest::Contains("world_size = 0"),
                        loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(shapes, {.world_size = 0}), doctest::Contains("world_size = 0"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(Shapes{}, {}), doctest::Contains("empty"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(s.assignment(s.num_steps(), 0), doctest::Contains("outside"), loom::InvalidArgument);
 }

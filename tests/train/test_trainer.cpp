@@ -26,8 +26,8 @@ struct Setup {
   loom::LocalCommunicator comm;
   loom::test::Mlp model{at::kDouble};
   torch::optim::SGD sgd{model.params, torch::optim::SGDOptions(0.05)};
-  loom::BatchLoader<decltype(loom::test::trainer_fetch())> loader{comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
-                                                                   loom::test::kTrainerPlan};
+  loom::BatchLoader<decltype(loom::test::trainer_fetch())> loader{
+      comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan};
   loom::Trainer<loom::LocalCommunicator, torch::optim::SGD> trainer{comm, model.list(), sgd};
   at::Tensor loss(const loom::Batch& b) const { return loom::test::mean_loss(model, b); }
 };
@@ -86,8 +86,10 @@ TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error n
     auto run = [&] {
       int k = 0;
       for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
-        if (k++ == 2) s.loss(b).backward();
-        else s.trainer.backward(s.loss(b), b);
+        if (k++ == 2)
+          s.loss(b).backward();
+        else
+          s.trainer.backward(s.loss(b), b);
       }
     };
     CHECK_THROWS_WITH_AS(run(), doctest::Contains("a backward ran outside trainer.backward"), loom::Error);
@@ -130,7 +132,8 @@ TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error n
       s.trainer.backward(s.loss(b), b);
       break;  // the first step has 2 batches: the window is open
     }
-    CHECK_THROWS_WITH_AS((void)s.trainer.epoch(s.loader, 1), doctest::Contains("ended inside an optimizer step"), loom::Error);
+    CHECK_THROWS_WITH_AS((void)s.trainer.epoch(s.loader, 1), doctest::Contains("ended inside an optimizer step"),
+                         loom::Error);
   }
   SUBCASE("a break right after a step boundary is fine") {
     Setup s;
@@ -148,7 +151,8 @@ TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error n
     Setup s;
     for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
       auto per_sample = (s.model.forward(b.data.mean(1)) - b.targets).pow(2);  // N x 2: reduction none
-      CHECK_THROWS_WITH_AS(s.trainer.backward(per_sample, b), doctest::Contains("pass one number per batch"), loom::InvalidArgument);
+      CHECK_THROWS_WITH_AS(s.trainer.backward(per_sample, b), doctest::Contains("pass one number per batch"),
+                           loom::InvalidArgument);
       CHECK_THROWS_WITH_AS(s.trainer.backward(s.loss(b).detach(), b), doctest::Contains("does not require grad"),
                            loom::InvalidArgument);
       s.trainer.backward(s.loss(b), b);
@@ -156,7 +160,8 @@ TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error n
   }
   SUBCASE("a loader is not a range: the epoch loop must go through trainer.epoch (compile-time)") {
     static_assert(!std::ranges::range<Loader>);
-    static_assert(std::ranges::input_range<loom::EpochRange<loom::Trainer<loom::LocalCommunicator, torch::optim::SGD>, Loader>>);
+    static_assert(
+        std::ranges::input_range<loom::EpochRange<loom::Trainer<loom::LocalCommunicator, torch::optim::SGD>, Loader>>);
     static_assert(!loom::StepOptimizer<int>);
     static_assert(loom::StepOptimizer<loom::StepFunctions>);
     CHECK(true);
@@ -226,13 +231,15 @@ TEST_CASE("Metrics: weighted by real samples, by name; misuse named") {
   CHECK(metrics.weight("loss") == 522.0);
   CHECK(metrics.mean("acc") == 0.5);
   CHECK(metrics.means().size() == 2);
-  CHECK_THROWS_WITH_AS((void)metrics.mean("nope"), doctest::Contains("no rank added a metric named 'nope'"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS((void)metrics.mean("nope"), doctest::Contains("no rank added a metric named 'nope'"),
+                       loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(metrics.add("loss", 1.0, 1), doctest::Contains("already reduced"), loom::Error);
   loom::Metrics other(comm, {.capacity = 1});
   other.add("a", 1.0, 1);
   CHECK_THROWS_WITH_AS(other.add("b", 1.0, 1), doctest::Contains("more than 1 names"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(other.add("a", 1.0, -2), doctest::Contains("weight -2"), loom::InvalidArgument);
-  CHECK_THROWS_WITH_AS(other.add("a", torch::ones({2}), big), doctest::Contains("one-element tensor"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(other.add("a", torch::ones({2}), big), doctest::Contains("one-element tensor"),
+                       loom::InvalidArgument);
 }
 
 TEST_CASE("run: nproc 1 without a launcher runs in this process as rank 0 of 1") {
@@ -250,15 +257,18 @@ TEST_CASE("run: nproc 1 without a launcher runs in this process as rank 0 of 1")
     CHECK(equal_lists(loom::test::train_short(pg, 1), loom::test::train_by_hand(pg, 1)));
   });
   CHECK(calls == 1);
-  CHECK_THROWS_WITH_AS(loom::run([](loom::ProcessGroup&) {}, {.nproc = 0}), doctest::Contains("nproc = 0"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::run([](loom::ProcessGroup&) {}, {.nproc = 0}), doctest::Contains("nproc = 0"),
+                       loom::InvalidArgument);
 }
 
 TEST_CASE("rank_cuda_device: LOCAL_RANK among CUDA_VISIBLE_DEVICES; too few GPUs is an error on every rank") {
   auto env = [](int local_rank, int local_world) {
-    return loom::Environment::from_map({{"RANK", std::to_string(local_rank)}, {"WORLD_SIZE", std::to_string(local_world)},
+    return loom::Environment::from_map({{"RANK", std::to_string(local_rank)},
+                                        {"WORLD_SIZE", std::to_string(local_world)},
                                         {"LOCAL_RANK", std::to_string(local_rank)},
                                         {"LOCAL_WORLD_SIZE", std::to_string(local_world)},
-                                        {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+                                        {"MASTER_ADDR", "127.0.0.1"},
+                                        {"MASTER_PORT", "29500"}});
   };
   auto d = loom::rank_cuda_device(env(1, 2), 2, "4,5");
   CHECK(d.ordinal == 1);
@@ -269,19 +279,21 @@ TEST_CASE("rank_cuda_device: LOCAL_RANK among CUDA_VISIBLE_DEVICES; too few GPUs
   d = loom::rank_cuda_device(env(0, 2), 2, " GPU-aa , GPU-bb ");
   CHECK(d.visible_as == "GPU-aa");
   for (int r = 0; r < 4; ++r)  // every rank of the node throws, not only the ones without a GPU
-    CHECK_THROWS_WITH_AS(loom::rank_cuda_device(env(r, 4), 2, "0,1"),
-                         doctest::Contains("4 ranks on this node (LOCAL_WORLD_SIZE=4) need one GPU each, but 2 are visible "
-                                           "(CUDA_VISIBLE_DEVICES '0,1')"),
-                         loom::ConfigError);
-  CHECK_THROWS_WITH_AS(loom::rank_cuda_device(env(0, 1), 0, ""), doctest::Contains("CUDA_VISIBLE_DEVICES unset"), loom::ConfigError);
+    CHECK_THROWS_WITH_AS(
+        loom::rank_cuda_device(env(r, 4), 2, "0,1"),
+        doctest::Contains("4 ranks on this node (LOCAL_WORLD_SIZE=4) need one GPU each, but 2 are visible "
+                          "(CUDA_VISIBLE_DEVICES '0,1')"),
+        loom::ConfigError);
+  CHECK_THROWS_WITH_AS(loom::rank_cuda_device(env(0, 1), 0, ""), doctest::Contains("CUDA_VISIBLE_DEVICES unset"),
+                       loom::ConfigError);
   CHECK(loom::parse_visible_devices("0,,2") == std::vector<std::string>{"0", "2"});
   CHECK(loom::parse_backend("auto") == loom::Backend::automatic);
   CHECK_THROWS_WITH_AS(loom::parse_backend("mpi"), doctest::Contains("backend 'mpi'"), loom::ConfigError);
   // This build: no CUDA LibTorch, so nccl is refused with the reason.
 #if !LOOM_TORCH_HAS_CUDA
-  CHECK_THROWS_WITH_AS(loom::ProcessGroup::resolve(env(0, 1), {.backend = loom::Backend::nccl}), doctest::Contains("LibTorch without CUDA"),
-                       loom::ConfigError);
+  CHECK_THROWS_WITH_AS(loom::ProcessGroup::resolve(env(0, 1), {.backend = loom::Backend::nccl}),
+                       doctest::Contains("LibTorch without CUDA"), loom::ConfigError);
 #endif
-  CHECK_THROWS_WITH_AS(loom::ProcessGroup::resolve(env(0, 2), {.backend = loom::Backend::local}), doctest::Contains("world size 1, not 2"),
-                       loom::ConfigError);
+  CHECK_THROWS_WITH_AS(loom::ProcessGroup::resolve(env(0, 2), {.backend = loom::Backend::local}),
+                       doctest::Contains("world size 1, not 2"), loom::ConfigError);
 }

@@ -6,9 +6,8 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
-#include <vector>
-
 #include <unistd.h>
+#include <vector>
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -32,115 +31,124 @@ void expect(bool ok, const std::string& what) {
 }  // namespace
 
 TEST_SUITE("dist") {
-
-TEST_CASE("run with nproc 2: the same entry point spawns 2 ranks; the short path equals the hand-written loop bit for bit") {
-  loom::run(
-      [](loom::ProcessGroup& pg) {
-        expect(pg.world_size() == 2, fmt::format("world size {}", pg.world_size()));
-        expect(pg.backend() == loom::Backend::gloo, "Gloo on a CPU machine");
-        const auto short_path = loom::test::train_short(pg, 2);
-        const auto by_hand = loom::test::train_by_hand(pg, 2);
-        for (std::size_t k = 0; k < short_path.size(); ++k)
-          expect(torch::equal(short_path[k], by_hand[k]), fmt::format("parameter {} differs on rank {}", k, pg.rank()));
-        // Every rank holds the same parameters.
-        for (const auto& p : short_path) {
-          auto all = pg.all_gather(p.detach().contiguous());
-          expect(torch::equal(all[0], all[1]), "replicas differ");
-        }
-      },
-      {.nproc = 2, .group = {.timeout = std::chrono::seconds(30)}, .spawn = {.timeout = std::chrono::seconds(120)}});
-}
-
-TEST_CASE("run with nproc 1 and 2 train to the same parameters (world-size invariance through the short path)") {
-  std::vector<double> one, two;
-  loom::run([&](loom::ProcessGroup& pg) {
-    for (const auto& p : loom::test::train_short(pg, 2)) {
-      auto c = p.detach().contiguous();
-      one.insert(one.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
-    }
-  });
-  // The 2-rank run writes rank 0's parameters through a pipe-free channel: a file.
-  const std::string path = fmt::format("/tmp/loom-trainer-{}.txt", ::getpid());
-  loom::run(
-      [&](loom::ProcessGroup& pg) {
-        std::string text;
-        for (const auto& p : loom::test::train_short(pg, 2)) {
-          auto c = p.detach().contiguous();
-          for (int64_t k = 0; k < c.numel(); ++k) text += fmt::format("{:.17g}\n", c.data_ptr<double>()[k]);
-        }
-        if (pg.rank() == 0) {
-          std::FILE* f = std::fopen(path.c_str(), "w");
-          std::fputs(text.c_str(), f);
-          std::fclose(f);
-        }
-      },
-      {.nproc = 2, .spawn = {.timeout = std::chrono::seconds(120)}});
-  std::FILE* f = std::fopen(path.c_str(), "r");
-  REQUIRE(f != nullptr);
-  double x;
-  while (std::fscanf(f, "%lf", &x) == 1) two.push_back(x);
-  std::fclose(f);
-  std::remove(path.c_str());
-  REQUIRE(one.size() == two.size());
-  double worst = 0, scale = 0;
-  for (std::size_t k = 0; k < one.size(); ++k) {
-    worst = std::max(worst, std::abs(one[k] - two[k]));
-    scale = std::max(scale, std::abs(one[k]));
+  TEST_CASE(
+      "run with nproc 2: the same entry point spawns 2 ranks; the short path equals the hand-written loop bit for "
+      "bit") {
+    loom::run(
+        [](loom::ProcessGroup& pg) {
+          expect(pg.world_size() == 2, fmt::format("world size {}", pg.world_size()));
+          expect(pg.backend() == loom::Backend::gloo, "Gloo on a CPU machine");
+          const auto short_path = loom::test::train_short(pg, 2);
+          const auto by_hand = loom::test::train_by_hand(pg, 2);
+          for (std::size_t k = 0; k < short_path.size(); ++k)
+            expect(torch::equal(short_path[k], by_hand[k]),
+                   fmt::format("parameter {} differs on rank {}", k, pg.rank()));
+          // Every rank holds the same parameters.
+          for (const auto& p : short_path) {
+            auto all = pg.all_gather(p.detach().contiguous());
+            expect(torch::equal(all[0], all[1]), "replicas differ");
+          }
+        },
+        {.nproc = 2, .group = {.timeout = std::chrono::seconds(30)}, .spawn = {.timeout = std::chrono::seconds(120)}});
   }
-  MESSAGE(fmt::format("nproc 1 vs 2: max relative difference {:.3g}", worst / scale));
-  CHECK(worst / scale < 1e-12);
-}
 
-TEST_CASE("on_step runs equally often on every rank although the loop body does not; Progress::add_global needs no collective") {
-  loom::run(
-      [](loom::ProcessGroup& pg) {
-        loom::test::Mlp model(at::kDouble);
-        torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
-        loom::BatchLoader loader(pg, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
-        loom::Trainer trainer(pg, model.list(), sgd);
-        loom::MemorySink sink;
-        loom::Progress progress{sink, loom::rank_info(pg), {.total = loom::test::kTrainerSamples, .label = "train"}};
-        int64_t steps = 0, global = 0, bodies = 0;
-        trainer.on_step([&](const loom::SyncResult& r) {
-          ++steps;
-          global += r.global_samples;
-          progress.add_global(r.global_samples);
-        });
-        for (loom::Batch& b : trainer.epoch(loader, 0)) {
-          trainer.backward(loom::test::mean_loss(model, b), b);
-          ++bodies;
-        }
-        progress.finish(pg);
-        const auto plan_steps = static_cast<int64_t>(loader.sampler().plan().steps.size());
-        expect(steps == plan_steps, fmt::format("rank {}: on_step ran {} times for {} steps", pg.rank(), steps, plan_steps));
-        expect(global == loom::test::kTrainerSamples, fmt::format("rank {}: global samples {}", pg.rank(), global));
-        expect(progress.global_samples() == loom::test::kTrainerSamples, "Progress counted every sample once");
-        // The loop bodies differ between ranks (the dealing is uneven), which is why on_step exists.
-        auto t = torch::tensor({static_cast<double>(bodies)}, torch::kDouble);
-        auto all = pg.all_gather(t);
-        expect(all[0].item<double>() + all[1].item<double>() == static_cast<double>(loader.sampler().plan().batches.size()),
-               "every batch ran once over the ranks");
-      },
-      {.nproc = 2, .spawn = {.timeout = std::chrono::seconds(120)}});
-}
-
-TEST_CASE("Metrics by name on 2 ranks: different orders, a name only one rank saw, one collective") {
-  loom::test::run_ranks(2, [](loom::GlooCommunicator& comm) {
-    loom::Metrics metrics(comm);
-    if (comm.rank() == 0) {
-      metrics.add("loss", 1.0, 3);
-      metrics.add("acc", 0.25, 4);
-    } else {
-      metrics.add("acc", 0.75, 4);
-      metrics.add("only_rank_1", 5.0, 2);
-      metrics.add("loss", 4.0, 1);
+  TEST_CASE("run with nproc 1 and 2 train to the same parameters (world-size invariance through the short path)") {
+    std::vector<double> one, two;
+    loom::run([&](loom::ProcessGroup& pg) {
+      for (const auto& p : loom::test::train_short(pg, 2)) {
+        auto c = p.detach().contiguous();
+        one.insert(one.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+      }
+    });
+    // The 2-rank run writes rank 0's parameters through a pipe-free channel: a file.
+    const std::string path = fmt::format("/tmp/loom-trainer-{}.txt", ::getpid());
+    loom::run(
+        [&](loom::ProcessGroup& pg) {
+          std::string text;
+          for (const auto& p : loom::test::train_short(pg, 2)) {
+            auto c = p.detach().contiguous();
+            for (int64_t k = 0; k < c.numel(); ++k) text += fmt::format("{:.17g}\n", c.data_ptr<double>()[k]);
+          }
+          if (pg.rank() == 0) {
+            std::FILE* f = std::fopen(path.c_str(), "w");
+            std::fputs(text.c_str(), f);
+            std::fclose(f);
+          }
+        },
+        {.nproc = 2, .spawn = {.timeout = std::chrono::seconds(120)}});
+    std::FILE* f = std::fopen(path.c_str(), "r");
+    REQUIRE(f != nullptr);
+    double x;
+    while (std::fscanf(f, "%lf", &x) == 1) two.push_back(x);
+    std::fclose(f);
+    std::remove(path.c_str());
+    REQUIRE(one.size() == two.size());
+    double worst = 0, scale = 0;
+    for (std::size_t k = 0; k < one.size(); ++k) {
+      worst = std::max(worst, std::abs(one[k] - two[k]));
+      scale = std::max(scale, std::abs(one[k]));
     }
-    // loss: (1 x 3 + 4 x 1) / 4 = 1.75; acc: (0.25 x 4 + 0.75 x 4) / 8 = 0.5; by position it would mix them.
-    expect(metrics.mean("loss") == 1.75, fmt::format("loss {}", metrics.mean("loss")));
-    expect(metrics.mean("acc") == 0.5, fmt::format("acc {}", metrics.mean("acc")));
-    expect(metrics.mean("only_rank_1") == 5.0, "a name only rank 1 added, read on both ranks");
-    expect(metrics.weight("loss") == 4.0, "weights summed");
-  }, {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(60)});
-}
+    MESSAGE(fmt::format("nproc 1 vs 2: max relative difference {:.3g}", worst / scale));
+    CHECK(worst / scale < 1e-12);
+  }
+
+  TEST_CASE(
+      "on_step runs equally often on every rank although the loop body does not; Progress::add_global needs no "
+      "collective") {
+    loom::run(
+        [](loom::ProcessGroup& pg) {
+          loom::test::Mlp model(at::kDouble);
+          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+          loom::BatchLoader loader(pg, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                   loom::test::kTrainerPlan);
+          loom::Trainer trainer(pg, model.list(), sgd);
+          loom::MemorySink sink;
+          loom::Progress progress{sink, loom::rank_info(pg), {.total = loom::test::kTrainerSamples, .label = "train"}};
+          int64_t steps = 0, global = 0, bodies = 0;
+          trainer.on_step([&](const loom::SyncResult& r) {
+            ++steps;
+            global += r.global_samples;
+            progress.add_global(r.global_samples);
+          });
+          for (loom::Batch& b : trainer.epoch(loader, 0)) {
+            trainer.backward(loom::test::mean_loss(model, b), b);
+            ++bodies;
+          }
+          progress.finish(pg);
+          const auto plan_steps = static_cast<int64_t>(loader.sampler().plan().steps.size());
+          expect(steps == plan_steps,
+                 fmt::format("rank {}: on_step ran {} times for {} steps", pg.rank(), steps, plan_steps));
+          expect(global == loom::test::kTrainerSamples, fmt::format("rank {}: global samples {}", pg.rank(), global));
+          expect(progress.global_samples() == loom::test::kTrainerSamples, "Progress counted every sample once");
+          // The loop bodies differ between ranks (the dealing is uneven), which is why on_step exists.
+          auto t = torch::tensor({static_cast<double>(bodies)}, torch::kDouble);
+          auto all = pg.all_gather(t);
+          expect(all[0].item<double>() + all[1].item<double>() ==
+                     static_cast<double>(loader.sampler().plan().batches.size()),
+                 "every batch ran once over the ranks");
+        },
+        {.nproc = 2, .spawn = {.timeout = std::chrono::seconds(120)}});
+  }
+
+  TEST_CASE("Metrics by name on 2 ranks: different orders, a name only one rank saw, one collective") {
+    loom::test::run_ranks(2,
+                          [](loom::GlooCommunicator& comm) {
+                            loom::Metrics metrics(comm);
+                            if (comm.rank() == 0) {
+                              metrics.add("loss", 1.0, 3);
+                              metrics.add("acc", 0.25, 4);
+                            } else {
+                              metrics.add("acc", 0.75, 4);
+                              metrics.add("only_rank_1", 5.0, 2);
+                              metrics.add("loss", 4.0, 1);
+                            }
+                            // loss: (1 x 3 + 4 x 1) / 4 = 1.75; acc: (0.25 x 4 + 0.75 x 4) / 8 = 0.5; by position it would mix them.
+                            expect(metrics.mean("loss") == 1.75, fmt::format("loss {}", metrics.mean("loss")));
+                            expect(metrics.mean("acc") == 0.5, fmt::format("acc {}", metrics.mean("acc")));
+                            expect(metrics.mean("only_rank_1") == 5.0, "a name only rank 1 added, read on both ranks");
+                            expect(metrics.weight("loss") == 4.0, "weights summed");
+                          },
+                          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(60)});
+  }
 
 }  // TEST_SUITE

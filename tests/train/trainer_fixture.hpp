@@ -25,7 +25,9 @@ namespace loom::test {
 
 inline constexpr int64_t kTrainerSamples = 29;
 
-inline int64_t trainer_length(int64_t i) { return i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5; }
+inline int64_t trainer_length(int64_t i) {
+  return i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5;
+}
 
 /// Sample i: (L x 3 sequence, 2 targets), float64.
 inline std::pair<at::Tensor, at::Tensor> trainer_sample(int64_t i) {

@@ -54,9 +54,7 @@ class CsvTable {
 
   /// The cells of column `name`, one per row, unparsed.
   /// Throws: loom::DataError naming the file, the column and the columns that exist.
-  [[nodiscard]] const std::vector<std::string>& column(std::string_view name) const {
-    return columns_[index_of(name)];
-  }
+  [[nodiscard]] const std::vector<std::string>& column(std::string_view name) const { return columns_[index_of(name)]; }
 
   /// Column `name` parsed as doubles, one per row.
   ///
@@ -76,7 +74,7 @@ class CsvTable {
   /// Example: `read_csv("stocks.csv").numeric_columns_by("symbol", "price").at("IBM").size() == 123`.
   /// Throws: as numeric_column, and loom::DataError if `key` has a blank cell.
   [[nodiscard]] std::map<std::string, std::vector<double>> numeric_columns_by(std::string_view key,
-                                                                            std::string_view value) const {
+                                                                              std::string_view value) const {
     const std::size_t k = index_of(key);
     const std::size_t v = index_of(value);
     std::vector<double> all = parse_numbers(v);
@@ -94,7 +92,8 @@ class CsvTable {
   [[nodiscard]] std::size_t index_of(std::string_view name) const {
     for (std::size_t i = 0; i < names_.size(); ++i)
       if (names_[i] == name) return i;
-    throw loom::DataError(fmt::format("{}: no column '{}' (columns: {})", path_.string(), name, fmt::join(names_, ", ")));
+    throw loom::DataError(
+        fmt::format("{}: no column '{}' (columns: {})", path_.string(), name, fmt::join(names_, ", ")));
   }
 
   [[nodiscard]] std::vector<double> parse_numbers(std::size_t c) const {
@@ -103,8 +102,8 @@ class CsvTable {
     bool any = false;
     for (std::size_t r = begin; r < end; ++r) any = any || !trim(cells[r]).empty();
     if (!any)
-      throw loom::DataError(fmt::format("{}: column '{}' is empty ({} data rows, no values)", path_.string(), names_[c],
-                                  end - begin));
+      throw loom::DataError(
+          fmt::format("{}: column '{}' is empty ({} data rows, no values)", path_.string(), names_[c], end - begin));
     std::vector<double> out;
     out.reserve(end - begin);
     for (std::size_t r = begin; r < end; ++r) {
@@ -116,8 +115,8 @@ class CsvTable {
       if (!cell.empty() && cell.front() == '+') ++first;
       const auto [ptr, ec] = std::from_chars(first, cell.data() + cell.size(), x);
       if (ec != std::errc() || ptr != cell.data() + cell.size())
-        throw loom::DataError(fmt::format("{}:{}: column '{}' holds '{}', which is not a number", path_.string(), lines_[r],
-                                    names_[c], cell));
+        throw loom::DataError(fmt::format("{}:{}: column '{}' holds '{}', which is not a number", path_.string(),
+                                          lines_[r], names_[c], cell));
       out.push_back(x);
     }
     return out;
@@ -138,7 +137,7 @@ class CsvTable {
 namespace detail {
 /// Splits CSV text into records of fields (RFC 4180). Each record carries its 1-based first line.
 inline std::vector<std::pair<std::size_t, std::vector<std::string>>> split_csv(std::string_view text,
-                                                                             const std::filesystem::path& path) {
+                                                                               const std::filesystem::path& path) {
   std::vector<std::pair<std::size_t, std::vector<std::string>>> records;
   std::vector<std::string> fields;
   std::string field;
@@ -177,16 +176,13 @@ inline std::vector<std::pair<std::size_t, std::vector<std::string>>> split_csv(s
         field.clear();
         record_has_content = true;
         break;
-      case '\r':
-        break;
+      case '\r': break;
       case '\n':
         end_record();
         ++line;
         record_line = line;
         break;
-      default:
-        field.push_back(ch);
-        record_has_content = true;
+      default: field.push_back(ch); record_has_content = true;
     }
   }
   if (in_quotes) throw loom::DataError(fmt::format("{}:{}: unterminated quoted field", path.string(), record_line));
@@ -203,7 +199,8 @@ inline std::vector<std::pair<std::size_t, std::vector<std::string>>> split_csv(s
 ///         (naming file:line and both counts).
 inline CsvTable read_csv(const std::filesystem::path& path) {
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) throw loom::DataError(fmt::format("{}: no such CSV file", path.string()));
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw loom::DataError(fmt::format("{}: no such CSV file", path.string()));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw loom::DataError(fmt::format("{}: cannot open CSV file", path.string()));
   std::ostringstream buf;
@@ -217,18 +214,20 @@ inline CsvTable read_csv(const std::filesystem::path& path) {
   std::vector<std::string> names = std::move(records.front().second);
   for (std::size_t i = 0; i < names.size(); ++i) {
     if (names[i].empty())
-      throw loom::DataError(fmt::format("{}:{}: column {} has a blank name", path.string(), records.front().first, i + 1));
+      throw loom::DataError(
+          fmt::format("{}:{}: column {} has a blank name", path.string(), records.front().first, i + 1));
     for (std::size_t j = 0; j < i; ++j)
       if (names[j] == names[i])
-        throw loom::DataError(fmt::format("{}:{}: column name '{}' appears twice", path.string(), records.front().first, names[i]));
+        throw loom::DataError(
+            fmt::format("{}:{}: column name '{}' appears twice", path.string(), records.front().first, names[i]));
   }
   std::vector<std::vector<std::string>> columns(names.size());
   std::vector<std::size_t> lines;
   for (std::size_t r = 1; r < records.size(); ++r) {
     auto& [line, fields] = records[r];
     if (fields.size() != names.size())
-      throw loom::DataError(fmt::format("{}:{}: {} fields, but the header has {} columns", path.string(), line, fields.size(),
-                                  names.size()));
+      throw loom::DataError(fmt::format("{}:{}: {} fields, but the header has {} columns", path.string(), line,
+                                        fields.size(), names.size()));
     for (std::size_t c = 0; c < fields.size(); ++c) columns[c].push_back(std::move(fields[c]));
     lines.push_back(line);
   }
@@ -255,8 +254,8 @@ inline std::filesystem::path find_vega_datasets(const std::vector<std::filesyste
     if (std::filesystem::is_regular_file(dir / "us-employment.csv", ec)) return dir;
   std::vector<std::string> names;
   for (const auto& d : tried) names.push_back(d.string());
-  throw loom::DataError(fmt::format("vega-datasets CSV files not found (us-employment.csv) in: {}; run scripts/setup.sh",
-                              fmt::join(names, ", ")));
+  throw loom::DataError(fmt::format(
+      "vega-datasets CSV files not found (us-employment.csv) in: {}; run scripts/setup.sh", fmt::join(names, ", ")));
 }
 
 }  // namespace examples::data

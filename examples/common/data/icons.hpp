@@ -65,10 +65,10 @@ struct IconFolderOptions {
 ///
 /// Shape: `image` is channels x H x W float32 in [0, 1] (H, W: the icon's own size in pixels).
 struct IconSample {
-  at::Tensor image;             ///< channels x H x W, float32, [0, 1]
-  int64_t label = 0;            ///< index into IconFolder::classes()
-  std::string name;             ///< icon name: file name without ".png" and ".symbolic"
-  std::filesystem::path path;   ///< the file it was decoded from
+  at::Tensor image;            ///< channels x H x W, float32, [0, 1]
+  int64_t label = 0;           ///< index into IconFolder::classes()
+  std::string name;            ///< icon name: file name without ".png" and ".symbolic"
+  std::filesystem::path path;  ///< the file it was decoded from
 };
 
 /// Icon name of a file: the file name without its ".png" extension and a trailing ".symbolic"
@@ -86,7 +86,8 @@ namespace detail {
 /// Parses "NxN" into N; nullopt for anything else ("scalable", "8x16", "cursors").
 inline std::optional<int> parse_square_size(const std::string& dir) {
   const auto x = dir.find('x');
-  if (x == std::string::npos || x == 0 || dir.find_first_not_of("0123456789x") != std::string::npos) return std::nullopt;
+  if (x == std::string::npos || x == 0 || dir.find_first_not_of("0123456789x") != std::string::npos)
+    return std::nullopt;
   const std::string w = dir.substr(0, x), h = dir.substr(x + 1);
   if (w.empty() || w != h || w.size() > 5) return std::nullopt;
   return std::stoi(w);
@@ -124,10 +125,11 @@ class IconFolder {
     const fs::path& root = options_.root;
     std::error_code ec;
     if (!fs::is_directory(root, ec))
-      throw loom::DataError(fmt::format("{}: icon folder does not exist (install adwaita-icon-theme, or pass the theme root)",
-                                  root.string()));
+      throw loom::DataError(fmt::format(
+          "{}: icon folder does not exist (install adwaita-icon-theme, or pass the theme root)", root.string()));
     if (options_.channels != 1 && options_.channels != 3 && options_.channels != 4)
-      throw loom::InvalidArgument(fmt::format("IconFolderOptions::channels={} (expected 1, 3 or 4)", options_.channels));
+      throw loom::InvalidArgument(
+          fmt::format("IconFolderOptions::channels={} (expected 1, 3 or 4)", options_.channels));
 
     // Collect (size, context, file) in a deterministic order.
     struct Entry {
@@ -141,7 +143,8 @@ class IconFolder {
       if (!size_dir.is_directory()) continue;
       const auto px = detail::parse_square_size(size_dir.path().filename().string());
       if (!px) continue;
-      if (!options_.sizes.empty() && std::find(options_.sizes.begin(), options_.sizes.end(), *px) == options_.sizes.end())
+      if (!options_.sizes.empty() &&
+          std::find(options_.sizes.begin(), options_.sizes.end(), *px) == options_.sizes.end())
         continue;
       for (const auto& ctx_dir : fs::directory_iterator(size_dir.path())) {
         if (!ctx_dir.is_directory()) continue;
@@ -157,8 +160,9 @@ class IconFolder {
       }
     }
     if (entries.empty())
-      throw loom::DataError(fmt::format("{}: no PNG icons under <size>/<context>/ (sizes [{}], contexts [{}])", root.string(),
-                                  fmt::join(options_.sizes, ", "), fmt::join(options_.contexts, ", ")));
+      throw loom::DataError(fmt::format("{}: no PNG icons under <size>/<context>/ (sizes [{}], contexts [{}])",
+                                        root.string(), fmt::join(options_.sizes, ", "),
+                                        fmt::join(options_.contexts, ", ")));
     std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
       return std::tie(a.size, a.context, a.file) < std::tie(b.size, b.context, b.file);
     });
@@ -184,7 +188,8 @@ class IconFolder {
       paths_.push_back(e.file);
     }
     if (pixels_.empty())
-      throw loom::DataError(fmt::format("{}: every one of the {} PNG files was corrupt", root.string(), skipped_.size()));
+      throw loom::DataError(
+          fmt::format("{}: every one of the {} PNG files was corrupt", root.string(), skipped_.size()));
   }
 
   /// Number of icons read (files skipped as corrupt are not counted).

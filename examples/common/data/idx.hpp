@@ -42,9 +42,11 @@ class GzReader {
  public:
   explicit GzReader(const std::filesystem::path& path) : path_(path) {
     std::error_code ec;
-    if (!std::filesystem::is_regular_file(path, ec)) throw loom::DataError(fmt::format("{}: no such file", path.string()));
+    if (!std::filesystem::is_regular_file(path, ec))
+      throw loom::DataError(fmt::format("{}: no such file", path.string()));
     file_ = gzopen(path.c_str(), "rb");
-    if (file_ == nullptr) throw loom::DataError(fmt::format("{}: cannot open: {}", path.string(), std::strerror(errno)));
+    if (file_ == nullptr)
+      throw loom::DataError(fmt::format("{}: cannot open: {}", path.string(), std::strerror(errno)));
   }
   GzReader(const GzReader&) = delete;
   GzReader& operator=(const GzReader&) = delete;
@@ -65,8 +67,8 @@ class GzReader {
         throw loom::DataError(fmt::format("{}: corrupt while reading {}: {}", path_.string(), what, msg ? msg : "?"));
       }
       if (got == 0)
-        throw loom::DataError(fmt::format("{}: truncated: {} needs {} bytes, the file ends after {}", path_.string(), what, n,
-                                    done));
+        throw loom::DataError(
+            fmt::format("{}: truncated: {} needs {} bytes, the file ends after {}", path_.string(), what, n, done));
       done += static_cast<std::size_t>(got);
     }
   }
@@ -90,10 +92,10 @@ inline at::Tensor read_idx(const std::filesystem::path& path) {
   in.read_exact(magic, 4, "the magic number");
   if (magic[0] != 0 || magic[1] != 0)
     throw loom::DataError(fmt::format("{}: not an IDX file (magic {:02x}{:02x}{:02x}{:02x})", path.string(), magic[0],
-                                magic[1], magic[2], magic[3]));
+                                      magic[1], magic[2], magic[3]));
   if (magic[2] != 0x08)
-    throw loom::DataError(fmt::format("{}: IDX data type 0x{:02x} is not supported (only 0x08, unsigned byte)", path.string(),
-                                magic[2]));
+    throw loom::DataError(
+        fmt::format("{}: IDX data type 0x{:02x} is not supported (only 0x08, unsigned byte)", path.string(), magic[2]));
   const int ndim = magic[3];
   if (ndim < 1 || ndim > 4)
     throw loom::DataError(fmt::format("{}: IDX with {} dimensions (expected 1..4)", path.string(), ndim));
@@ -140,7 +142,8 @@ inline const std::filesystem::path kDebianFashionMnistDir = "/usr/share/datasets
 inline LabelledImages read_fashion_mnist(const std::filesystem::path& dir, MnistSplit split) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec))
-    throw loom::DataError(fmt::format("{}: Fashion-MNIST folder does not exist (install dataset-fashion-mnist)", dir.string()));
+    throw loom::DataError(
+        fmt::format("{}: Fashion-MNIST folder does not exist (install dataset-fashion-mnist)", dir.string()));
   const std::string prefix = split == MnistSplit::train ? "train" : "t10k";
   auto pick = [&](const std::string& stem) {
     const auto gz = dir / (stem + ".gz");
@@ -151,10 +154,11 @@ inline LabelledImages read_fashion_mnist(const std::filesystem::path& dir, Mnist
   const auto label_file = pick(prefix + "-labels-idx1-ubyte");
   LabelledImages out{read_idx(image_file), read_idx(label_file)};
   if (out.images.dim() != 3)
-    throw loom::DataError(fmt::format("{}: expected 3 dimensions (N x H x W), got {}", image_file.string(), out.images.dim()));
+    throw loom::DataError(
+        fmt::format("{}: expected 3 dimensions (N x H x W), got {}", image_file.string(), out.images.dim()));
   if (out.labels.dim() != 1 || out.labels.size(0) != out.images.size(0))
     throw loom::DataError(fmt::format("{} has {} images but {} has {} labels", image_file.string(), out.images.size(0),
-                                label_file.string(), out.labels.numel()));
+                                      label_file.string(), out.labels.numel()));
   out.labels = out.labels.to(at::kLong);
   const int64_t max_label = out.labels.max().item<int64_t>();
   if (max_label >= static_cast<int64_t>(kFashionMnistClasses.size()))

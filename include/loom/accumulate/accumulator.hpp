@@ -74,9 +74,9 @@ namespace loom {
 /// Example: `loom::AccumulatorOptions{.micro_batches_per_step = 0, .samples_per_step = 256}`.
 /// Units: micro-batches; samples.
 struct AccumulatorOptions {
-  std::int64_t micro_batches_per_step = 1;       ///< K: a boundary every K micro-batches (0 = rule off)
-  std::int64_t samples_per_step = 0;             ///< S: a boundary once the window holds >= S samples (0 = off)
-  std::optional<LossScalerOptions> loss_scaling{}; ///< dynamic loss scaling (see LossScaler)
+  std::int64_t micro_batches_per_step = 1;          ///< K: a boundary every K micro-batches (0 = rule off)
+  std::int64_t samples_per_step = 0;                ///< S: a boundary once the window holds >= S samples (0 = off)
+  std::optional<LossScalerOptions> loss_scaling{};  ///< dynamic loss scaling (see LossScaler)
 };
 
 /// What a micro-batch (MicroBatch::finish), a join (join_step) or an end-of-epoch flush
@@ -95,7 +95,7 @@ struct SyncResult {
   std::int64_t global_samples = 0;  ///< all ranks' samples in the window (boundaries only)
   double loss_scale = 1.0;          ///< the scale the window's losses were multiplied by
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global norm, when clipping computed it
-  double clip_coef = 1.0;           ///< clipping factor applied (1 = none)
+  double clip_coef = 1.0;                                       ///< clipping factor applied (1 = none)
 
   explicit operator bool() const noexcept { return apply; }
 };
@@ -152,9 +152,11 @@ class Accumulator {
   /// other than end_epoch() (allowed: one step per epoch), and for bad loss-scaling options.
   explicit Accumulator(R& reducer, AccumulatorOptions options = {}) : reducer_(&reducer), options_(std::move(options)) {
     if (options_.micro_batches_per_step < 0)
-      throw InvalidArgument(fmt::format("Accumulator: micro_batches_per_step = {} (must be >= 0)", options_.micro_batches_per_step));
+      throw InvalidArgument(
+          fmt::format("Accumulator: micro_batches_per_step = {} (must be >= 0)", options_.micro_batches_per_step));
     if (options_.samples_per_step < 0)
-      throw InvalidArgument(fmt::format("Accumulator: samples_per_step = {} (must be >= 0)", options_.samples_per_step));
+      throw InvalidArgument(
+          fmt::format("Accumulator: samples_per_step = {} (must be >= 0)", options_.samples_per_step));
     if (options_.loss_scaling) scaler_.emplace(*options_.loss_scaling);
   }
 
@@ -167,13 +169,15 @@ class Accumulator {
   /// Throws: loom::InvalidArgument (negative count), loom::Error (previous micro-batch still open).
   [[nodiscard]] MicroBatch micro_batch(std::int64_t num_samples, bool closes_step = false) {
     check_usable("micro_batch");
-    if (num_samples < 0) throw InvalidArgument(fmt::format("Accumulator::micro_batch: num_samples = {} (must be >= 0)", num_samples));
+    if (num_samples < 0)
+      throw InvalidArgument(fmt::format("Accumulator::micro_batch: num_samples = {} (must be >= 0)", num_samples));
     all_final_seen_ = false;
     ++window_micro_batches_;
     window_samples_ += num_samples;
-    const bool boundary = closes_step ||
-                          (options_.micro_batches_per_step > 0 && window_micro_batches_ >= options_.micro_batches_per_step) ||
-                          (options_.samples_per_step > 0 && window_samples_ >= options_.samples_per_step);
+    const bool boundary =
+        closes_step ||
+        (options_.micro_batches_per_step > 0 && window_micro_batches_ >= options_.micro_batches_per_step) ||
+        (options_.samples_per_step > 0 && window_samples_ >= options_.samples_per_step);
     open_ = true;
     try {
       reducer_->prepare_backward({.sync = boundary, .window_samples = window_samples_, .grad_scale = grad_scale()});
@@ -213,8 +217,10 @@ class Accumulator {
   template <class F>
   SyncResult run(std::int64_t num_samples, F&& fn) {
     auto mb = micro_batch(num_samples);
-    if constexpr (std::invocable<F&, MicroBatch&>) std::forward<F>(fn)(mb);
-    else std::forward<F>(fn)();
+    if constexpr (std::invocable<F&, MicroBatch&>)
+      std::forward<F>(fn)(mb);
+    else
+      std::forward<F>(fn)();
     return mb.finish();
   }
 
@@ -230,7 +236,8 @@ class Accumulator {
     }
     Reduction r;
     try {
-      reducer_->prepare_backward({.sync = true, .final = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
+      reducer_->prepare_backward(
+          {.sync = true, .final = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
       r = reducer_->finish_window();
     } catch (const std::exception& e) {
       break_with(fmt::format("a collective failed in end_epoch ({})", e.what()));
@@ -258,10 +265,12 @@ class Accumulator {
 
   void check_usable(const char* what) const {
     if (!broken_.empty())
-      throw Error(fmt::format("Accumulator::{}: {}; the ranks may be out of step, so this accumulator refuses further use "
-                              "(build a new reducer and accumulator)",
-                              what, broken_));
-    if (open_) throw Error(fmt::format("Accumulator::{}: the previous micro-batch was not finished (call finish())", what));
+      throw Error(
+          fmt::format("Accumulator::{}: {}; the ranks may be out of step, so this accumulator refuses further use "
+                      "(build a new reducer and accumulator)",
+                      what, broken_));
+    if (open_)
+      throw Error(fmt::format("Accumulator::{}: the previous micro-batch was not finished (call finish())", what));
   }
 
   SyncResult finish_micro_batch(bool boundary) {
@@ -304,7 +313,8 @@ class Accumulator {
 
   void abandon() noexcept {
     open_ = false;
-    if (broken_.empty()) broken_ = "a micro-batch was abandoned (its scope ended without finish(), e.g. by an exception)";
+    if (broken_.empty())
+      broken_ = "a micro-batch was abandoned (its scope ended without finish(), e.g. by an exception)";
   }
 
   /// Marks the accumulator unusable; the first cause is kept for every later call's message.

@@ -30,10 +30,10 @@ namespace loom {
 /// Example: `loom::LossScalerOptions{.init_scale = 1024, .growth_interval = 100}`.
 /// Units: factors are pure numbers; growth_interval in optimizer steps.
 struct LossScalerOptions {
-  double init_scale = 65536.0;        ///< first scale (> 0)
-  double growth_factor = 2.0;         ///< applied after growth_interval finite steps (>= 1)
-  double backoff_factor = 0.5;        ///< applied once per skipped (non-finite) step, in (0, 1]
-  std::int64_t growth_interval = 2000;///< finite steps between growths (>= 1)
+  double init_scale = 65536.0;          ///< first scale (> 0)
+  double growth_factor = 2.0;           ///< applied after growth_interval finite steps (>= 1)
+  double backoff_factor = 0.5;          ///< applied once per skipped (non-finite) step, in (0, 1]
+  std::int64_t growth_interval = 2000;  ///< finite steps between growths (>= 1)
 };
 
 /// Dynamic loss scale. See the file comment.
@@ -49,7 +49,8 @@ class LossScaler {
     if (!(options_.growth_factor >= 1))
       throw InvalidArgument(fmt::format("LossScaler: growth_factor = {} (must be >= 1)", options_.growth_factor));
     if (!(options_.backoff_factor > 0 && options_.backoff_factor <= 1))
-      throw InvalidArgument(fmt::format("LossScaler: backoff_factor = {} (must be in (0, 1])", options_.backoff_factor));
+      throw InvalidArgument(
+          fmt::format("LossScaler: backoff_factor = {} (must be in (0, 1])", options_.backoff_factor));
     if (options_.growth_interval < 1)
       throw InvalidArgument(fmt::format("LossScaler: growth_interval = {} (must be >= 1)", options_.growth_interval));
   }

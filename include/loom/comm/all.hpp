@@ -13,10 +13,9 @@
 // <loom/comm/nccl.hpp> itself (its raw-pointer collectives). Guide: docs/comm.md.
 #pragma once
 
-#include <loom/config.hpp>
-
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/local.hpp>
+#include <loom/config.hpp>
 #if LOOM_HAS_GLOO
 #include <loom/comm/gloo.hpp>
 #endif

@@ -117,10 +117,8 @@ inline bool is_supported_dtype(c10::ScalarType dtype) noexcept {
     case c10::ScalarType::BFloat16:
     case c10::ScalarType::Half:
     case c10::ScalarType::Int:
-    case c10::ScalarType::Long:
-      return true;
-    default:
-      return false;
+    case c10::ScalarType::Long: return true;
+    default: return false;
   }
 }
 
@@ -130,11 +128,13 @@ namespace detail {
 inline void check_collective_tensor(const at::Tensor& t, std::string_view collective) {
   if (!t.defined()) throw InvalidArgument(fmt::format("{}: the tensor is undefined", collective));
   if (!t.is_contiguous())
-    throw InvalidArgument(fmt::format("{}: the tensor is not contiguous (sizes {}, strides {}); call .contiguous() first",
-                                      collective, fmt::join(t.sizes(), "x"), fmt::join(t.strides(), ",")));
+    throw InvalidArgument(
+        fmt::format("{}: the tensor is not contiguous (sizes {}, strides {}); call .contiguous() first", collective,
+                    fmt::join(t.sizes(), "x"), fmt::join(t.strides(), ",")));
   if (!is_supported_dtype(t.scalar_type()))
-    throw InvalidArgument(fmt::format("{}: unsupported dtype {} (supported: float32, float64, bfloat16, float16, int32, int64)",
-                                      collective, c10::toString(t.scalar_type())));
+    throw InvalidArgument(
+        fmt::format("{}: unsupported dtype {} (supported: float32, float64, bfloat16, float16, int32, int64)",
+                    collective, c10::toString(t.scalar_type())));
 }
 
 /// Validates a root rank. Throws loom::InvalidArgument naming the root and the world size.

@@ -67,36 +67,37 @@
 // With no Gloo in the build, stop with one clear message (and compile nothing else, so no wall of
 // errors follows it).
 #if !LOOM_HAS_GLOO
-#error "loom/comm/gloo.hpp needs Gloo, but this build has LOOM_HAS_GLOO=0: install libgloo-dev (apt-get install libgloo-dev) and reconfigure (meson setup --reconfigure -Dgloo=enabled), or use loom::LocalCommunicator / NcclCommunicator instead."
+#error \
+    "loom/comm/gloo.hpp needs Gloo, but this build has LOOM_HAS_GLOO=0: install libgloo-dev (apt-get install libgloo-dev) and reconfigure (meson setup --reconfigure -Dgloo=enabled), or use loom::LocalCommunicator / NcclCommunicator instead."
 #elif !defined(USE_C10D_GLOO)
-#error "loom/comm/gloo.hpp needs -DUSE_C10D_GLOO (LibTorch's c10d Gloo headers are empty without it); loom's Meson dependency adds it. Add -DUSE_DISTRIBUTED -DUSE_C10D_GLOO to your compile flags."
+#error \
+    "loom/comm/gloo.hpp needs -DUSE_C10D_GLOO (LibTorch's c10d Gloo headers are empty without it); loom's Meson dependency adds it. Add -DUSE_DISTRIBUTED -DUSE_C10D_GLOO to your compile flags."
 #else
-
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstdint>
-#include <functional>
+#include <cstdlib>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unistd.h>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/version.h>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/detail/gloo_device.hpp>
@@ -123,7 +124,7 @@ struct GlooOptions {
   std::chrono::milliseconds timeout = kDefaultTimeout;  ///< bound on every collective and on rendezvous
   bool check_metadata = true;         ///< blocking calls: all-gather dtype/shape/op first (see header)
   bool check_async_metadata = false;  ///< all_reduce_async: the same check (it then blocks briefly)
-  std::string interface{};            ///< network interface(s) for Gloo: "eth0" or "eth0,eth1"; empty: the
+  std::string interface {};           ///< network interface(s) for Gloo: "eth0" or "eth0,eth1"; empty: the
                                       ///< rule of loom/comm/detail/gloo_device.hpp (GLOO_SOCKET_IFNAME, loopback
                                       ///< master, route to MASTER_ADDR when the host name is loopback, host name)
   int threads = 2;                    ///< Gloo worker threads (async collectives run on them)
@@ -134,7 +135,9 @@ namespace detail {
 /// Whether ProcessGroupGloo accepts the dtype. Its dtype switch has no bfloat16 case ("Invalid scalar
 /// type") in 1.13 and, per pytorch/pytorch#111131 (open through 2024), in the 2.x releases loom
 /// targets, so loom stages bfloat16 on every version rather than guess which release added it.
-inline bool gloo_supports_dtype(c10::ScalarType dtype) noexcept { return dtype != c10::ScalarType::BFloat16; }
+inline bool gloo_supports_dtype(c10::ScalarType dtype) noexcept {
+  return dtype != c10::ScalarType::BFloat16;
+}
 
 inline c10d::ReduceOp::RedOpType to_c10d(ReduceOp op) {
   switch (op) {
@@ -159,7 +162,6 @@ inline bool mentions_peer_gone(const std::string& text) {
     if (text.find(s) != std::string::npos) return true;
   return false;
 }
-
 
 }  // namespace detail
 
@@ -236,15 +238,16 @@ class GlooWork {
     const double since_issue = detail::seconds_since(s.issued);
     const std::string where = fmt::format("rank {}/{} on {}", s.rank, s.world_size, detail::host_and_pid());
     if (detail::mentions_timeout(text))
-      return std::make_exception_ptr(TimeoutError(
-          s.collective, s.rank, since_issue,
-          fmt::format("no answer from {} within the {:.3f} s timeout ({}; Gloo: {})", peer_of(s, text),
-                      s.timeout.count() / 1000.0, where, text)));
+      return std::make_exception_ptr(
+          TimeoutError(s.collective, s.rank, since_issue,
+                       fmt::format("no answer from {} within the {:.3f} s timeout ({}; Gloo: {})", peer_of(s, text),
+                                   s.timeout.count() / 1000.0, where, text)));
     if (detail::mentions_peer_gone(text))
       return std::make_exception_ptr(TimeoutError(
           s.collective, s.rank, since_issue,
           fmt::format("{} closed its connection (it exited, crashed or gave up after an error of its own), so the "
-                      "collective can never complete ({}; Gloo: {})", peer_of(s, text), where, text)));
+                      "collective can never complete ({}; Gloo: {})",
+                      peer_of(s, text), where, text)));
     return std::make_exception_ptr(CommError(
         fmt::format("{} failed on {} after {:.3f} s ({}): {}", s.collective, where, waited, peer_of(s, text), text)));
   }
@@ -281,7 +284,8 @@ class GlooCommunicator {
     if (world_size < 1 || rank < 0 || rank >= world_size)
       throw InvalidArgument(fmt::format("GlooCommunicator: rank {} is outside [0, world size {})", rank, world_size));
     if (!store) throw InvalidArgument("GlooCommunicator: the store is null");
-    if (options_.threads < 1) throw InvalidArgument(fmt::format("GlooCommunicator: threads = {} (need >= 1)", options_.threads));
+    if (options_.threads < 1)
+      throw InvalidArgument(fmt::format("GlooCommunicator: threads = {} (need >= 1)", options_.threads));
     detail::ignore_sigpipe_if_default();  // before Gloo opens a socket; see the header comment
     const auto start = std::chrono::steady_clock::now();
     const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
@@ -302,13 +306,14 @@ class GlooCommunicator {
     auto pg_options = c10d::ProcessGroupGloo::Options::create(options_.timeout);
     pg_options->threads = options_.threads;
     try {
-      const auto choice = detail::choose_gloo_device(options_.interface, std::getenv("GLOO_SOCKET_IFNAME"), master_addr);
+      const auto choice =
+          detail::choose_gloo_device(options_.interface, std::getenv("GLOO_SOCKET_IFNAME"), master_addr);
       device_ = choice.describe();
       try {
         pg_options->devices = detail::make_gloo_devices(choice);
       } catch (const std::exception& e) {
-        throw CommError(fmt::format("GlooCommunicator: rank {}/{} could not create its Gloo device on {} ({}): {}", rank,
-                                    world_size, device_, detail::host_and_pid(), detail::exception_text(e)));
+        throw CommError(fmt::format("GlooCommunicator: rank {}/{} could not create its Gloo device on {} ({}): {}",
+                                    rank, world_size, device_, detail::host_and_pid(), detail::exception_text(e)));
       }
     } catch (const Error& e) {
       watch.report_failure(fmt::format("{} failed to join: {}", me, e.what()), report_wait);
@@ -346,10 +351,10 @@ class GlooCommunicator {
       job->cv.notify_all();
     };
     auto peer_failed = [&](const std::string& line, const std::string& own) {
-      return CommError(fmt::format("GlooCommunicator: rank {}/{} stopped waiting for its peers after {:.3f} s because "
-                                   "{}{}{}",
-                                   rank, world_size, detail::seconds_since(start), line,
-                                   own.empty() ? "" : "; this rank's own error: ", own));
+      return CommError(fmt::format(
+          "GlooCommunicator: rank {}/{} stopped waiting for its peers after {:.3f} s because "
+          "{}{}{}",
+          rank, world_size, detail::seconds_since(start), line, own.empty() ? "" : "; this rank's own error: ", own));
     };
     if (world_size == 1) {
       connect();
@@ -385,8 +390,9 @@ class GlooCommunicator {
         watch.report_failure(fmt::format("{} failed to join: {}", me, error.what()), report_wait);
         throw error;
       }
-      CommError error(fmt::format("GlooCommunicator: creating the Gloo process group failed on rank {}/{} ({}, LibTorch {}; {}): {}",
-                                  rank, world_size, detail::host_and_pid(), TORCH_VERSION, advertised, text));
+      CommError error(fmt::format(
+          "GlooCommunicator: creating the Gloo process group failed on rank {}/{} ({}, LibTorch {}; {}): {}", rank,
+          world_size, detail::host_and_pid(), TORCH_VERSION, advertised, text));
       watch.report_failure(fmt::format("{} failed to join: {}", me, error.what()), report_wait);
       throw error;
     }
@@ -553,8 +559,8 @@ class GlooCommunicator {
     if (same) return;
     std::vector<std::string> views;
     for (int r = 0; r < world_size_; ++r) views.push_back(fmt::format("rank {}: {}", r, describe_meta(all[r])));
-    throw CommError(fmt::format("{}: the ranks disagree on the collective or its tensor (seen from rank {}): {}",
-                                name, rank_, fmt::join(views, "; ")));
+    throw CommError(fmt::format("{}: the ranks disagree on the collective or its tensor (seen from rank {}): {}", name,
+                                rank_, fmt::join(views, "; ")));
   }
 
   static std::string describe_meta(const at::Tensor& meta) {

@@ -40,7 +40,8 @@
 #include <loom/config.hpp>
 
 #if !LOOM_HAS_NCCL
-#error "loom/comm/nccl.hpp needs NCCL and the CUDA runtime, but this build has LOOM_HAS_NCCL=0: install NCCL (nccl.h and libnccl under the CUDA toolkit, or pass -Dnccl_dir=<root>) and reconfigure; for CPU training use loom/comm/gloo.hpp or loom/comm/local.hpp."
+#error \
+    "loom/comm/nccl.hpp needs NCCL and the CUDA runtime, but this build has LOOM_HAS_NCCL=0: install NCCL (nccl.h and libnccl under the CUDA toolkit, or pass -Dnccl_dir=<root>) and reconfigure; for CPU training use loom/comm/gloo.hpp or loom/comm/local.hpp."
 #endif
 
 #include <atomic>
@@ -58,11 +59,10 @@
 #include <utility>
 #include <vector>
 
-#include <nccl.h>
-
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
+#include <nccl.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <loom/comm/communicator.hpp>
@@ -123,7 +123,8 @@ class NcclWork {
   NcclWork(std::shared_ptr<detail::NcclState> state, cuda::Event done, std::string_view collective,
            std::chrono::steady_clock::time_point start, at::Tensor keep_alive = {})
       : state_(std::move(state)),
-        pending_(std::make_shared<Pending>(Pending{std::move(done), std::string(collective), start, std::move(keep_alive)})) {}
+        pending_(std::make_shared<Pending>(
+            Pending{std::move(done), std::string(collective), start, std::move(keep_alive)})) {}
 
   /// Blocks the host until the collective finished, at most the communicator's timeout after it
   /// was issued; then aborts the communicator and throws loom::TimeoutError.
@@ -206,12 +207,14 @@ class NcclCommunicator {
     // No other thread can see the state yet: init writes s.comm without the lock.
     const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, world_size, id, rank, &config);
     if (rc != ncclSuccess && rc != ncclInProgress && s.comm == nullptr)
-      detail::throw_nccl_error(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, nullptr, s.site);
+      detail::throw_nccl_error(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__,
+                               nullptr, s.site);
     if (rc != ncclSuccess && rc != ncclInProgress)
       s.fail(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__);
     // Non-blocking: init may still run in NCCL's threads even after ncclSuccess; poll its state.
     if (rc == ncclInProgress || options.nonblocking)
-      s.poll_in_progress("ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, "nccl_init", start);
+      s.poll_in_progress("ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__,
+                         "nccl_init", start);
   }
 
   NcclCommunicator(NcclCommunicator&&) noexcept = default;
@@ -250,7 +253,8 @@ class NcclCommunicator {
   /// stream of t's device; `t` must stay alive and unmodified until wait() returned.
   NcclWork all_reduce_async(at::Tensor& t, ReduceOp op) {
     check_tensor(t, "all_reduce");
-    NcclWork w = all_reduce_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), op, producer_stream(t), t);
+    NcclWork w =
+        all_reduce_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), op, producer_stream(t), t);
     record_use(t);
     return w;
   }
@@ -259,7 +263,8 @@ class NcclCommunicator {
   void broadcast(at::Tensor& t, int root) {
     check_tensor(t, "broadcast");
     detail::check_root(root, world_size(), "broadcast");
-    NcclWork w = broadcast_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), root, producer_stream(t), t);
+    NcclWork w = broadcast_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), root,
+                                 producer_stream(t), t);
     record_use(t);
     w.wait();
   }
@@ -269,7 +274,8 @@ class NcclCommunicator {
     check_tensor(t, "all_gather");
     const int64_t n = t.numel();
     at::Tensor flat = at::empty({world_size() * n}, t.options());
-    NcclWork w = all_gather_async(t.data_ptr(), flat.data_ptr(), static_cast<std::size_t>(n), t.scalar_type(), producer_stream(t), flat);
+    NcclWork w = all_gather_async(t.data_ptr(), flat.data_ptr(), static_cast<std::size_t>(n), t.scalar_type(),
+                                  producer_stream(t), flat);
     record_use(t);
     record_use(flat);
     w.wait();
@@ -384,14 +390,17 @@ class NcclCommunicator {
       ncclUniqueId id{};
       const ncclResult_t rc = ncclGetUniqueId(&id);
       if (rc != ncclSuccess)
-        detail::throw_nccl_error(rc, "ncclGetUniqueId(&id)", __FILE__, __LINE__, nullptr, {rank, world_size, options.device});
+        detail::throw_nccl_error(rc, "ncclGetUniqueId(&id)", __FILE__, __LINE__, nullptr,
+                                 {rank, world_size, options.device});
       detail::publish_unique_id(store, key, id);
       return id;
     }
     return detail::fetch_unique_id(store, key, rank, options.timeout);
   }
 
-  void check_tensor(const at::Tensor& t, std::string_view collective) const { detail::check_nccl_tensor(t, device_index(), collective); }
+  void check_tensor(const at::Tensor& t, std::string_view collective) const {
+    detail::check_nccl_tensor(t, device_index(), collective);
+  }
 
   static void check_pointer(const void* p, std::size_t count, std::string_view collective) {
     if (p == nullptr && count > 0)

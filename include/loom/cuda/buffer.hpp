@@ -28,8 +28,9 @@ class DeviceBuffer {
     if (rc != cudaSuccess) {
       (void)cudaGetLastError();
       ptr_ = nullptr;
-      throw CudaError(rc, fmt::format("CUDA call cudaMalloc(&p, {} bytes) on device {} failed at {}:{}: {} ({})", bytes, device,
-                                      detail::short_file(__FILE__), __LINE__, cudaGetErrorName(rc), cudaGetErrorString(rc)));
+      throw CudaError(
+          rc, fmt::format("CUDA call cudaMalloc(&p, {} bytes) on device {} failed at {}:{}: {} ({})", bytes, device,
+                          detail::short_file(__FILE__), __LINE__, cudaGetErrorName(rc), cudaGetErrorString(rc)));
     }
   }
   DeviceBuffer(DeviceBuffer&& o) noexcept
@@ -49,7 +50,9 @@ class DeviceBuffer {
 
   [[nodiscard]] void* get() const noexcept { return ptr_; }
   template <class T>
-  [[nodiscard]] T* as() const noexcept { return static_cast<T*>(ptr_); }
+  [[nodiscard]] T* as() const noexcept {
+    return static_cast<T*>(ptr_);
+  }
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   [[nodiscard]] int device() const noexcept { return device_; }
 

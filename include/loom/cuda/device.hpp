@@ -21,8 +21,8 @@ namespace loom::cuda {
 
 /// The result of probe_devices: how many devices the runtime sees, and if none, why.
 struct DeviceProbe {
-  int count = 0;        ///< visible CUDA devices (0 when the runtime or driver cannot be used)
-  std::string reason;   ///< empty when count > 0; else the runtime's code and text
+  int count = 0;       ///< visible CUDA devices (0 when the runtime or driver cannot be used)
+  std::string reason;  ///< empty when count > 0; else the runtime's code and text
 };
 
 /// Counts the CUDA devices without throwing: on a machine without a GPU or driver, count is 0

@@ -23,7 +23,8 @@
 #include <loom/config.hpp>
 
 #if !LOOM_HAS_CUDA
-#error "loom/cuda/*.hpp needs the CUDA runtime, but this build has LOOM_HAS_CUDA=0: install the CUDA toolkit (cuda_runtime_api.h, libcudart) and reconfigure with -Dcudatoolkit_dir=<its root>, or leave the loom/cuda headers out of a CPU-only build."
+#error \
+    "loom/cuda/*.hpp needs the CUDA runtime, but this build has LOOM_HAS_CUDA=0: install the CUDA toolkit (cuda_runtime_api.h, libcudart) and reconfigure with -Dcudatoolkit_dir=<its root>, or leave the loom/cuda headers out of a CPU-only build."
 #endif
 
 #include <cstdio>

@@ -45,7 +45,9 @@ namespace detail {
 inline std::size_t tensor_bytes(at::IntArrayRef sizes, at::ScalarType dtype) {
   std::size_t n = 1;
   for (auto s : sizes) {
-    if (s < 0) throw InvalidArgument(fmt::format("pinned allocation: negative size {} in sizes [{}]", s, fmt::join(sizes, ", ")));
+    if (s < 0)
+      throw InvalidArgument(
+          fmt::format("pinned allocation: negative size {} in sizes [{}]", s, fmt::join(sizes, ", ")));
     n *= static_cast<std::size_t>(s);
   }
   return n * c10::elementSize(dtype);
@@ -60,8 +62,10 @@ inline void* host_alloc(std::size_t bytes) {
     int device = -1;
     if (cudaGetDevice(&device) != cudaSuccess) device = -1;
     (void)cudaGetLastError();
-    throw CudaError(rc, fmt::format("CUDA call cudaHostAlloc(&p, {} bytes, cudaHostAllocPortable) failed at {}:{}: {} ({}); device {}",
-                                    bytes, short_file(__FILE__), __LINE__, cudaGetErrorName(rc), cudaGetErrorString(rc), device));
+    throw CudaError(
+        rc,
+        fmt::format("CUDA call cudaHostAlloc(&p, {} bytes, cudaHostAllocPortable) failed at {}:{}: {} ({}); device {}",
+                    bytes, short_file(__FILE__), __LINE__, cudaGetErrorName(rc), cudaGetErrorString(rc), device));
   }
   return p;
 }
@@ -181,7 +185,9 @@ class PinnedPool {
 /// Example: `loom::cuda::PinnedAllocator alloc; at::Tensor t = alloc({8, 16}, at::kFloat);`
 struct PinnedAllocator {
   PinnedPool pool;
-  [[nodiscard]] at::Tensor operator()(at::IntArrayRef sizes, at::ScalarType dtype) const { return pool.empty(sizes, dtype); }
+  [[nodiscard]] at::Tensor operator()(at::IntArrayRef sizes, at::ScalarType dtype) const {
+    return pool.empty(sizes, dtype);
+  }
   [[nodiscard]] at::Tensor operator()(at::IntArrayRef sizes, const at::TensorOptions& options) const {
     return pool.empty(sizes, options);
   }

@@ -65,7 +65,8 @@ namespace loom::cuda {
 inline void copy_h2d_async(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return;
   if (dst == nullptr || src == nullptr)
-    throw InvalidArgument(fmt::format("copy_h2d_async: null {} pointer for {} bytes", dst == nullptr ? "destination" : "source", bytes));
+    throw InvalidArgument(
+        fmt::format("copy_h2d_async: null {} pointer for {} bytes", dst == nullptr ? "destination" : "source", bytes));
   LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
 }
 
@@ -84,8 +85,8 @@ inline void release_after(std::optional<Event>& done, std::vector<at::Tensor>& h
 /// there, so the caching allocator ties the new memory to it) and replaces `*field` by the
 /// device tensor. Pageable tensors are first copied into pinned blocks of `staging` when given
 /// (else CUDA copies them synchronously). Host memory the copy reads is appended to `keep`.
-inline void copy_field_h2d(at::Tensor* field, int device, cudaStream_t stream, const char* name, const PinnedPool* staging,
-                           std::vector<at::Tensor>& keep) {
+inline void copy_field_h2d(at::Tensor* field, int device, cudaStream_t stream, const char* name,
+                           const PinnedPool* staging, std::vector<at::Tensor>& keep) {
   if (!field->defined()) return;
   if (field->is_cuda())
     throw InvalidArgument(fmt::format("host-to-device transfer: batch.{} is already on {}; pass host tensors", name,
@@ -96,7 +97,8 @@ inline void copy_field_h2d(at::Tensor* field, int device, cudaStream_t stream, c
     if (src.nbytes() > 0) std::memcpy(staged.data_ptr(), src.data_ptr(), src.nbytes());
     src = std::move(staged);
   }
-  at::Tensor dst = at::empty(src.sizes(), src.options().device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
+  at::Tensor dst =
+      at::empty(src.sizes(), src.options().device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
   copy_h2d_async(dst.data_ptr(), src.data_ptr(), src.nbytes(), stream);
   keep.push_back(std::move(src));
   *field = std::move(dst);
@@ -223,7 +225,8 @@ class CudaTransfer {
     const int dev = cuda_device(device);
     if (!stream_ || stream_->device() != dev) stream_ = std::make_shared<Stream>(Stream::create(dev));
     DeviceGuard on(dev);
-    const c10::cuda::CUDAStreamGuard current(c10::cuda::getStreamFromExternal(stream_->get(), static_cast<c10::DeviceIndex>(dev)));
+    const c10::cuda::CUDAStreamGuard current(
+        c10::cuda::getStreamFromExternal(stream_->get(), static_cast<c10::DeviceIndex>(dev)));
     Ticket t;
     const PinnedPool* staging = options_.stage_pageable ? &staging_ : nullptr;
     detail::copy_field_h2d(&b.data, dev, stream_->get(), "data", staging, t.host);

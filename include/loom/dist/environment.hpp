@@ -76,18 +76,20 @@ struct Environment {
   /// Default rendezvous port when MASTER_PORT is not set (the same as torchrun and c10d's TCPStore).
   static constexpr std::uint16_t kDefaultPort = 29500;
 
-  int rank = 0;                            ///< global rank, in [0, world_size)
-  int world_size = 1;                      ///< number of processes in the job
-  int local_rank = 0;                      ///< rank among the processes of this node
-  int local_world_size = 1;                ///< processes on this node
-  int node_rank = 0;                       ///< index of this node (torchrun's GROUP_RANK); rank / local_world_size when not given
-  int num_nodes = 1;                       ///< number of nodes; world_size / local_world_size when not given
-  std::string master_addr = "127.0.0.1";   ///< host of the rendezvous store (rank 0's or torchrun's)
+  int rank = 0;              ///< global rank, in [0, world_size)
+  int world_size = 1;        ///< number of processes in the job
+  int local_rank = 0;        ///< rank among the processes of this node
+  int local_world_size = 1;  ///< processes on this node
+  int node_rank = 0;         ///< index of this node (torchrun's GROUP_RANK); rank / local_world_size when not given
+  int num_nodes = 1;         ///< number of nodes; world_size / local_world_size when not given
+  std::string master_addr = "127.0.0.1";     ///< host of the rendezvous store (rank 0's or torchrun's)
   std::uint16_t master_port = kDefaultPort;  ///< port of the rendezvous store
-  Launcher launcher = Launcher::none;      ///< where the values came from
-  bool use_agent_store = false;            ///< TORCHELASTIC_USE_AGENT_STORE=True: torchrun hosts the store, every rank is a client
-  int restart_count = 0;                   ///< TORCHELASTIC_RESTART_COUNT (prefix /worker/attempt_<n> of torchrun's keys)
-  std::string rendezvous_secret{};         ///< LOOM_RENDEZVOUS_SECRET: loom's store keys live under it; empty = none (a warning)
+  Launcher launcher = Launcher::none;        ///< where the values came from
+  bool use_agent_store =
+      false;              ///< TORCHELASTIC_USE_AGENT_STORE=True: torchrun hosts the store, every rank is a client
+  int restart_count = 0;  ///< TORCHELASTIC_RESTART_COUNT (prefix /worker/attempt_<n> of torchrun's keys)
+  std::string
+      rendezvous_secret{};  ///< LOOM_RENDEZVOUS_SECRET: loom's store keys live under it; empty = none (a warning)
 
   /// True when more than one process takes part.
   [[nodiscard]] bool is_distributed() const noexcept { return world_size > 1; }
@@ -133,8 +135,7 @@ inline long long parse_env_int(std::string_view name, const std::string& value) 
   auto [ptr, ec] = std::from_chars(first, last, out);
   if (s.empty() || ec == std::errc::invalid_argument || ptr != last)
     throw ConfigError(fmt::format("{}='{}' is not an integer", name, value));
-  if (ec == std::errc::result_out_of_range)
-    throw ConfigError(fmt::format("{}='{}' is out of range", name, value));
+  if (ec == std::errc::result_out_of_range) throw ConfigError(fmt::format("{}='{}' is out of range", name, value));
   return out;
 }
 
@@ -233,9 +234,11 @@ inline Environment Environment::from_lookup(const std::function<std::optional<st
   env.local_rank = *local_rank;
   env.local_world_size = *local_size;
   if (env.local_world_size > env.world_size)
-    throw ConfigError(fmt::format("{}={} is larger than {}={}", lsize_var, env.local_world_size, size_var, env.world_size));
+    throw ConfigError(
+        fmt::format("{}={} is larger than {}={}", lsize_var, env.local_world_size, size_var, env.world_size));
   if (env.local_rank >= env.local_world_size)
-    throw ConfigError(fmt::format("{}={} is not below {}={}", lrank_var, env.local_rank, lsize_var, env.local_world_size));
+    throw ConfigError(
+        fmt::format("{}={} is not below {}={}", lrank_var, env.local_rank, lsize_var, env.local_world_size));
 
   env.node_rank = node_rank ? *node_rank : env.rank / env.local_world_size;
   env.num_nodes = num_nodes ? *num_nodes : (env.world_size + env.local_world_size - 1) / env.local_world_size;
@@ -267,11 +270,13 @@ inline Environment Environment::from_lookup(const std::function<std::optional<st
       throw ConfigError(fmt::format("TORCHELASTIC_USE_AGENT_STORE='{}' is not True or False", *agent));
     }
   }
-  if (auto rc = get("TORCHELASTIC_RESTART_COUNT")) env.restart_count = detail::parse_env_count("TORCHELASTIC_RESTART_COUNT", *rc, 0);
+  if (auto rc = get("TORCHELASTIC_RESTART_COUNT"))
+    env.restart_count = detail::parse_env_count("TORCHELASTIC_RESTART_COUNT", *rc, 0);
   if (auto secret = get("LOOM_RENDEZVOUS_SECRET")) {
     if (secret->find_first_of(" \t\n") != std::string::npos)
-      throw ConfigError("LOOM_RENDEZVOUS_SECRET contains whitespace (a copy-paste slip?); use e.g. the output of "
-                        "`openssl rand -hex 16`");
+      throw ConfigError(
+          "LOOM_RENDEZVOUS_SECRET contains whitespace (a copy-paste slip?); use e.g. the output of "
+          "`openssl rand -hex 16`");
     env.rendezvous_secret = *secret;
   }
   return env;

@@ -93,7 +93,7 @@ inline Backend parse_backend(std::string_view text) {
 struct ProcessGroupOptions {
   Backend backend = Backend::automatic;                 ///< see the file comment
   std::chrono::milliseconds timeout = kDefaultTimeout;  ///< bound on rendezvous and every collective
-  std::string interface{};                              ///< Gloo: network interface (GlooOptions::interface)
+  std::string interface {};                             ///< Gloo: network interface (GlooOptions::interface)
 };
 
 /// A pending collective of any backend; models WorkHandle.
@@ -101,10 +101,12 @@ class ProcessGroupWork {
  public:
   using Variant = std::variant<CompletedWork
 #if LOOM_HAS_GLOO
-                               , GlooWork
+                               ,
+                               GlooWork
 #endif
 #if LOOM_PROCESS_GROUP_HAS_NCCL
-                               , NcclWork
+                               ,
+                               NcclWork
 #endif
                                >;
   explicit ProcessGroupWork(Variant w) : w_(std::move(w)) {}
@@ -138,33 +140,52 @@ class ProcessGroup {
  public:
   using Variant = std::variant<LocalCommunicator
 #if LOOM_HAS_GLOO
-                               , GlooCommunicator
+                               ,
+                               GlooCommunicator
 #endif
 #if LOOM_PROCESS_GROUP_HAS_NCCL
-                               , NcclCommunicator
+                               ,
+                               NcclCommunicator
 #endif
                                >;
 
   /// Joins the job `env` describes (rendezvous at MASTER_ADDR:MASTER_PORT unless world size 1).
   explicit ProcessGroup(const Environment& env, ProcessGroupOptions options = {})
-      : env_(env), options_(std::move(options)), backend_(resolve(env_, options_)), comm_(make(env_, options_, backend_)) {}
+      : env_(env),
+        options_(std::move(options)),
+        backend_(resolve(env_, options_)),
+        comm_(make(env_, options_, backend_)) {}
 
   ProcessGroup(ProcessGroup&&) noexcept = default;
   ProcessGroup& operator=(ProcessGroup&&) noexcept = default;
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
-  [[nodiscard]] int rank() const { return visit([](const auto& c) { return c.rank(); }); }
-  [[nodiscard]] int world_size() const { return visit([](const auto& c) { return c.world_size(); }); }
-  [[nodiscard]] std::chrono::milliseconds timeout() const { return visit([](const auto& c) { return c.timeout(); }); }
+  [[nodiscard]] int rank() const {
+    return visit([](const auto& c) { return c.rank(); });
+  }
+  [[nodiscard]] int world_size() const {
+    return visit([](const auto& c) { return c.world_size(); });
+  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const {
+    return visit([](const auto& c) { return c.timeout(); });
+  }
   /// The device every tensor handed to this group's collectives must live on.
-  [[nodiscard]] c10::Device device() const { return device_; }
+  [[nodiscard]] c10::Device device() const {
+    return device_;
+  }
   /// The backend in use (never Backend::automatic).
-  [[nodiscard]] Backend backend() const noexcept { return backend_; }
+  [[nodiscard]] Backend backend() const noexcept {
+    return backend_;
+  }
   /// The job this group belongs to (rank, local rank, launcher, ...).
-  [[nodiscard]] const Environment& environment() const noexcept { return env_; }
+  [[nodiscard]] const Environment& environment() const noexcept {
+    return env_;
+  }
   /// The communicator itself, for calls loom does not wrap: std::get<loom::GlooCommunicator>(pg.native()).
-  [[nodiscard]] Variant& native() noexcept { return comm_; }
+  [[nodiscard]] Variant& native() noexcept {
+    return comm_;
+  }
 
   void all_reduce(at::Tensor& t, ReduceOp op) {
     visit([&](auto& c) { c.all_reduce(t, op); });
@@ -192,19 +213,22 @@ class ProcessGroup {
         if (nccl_built && cuda_device_count() > 0) return Backend::nccl;
         if (gloo) return Backend::gloo;
         if (env.world_size == 1) return Backend::local;
-        throw ConfigError(fmt::format("ProcessGroup: world size {} needs Gloo or NCCL, and this build has neither "
-                                      "(install libgloo-dev and reconfigure)",
-                                      env.world_size));
+        throw ConfigError(
+            fmt::format("ProcessGroup: world size {} needs Gloo or NCCL, and this build has neither "
+                        "(install libgloo-dev and reconfigure)",
+                        env.world_size));
       case Backend::gloo:
-        if (!gloo) throw ConfigError("ProcessGroup: backend gloo asked for, but this build has no Gloo (install libgloo-dev)");
+        if (!gloo)
+          throw ConfigError("ProcessGroup: backend gloo asked for, but this build has no Gloo (install libgloo-dev)");
         return Backend::gloo;
       case Backend::nccl:
         if (!nccl_built)
-          throw ConfigError(fmt::format("ProcessGroup: backend nccl asked for, but this build has {} (LOOM_HAS_NCCL={}, "
-                                        "LOOM_TORCH_HAS_CUDA={})",
-                                        LOOM_HAS_NCCL ? "a LibTorch without CUDA" : "no NCCL", LOOM_HAS_NCCL,
-                                        LOOM_TORCH_HAS_CUDA));
-        if (cuda_device_count() == 0) throw ConfigError("ProcessGroup: backend nccl asked for, but no CUDA device is visible");
+          throw ConfigError(
+              fmt::format("ProcessGroup: backend nccl asked for, but this build has {} (LOOM_HAS_NCCL={}, "
+                          "LOOM_TORCH_HAS_CUDA={})",
+                          LOOM_HAS_NCCL ? "a LibTorch without CUDA" : "no NCCL", LOOM_HAS_NCCL, LOOM_TORCH_HAS_CUDA));
+        if (cuda_device_count() == 0)
+          throw ConfigError("ProcessGroup: backend nccl asked for, but no CUDA device is visible");
         return Backend::nccl;
       case Backend::local:
         if (env.world_size != 1)
@@ -228,19 +252,19 @@ class ProcessGroup {
 #if LOOM_HAS_GLOO
       case Backend::gloo:
         device_ = c10::Device(c10::kCPU);
-        return Variant(std::in_place_type<GlooCommunicator>, env, GlooOptions{.timeout = o.timeout, .interface = o.interface});
+        return Variant(std::in_place_type<GlooCommunicator>, env,
+                       GlooOptions{.timeout = o.timeout, .interface = o.interface});
 #endif
 #if LOOM_PROCESS_GROUP_HAS_NCCL
       case Backend::nccl: {
         const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
         const RankDevice d = rank_cuda_device(env, cuda_device_count(), visible ? visible : "");
         device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d.ordinal));
-        return Variant(std::in_place_type<NcclCommunicator>, env, NcclOptions{.device = d.ordinal, .timeout = o.timeout});
+        return Variant(std::in_place_type<NcclCommunicator>, env,
+                       NcclOptions{.device = d.ordinal, .timeout = o.timeout});
       }
 #endif
-      default:
-        device_ = c10::Device(c10::kCPU);
-        return Variant(std::in_place_type<LocalCommunicator>, o.timeout);
+      default: device_ = c10::Device(c10::kCPU); return Variant(std::in_place_type<LocalCommunicator>, o.timeout);
     }
   }
 

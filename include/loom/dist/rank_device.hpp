@@ -59,17 +59,19 @@ inline std::vector<std::string> parse_visible_devices(std::string_view value) {
 /// Example: see the file comment.
 /// Throws: loom::ConfigError when LOCAL_WORLD_SIZE > visible_count (no GPU, or fewer than ranks).
 inline RankDevice rank_cuda_device(const Environment& env, int visible_count, std::string_view cuda_visible_devices) {
-  const std::string shown = cuda_visible_devices.empty() ? std::string("unset") : fmt::format("'{}'", cuda_visible_devices);
+  const std::string shown =
+      cuda_visible_devices.empty() ? std::string("unset") : fmt::format("'{}'", cuda_visible_devices);
   if (env.local_world_size > visible_count)
-    throw ConfigError(fmt::format("{} ranks on this node (LOCAL_WORLD_SIZE={}) need one GPU each, but {} {} visible "
-                                  "(CUDA_VISIBLE_DEVICES {}); NCCL cannot share a GPU between ranks",
-                                  env.local_world_size, env.local_world_size, visible_count,
-                                  visible_count == 1 ? "is" : "are", shown));
+    throw ConfigError(fmt::format(
+        "{} ranks on this node (LOCAL_WORLD_SIZE={}) need one GPU each, but {} {} visible "
+        "(CUDA_VISIBLE_DEVICES {}); NCCL cannot share a GPU between ranks",
+        env.local_world_size, env.local_world_size, visible_count, visible_count == 1 ? "is" : "are", shown));
   RankDevice d;
   d.ordinal = env.local_rank;
   const auto entries = parse_visible_devices(cuda_visible_devices);
-  d.visible_as = static_cast<std::size_t>(env.local_rank) < entries.size() ? entries[static_cast<std::size_t>(env.local_rank)]
-                                                                           : std::to_string(env.local_rank);
+  d.visible_as = static_cast<std::size_t>(env.local_rank) < entries.size()
+                     ? entries[static_cast<std::size_t>(env.local_rank)]
+                     : std::to_string(env.local_rank);
   return d;
 }
 

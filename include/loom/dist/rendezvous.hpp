@@ -38,28 +38,27 @@
 //         (torch/distributed/elastic/agent/server/local_elastic_agent.py).
 #pragma once
 
-#include <netdb.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <poll.h>
 #include <string>
+#include <sys/socket.h>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
+#include <fmt/format.h>
+#include <netdb.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <fmt/format.h>
 
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/exception_text.hpp>
@@ -83,7 +82,6 @@ inline bool mentions_timeout(const std::string& text) {
   return text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos;
 }
 
-
 /// Seconds since `start`.
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -98,7 +96,8 @@ inline void store_check_in(c10d::Store& store, const std::string& prefix, int ra
   try {
     auto arrived = store.add(count_key, 1);
     if (arrived == world_size) store.set(done_key, std::vector<std::uint8_t>{1});
-    auto left = timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    auto left =
+        timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
     if (left < std::chrono::milliseconds(1)) left = std::chrono::milliseconds(1);
     store.wait({done_key}, left);
   } catch (const std::exception& e) {
@@ -107,9 +106,10 @@ inline void store_check_in(c10d::Store& store, const std::string& prefix, int ra
       arrived = store.add(count_key, 0);
     } catch (...) {
     }
-    throw TimeoutError("rendezvous", rank, seconds_since(start),
-                       fmt::format("{} of {} ranks arrived at the store ({})",
-                                   arrived < 0 ? std::string("?") : std::to_string(arrived), world_size, exception_text(e)));
+    throw TimeoutError(
+        "rendezvous", rank, seconds_since(start),
+        fmt::format("{} of {} ranks arrived at the store ({})",
+                    arrived < 0 ? std::string("?") : std::to_string(arrived), world_size, exception_text(e)));
   }
 }
 
@@ -128,7 +128,8 @@ inline bool port_answers(const std::string& host, std::uint16_t port, std::chron
         if (fd < 0) continue;
         bool ok = ::connect(fd, p->ai_addr, p->ai_addrlen) == 0;
         if (!ok && errno == EINPROGRESS) {
-          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+          const auto left =
+              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
           pollfd pfd{fd, POLLOUT, 0};
           int err = 0;
           socklen_t len = sizeof(err);
@@ -145,7 +146,8 @@ inline bool port_answers(const std::string& host, std::uint16_t port, std::chron
     }
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) return false;
-    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
+    std::this_thread::sleep_for(
+        std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
   }
 }
 
@@ -198,12 +200,11 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
       const auto left = deadline - std::chrono::steady_clock::now();
       const auto whole = std::chrono::floor<std::chrono::seconds>(left);
       if (!host && whole < std::chrono::seconds(1) &&
-          !detail::port_answers(env.master_addr, env.master_port,
-                                std::chrono::ceil<std::chrono::milliseconds>(left)))
-        throw TimeoutError("rendezvous", env.rank, detail::seconds_since(start),
-                           fmt::format("could not reach the store at {}:{}{} (no answer within the timeout)",
-                                       env.master_addr, env.master_port,
-                                       env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0"));
+          !detail::port_answers(env.master_addr, env.master_port, std::chrono::ceil<std::chrono::milliseconds>(left)))
+        throw TimeoutError(
+            "rendezvous", env.rank, detail::seconds_since(start),
+            fmt::format("could not reach the store at {}:{}{} (no answer within the timeout)", env.master_addr,
+                        env.master_port, env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0"));
       opts.timeout = host ? options.timeout : std::chrono::milliseconds(std::max(whole, std::chrono::seconds(1)));
       store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
       store->setTimeout(options.timeout);  // the bound of later gets and waits, not the attempt's
@@ -217,10 +218,12 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
                                     env.master_port, text));
       const auto now = std::chrono::steady_clock::now();
       if (host || now >= deadline)
-        throw TimeoutError("rendezvous", env.rank, detail::seconds_since(start),
-                           fmt::format("could not reach the store at {}:{}{} ({})", env.master_addr, env.master_port,
-                                       env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0", text));
-      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
+        throw TimeoutError(
+            "rendezvous", env.rank, detail::seconds_since(start),
+            fmt::format("could not reach the store at {}:{}{} ({})", env.master_addr, env.master_port,
+                        env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0", text));
+      std::this_thread::sleep_for(
+          std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
     }
   }
   if (env.use_agent_store)

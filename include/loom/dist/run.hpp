@@ -42,9 +42,9 @@ namespace loom {
 ///
 /// Example: `loom::RunOptions{.nproc = 4, .group = {.backend = loom::Backend::gloo}}`.
 struct RunOptions {
-  int nproc = 1;                   ///< local ranks to spawn when no launcher variables are set
-  ProcessGroupOptions group{};     ///< backend and timeout of each rank's ProcessGroup
-  SpawnOptions spawn{};            ///< supervision of spawned ranks (timeout, grace, environment)
+  int nproc = 1;                ///< local ranks to spawn when no launcher variables are set
+  ProcessGroupOptions group{};  ///< backend and timeout of each rank's ProcessGroup
+  SpawnOptions spawn{};         ///< supervision of spawned ranks (timeout, grace, environment)
 };
 
 /// Runs `fn(ProcessGroup&)` as this process's rank, or as `options.nproc` spawned local ranks.
@@ -52,7 +52,7 @@ struct RunOptions {
 /// Example: see the file comment.
 /// Throws: see the file comment.
 template <class F>
-  requires std::invocable<F&, ProcessGroup&>
+requires std::invocable<F&, ProcessGroup&>
 void run(F&& fn, const RunOptions& options = {}) {
   if (options.nproc < 1) throw InvalidArgument(fmt::format("run: nproc = {} (need >= 1)", options.nproc));
   const Environment env = Environment::from_env();

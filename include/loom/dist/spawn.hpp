@@ -44,19 +44,8 @@
 //         ProcessExitedException naming the rank) and torchrun's environment variables.
 #pragma once
 
-#include <arpa/inet.h>
-#include <cxxabi.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/random.h>
-#include <sys/socket.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
+#include <arpa/inet.h>
 #include <cerrno>
 #include <chrono>
 #include <concepts>
@@ -65,16 +54,26 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fcntl.h>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <netinet/in.h>
+#include <signal.h>
 #include <string>
+#include <sys/prctl.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/wait.h>
 #include <thread>
 #include <typeinfo>
+#include <unistd.h>
 #include <utility>
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <cxxabi.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -88,13 +87,13 @@ namespace loom {
 /// Example: `loom::spawn(3, fn, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(5)})`.
 /// Units: durations are wall-clock; threads_per_rank counts intra-op threads.
 struct SpawnOptions {
-  std::chrono::milliseconds timeout{0};          ///< whole-job limit; 0 = none
-  std::chrono::milliseconds grace{5000};         ///< after the first failure: how long the others may run before SIGTERM
-  std::chrono::milliseconds kill_after{2000};    ///< after SIGTERM: how long before SIGKILL
-  int threads_per_rank = 1;                      ///< at::set_num_threads in each child; 0 = leave unchanged (see fork rule)
-  std::string master_addr = "127.0.0.1";         ///< MASTER_ADDR given to the children
-  std::uint16_t master_port = 0;                 ///< MASTER_PORT; 0 = a free port spawn picks and holds for rank 0
-  std::map<std::string, std::string> env{};      ///< extra variables for every child, set last (may override loom's)
+  std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 = none
+  std::chrono::milliseconds grace{5000};       ///< after the first failure: how long the others may run before SIGTERM
+  std::chrono::milliseconds kill_after{2000};  ///< after SIGTERM: how long before SIGKILL
+  int threads_per_rank = 1;                  ///< at::set_num_threads in each child; 0 = leave unchanged (see fork rule)
+  std::string master_addr = "127.0.0.1";     ///< MASTER_ADDR given to the children
+  std::uint16_t master_port = 0;             ///< MASTER_PORT; 0 = a free port spawn picks and holds for rank 0
+  std::map<std::string, std::string> env{};  ///< extra variables for every child, set last (may override loom's)
 };
 
 /// How one spawned rank failed.
@@ -143,8 +142,8 @@ class SpawnError : public RemoteError {
     if (f.empty()) return fmt::format("spawn: a rank of {} failed", nprocs);
     std::vector<std::string> rest;
     for (std::size_t i = 1; i < f.size(); ++i) rest.push_back(f[i].describe());
-    return fmt::format("spawn: {} (of {} ranks){}{}", f.front().describe(), nprocs, rest.empty() ? "" : "; then: ",
-                       fmt::join(rest, "; "));
+    return fmt::format("spawn: {} (of {} ranks){}{}", f.front().describe(), nprocs,
+                       rest.empty() ? "" : "; then: ", fmt::join(rest, "; "));
   }
   std::vector<RankFailure> failures_;
 };
@@ -403,7 +402,7 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
       } else if (WIFSIGNALED(status)) {
         const int sig = WTERMSIG(status);
         f.kind = (signalled_by_us[i] && (sig == SIGTERM || sig == SIGKILL)) ? RankFailure::Kind::terminated
-                                                                              : RankFailure::Kind::signal;
+                                                                            : RankFailure::Kind::signal;
         f.code = sig;
       }
       if (failed) {
@@ -442,11 +441,12 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
     for (const auto& f : failures)
       if (f.kind == RankFailure::Kind::terminated) still.push_back(f.rank);
     std::sort(still.begin(), still.end());
-    throw TimeoutError("spawn", still.empty() ? 0 : still.front(),
-                       std::chrono::duration<double>(clock::now() - start).count(),
-                       fmt::format("ranks [{}] of {} were still running after the {:.3f} s limit and were terminated{}",
-                                   fmt::join(still, ", "), nprocs, options.timeout.count() / 1000.0,
-                                   failures.size() > still.size() ? std::string("; ") + SpawnError(nprocs, failures).what() : std::string()));
+    throw TimeoutError(
+        "spawn", still.empty() ? 0 : still.front(), std::chrono::duration<double>(clock::now() - start).count(),
+        fmt::format(
+            "ranks [{}] of {} were still running after the {:.3f} s limit and were terminated{}",
+            fmt::join(still, ", "), nprocs, options.timeout.count() / 1000.0,
+            failures.size() > still.size() ? std::string("; ") + SpawnError(nprocs, failures).what() : std::string()));
   }
   if (!failures.empty()) throw SpawnError(nprocs, std::move(failures));
 }
@@ -464,9 +464,8 @@ template <class F>
 void spawn(int nprocs, F&& fn, const SpawnOptions& options = {}) {
   static_assert(RankFunction<std::remove_cvref_t<F>>,
                 "loom::spawn needs a callable taking (int rank) or (const loom::Environment&)");
-  detail::run_ranks(nprocs, options, [&](int rank, int message_fd) {
-    detail::run_function_child(fn, rank, options, message_fd);
-  });
+  detail::run_ranks(nprocs, options,
+                    [&](int rank, int message_fd) { detail::run_function_child(fn, rank, options, message_fd); });
 }
 
 /// Runs a program as ranks 0..nprocs-1 (fork + exec, like `torchrun --standalone --nproc-per-node`),

@@ -84,7 +84,8 @@ class Logger {
   /// (Unconstrained so that class template argument deduction works with GCC 12; a `who` that
   /// loom::rank_info cannot read fails in the initializer below.)
   template <class Who>
-  Logger(Sink sink, const Who& who, LogOptions options = {}) : Logger(std::move(sink), Policy{}, ::loom::rank_info(who), options) {}
+  Logger(Sink sink, const Who& who, LogOptions options = {})
+      : Logger(std::move(sink), Policy{}, ::loom::rank_info(who), options) {}
 
   Logger(Logger&& other) noexcept(
       std::is_nothrow_move_constructible_v<Sink>&& std::is_nothrow_move_constructible_v<Policy>)

@@ -77,8 +77,9 @@ class Metrics {
   /// samples (0 for a repeated batch). The sum stays on the tensor's device: no host read here.
   void add(std::string_view name, const at::Tensor& mean_value, const Batch& batch) {
     if (!mean_value.defined() || mean_value.numel() != 1)
-      throw InvalidArgument(fmt::format("Metrics::add('{}'): the value must be a one-element tensor (the batch mean), got {}",
-                                        name, mean_value.defined() ? fmt::format("{} elements", mean_value.numel()) : "an undefined tensor"));
+      throw InvalidArgument(
+          fmt::format("Metrics::add('{}'): the value must be a one-element tensor (the batch mean), got {}", name,
+                      mean_value.defined() ? fmt::format("{} elements", mean_value.numel()) : "an undefined tensor"));
     const double weight = batch.weight == 0 ? 0.0 : static_cast<double>(batch.num_samples);
     Entry& e = entry(name, weight);
     at::Tensor term = mean_value.detach().reshape({1}).to(at::kDouble) * weight;
@@ -119,16 +120,17 @@ class Metrics {
 
   Entry& entry(std::string_view name, double weight) {
     if (reduced_)
-      throw Error(fmt::format("Metrics::add('{}'): these metrics were already reduced (mean() was called); create a new "
-                              "Metrics for the next period",
-                              name));
+      throw Error(
+          fmt::format("Metrics::add('{}'): these metrics were already reduced (mean() was called); create a new "
+                      "Metrics for the next period",
+                      name));
     if (!std::isfinite(weight) || weight < 0)
       throw InvalidArgument(fmt::format("Metrics::add('{}'): weight {} is negative or not finite", name, weight));
     auto it = entries_.find(std::string(name));
     if (it != entries_.end()) return it->second;
     if (entries_.size() >= options_.capacity)
-      throw InvalidArgument(fmt::format("Metrics::add('{}'): more than {} names (MetricsOptions::capacity)", name,
-                                        options_.capacity));
+      throw InvalidArgument(
+          fmt::format("Metrics::add('{}'): more than {} names (MetricsOptions::capacity)", name, options_.capacity));
     const uint64_t h = detail::fnv1a(name);
     for (const auto& [other, e] : entries_)
       if (e.hash == h)
@@ -141,7 +143,8 @@ class Metrics {
   const Total& total(std::string_view name) {
     reduce();
     auto it = totals_.find(detail::fnv1a(name));
-    if (it == totals_.end()) throw InvalidArgument(fmt::format("Metrics::mean: no rank added a metric named '{}'", name));
+    if (it == totals_.end())
+      throw InvalidArgument(fmt::format("Metrics::mean: no rank added a metric named '{}'", name));
     return it->second;
   }
 

@@ -81,7 +81,9 @@ requires requires(const E& e) {
 ///
 /// Example:  auto me = loom::rank_info(pg);
 template <class G>
-requires requires(const G& g) { rank_info(g.environment()); }
+requires requires(const G& g) {
+  rank_info(g.environment());
+}
 [[nodiscard]] RankInfo rank_info(const G& g) {
   return rank_info(g.environment());
 }

@@ -78,14 +78,15 @@ inline std::vector<std::size_t> reverse_order(std::size_t n) {
 ///         cap is 0, or when a spec has numel < 0 or element_size < 1.
 /// Source: DDP's compute_bucket_assignment_by_size (see file comment).
 inline std::vector<std::vector<std::size_t>> assign_buckets(std::span<const GradSpec> specs,
-                                                            std::span<const std::size_t> order,
-                                                            BucketCaps caps = {}) {
+                                                            std::span<const std::size_t> order, BucketCaps caps = {}) {
   if (caps.first_bucket_cap_bytes == 0 || caps.bucket_cap_bytes == 0)
-    throw InvalidArgument(fmt::format("assign_buckets: caps must be > 0 bytes (first_bucket_cap_bytes = {}, "
-                                      "bucket_cap_bytes = {})",
-                                      caps.first_bucket_cap_bytes, caps.bucket_cap_bytes));
+    throw InvalidArgument(
+        fmt::format("assign_buckets: caps must be > 0 bytes (first_bucket_cap_bytes = {}, "
+                    "bucket_cap_bytes = {})",
+                    caps.first_bucket_cap_bytes, caps.bucket_cap_bytes));
   if (order.size() != specs.size())
-    throw InvalidArgument(fmt::format("assign_buckets: order has {} entries for {} gradients", order.size(), specs.size()));
+    throw InvalidArgument(
+        fmt::format("assign_buckets: order has {} entries for {} gradients", order.size(), specs.size()));
   std::vector<bool> seen(specs.size(), false);
   for (std::size_t i : order) {
     if (i >= specs.size() || seen[i])
@@ -122,9 +123,8 @@ inline std::vector<std::vector<std::size_t>> assign_buckets(std::span<const Grad
   // Launch order: by the position (in `order`) of each bucket's first gradient.
   std::vector<std::size_t> position(specs.size());
   for (std::size_t p = 0; p < order.size(); ++p) position[order[p]] = p;
-  std::stable_sort(closed.begin(), closed.end(), [&](const auto& a, const auto& b) {
-    return position[a.front()] < position[b.front()];
-  });
+  std::stable_sort(closed.begin(), closed.end(),
+                   [&](const auto& a, const auto& b) { return position[a.front()] < position[b.front()]; });
   return closed;
 }
 

@@ -48,7 +48,7 @@ struct Reduction {
   bool no_samples = false;          ///< averaging by samples and no rank had one: gradients zeroed, skip the step
   std::int64_t global_samples = 0;  ///< samples of the window summed over ranks
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global L2 norm, when clipping computed it
-  double clip_coef = 1.0;           ///< factor applied by global-norm clipping (1 = not clipped)
+  double clip_coef = 1.0;  ///< factor applied by global-norm clipping (1 = not clipped)
 };
 
 /// A box that reduces gradients across ranks at step boundaries.

@@ -44,13 +44,13 @@ struct ReducerOptions {
   std::size_t first_bucket_cap_bytes = 1 * kMiB;  ///< cap of the first bucket (sent first, so small)
   bool rebuild_buckets = true;                    ///< once, after the first step, in rank 0's gradient-ready order
   Average average = Average::samples;             ///< divisor of the summed gradient
-  std::optional<c10::ScalarType> wire_dtype{};      ///< at::kHalf / at::kBFloat16: compress float32 buckets on the wire
-  bool overlap = true;                            ///< send full buckets from autograd hooks (false: all in finish_window)
-  bool check_parameters = true;                   ///< construction: same parameters on every rank (one all-gather)
-  bool broadcast_parameters = true;               ///< construction: copy rank 0's parameters and buffers everywhere
-  bool detect_non_finite = true;                  ///< scan for inf/NaN and report Reduction::non_finite (the caller skips)
-  std::optional<double> max_grad_norm{};            ///< clip by the global L2 norm (after averaging and unscaling)
-  bool broadcast_buffers = true;                  ///< copy rank 0's buffers to every rank at each step boundary
+  std::optional<c10::ScalarType> wire_dtype{};    ///< at::kHalf / at::kBFloat16: compress float32 buckets on the wire
+  bool overlap = true;                    ///< send full buckets from autograd hooks (false: all in finish_window)
+  bool check_parameters = true;           ///< construction: same parameters on every rank (one all-gather)
+  bool broadcast_parameters = true;       ///< construction: copy rank 0's parameters and buffers everywhere
+  bool detect_non_finite = true;          ///< scan for inf/NaN and report Reduction::non_finite (the caller skips)
+  std::optional<double> max_grad_norm{};  ///< clip by the global L2 norm (after averaging and unscaling)
+  bool broadcast_buffers = true;          ///< copy rank 0's buffers to every rank at each step boundary
 };
 
 /// How often a reducer copied a value from the communicator's device to the host (each such read

@@ -40,9 +40,9 @@ namespace loom {
 /// Shape: `names.size()` is 0 or `params.size()`; tensors keep the model's shapes. The tensors are
 ///        handles to the model's own storage: writing them writes the model.
 struct ParameterList {
-  std::vector<std::string> names{};  ///< name of params[i], or empty (then messages say "parameter i")
-  std::vector<at::Tensor> params{};  ///< leaf tensors, registration order; frozen ones included
-  std::vector<at::Tensor> buffers{}; ///< non-trainable state (BatchNorm statistics, ...), broadcast at start
+  std::vector<std::string> names{};   ///< name of params[i], or empty (then messages say "parameter i")
+  std::vector<at::Tensor> params{};   ///< leaf tensors, registration order; frozen ones included
+  std::vector<at::Tensor> buffers{};  ///< non-trainable state (BatchNorm statistics, ...), broadcast at start
 
   /// "parameter 3 ('fc.weight')" or "parameter 3".
   [[nodiscard]] std::string describe(std::size_t i) const {
@@ -79,8 +79,8 @@ inline std::string descriptor_text(const std::int64_t* d) {
   std::vector<std::int64_t> sizes;
   const std::int64_t shown = d[3] > kMaxDescribedDims ? kMaxDescribedDims - 1 : d[3];
   for (std::int64_t k = 0; k < shown; ++k) sizes.push_back(d[4 + k]);
-  return fmt::format("{} [{}]{}{}", c10::toString(dtype), fmt::join(sizes, ", "), d[3] > kMaxDescribedDims ? ", ..." : "",
-                     d[0] == 0 ? (d[2] ? "" : " (frozen)") : "");
+  return fmt::format("{} [{}]{}{}", c10::toString(dtype), fmt::join(sizes, ", "),
+                     d[3] > kMaxDescribedDims ? ", ..." : "", d[0] == 0 ? (d[2] ? "" : " (frozen)") : "");
 }
 
 /// Descriptor stream of a list: params then buffers, kDescriptorLen integers each.
@@ -146,19 +146,22 @@ void check_same_parameters(Comm& comm, const ParameterList& list) {
     const auto* other = streams[r].data_ptr<std::int64_t>();
     const auto* counts = all[r].data_ptr<std::int64_t>();
     if (ref_counts[0] != counts[0] || ref_counts[1] != counts[1])
-      throw InvalidArgument(fmt::format(
-          "parameters differ across ranks: rank 0 has {} parameters and {} buffers, rank {} has {} and {} (seen from rank {})",
-          ref_counts[0], ref_counts[1], r, counts[0], counts[1], comm.rank()));
+      throw InvalidArgument(
+          fmt::format("parameters differ across ranks: rank 0 has {} parameters and {} buffers, rank {} has {} and {} "
+                      "(seen from rank {})",
+                      ref_counts[0], ref_counts[1], r, counts[0], counts[1], comm.rank()));
     for (std::int64_t k = 0; k < max_entries; ++k) {
       const auto* a = ref + k * detail::kDescriptorLen;
       const auto* b = other + k * detail::kDescriptorLen;
       if (std::equal(a, a + detail::kDescriptorLen, b)) continue;
-      throw InvalidArgument(fmt::format("parameters differ across ranks: {} is {} on rank 0 but {} on rank {} (seen from rank {})",
-                                        detail::entry_name(list, static_cast<std::size_t>(k)), detail::descriptor_text(a),
-                                        detail::descriptor_text(b), r, comm.rank()));
+      throw InvalidArgument(
+          fmt::format("parameters differ across ranks: {} is {} on rank 0 but {} on rank {} (seen from rank {})",
+                      detail::entry_name(list, static_cast<std::size_t>(k)), detail::descriptor_text(a),
+                      detail::descriptor_text(b), r, comm.rank()));
     }
   }
-  throw InvalidArgument(fmt::format("parameters differ across ranks (summary hashes differ; seen from rank {})", comm.rank()));
+  throw InvalidArgument(
+      fmt::format("parameters differ across ranks (summary hashes differ; seen from rank {})", comm.rank()));
 }
 
 /// Copies rank 0's parameters and buffers into every rank, coalesced: one broadcast per dtype and
@@ -177,7 +180,8 @@ void broadcast_from_rank0(Comm& comm, const ParameterList& list, std::size_t pie
   std::vector<at::Tensor> all;
   all.reserve(list.params.size() + list.buffers.size());
   for (std::size_t i = 0; i < list.params.size(); ++i) {
-    if (!list.params[i].defined()) throw InvalidArgument(fmt::format("broadcast_from_rank0: {} is undefined", list.describe(i)));
+    if (!list.params[i].defined())
+      throw InvalidArgument(fmt::format("broadcast_from_rank0: {} is undefined", list.describe(i)));
     all.push_back(list.params[i]);
   }
   for (std::size_t i = 0; i < list.buffers.size(); ++i) {
@@ -195,8 +199,10 @@ void broadcast_from_rank0(Comm& comm, const ParameterList& list, std::size_t pie
     const auto dt = is_supported_dtype(all[i].scalar_type()) ? all[i].scalar_type() : c10::ScalarType::Long;
     auto it = std::find_if(groups.begin(), groups.end(),
                            [&](const Group& g) { return g.wire == dt && g.device == all[i].device(); });
-    if (it == groups.end()) groups.push_back({dt, all[i].device(), {i}});
-    else it->members.push_back(i);
+    if (it == groups.end())
+      groups.push_back({dt, all[i].device(), {i}});
+    else
+      it->members.push_back(i);
   }
   for (const auto& g : groups) {
     std::size_t begin = 0;

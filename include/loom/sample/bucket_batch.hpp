@@ -115,9 +115,11 @@ class DistributedBucketBatchSampler {
       : shapes_(std::move(shapes)), o_(std::move(o)) {
     if (shapes_.empty()) throw InvalidArgument("DistributedBucketBatchSampler: no shapes (the dataset is empty)");
     if (o_.num_replicas < 1)
-      throw InvalidArgument(fmt::format("DistributedBucketBatchSampler: num_replicas = {} must be >= 1", o_.num_replicas));
+      throw InvalidArgument(
+          fmt::format("DistributedBucketBatchSampler: num_replicas = {} must be >= 1", o_.num_replicas));
     if (o_.rank < 0 || o_.rank >= o_.num_replicas)
-      throw InvalidArgument(fmt::format("DistributedBucketBatchSampler: rank {} is outside [0, {})", o_.rank, o_.num_replicas));
+      throw InvalidArgument(
+          fmt::format("DistributedBucketBatchSampler: rank {} is outside [0, {})", o_.rank, o_.num_replicas));
     (void)make_planner();  // validates the batching options now
     build_plan(0);
   }
@@ -196,11 +198,16 @@ class DistributedBucketBatchSampler {
 
   BucketPlanner make_planner() const {
     if (o_.pad.empty())
-      return BucketPlanner(ShapeBucketOptions{.max_samples = o_.max_samples, .max_elements = o_.max_elements,
-                                              .multiple_of = o_.multiple_of, .drop_incomplete = o_.drop_incomplete,
+      return BucketPlanner(ShapeBucketOptions{.max_samples = o_.max_samples,
+                                              .max_elements = o_.max_elements,
+                                              .multiple_of = o_.multiple_of,
+                                              .drop_incomplete = o_.drop_incomplete,
                                               .on_oversize = o_.on_oversize});
-    return BucketPlanner(PaddedBucketOptions{.pad = o_.pad, .max_samples = o_.max_samples, .max_elements = o_.max_elements,
-                                             .multiple_of = o_.multiple_of, .drop_incomplete = o_.drop_incomplete,
+    return BucketPlanner(PaddedBucketOptions{.pad = o_.pad,
+                                             .max_samples = o_.max_samples,
+                                             .max_elements = o_.max_elements,
+                                             .multiple_of = o_.multiple_of,
+                                             .drop_incomplete = o_.drop_incomplete,
                                              .on_oversize = o_.on_oversize});
   }
 
@@ -237,7 +244,8 @@ class DistributedBucketBatchSampler {
     surplus_dropped_ = 0;
     if (o_.surplus == SurplusPolicy::drop) {
       steps_ = b / r;
-      for (int64_t j = steps_ * r; j < b; ++j) surplus_dropped_ += static_cast<int64_t>(plan_[static_cast<std::size_t>(j)].indices.size());
+      for (int64_t j = steps_ * r; j < b; ++j)
+        surplus_dropped_ += static_cast<int64_t>(plan_[static_cast<std::size_t>(j)].indices.size());
     } else {
       steps_ = (b + r - 1) / r;
     }

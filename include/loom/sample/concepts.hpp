@@ -78,13 +78,13 @@ concept ResumableSampler = Sampler<S> && requires(S& s, const S& cs, const typen
 ///          `loom::parse_sampler_state(loom::to_string(st)) == st`.
 /// Units: position in items (indices for DistributedSampler, steps for the bucket batch sampler).
 struct SamplerState {
-  uint64_t seed = 0;          ///< shuffle seed
-  int64_t epoch = 0;          ///< epoch set by set_epoch
-  int64_t position = 0;       ///< items already yielded in this epoch
-  int64_t dataset_size = 0;   ///< samples in the dataset
-  int num_replicas = 1;       ///< world size
-  int rank = 0;               ///< this rank
-  uint64_t fingerprint = 0;   ///< hash of the remaining configuration (options, shapes)
+  uint64_t seed = 0;         ///< shuffle seed
+  int64_t epoch = 0;         ///< epoch set by set_epoch
+  int64_t position = 0;      ///< items already yielded in this epoch
+  int64_t dataset_size = 0;  ///< samples in the dataset
+  int num_replicas = 1;      ///< world size
+  int rank = 0;              ///< this rank
+  uint64_t fingerprint = 0;  ///< hash of the remaining configuration (options, shapes)
 
   friend bool operator==(const SamplerState&, const SamplerState&) = default;
 };
@@ -93,8 +93,9 @@ struct SamplerState {
 ///
 /// Example: `loom::to_string(st)` -> "loom-sampler v1 seed=0 epoch=3 position=17 dataset_size=10 num_replicas=3 rank=1 fingerprint=42"
 inline std::string to_string(const SamplerState& s) {
-  return fmt::format("loom-sampler v1 seed={} epoch={} position={} dataset_size={} num_replicas={} rank={} fingerprint={}",
-                     s.seed, s.epoch, s.position, s.dataset_size, s.num_replicas, s.rank, s.fingerprint);
+  return fmt::format(
+      "loom-sampler v1 seed={} epoch={} position={} dataset_size={} num_replicas={} rank={} fingerprint={}", s.seed,
+      s.epoch, s.position, s.dataset_size, s.num_replicas, s.rank, s.fingerprint);
 }
 
 /// Parses the text of to_string(). Throws loom::InvalidArgument naming the text when malformed.
@@ -122,7 +123,8 @@ inline SamplerState parse_sampler_state(std::string_view text) {
   field("num_replicas", s.num_replicas);
   field("rank", s.rank);
   field("fingerprint", s.fingerprint);
-  if (!rest.empty() && rest.find_first_not_of(" \n") != std::string_view::npos) throw fail("unexpected text at the end");
+  if (!rest.empty() && rest.find_first_not_of(" \n") != std::string_view::npos)
+    throw fail("unexpected text at the end");
   return s;
 }
 
@@ -131,16 +133,18 @@ namespace detail {
 using Fingerprint = Fnv1a;
 
 /// Throws unless `st` matches the sampler's own configuration `own` (all but epoch and position).
-inline void check_state_matches(const SamplerState& st, const SamplerState& own, int64_t epoch_size, std::string_view sampler) {
+inline void check_state_matches(const SamplerState& st, const SamplerState& own, int64_t epoch_size,
+                                std::string_view sampler) {
   auto mismatch = [&](std::string_view what, auto saved, auto mine) {
-    return InvalidArgument(fmt::format("{}: cannot load a state saved with {} = {} into a sampler with {} = {}", sampler,
-                                       what, saved, what, mine));
+    return InvalidArgument(fmt::format("{}: cannot load a state saved with {} = {} into a sampler with {} = {}",
+                                       sampler, what, saved, what, mine));
   };
   if (st.dataset_size != own.dataset_size) throw mismatch("dataset_size", st.dataset_size, own.dataset_size);
   if (st.num_replicas != own.num_replicas) throw mismatch("num_replicas", st.num_replicas, own.num_replicas);
   if (st.rank != own.rank) throw mismatch("rank", st.rank, own.rank);
   if (st.seed != own.seed) throw mismatch("seed", st.seed, own.seed);
-  if (st.fingerprint != own.fingerprint) throw mismatch("fingerprint (options or shapes)", st.fingerprint, own.fingerprint);
+  if (st.fingerprint != own.fingerprint)
+    throw mismatch("fingerprint (options or shapes)", st.fingerprint, own.fingerprint);
   if (st.epoch < 0) throw InvalidArgument(fmt::format("{}: saved epoch {} is negative", sampler, st.epoch));
   if (st.position < 0 || st.position > epoch_size)
     throw InvalidArgument(fmt::format("{}: saved position {} is outside [0, {}] for epoch {}", sampler, st.position,

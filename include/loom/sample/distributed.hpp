@@ -79,14 +79,17 @@ class DistributedSampler {
 
   explicit DistributedSampler(DistributedSamplerOptions o) : o_(o) {
     if (o_.dataset_size <= 0)
-      throw InvalidArgument(fmt::format("DistributedSampler: dataset_size = {} (the dataset is empty)", o_.dataset_size));
+      throw InvalidArgument(
+          fmt::format("DistributedSampler: dataset_size = {} (the dataset is empty)", o_.dataset_size));
     if (o_.num_replicas < 1)
       throw InvalidArgument(fmt::format("DistributedSampler: num_replicas = {} must be >= 1", o_.num_replicas));
     if (o_.rank < 0 || o_.rank >= o_.num_replicas)
       throw InvalidArgument(fmt::format("DistributedSampler: rank {} is outside [0, {})", o_.rank, o_.num_replicas));
     const int64_t n = o_.dataset_size, r = o_.num_replicas;
-    if (o_.drop_last && n % r != 0) num_samples_ = n >= r ? (n - r + r - 1) / r : 0;  // ceil((N - R) / R)
-    else num_samples_ = (n + r - 1) / r;
+    if (o_.drop_last && n % r != 0)
+      num_samples_ = n >= r ? (n - r + r - 1) / r : 0;  // ceil((N - R) / R)
+    else
+      num_samples_ = (n + r - 1) / r;
   }
 
   /// Uses the communicator's rank and world size (overriding those in `o`).
@@ -177,7 +180,8 @@ class DistributedSampler {
     const std::vector<int64_t> list = global_indices();
     indices_.clear();
     indices_.reserve(static_cast<std::size_t>(num_samples_));
-    for (std::size_t i = static_cast<std::size_t>(o_.rank); i < list.size(); i += static_cast<std::size_t>(o_.num_replicas))
+    for (std::size_t i = static_cast<std::size_t>(o_.rank); i < list.size();
+         i += static_cast<std::size_t>(o_.num_replicas))
       indices_.push_back(list[i]);
     LOOM_ASSERT(static_cast<int64_t>(indices_.size()) == num_samples_);
     cached_epoch_ = epoch_;

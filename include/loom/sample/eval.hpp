@@ -66,7 +66,14 @@ struct GatheredResults {
 namespace detail {
 inline constexpr int64_t kGatherMaxTrailing = 6;
 inline constexpr int64_t kGatherHeader = 4 + kGatherMaxTrailing;  // error, n, dtype, ndim, dims...
-enum GatherErrorCode : int64_t { kGatherOk = 0, kGatherLength, kGatherUndefined, kGatherDtype, kGatherDims, kGatherRange };
+enum GatherErrorCode : int64_t {
+  kGatherOk = 0,
+  kGatherLength,
+  kGatherUndefined,
+  kGatherDtype,
+  kGatherDims,
+  kGatherRange
+};
 }  // namespace detail
 
 /// Gathers (index, row) pairs from all ranks, drops duplicates, returns them in dataset order.
@@ -76,7 +83,8 @@ enum GatherErrorCode : int64_t { kGatherOk = 0, kGatherLength, kGatherUndefined,
 /// Throws: see the file comment.
 /// Source: see the file comment.
 template <Communicator C>
-GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const at::Tensor& values, GatherOptions o = {}) {
+GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const at::Tensor& values,
+                               GatherOptions o = {}) {
   using namespace detail;
   const int world = comm.world_size();
   // ---- 1. headers: validate locally, but throw only after everyone has seen every header ----
@@ -124,11 +132,22 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
     const auto& a = all[static_cast<std::size_t>(r)];
     switch (a[0]) {
       case kGatherOk: break;
-      case kGatherUndefined: throw InvalidArgument(fmt::format("gather_results: rank {} passed an undefined or 0-dimensional values tensor", r));
-      case kGatherLength: throw InvalidArgument(fmt::format("gather_results: rank {} passed {} indices but {} value rows", r, a[1], a[4]));
-      case kGatherDtype: throw InvalidArgument(fmt::format("gather_results: rank {} passed values of unsupported dtype {}", r, c10::toString(static_cast<c10::ScalarType>(a[2]))));
-      case kGatherDims: throw InvalidArgument(fmt::format("gather_results: rank {} passed values with {} trailing dimensions (at most {})", r, a[3], kGatherMaxTrailing));
-      case kGatherRange: throw InvalidArgument(fmt::format("gather_results: rank {} passed index {}, outside [0, {})", r, a[4], o.dataset_size >= 0 ? fmt::to_string(o.dataset_size) : std::string("inf")));
+      case kGatherUndefined:
+        throw InvalidArgument(
+            fmt::format("gather_results: rank {} passed an undefined or 0-dimensional values tensor", r));
+      case kGatherLength:
+        throw InvalidArgument(
+            fmt::format("gather_results: rank {} passed {} indices but {} value rows", r, a[1], a[4]));
+      case kGatherDtype:
+        throw InvalidArgument(fmt::format("gather_results: rank {} passed values of unsupported dtype {}", r,
+                                          c10::toString(static_cast<c10::ScalarType>(a[2]))));
+      case kGatherDims:
+        throw InvalidArgument(
+            fmt::format("gather_results: rank {} passed values with {} trailing dimensions (at most {})", r, a[3],
+                        kGatherMaxTrailing));
+      case kGatherRange:
+        throw InvalidArgument(fmt::format("gather_results: rank {} passed index {}, outside [0, {})", r, a[4],
+                                          o.dataset_size >= 0 ? fmt::to_string(o.dataset_size) : std::string("inf")));
       default: throw CommError(fmt::format("gather_results: rank {} sent a corrupt header (code {})", r, a[0]));
     }
   }
@@ -153,7 +172,8 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
   out_shape.insert(out_shape.end(), trailing.begin(), trailing.end());
   GatheredResults result;
   if (max_n == 0) {
-    if (o.dataset_size > 0) throw InvalidArgument(fmt::format("gather_results: no rank evaluated any of the {} samples", o.dataset_size));
+    if (o.dataset_size > 0)
+      throw InvalidArgument(fmt::format("gather_results: no rank evaluated any of the {} samples", o.dataset_size));
     result.values = at::empty(out_shape, at::TensorOptions(dtype));
     return result;
   }
@@ -191,8 +211,10 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
   std::vector<Hit> kept;
   kept.reserve(hits.size());
   for (const Hit& hit : hits) {
-    if (!kept.empty() && kept.back().index == hit.index) ++result.duplicates_dropped;
-    else kept.push_back(hit);
+    if (!kept.empty() && kept.back().index == hit.index)
+      ++result.duplicates_dropped;
+    else
+      kept.push_back(hit);
   }
   if (o.dataset_size >= 0 && static_cast<int64_t>(kept.size()) != o.dataset_size) {
     int64_t missing = 0;

@@ -95,20 +95,20 @@ struct GlobalBatchOptions {
   int64_t multiple_of = 1;
   bool drop_incomplete = false;
   OversizePolicy on_oversize = OversizePolicy::raise;
-  int64_t batches_per_step = 1;           ///< a step closes after this many batches (0 = rule off)
-  int64_t samples_per_step = 0;           ///< ... or once it holds >= this many samples (0 = off)
-  int64_t elements_per_step = 0;          ///< ... or >= this many padded elements (0 = off)
-  Dealing dealing = Dealing::balanced;    ///< who runs which batch of a step (not part of the plan)
+  int64_t batches_per_step = 1;         ///< a step closes after this many batches (0 = rule off)
+  int64_t samples_per_step = 0;         ///< ... or once it holds >= this many samples (0 = off)
+  int64_t elements_per_step = 0;        ///< ... or >= this many padded elements (0 = off)
+  Dealing dealing = Dealing::balanced;  ///< who runs which batch of a step (not part of the plan)
 };
 
 /// One optimizer step of an epoch's plan: batches [first_batch, first_batch + num_batches).
 ///
 /// Units: samples; padded elements.
 struct GlobalStep {
-  int64_t first_batch = 0;   ///< position of its first batch in EpochPlan::batches
-  int64_t num_batches = 0;   ///< batches in the step (>= 1)
-  int64_t num_samples = 0;   ///< samples in the step, over all its batches
-  int64_t elements = 0;      ///< padded elements in the step
+  int64_t first_batch = 0;  ///< position of its first batch in EpochPlan::batches
+  int64_t num_batches = 0;  ///< batches in the step (>= 1)
+  int64_t num_samples = 0;  ///< samples in the step, over all its batches
+  int64_t elements = 0;     ///< padded elements in the step
 
   friend bool operator==(const GlobalStep&, const GlobalStep&) = default;
 };
@@ -136,7 +136,8 @@ struct GlobalCursor {
 
 /// One line of text for a GlobalCursor (for a checkpoint file).
 inline std::string to_string(const GlobalCursor& c) {
-  return fmt::format("loom-global-cursor v1 seed={} epoch={} step={} fingerprint={}", c.seed, c.epoch, c.step, c.fingerprint);
+  return fmt::format("loom-global-cursor v1 seed={} epoch={} step={} fingerprint={}", c.seed, c.epoch, c.step,
+                     c.fingerprint);
 }
 
 /// Parses the text of to_string(GlobalCursor). Throws loom::InvalidArgument naming the text.
@@ -148,9 +149,10 @@ inline GlobalCursor parse_global_cursor(std::string_view text) {
   char tail = 0;
   if (std::sscanf(s.c_str(), "loom-global-cursor v1 seed=%llu epoch=%lld step=%lld fingerprint=%llu%c", &seed, &epoch,
                   &step, &fingerprint, &tail) != 4)
-    throw InvalidArgument(fmt::format("global cursor '{}' is malformed (expected 'loom-global-cursor v1 seed=S epoch=E "
-                                      "step=K fingerprint=F')",
-                                      text));
+    throw InvalidArgument(
+        fmt::format("global cursor '{}' is malformed (expected 'loom-global-cursor v1 seed=S epoch=E "
+                    "step=K fingerprint=F')",
+                    text));
   if (epoch < 0 || step < 0)
     throw InvalidArgument(fmt::format("global cursor '{}' has a negative epoch or step", text));
   c.seed = seed;
@@ -164,22 +166,29 @@ namespace detail {
 
 inline BucketPlanner global_planner(const GlobalBatchOptions& o) {
   if (o.pad.empty())
-    return BucketPlanner(ShapeBucketOptions{.max_samples = o.max_samples, .max_elements = o.max_elements,
-                                            .multiple_of = o.multiple_of, .drop_incomplete = o.drop_incomplete,
+    return BucketPlanner(ShapeBucketOptions{.max_samples = o.max_samples,
+                                            .max_elements = o.max_elements,
+                                            .multiple_of = o.multiple_of,
+                                            .drop_incomplete = o.drop_incomplete,
                                             .on_oversize = o.on_oversize});
-  return BucketPlanner(PaddedBucketOptions{.pad = o.pad, .max_samples = o.max_samples, .max_elements = o.max_elements,
-                                           .multiple_of = o.multiple_of, .drop_incomplete = o.drop_incomplete,
+  return BucketPlanner(PaddedBucketOptions{.pad = o.pad,
+                                           .max_samples = o.max_samples,
+                                           .max_elements = o.max_elements,
+                                           .multiple_of = o.multiple_of,
+                                           .drop_incomplete = o.drop_incomplete,
                                            .on_oversize = o.on_oversize});
 }
 
 inline void check_step_rules(const GlobalBatchOptions& o) {
   if (o.batches_per_step < 0 || o.samples_per_step < 0 || o.elements_per_step < 0)
-    throw InvalidArgument(fmt::format("GlobalBatchOptions: batches_per_step = {}, samples_per_step = {}, elements_per_step "
-                                      "= {} (each must be >= 0)",
-                                      o.batches_per_step, o.samples_per_step, o.elements_per_step));
+    throw InvalidArgument(
+        fmt::format("GlobalBatchOptions: batches_per_step = {}, samples_per_step = {}, elements_per_step "
+                    "= {} (each must be >= 0)",
+                    o.batches_per_step, o.samples_per_step, o.elements_per_step));
   if (o.batches_per_step == 0 && o.samples_per_step == 0 && o.elements_per_step == 0)
-    throw InvalidArgument("GlobalBatchOptions: batches_per_step, samples_per_step and elements_per_step are all 0 "
-                          "(no rule closes a step)");
+    throw InvalidArgument(
+        "GlobalBatchOptions: batches_per_step, samples_per_step and elements_per_step are all 0 "
+        "(no rule closes a step)");
 }
 
 /// Hash of what shapes the plan: options but world_size, rank and dealing; and the shapes.
@@ -214,7 +223,8 @@ inline uint64_t plan_fingerprint(const std::vector<std::vector<int64_t>>& shapes
 /// Example: `auto plan = loom::plan_epoch(shapes, {.seed = 1, .max_samples = 4, .batches_per_step = 2}, 0);`
 /// Shape: `shapes[i]` is sample i's shape without the batch dimension.
 /// Throws: loom::InvalidArgument (empty dataset, bad options, bad shapes, negative epoch).
-inline EpochPlan plan_epoch(const std::vector<std::vector<int64_t>>& shapes, const GlobalBatchOptions& o, int64_t epoch) {
+inline EpochPlan plan_epoch(const std::vector<std::vector<int64_t>>& shapes, const GlobalBatchOptions& o,
+                            int64_t epoch) {
   if (shapes.empty()) throw InvalidArgument("plan_epoch: no shapes (the dataset is empty)");
   if (epoch < 0) throw InvalidArgument(fmt::format("plan_epoch: epoch {} is negative", epoch));
   detail::check_step_rules(o);
@@ -291,7 +301,8 @@ inline std::vector<std::vector<int64_t>> deal(std::span<const int64_t> costs, in
   });
   std::vector<int64_t> load(static_cast<std::size_t>(world_size), 0);
   for (int64_t j : by_cost) {
-    const auto r = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());  // lowest rank on ties
+    const auto r =
+        static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());  // lowest rank on ties
     out[r].push_back(j);
     load[r] += costs[static_cast<std::size_t>(j)];
   }
@@ -390,9 +401,11 @@ class GlobalBatchSampler {
   /// Batch positions (into plan().batches) that `rank` runs in step `step`, in plan order.
   [[nodiscard]] std::vector<int64_t> assignment(int64_t step, int rank) const {
     if (step < 0 || step >= num_steps())
-      throw InvalidArgument(fmt::format("GlobalBatchSampler::assignment: step {} is outside [0, {})", step, num_steps()));
+      throw InvalidArgument(
+          fmt::format("GlobalBatchSampler::assignment: step {} is outside [0, {})", step, num_steps()));
     if (rank < 0 || rank >= o_.world_size)
-      throw InvalidArgument(fmt::format("GlobalBatchSampler::assignment: rank {} is outside [0, {})", rank, o_.world_size));
+      throw InvalidArgument(
+          fmt::format("GlobalBatchSampler::assignment: rank {} is outside [0, {})", rank, o_.world_size));
     return dealt(step)[static_cast<std::size_t>(rank)];
   }
 
@@ -414,8 +427,10 @@ class GlobalBatchSampler {
       s.step_end = within_ + 1 == static_cast<int64_t>(current_.size());
     }
     ++position_;
-    if (s.step_end) seek(step_ + 1);
-    else ++within_;
+    if (s.step_end)
+      seek(step_ + 1);
+    else
+      ++within_;
     return s;
   }
 
@@ -429,11 +444,13 @@ class GlobalBatchSampler {
   ///         is outside [0, steps of that epoch].
   void resume(const GlobalCursor& c) {
     if (c.seed != o_.seed)
-      throw InvalidArgument(fmt::format("GlobalBatchSampler::resume: the cursor has seed {}, this sampler {}", c.seed, o_.seed));
+      throw InvalidArgument(
+          fmt::format("GlobalBatchSampler::resume: the cursor has seed {}, this sampler {}", c.seed, o_.seed));
     if (c.fingerprint != fingerprint_)
-      throw InvalidArgument(fmt::format("GlobalBatchSampler::resume: the cursor's fingerprint {} differs from this sampler's {} "
-                                        "(other options or shapes)",
-                                        c.fingerprint, fingerprint_));
+      throw InvalidArgument(
+          fmt::format("GlobalBatchSampler::resume: the cursor's fingerprint {} differs from this sampler's {} "
+                      "(other options or shapes)",
+                      c.fingerprint, fingerprint_));
     set_epoch(c.epoch);
     if (c.step < 0 || c.step > num_steps())
       throw InvalidArgument(fmt::format("GlobalBatchSampler::resume: step {} is outside [0, {}] for epoch {}", c.step,
@@ -472,7 +489,8 @@ class GlobalBatchSampler {
     const GlobalStep& g = plan_.steps[static_cast<std::size_t>(step)];
     std::vector<int64_t> costs;
     costs.reserve(static_cast<std::size_t>(g.num_batches));
-    for (int64_t j = 0; j < g.num_batches; ++j) costs.push_back(plan_.batches[static_cast<std::size_t>(g.first_batch + j)].padded_elements);
+    for (int64_t j = 0; j < g.num_batches; ++j)
+      costs.push_back(plan_.batches[static_cast<std::size_t>(g.first_batch + j)].padded_elements);
     auto out = deal(costs, o_.world_size, o_.dealing);
     for (auto& v : out)
       for (auto& j : v) j += g.first_batch;

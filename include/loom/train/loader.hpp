@@ -41,8 +41,8 @@ namespace loom {
 
 /// Options of BatchLoader beyond the plan; use with designated initializers.
 struct LoaderOptions {
-  CollateOptions collate{};            ///< pad value, mask, pool / allocator (padded_shape comes from the plan)
-  std::optional<c10::Device> device{}; ///< where batches go; default: the process group's device
+  CollateOptions collate{};             ///< pad value, mask, pool / allocator (padded_shape comes from the plan)
+  std::optional<c10::Device> device{};  ///< where batches go; default: the process group's device
 };
 
 /// Sampler + fetch + collate. See the file comment.

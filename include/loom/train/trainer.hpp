@@ -132,7 +132,8 @@ class Trainer {
         optimizer_(&optimizer),
         options_(std::move(options)),
         reducer_(comm, std::move(params), options_.reducer),
-        accumulator_(reducer_, {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {}
+        accumulator_(reducer_,
+                     {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {}
 
   /// The same, for a torch::nn::Module (its parameters and buffers, see loom::parameters_of).
   Trainer(Comm& comm, const torch::nn::Module& model, Opt& optimizer, TrainerOptions options = {})
@@ -146,10 +147,11 @@ class Trainer {
   template <class Loader>
   [[nodiscard]] EpochRange<Trainer, Loader> epoch(Loader& loader, int64_t epoch) {
     if (accumulator_.window_micro_batches() > 0)
-      throw Error(fmt::format("Trainer::epoch({}): the previous loop ended inside an optimizer step (a break out of "
-                              "trainer.epoch(...)?), so {} micro-batch(es) were never reduced; leave a loop only right "
-                              "after a step boundary (trainer.backward(...).boundary)",
-                              epoch, accumulator_.window_micro_batches()));
+      throw Error(
+          fmt::format("Trainer::epoch({}): the previous loop ended inside an optimizer step (a break out of "
+                      "trainer.epoch(...)?), so {} micro-batch(es) were never reduced; leave a loop only right "
+                      "after a step boundary (trainer.backward(...).boundary)",
+                      epoch, accumulator_.window_micro_batches()));
     current_.reset();
     stop_ = false;
     stopped_ = false;
@@ -167,12 +169,14 @@ class Trainer {
   SyncResult backward(const at::Tensor& loss, const Batch& batch) {
     check_no_stray_backward("Trainer::backward");
     if (!current_ || !same_batch(*current_, batch))
-      throw Error("Trainer::backward: this batch is not the one the epoch loop just yielded (pass each batch of "
-                  "`for (loom::Batch& b : trainer.epoch(loader, e))` to backward once, in order)");
+      throw Error(
+          "Trainer::backward: this batch is not the one the epoch loop just yielded (pass each batch of "
+          "`for (loom::Batch& b : trainer.epoch(loader, e))` to backward once, in order)");
     if (backward_done_)
-      throw Error(fmt::format("Trainer::backward: called twice for batch {} of step {} (one backward per batch; sum "
-                              "several losses first)",
-                              batch_number_, current_step_));
+      throw Error(
+          fmt::format("Trainer::backward: called twice for batch {} of step {} (one backward per batch; sum "
+                      "several losses first)",
+                      batch_number_, current_step_));
     check_loss(loss);
     auto mb = accumulator_.micro_batch(batch);
     at::Tensor total = loss.reshape({});
@@ -225,22 +229,26 @@ class Trainer {
   static void check_loss(const at::Tensor& loss) {
     if (!loss.defined()) throw InvalidArgument("Trainer::backward: the loss is undefined");
     if (loss.numel() != 1)
-      throw InvalidArgument(fmt::format("Trainer::backward: the loss has shape [{}] ({} elements); pass one number per batch "
-                                        "(reduction mean or sum, not none)",
-                                        fmt::join(loss.sizes(), ", "), loss.numel()));
+      throw InvalidArgument(
+          fmt::format("Trainer::backward: the loss has shape [{}] ({} elements); pass one number per batch "
+                      "(reduction mean or sum, not none)",
+                      fmt::join(loss.sizes(), ", "), loss.numel()));
     if (!at::isFloatingType(loss.scalar_type()))
-      throw InvalidArgument(fmt::format("Trainer::backward: the loss has dtype {} (need a floating dtype)", c10::toString(loss.scalar_type())));
+      throw InvalidArgument(fmt::format("Trainer::backward: the loss has dtype {} (need a floating dtype)",
+                                        c10::toString(loss.scalar_type())));
     if (!loss.requires_grad())
-      throw InvalidArgument("Trainer::backward: the loss does not require grad (computed under NoGradGuard, or detached?)");
+      throw InvalidArgument(
+          "Trainer::backward: the loss does not require grad (computed under NoGradGuard, or detached?)");
   }
 
   // Every gradient an autograd hook delivers is counted by the reducer; between two calls of the
   // trainer the count must not move.
   void check_no_stray_backward(const char* where) {
     if (reducer_.gradient_arrivals() != arrivals_seen_)
-      throw Error(fmt::format("{}: a backward ran outside trainer.backward(loss, batch) (loss.backward() by hand?): its "
-                              "gradients would not be weighted or reduced across ranks",
-                              where));
+      throw Error(
+          fmt::format("{}: a backward ran outside trainer.backward(loss, batch) (loss.backward() by hand?): its "
+                      "gradients would not be weighted or reduced across ranks",
+                      where));
   }
 
   void apply(const SyncResult& s) {
@@ -283,9 +291,10 @@ class Trainer {
   }
 
   [[noreturn]] void forgotten() {
-    throw Error(fmt::format("Trainer::epoch({}): batch {} of step {} was never passed to trainer.backward(loss, batch), "
-                            "so its samples would be missing from the step",
-                            epoch_, batch_number_, current_step_));
+    throw Error(
+        fmt::format("Trainer::epoch({}): batch {} of step {} was never passed to trainer.backward(loss, batch), "
+                    "so its samples would be missing from the step",
+                    epoch_, batch_number_, current_step_));
   }
 
   Comm* comm_;

@@ -26,24 +26,23 @@
 #if LOOM_HAS_GLOO && defined(USE_C10D_GLOO)
 
 #include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <net/if.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <array>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <netinet/in.h>
 #include <set>
 #include <string>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <loom/error.hpp>
@@ -104,8 +103,7 @@ inline GlooDeviceChoice::Kind gloo_device_rule(bool option_set, bool env_set, bo
 
 /// True for an IPv4 address in 127.0.0.0/8 or the IPv6 loopback address.
 inline bool is_loopback_sockaddr(const sockaddr* sa) noexcept {
-  if (sa->sa_family == AF_INET)
-    return (ntohl(reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr) >> 24) == 127;
+  if (sa->sa_family == AF_INET) return (ntohl(reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr) >> 24) == 127;
   if (sa->sa_family == AF_INET6) {
     const auto& a = reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr;
     if (IN6_IS_ADDR_LOOPBACK(&a)) return true;
@@ -212,9 +210,10 @@ inline GlooDeviceChoice choose_gloo_device(const std::string& option, const char
       const auto present = interfaces_with_address();
       for (const auto& name : c.interfaces)
         if (present.count(name) == 0)
-          throw ConfigError(fmt::format("{}='{}': host '{}' has no network interface '{}' with an address (its "
-                                        "interfaces: {})",
-                                        c.source, value, host, name, fmt::join(present, ", ")));
+          throw ConfigError(
+              fmt::format("{}='{}': host '{}' has no network interface '{}' with an address (its "
+                          "interfaces: {})",
+                          c.source, value, host, name, fmt::join(present, ", ")));
       break;
     }
     case GlooDeviceChoice::Kind::loopback:

@@ -57,7 +57,8 @@ class JoinWatch {
   void report_failure(const std::string& line, std::chrono::milliseconds wait_at_most) noexcept {
     if (world_size_ <= 1) return;
     try {
-      if (store_->add(kFailuresKey, 1) == 1) store_->set(kFailedKey, std::vector<std::uint8_t>(line.begin(), line.end()));
+      if (store_->add(kFailuresKey, 1) == 1)
+        store_->set(kFailedKey, std::vector<std::uint8_t>(line.begin(), line.end()));
     } catch (...) {
       return;
     }
@@ -97,7 +98,7 @@ class JoinWatch {
   /// PrefixStores over) a c10d::TCPStore; otherwise `store` itself (in-process stores do not hold a
   /// lock while waiting).
   static c10::intrusive_ptr<c10d::Store> side_channel(const c10::intrusive_ptr<c10d::Store>& store,
-                                                     std::chrono::milliseconds timeout) {
+                                                      std::chrono::milliseconds timeout) {
     std::vector<std::string> prefixes;  // outermost first
     c10::intrusive_ptr<c10d::Store> base = store;
     while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(base.get())) {
@@ -112,7 +113,8 @@ class JoinWatch {
     opts.waitWorkers = false;
     opts.timeout = timeout;
     c10::intrusive_ptr<c10d::Store> side = c10::make_intrusive<c10d::TCPStore>(tcp->getHost(), opts);
-    for (auto it = prefixes.rbegin(); it != prefixes.rend(); ++it) side = c10::make_intrusive<c10d::PrefixStore>(*it, side);
+    for (auto it = prefixes.rbegin(); it != prefixes.rend(); ++it)
+      side = c10::make_intrusive<c10d::PrefixStore>(*it, side);
     return side;
   }
 

@@ -40,24 +40,23 @@
 
 #if LOOM_HAS_GLOO && defined(USE_C10D_GLOO)
 
-#include <arpa/inet.h>
-#include <dirent.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <sys/socket.h>
-
 #include <algorithm>
+#include <arpa/inet.h>
 #include <cctype>
 #include <chrono>
 #include <compare>
-#include <cstring>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
+#include <netinet/in.h>
+#include <signal.h>
 #include <string>
+#include <sys/socket.h>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <dirent.h>
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -167,10 +166,14 @@ class GlooPeerTable {
   }
 
   /// Number of known connections (tests).
-  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  [[nodiscard]] std::size_t size() const noexcept {
+    return entries_.size();
+  }
 
   /// Number of this rank's Gloo sockets that shutdown_connections() would shut down (tests).
-  [[nodiscard]] std::size_t connections() const noexcept { return sockets_.size(); }
+  [[nodiscard]] std::size_t connections() const noexcept {
+    return sockets_.size();
+  }
 
   /// Shuts down (shutdown(2), SHUT_RDWR) every socket of this rank's Gloo connections, so each peer
   /// reads the end of its connection to this rank at once ("Connection closed by peer", naming this
@@ -214,7 +217,8 @@ class GlooPeerTable {
         if (local.size() != 1) continue;
         auto it = remote_of.find(local.front());
         if (it == remote_of.end())  // a Gloo that prints the port in host order
-          it = remote_of.find({local.front().ip, static_cast<long>(htons(static_cast<std::uint16_t>(local.front().port)))});
+          it = remote_of.find(
+              {local.front().ip, static_cast<long>(htons(static_cast<std::uint16_t>(local.front().port)))});
         if (it != remote_of.end()) {
           add(it->second.remote, static_cast<int>(r));
           sockets_.push_back({it->second.fd, it->first, socket_name(it->second.remote)});
@@ -251,7 +255,8 @@ class GlooPeerTable {
         for (int j = 0; j < world_size; ++j) {
           if (j == rank) continue;
           const std::size_t index = static_cast<std::size_t>(j > rank ? j - 1 : j);
-          std::memcpy(out + (static_cast<std::size_t>(j) * devices + d) * kRecord, bytes.data() + index * record, kRecord);
+          std::memcpy(out + (static_cast<std::size_t>(j) * devices + d) * kRecord, bytes.data() + index * record,
+                      kRecord);
         }
       } catch (...) {
       }

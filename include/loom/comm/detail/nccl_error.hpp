@@ -15,9 +15,8 @@
 #include <string>
 #include <string_view>
 
-#include <nccl.h>
-
 #include <fmt/format.h>
+#include <nccl.h>
 
 #include <loom/cuda/error.hpp>
 #include <loom/error.hpp>
@@ -88,7 +87,8 @@ inline std::string format_nccl_error(ncclResult_t code, std::string_view call, s
 [[noreturn]] inline void throw_nccl_error(ncclResult_t code, const char* call, const char* file, int line,
                                           ncclComm_t comm, const NcclSite& site) {
   const char* last = ncclGetLastError(comm);
-  throw NcclError(code, format_nccl_error(code, call, file, line, last != nullptr ? last : "", nccl_runtime_version(), site));
+  throw NcclError(code,
+                  format_nccl_error(code, call, file, line, last != nullptr ? last : "", nccl_runtime_version(), site));
 }
 
 }  // namespace detail

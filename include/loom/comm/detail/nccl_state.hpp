@@ -22,9 +22,8 @@
 #include <string_view>
 #include <thread>
 
-#include <nccl.h>
-
 #include <fmt/format.h>
+#include <nccl.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <loom/comm/detail/nccl_error.hpp>
@@ -40,7 +39,9 @@ namespace loom::detail {
 /// tests drive BasicNcclState's state machine without a GPU (tests/gpu/test_gpu_host.cpp).
 struct NcclApi {
   using DeviceGuard = cuda::DeviceGuard;
-  static ncclResult_t get_async_error(ncclComm_t comm, ncclResult_t* state) { return ncclCommGetAsyncError(comm, state); }
+  static ncclResult_t get_async_error(ncclComm_t comm, ncclResult_t* state) {
+    return ncclCommGetAsyncError(comm, state);
+  }
   static ncclResult_t abort(ncclComm_t comm) { return ncclCommAbort(comm); }
   static ncclResult_t finalize(ncclComm_t comm) { return ncclCommFinalize(comm); }
   static ncclResult_t destroy(ncclComm_t comm) { return ncclCommDestroy(comm); }
@@ -73,15 +74,15 @@ struct BasicNcclState {
   enum class Phase { live, finalized, destroyed, aborted };
 
   mutable std::mutex mutex;
-  ncclComm_t comm = nullptr;                // guarded by mutex
-  std::atomic<Phase> phase{Phase::live};    // written with mutex held
-  std::string abort_reason;                 // guarded by mutex
+  ncclComm_t comm = nullptr;              // guarded by mutex
+  std::atomic<Phase> phase{Phase::live};  // written with mutex held
+  std::string abort_reason;               // guarded by mutex
   // Set before the state is shared, constant afterwards:
   NcclSite site;
   std::chrono::milliseconds timeout{};
   std::chrono::microseconds poll_interval{};
   std::optional<cuda::Stream> stream;
-  std::optional<cuda::Event> ready;       // re-recorded on the producer stream before each collective (one calling thread)
+  std::optional<cuda::Event> ready;  // re-recorded on the producer stream before each collective (one calling thread)
   std::optional<cuda::DeviceBuffer> barrier_word;
   std::string name;                       // kept alive for ncclConfig_t::commName
   c10::intrusive_ptr<c10d::Store> store;  // the rendezvous store, when the communicator owns a handle
@@ -118,8 +119,9 @@ struct BasicNcclState {
       {
         std::lock_guard lk(mutex);
         if (phase != Phase::live)
-          throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted while {} was in progress ({})", what,
-                                      site.rank, text, phase == Phase::aborted ? abort_reason : std::string("finalized/destroyed")));
+          throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted while {} was in progress ({})",
+                                      what, site.rank, text,
+                                      phase == Phase::aborted ? abort_reason : std::string("finalized/destroyed")));
         ncclResult_t state = ncclSuccess;
         const ncclResult_t q = Api::get_async_error(comm, &state);
         if (q != ncclSuccess) fail_locked(q, "ncclCommGetAsyncError(comm, &state)", file, line);
@@ -138,10 +140,12 @@ struct BasicNcclState {
   }
 
   /// Aborts and throws TimeoutError for `what` started at `start`.
-  [[noreturn]] void time_out(std::string_view what, std::chrono::steady_clock::time_point start, const std::string& detail) {
+  [[noreturn]] void time_out(std::string_view what, std::chrono::steady_clock::time_point start,
+                             const std::string& detail) {
     const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
-    std::string d = fmt::format("{}; timeout {} ms, world size {}, device {}; the NCCL communicator was aborted (create a new one to continue)",
-                                detail, timeout.count(), site.world_size, site.device);
+    std::string d = fmt::format(
+        "{}; timeout {} ms, world size {}, device {}; the NCCL communicator was aborted (create a new one to continue)",
+        detail, timeout.count(), site.world_size, site.device);
     abort(fmt::format("{} timed out after {:.3f} s", what, waited.count()));
     throw TimeoutError(std::string(what), site.rank, waited.count(), d);
   }
@@ -156,8 +160,9 @@ struct BasicNcclState {
       {
         std::lock_guard lk(mutex);
         if (phase == Phase::aborted)
-          throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted while this collective was pending ({})",
-                                      what, site.rank, abort_reason));
+          throw CommError(
+              fmt::format("{} on rank {}: the NCCL communicator was aborted while this collective was pending ({})",
+                          what, site.rank, abort_reason));
         if (done()) return;
         if (phase == Phase::live) {
           ncclResult_t state = ncclSuccess;
@@ -173,8 +178,10 @@ struct BasicNcclState {
   }
 
   void pause(int spins) const {
-    if (spins < 64) std::this_thread::yield();
-    else std::this_thread::sleep_for(poll_interval);
+    if (spins < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(poll_interval);
   }
 
   /// Throws loom::CommError when the communicator can no longer run collectives.
@@ -199,7 +206,8 @@ struct BasicNcclState {
     }
     const auto start = std::chrono::steady_clock::now();
     typename Api::DeviceGuard on(site.device);
-    run([](ncclComm_t c) { return Api::finalize(c); }, "ncclCommFinalize(comm)", __FILE__, __LINE__, "nccl_finalize", start);
+    run([](ncclComm_t c) { return Api::finalize(c); }, "ncclCommFinalize(comm)", __FILE__, __LINE__, "nccl_finalize",
+        start);
     std::lock_guard lk(mutex);
     if (phase == Phase::live) phase = Phase::finalized;  // unless an abort came in meanwhile
   }
@@ -222,8 +230,8 @@ struct BasicNcclState {
     }
     if (rc != ncclSuccess) {
       const char* last = Api::last_error(nullptr);
-      throw NcclError(rc, format_nccl_error(rc, "ncclCommDestroy(comm)", __FILE__, __LINE__, last != nullptr ? last : "",
-                                            nccl_runtime_version(), site));
+      throw NcclError(rc, format_nccl_error(rc, "ncclCommDestroy(comm)", __FILE__, __LINE__,
+                                            last != nullptr ? last : "", nccl_runtime_version(), site));
     }
   }
 
@@ -237,7 +245,8 @@ struct BasicNcclState {
     try {
       destroy();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "loom: warning: NcclCommunicator teardown on rank %d failed (%s); aborted instead\n", site.rank, e.what());
+      std::fprintf(stderr, "loom: warning: NcclCommunicator teardown on rank %d failed (%s); aborted instead\n",
+                   site.rank, e.what());
       abort(e.what());
     }
   }
@@ -247,7 +256,8 @@ struct BasicNcclState {
     switch (phase.load()) {
       case Phase::live: return;
       case Phase::aborted:
-        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted earlier ({})", what, site.rank, abort_reason));
+        throw CommError(fmt::format("{} on rank {}: the NCCL communicator was aborted earlier ({})", what, site.rank,
+                                    abort_reason));
       case Phase::finalized:
       case Phase::destroyed:
         throw CommError(fmt::format("{} on rank {}: the NCCL communicator was finalized/destroyed", what, site.rank));
@@ -265,7 +275,8 @@ struct BasicNcclState {
 
   [[noreturn]] void fail_locked(ncclResult_t rc, const char* call, const char* file, int line) {
     const char* last = comm != nullptr ? Api::last_error(comm) : nullptr;
-    std::string message = format_nccl_error(rc, call, file, line, last != nullptr ? last : "", nccl_runtime_version(), site);
+    std::string message =
+        format_nccl_error(rc, call, file, line, last != nullptr ? last : "", nccl_runtime_version(), site);
     abort_locked(message);
     throw NcclError(rc, message + "; the communicator was aborted");
   }
@@ -273,7 +284,6 @@ struct BasicNcclState {
 
 /// The state NcclCommunicator uses: the real NCCL calls.
 using NcclState = BasicNcclState<NcclApi>;
-
 
 }  // namespace loom::detail
 

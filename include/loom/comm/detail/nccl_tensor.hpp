@@ -13,11 +13,10 @@
 #include <string>
 #include <string_view>
 
-#include <nccl.h>
-
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <fmt/format.h>
+#include <nccl.h>
 
 #include <loom/comm/communicator.hpp>
 #include <loom/error.hpp>
@@ -34,8 +33,9 @@ inline ncclDataType_t to_nccl_dtype(c10::ScalarType dtype, std::string_view coll
     case c10::ScalarType::Int: return ncclInt32;
     case c10::ScalarType::Long: return ncclInt64;
     default:
-      throw InvalidArgument(fmt::format("{}: unsupported dtype {} for NCCL (supported: float32, float64, bfloat16, float16, int32, int64)",
-                                        collective, c10::toString(dtype)));
+      throw InvalidArgument(fmt::format(
+          "{}: unsupported dtype {} for NCCL (supported: float32, float64, bfloat16, float16, int32, int64)",
+          collective, c10::toString(dtype)));
   }
 }
 
@@ -55,11 +55,11 @@ constexpr ncclRedOp_t to_nccl_op(ReduceOp op) noexcept {
 inline void check_nccl_tensor(const at::Tensor& t, int device, std::string_view collective) {
   check_collective_tensor(t, collective);
   if (!t.is_cuda())
-    throw InvalidArgument(fmt::format("{}: NcclCommunicator needs a CUDA tensor on cuda:{}, got one on {}", collective, device,
-                                      t.device().str()));
+    throw InvalidArgument(fmt::format("{}: NcclCommunicator needs a CUDA tensor on cuda:{}, got one on {}", collective,
+                                      device, t.device().str()));
   if (t.device().index() != device)
-    throw InvalidArgument(fmt::format("{}: the tensor is on {}, but this rank's NcclCommunicator uses cuda:{}", collective,
-                                      t.device().str(), device));
+    throw InvalidArgument(fmt::format("{}: the tensor is on {}, but this rank's NcclCommunicator uses cuda:{}",
+                                      collective, t.device().str(), device));
 }
 
 }  // namespace loom::detail

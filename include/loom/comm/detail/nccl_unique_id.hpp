@@ -20,9 +20,8 @@
 #include <string_view>
 #include <vector>
 
-#include <nccl.h>
-
 #include <fmt/format.h>
+#include <nccl.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <loom/error.hpp>
@@ -38,8 +37,9 @@ inline std::vector<uint8_t> unique_id_bytes(const ncclUniqueId& id) {
 /// The unique id from store bytes; loom::CommError naming `key` if the size is wrong.
 inline ncclUniqueId unique_id_from_bytes(const std::vector<uint8_t>& bytes, std::string_view key) {
   if (bytes.size() != NCCL_UNIQUE_ID_BYTES)
-    throw CommError(fmt::format("NCCL unique id at store key '{}' has {} bytes, expected {} (is another program using this key?)",
-                                key, bytes.size(), NCCL_UNIQUE_ID_BYTES));
+    throw CommError(
+        fmt::format("NCCL unique id at store key '{}' has {} bytes, expected {} (is another program using this key?)",
+                    key, bytes.size(), NCCL_UNIQUE_ID_BYTES));
   ncclUniqueId id{};
   std::copy(bytes.begin(), bytes.end(), reinterpret_cast<uint8_t*>(id.internal));
   return id;
@@ -52,7 +52,8 @@ inline void publish_unique_id(c10d::Store& store, const std::string& key, const 
 
 /// Waits up to `timeout` for `key` and reads the unique id. loom::TimeoutError ("nccl_unique_id",
 /// naming the key and rank) when rank 0 never published it.
-inline ncclUniqueId fetch_unique_id(c10d::Store& store, const std::string& key, int rank, std::chrono::milliseconds timeout) {
+inline ncclUniqueId fetch_unique_id(c10d::Store& store, const std::string& key, int rank,
+                                    std::chrono::milliseconds timeout) {
   const auto start = std::chrono::steady_clock::now();
   try {
     store.wait({key}, timeout);
@@ -63,7 +64,6 @@ inline ncclUniqueId fetch_unique_id(c10d::Store& store, const std::string& key, 
   }
   return unique_id_from_bytes(store.get(key), key);
 }
-
 
 }  // namespace loom::detail
 

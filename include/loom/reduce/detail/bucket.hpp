@@ -24,7 +24,8 @@ inline at::Tensor alias_into(const at::Tensor& flat, std::int64_t offset, const 
   } else {
     strides.assign(static_cast<std::size_t>(like.dim()), 1);
     for (std::int64_t d = like.dim() - 2; d >= 0; --d)
-      strides[static_cast<std::size_t>(d)] = strides[static_cast<std::size_t>(d) + 1] * std::max<std::int64_t>(like.size(d + 1), 1);
+      strides[static_cast<std::size_t>(d)] =
+          strides[static_cast<std::size_t>(d) + 1] * std::max<std::int64_t>(like.size(d + 1), 1);
   }
   auto t = at::empty({0}, flat.options());
   t.set_(flat.storage(), flat.storage_offset() + offset, like.sizes(), strides);
@@ -51,10 +52,10 @@ struct GradSlot {
 };
 
 struct GradBucket {
-  at::Tensor flat;        // [head: the gradients | tail: one used-flag per gradient]
+  at::Tensor flat;  // [head: the gradients | tail: one used-flag per gradient]
   at::Tensor head;
   at::Tensor tail;
-  at::Tensor wire;        // compressed copy of flat (wire_dtype), or undefined
+  at::Tensor wire;  // compressed copy of flat (wire_dtype), or undefined
   at::Tensor wire_head;
   at::Tensor wire_tail;
   at::Tensor wire_div;    // float32 [1]: the world size, the pre-division of a compressed bucket

@@ -58,7 +58,8 @@ class ReducerState {
       : comm_(&comm), options_(std::move(options)), list_(std::move(list)), device_(comm.device()) {
     validate_options();
     if (!list_.names.empty() && list_.names.size() != list_.params.size())
-      throw InvalidArgument(fmt::format("Reducer: {} names for {} parameters", list_.names.size(), list_.params.size()));
+      throw InvalidArgument(
+          fmt::format("Reducer: {} names for {} parameters", list_.names.size(), list_.params.size()));
     if (options_.check_parameters) check_same_parameters(*comm_, list_);
     if (options_.broadcast_parameters) broadcast_from_rank0(*comm_, list_);
 
@@ -68,11 +69,12 @@ class ReducerState {
       if (!p.defined()) throw InvalidArgument(fmt::format("Reducer: {} is undefined", list_.describe(i)));
       if (!p.requires_grad()) continue;  // frozen: never reduced
       if (!p.is_leaf())
-        throw InvalidArgument(fmt::format("Reducer: {} is not a leaf tensor (it has a grad_fn); pass the model's parameters",
-                                          list_.describe(i)));
+        throw InvalidArgument(fmt::format(
+            "Reducer: {} is not a leaf tensor (it has a grad_fn); pass the model's parameters", list_.describe(i)));
       if (!at::isFloatingType(p.scalar_type()))
-        throw InvalidArgument(fmt::format("Reducer: {} has dtype {}; gradients are reduced for float32, float64, float16 and bfloat16",
-                                          list_.describe(i), c10::toString(p.scalar_type())));
+        throw InvalidArgument(
+            fmt::format("Reducer: {} has dtype {}; gradients are reduced for float32, float64, float16 and bfloat16",
+                        list_.describe(i), c10::toString(p.scalar_type())));
       for (std::size_t j = 0; j < i; ++j)
         if (list_.params[j].unsafeGetTensorImpl() == p.unsafeGetTensorImpl())
           throw InvalidArgument(fmt::format("Reducer: {} and {} are the same tensor; list shared parameters once",
@@ -109,9 +111,11 @@ class ReducerState {
       throw Error("Reducer::prepare_backward: the previous synchronising backward was not closed with finish_window()");
     if (plan.final && !plan.sync) throw InvalidArgument("Reducer::prepare_backward: final = true needs sync = true");
     if (plan.window_samples < 0)
-      throw InvalidArgument(fmt::format("Reducer::prepare_backward: window_samples = {} (must be >= 0)", plan.window_samples));
+      throw InvalidArgument(
+          fmt::format("Reducer::prepare_backward: window_samples = {} (must be >= 0)", plan.window_samples));
     if (!std::isfinite(plan.grad_scale) || plan.grad_scale <= 0)
-      throw InvalidArgument(fmt::format("Reducer::prepare_backward: grad_scale = {} (must be finite and > 0)", plan.grad_scale));
+      throw InvalidArgument(
+          fmt::format("Reducer::prepare_backward: grad_scale = {} (must be finite and > 0)", plan.grad_scale));
     at::NoGradGuard no_grad;
     if (!window_open_) begin_window();
     for (auto& s : slots_) s.fired = false;
@@ -130,18 +134,21 @@ class ReducerState {
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
     const std::int64_t values[2] = {plan.window_samples, plan.final ? 1 : 0};  // [count, final]
-    if (meta_.is_cpu()) std::copy(values, values + 2, meta_.data_ptr<std::int64_t>());
-    else meta_.copy_(at::tensor(std::vector<std::int64_t>(values, values + 2), at::kLong), /*non_blocking=*/false);
+    if (meta_.is_cpu())
+      std::copy(values, values + 2, meta_.data_ptr<std::int64_t>());
+    else
+      meta_.copy_(at::tensor(std::vector<std::int64_t>(values, values + 2), at::kLong), /*non_blocking=*/false);
     meta_work_ = start(meta_);
   }
 
   Reduction finish_window() {
     std::lock_guard lock(mutex_);
-    if (!sync_) throw Error("Reducer::finish_window: no synchronising backward was prepared (prepare_backward({.sync = true}))");
+    if (!sync_)
+      throw Error("Reducer::finish_window: no synchronising backward was prepared (prepare_backward({.sync = true}))");
     at::NoGradGuard no_grad;
     Reduction r;
     const int world = comm_->world_size();
-    wait_meta();  // started before backward: long done unless nothing was sent yet
+    wait_meta();   // started before backward: long done unless nothing was sent yet
     if (final_) {  // a flush without backward: skip the buckets when every rank flushes and nobody has a sample
       const at::Tensor m = host_read(meta_);
       const auto* v = m.data_ptr<std::int64_t>();
@@ -198,8 +205,10 @@ class ReducerState {
     for (std::size_t k = 0; k < slots_.size(); ++k) {
       if (global_used_[k]) continue;
       auto& s = slots_[k];
-      if (s.was_undefined) param(k).mutable_grad().reset();
-      else if (s.saved.defined()) s.view.copy_(s.saved);
+      if (s.was_undefined)
+        param(k).mutable_grad().reset();
+      else if (s.saved.defined())
+        s.view.copy_(s.saved);
     }
     close_window();
     if (recording_) rebuild_pending_ = true;
@@ -225,14 +234,15 @@ class ReducerState {
 
   void mark_ready(std::size_t param_index) {
     if (param_index >= slot_of_param_.size() || slot_of_param_[param_index] == kNoSlot)
-      throw InvalidArgument(fmt::format("Reducer::mark_ready: {} is not a trainable parameter of this reducer",
-                                        param_index < list_.params.size() ? list_.describe(param_index)
-                                                                          : fmt::format("parameter {}", param_index)));
+      throw InvalidArgument(fmt::format(
+          "Reducer::mark_ready: {} is not a trainable parameter of this reducer",
+          param_index < list_.params.size() ? list_.describe(param_index) : fmt::format("parameter {}", param_index)));
     std::lock_guard lock(mutex_);
     at::NoGradGuard no_grad;
     if (!window_open_) throw Error("Reducer::mark_ready: call prepare_backward() first");
     auto& g = param(slot_of_param_[param_index]).mutable_grad();
-    if (!g.defined()) throw InvalidArgument(fmt::format("Reducer::mark_ready: {} has no gradient", list_.describe(param_index)));
+    if (!g.defined())
+      throw InvalidArgument(fmt::format("Reducer::mark_ready: {} has no gradient", list_.describe(param_index)));
     mark_ready_locked(slot_of_param_[param_index]);
   }
 
@@ -265,10 +275,12 @@ class ReducerState {
 
   void validate_options() const {
     if (options_.bucket_cap_bytes == 0 || options_.first_bucket_cap_bytes == 0)
-      throw InvalidArgument(fmt::format("Reducer: bucket caps must be > 0 bytes (bucket_cap_bytes = {}, first_bucket_cap_bytes = {})",
-                                        options_.bucket_cap_bytes, options_.first_bucket_cap_bytes));
+      throw InvalidArgument(
+          fmt::format("Reducer: bucket caps must be > 0 bytes (bucket_cap_bytes = {}, first_bucket_cap_bytes = {})",
+                      options_.bucket_cap_bytes, options_.first_bucket_cap_bytes));
     if (options_.wire_dtype && *options_.wire_dtype != at::kHalf && *options_.wire_dtype != at::kBFloat16)
-      throw InvalidArgument(fmt::format("Reducer: wire_dtype {} is not float16 or bfloat16", c10::toString(*options_.wire_dtype)));
+      throw InvalidArgument(
+          fmt::format("Reducer: wire_dtype {} is not float16 or bfloat16", c10::toString(*options_.wire_dtype)));
     if (options_.max_grad_norm && !(*options_.max_grad_norm > 0))
       throw InvalidArgument(fmt::format("Reducer: max_grad_norm = {} (must be > 0)", *options_.max_grad_norm));
   }
@@ -293,7 +305,8 @@ class ReducerState {
   /// squared global norm. One counted read: a device-to-host copy of one small
   /// tensor, or direct reads of host memory when everything lives there.
   std::vector<double> read_summary(bool clip) {
-    const bool on_host = meta_.is_cpu() && std::all_of(buckets_.begin(), buckets_.end(), [](const GradBucket& b) { return b.flat.is_cpu(); });
+    const bool on_host = meta_.is_cpu() && std::all_of(buckets_.begin(), buckets_.end(),
+                                                       [](const GradBucket& b) { return b.flat.is_cpu(); });
     count_host_read();
     std::vector<double> out;
     if (on_host) {
@@ -320,7 +333,8 @@ class ReducerState {
     for (const auto& b : buckets_) {
       pieces.push_back((b.wire.defined() ? b.wire_tail : b.tail).to(device_, at::kDouble));
       pieces.push_back(b.bad.to(device_, at::kDouble));
-      if (clip) norms.push_back(at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).to(device_, at::kDouble).reshape({1}));
+      if (clip)
+        norms.push_back(at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).to(device_, at::kDouble).reshape({1}));
     }
     if (clip) pieces.push_back(at::cat(norms).square().sum().reshape({1}));
     const at::Tensor summary = at::cat(pieces).to(at::kCPU);
@@ -337,11 +351,13 @@ class ReducerState {
       const std::pair<c10::ScalarType, c10::Device> key{p.scalar_type(), p.device()};
       auto it = std::find(kinds.begin(), kinds.end(), key);
       if (it == kinds.end()) it = kinds.insert(kinds.end(), key);
-      specs.push_back({.numel = p.numel(), .element_size = static_cast<std::int64_t>(p.element_size()),
+      specs.push_back({.numel = p.numel(),
+                       .element_size = static_cast<std::int64_t>(p.element_size()),
                        .kind = static_cast<std::int64_t>(it - kinds.begin())});
     }
-    return assign_buckets(specs, order, {.first_bucket_cap_bytes = options_.first_bucket_cap_bytes,
-                                         .bucket_cap_bytes = options_.bucket_cap_bytes});
+    return assign_buckets(
+        specs, order,
+        {.first_bucket_cap_bytes = options_.first_bucket_cap_bytes, .bucket_cap_bytes = options_.bucket_cap_bytes});
   }
 
   /// Allocates buckets for `assignment` (slot indices) and moves every defined gradient into them.
@@ -366,7 +382,10 @@ class ReducerState {
         b.wire_tail = b.wire.narrow(0, total, n);
         b.wire_div = at::full({1}, static_cast<double>(comm_->world_size()), opts);
       }
-      if (!first.is_cpu()) b.flags_host = at::empty({n}, at::TensorOptions().dtype(b.wire.defined() ? *options_.wire_dtype : first.scalar_type()).pinned_memory(true));
+      if (!first.is_cpu())
+        b.flags_host = at::empty({n}, at::TensorOptions()
+                                          .dtype(b.wire.defined() ? *options_.wire_dtype : first.scalar_type())
+                                          .pinned_memory(true));
       std::int64_t offset = 0;
       std::size_t flag = 0;
       for (std::size_t k : b.slots) {
@@ -396,9 +415,10 @@ class ReducerState {
       const std::size_t k = slot_of_param_[i];
       if (k == kNoSlot) {
         if (p.requires_grad())
-          throw InvalidArgument(fmt::format("Reducer: {} was frozen (requires_grad = false) when the Reducer was built and is "
-                                            "trainable now, so its gradient would never be reduced; {}",
-                                            list_.describe(i), kAdvice));
+          throw InvalidArgument(
+              fmt::format("Reducer: {} was frozen (requires_grad = false) when the Reducer was built and is "
+                          "trainable now, so its gradient would never be reduced; {}",
+                          list_.describe(i), kAdvice));
         continue;
       }
       const auto& view = slots_[k].view;
@@ -406,15 +426,16 @@ class ReducerState {
         throw InvalidArgument(fmt::format("Reducer: {} was trainable when the Reducer was built and is frozen now; {}",
                                           list_.describe(i), kAdvice));
       if (p.scalar_type() != view.scalar_type() || p.device() != view.device() || p.sizes() != view.sizes())
-        throw InvalidArgument(fmt::format("Reducer: {} is {} [{}] on {} now but was {} [{}] on {} when the Reducer was built "
-                                          "(e.g. module->to(...) afterwards); {}",
-                                          list_.describe(i), c10::toString(p.scalar_type()), fmt::join(p.sizes(), ", "),
-                                          p.device().str(), c10::toString(view.scalar_type()), fmt::join(view.sizes(), ", "),
-                                          view.device().str(), kAdvice));
+        throw InvalidArgument(fmt::format(
+            "Reducer: {} is {} [{}] on {} now but was {} [{}] on {} when the Reducer was built "
+            "(e.g. module->to(...) afterwards); {}",
+            list_.describe(i), c10::toString(p.scalar_type()), fmt::join(p.sizes(), ", "), p.device().str(),
+            c10::toString(view.scalar_type()), fmt::join(view.sizes(), ", "), view.device().str(), kAdvice));
       if (torch::autograd::impl::try_get_grad_accumulator(p).get() != accumulators_[k].get())
-        throw InvalidArgument(fmt::format("Reducer: {} got a new gradient accumulator after the Reducer was built (set_data or "
-                                          "module->to(...) replaced it), so its gradient would bypass the reducer; {}",
-                                          list_.describe(i), kAdvice));
+        throw InvalidArgument(
+            fmt::format("Reducer: {} got a new gradient accumulator after the Reducer was built (set_data or "
+                        "module->to(...) replaced it), so its gradient would bypass the reducer; {}",
+                        list_.describe(i), kAdvice));
     }
   }
 
@@ -424,8 +445,8 @@ class ReducerState {
     if (rebuild_pending_) try_rebuild();
     rebuild_pending_ = false;
     for (auto& b : buckets_) {
-      const bool all_undefined = std::none_of(b.slots.begin(), b.slots.end(),
-                                              [&](std::size_t k) { return param(k).grad().defined(); });
+      const bool all_undefined =
+          std::none_of(b.slots.begin(), b.slots.end(), [&](std::size_t k) { return param(k).grad().defined(); });
       if (all_undefined) b.head.zero_();
       for (std::size_t k : b.slots) {
         auto& s = slots_[k];
@@ -450,8 +471,10 @@ class ReducerState {
     auto& g = param(k).mutable_grad();
     if (!aliases(g, s.view)) {  // replaced by the user or by a create_graph backward: move it into the slot
       at::NoGradGuard no_grad;
-      if (g.defined()) s.view.copy_(g);
-      else s.view.zero_();
+      if (g.defined())
+        s.view.copy_(g);
+      else
+        s.view.zero_();
       g = s.view;
     }
     s.used = true;
@@ -464,7 +487,8 @@ class ReducerState {
       if (b.launched)
         throw InvalidArgument(fmt::format(
             "Reducer: {} received a second gradient in the synchronising backward after its bucket was sent, so it "
-            "would miss the all-reduce; run one backward per micro-batch (sum the losses first), or use overlap = false",
+            "would miss the all-reduce; run one backward per micro-batch (sum the losses first), or use overlap = "
+            "false",
             list_.describe(s.param)));
       return;
     }
@@ -518,8 +542,10 @@ class ReducerState {
       }
       // float16 / bfloat16 on the CPU: a one-element float32 operand makes ATen compute in float32.
       const at::Tensor f = at::full({1}, value, b.head.options().dtype(compute_dtype(b.head.scalar_type())));
-      if (divide) b.head.div_(f);
-      else if (value != 1.0) b.head.mul_(f);
+      if (divide)
+        b.head.div_(f);
+      else if (value != 1.0)
+        b.head.mul_(f);
       b.bad_host = check && !at::isfinite(b.head).all().template item<bool>();
       return;
     }
@@ -527,11 +553,15 @@ class ReducerState {
       at::mul_out(b.head, b.wire_head, device_factor(b.head, /*post_wire=*/true));
     } else {
       const at::Tensor& f = device_factor(b.head, /*post_wire=*/false);
-      if (divide_) b.head.div_(f);
-      else b.head.mul_(f);
+      if (divide_)
+        b.head.div_(f);
+      else
+        b.head.mul_(f);
     }
-    if (check) b.bad.copy_(non_finite_flag(b.head, at::kFloat));
-    else b.bad.zero_();
+    if (check)
+      b.bad.copy_(non_finite_flag(b.head, at::kFloat));
+    else
+      b.bad.zero_();
   }
 
   /// The window's factor: the divisor (count, world size or 1) when dividing, else grad_scale /
@@ -542,8 +572,8 @@ class ReducerState {
     wait_meta();
     const double divisor = options_.average == Average::samples
                                ? static_cast<double>(std::max<std::int64_t>(meta_.data_ptr<std::int64_t>()[0], 1))
-                               : options_.average == Average::world_size ? static_cast<double>(comm_->world_size())
-                                                                         : 1.0;
+                           : options_.average == Average::world_size ? static_cast<double>(comm_->world_size())
+                                                                     : 1.0;
     if (post_wire) return comm_->world_size() * grad_scale_ / divisor;
     return divide_ ? divisor : grad_scale_ / divisor;
   }
@@ -600,8 +630,10 @@ class ReducerState {
   void discard_window() {
     for (std::size_t k = 0; k < slots_.size(); ++k) {
       auto& s = slots_[k];
-      if (s.used) s.view.zero_();
-      else if (s.was_undefined) param(k).mutable_grad().reset();
+      if (s.used)
+        s.view.zero_();
+      else if (s.was_undefined)
+        param(k).mutable_grad().reset();
     }
     meta_work_.reset();
     close_window();
@@ -661,7 +693,7 @@ class ReducerState {
   std::vector<std::optional<Work>> works_;
   std::optional<Work> meta_work_;
   std::vector<char> global_used_;
-  at::Tensor meta_;  // int64 [window samples, final flag] on device_
+  at::Tensor meta_;              // int64 [window samples, final flag] on device_
   std::vector<Factor> factors_;  // this window's factors, per dtype / device
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<std::uintptr_t> keys_;
@@ -669,8 +701,8 @@ class ReducerState {
   std::size_t next_launch_ = 0;
   HostReads reads_;
   std::int64_t arrivals_ = 0;  // gradients delivered by autograd hooks since construction
-  double grad_scale_ = 1.0;  // of the current sync window
-  bool divide_ = true;       // divide by the divisor (exact) rather than multiply by grad_scale / divisor
+  double grad_scale_ = 1.0;    // of the current sync window
+  bool divide_ = true;         // divide by the divisor (exact) rather than multiply by grad_scale / divisor
   std::int64_t next_ready_pos_ = 0;
   bool in_hook_ = false;
   bool window_open_ = false;

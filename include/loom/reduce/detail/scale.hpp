@@ -75,8 +75,10 @@ inline bool scale_and_check_span(at::Tensor& flat, std::int64_t offset, std::int
     return bad.load();
   }
   auto t = (offset == 0 && numel == flat.numel()) ? flat : flat.narrow(0, offset, numel);
-  if (divide) t.div_(value);
-  else if (value != 1.0) t.mul_(value);
+  if (divide)
+    t.div_(value);
+  else if (value != 1.0)
+    t.mul_(value);
   return check && !at::isfinite(t).all().item<bool>();
 }
 
@@ -86,8 +88,10 @@ inline bool scale_and_check(at::Tensor& t, double value, bool divide, bool check
     return scale_and_check_span(flat, 0, flat.numel(), value, divide, check);
   }
   if (value != 1.0) {
-    if (divide) t.div_(value);
-    else t.mul_(value);
+    if (divide)
+      t.div_(value);
+    else
+      t.mul_(value);
   }
   return check && !at::isfinite(t).all().item<bool>();
 }
@@ -100,6 +104,8 @@ inline at::Tensor non_finite_flag(const at::Tensor& t, c10::ScalarType dtype) {
 
 /// The accumulation dtype of a bucket's arithmetic: float64 for float64, float32 otherwise (a
 /// float16 count above 2048 or a float16 factor would round).
-inline c10::ScalarType compute_dtype(c10::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+inline c10::ScalarType compute_dtype(c10::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 }  // namespace loom::detail

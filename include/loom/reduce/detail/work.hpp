@@ -22,7 +22,8 @@ struct WorkOf {
 };
 template <class Comm>
 struct WorkOf<Comm, true> {
-  using type = std::decay_t<decltype(std::declval<Comm&>().all_reduce_async(std::declval<at::Tensor&>(), ReduceOp::sum))>;
+  using type =
+      std::decay_t<decltype(std::declval<Comm&>().all_reduce_async(std::declval<at::Tensor&>(), ReduceOp::sum))>;
 };
 
 }  // namespace loom::detail

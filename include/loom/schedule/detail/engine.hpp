@@ -35,7 +35,6 @@
 
 namespace loom::detail {
 
-
 /// The first event that stops production, ordered by (step, device, position of the generator
 /// in its device): a stop_at_shortest end, a failure, or an external stop (device -1) requested
 /// by the per-rank agreement.
