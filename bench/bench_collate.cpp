@@ -423,71 +423,22 @@ class RatioReporter : public benchmark::ConsoleReporter {
 
 }  // namespace
 
-BENCHMARK(BM_collate_224_memcpy)
-    ->Name("collate_224/memcpy")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_224_naive)
-    ->Name("collate_224/naive")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_224_loom)
-    ->Name("collate_224/loom")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_mixed_memcpy)
-    ->Name("collate_mixed/memcpy")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_mixed_naive)
-    ->Name("collate_mixed/naive")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_mixed_loom)
-    ->Name("collate_mixed/loom")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_padded_memcpy)
-    ->Name("collate_padded/memcpy")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_padded_naive)
-    ->Name("collate_padded/naive")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_collate_padded_loom)
-    ->Name("collate_padded/loom")
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_sweep_memcpy)
-    ->Name("sweep/memcpy")
-    ->ArgName("batch")
-    ->Arg(8)
-    ->Arg(32)
-    ->Arg(128)
-    ->Arg(512)
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
-BENCHMARK(BM_sweep_loom)
-    ->Name("sweep/loom")
-    ->ArgName("batch")
-    ->Arg(8)
-    ->Arg(32)
-    ->Arg(128)
-    ->Arg(512)
-    ->UseRealTime()
-    ->Unit(benchmark::kMillisecond)
-    ->MinWarmUpTime(kWarmUp);
+// Every timed variant: wall time in milliseconds after the warm-up (see the file comment).
+void timed(benchmark::internal::Benchmark* b) {
+  b->UseRealTime()->Unit(benchmark::kMillisecond)->MinWarmUpTime(kWarmUp);
+}
+
+BENCHMARK(BM_collate_224_memcpy)->Name("collate_224/memcpy")->Apply(timed);
+BENCHMARK(BM_collate_224_naive)->Name("collate_224/naive")->Apply(timed);
+BENCHMARK(BM_collate_224_loom)->Name("collate_224/loom")->Apply(timed);
+BENCHMARK(BM_collate_mixed_memcpy)->Name("collate_mixed/memcpy")->Apply(timed);
+BENCHMARK(BM_collate_mixed_naive)->Name("collate_mixed/naive")->Apply(timed);
+BENCHMARK(BM_collate_mixed_loom)->Name("collate_mixed/loom")->Apply(timed);
+BENCHMARK(BM_collate_padded_memcpy)->Name("collate_padded/memcpy")->Apply(timed);
+BENCHMARK(BM_collate_padded_naive)->Name("collate_padded/naive")->Apply(timed);
+BENCHMARK(BM_collate_padded_loom)->Name("collate_padded/loom")->Apply(timed);
+BENCHMARK(BM_sweep_memcpy)->Name("sweep/memcpy")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->Apply(timed);
+BENCHMARK(BM_sweep_loom)->Name("sweep/loom")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->Apply(timed);
 BENCHMARK(BM_collate_padding_round_up_32)->Name("collate_padding/round_up_32")->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_collate_padding_auto_boundaries)->Name("collate_padding/auto_boundaries")->Unit(benchmark::kMicrosecond);
 
