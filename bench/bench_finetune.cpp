@@ -37,6 +37,7 @@
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/compat.hpp>
 #include <loom/dist/run.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
@@ -127,7 +128,7 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
           opt.step();
           ++r.steps;
         }
-        if (s.boundary) opt.zero_grad();
+        if (s.boundary) loom::zero_grad(opt, loom::GradReset::zero);
       };
       while (auto j = sampler.next()) {
         if (method != Method::group_in_batch) {  // one image per micro-batch

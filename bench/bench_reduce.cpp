@@ -44,12 +44,12 @@
 #include <vector>
 
 #include <benchmark/benchmark.h>
-#include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/gloo.hpp>
 #include <loom/comm/local.hpp>
+#include <loom/compat.hpp>
 #include <loom/config.hpp>
 #if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -62,6 +62,8 @@
 #include <loom/sample/global_batch.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
+
+#include "ddp_reducer.hpp"
 
 namespace {
 
@@ -370,20 +372,11 @@ struct Ddp : Variant {
   std::unique_ptr<c10d::Reducer> reducer;
   Ddp() {
     bytes = bytes_of(resnet50_sizes());
-    // As torch.nn.parallel.DistributedDataParallel (1.13) sets it up: assignment in parameter
-    // order with [1 MiB, 25 MiB] caps, then buckets reversed.
-    const std::vector<bool> sparse(params.size(), false);
-    auto [indices, limits] =
-        c10d::compute_bucket_assignment_by_size(params, {std::size_t{1} << 20, std::size_t{25} << 20}, sparse);
-    std::reverse(indices.begin(), indices.end());
-    std::reverse(limits.begin(), limits.end());
     std::unordered_map<std::size_t, std::string> names;
     for (std::size_t i = 0; i < params.size(); ++i) names[i] = resnet50_shapes()[i].name;
     reducer =
-        std::make_unique<c10d::Reducer>(params, indices, limits, g_comm->process_group(), sparse,
-                                        /*bucket_bytes_cap=*/std::int64_t{25} << 20, /*find_unused_parameters=*/false,
-                                        /*gradient_as_bucket_view=*/true, names,
-                                        /*first_bucket_bytes_cap=*/std::int64_t{1} << 20);
+        bench::make_ddp_reducer(params, g_comm->process_group(), std::move(names),
+                                /*bucket_bytes=*/std::int64_t{25} << 20, /*first_bucket_bytes=*/std::int64_t{1} << 20);
   }
   void step() override {
     g_source = &grads;
@@ -654,11 +647,11 @@ void lowlevel_epoch(torch::nn::Sequential& net, LowLevel& l, const OverheadSampl
     mb.scale(mlp_mean_loss(net, b).reshape({}) * static_cast<double>(b.num_samples)).backward();
     const loom::SyncResult step = mb.finish();
     if (step.apply) sgd.step();
-    if (step.boundary) sgd.zero_grad();
+    if (step.boundary) loom::zero_grad(sgd, loom::GradReset::zero);
   }
   while (auto s = l.acc.end_epoch()) {
     if (*s) sgd.step();
-    sgd.zero_grad();
+    loom::zero_grad(sgd, loom::GradReset::zero);
   }
 }
 
@@ -681,7 +674,7 @@ extern "C" __attribute__((noinline)) void loom_overhead_loom_loop(
   for (int i = kOverheadFirst; i < kOverheadFirst + kOverheadMicroBatches; ++i) {
     auto step = acc.run(32, [&] { mlp_loss(net, data.xs[i], data.ys[i]).backward(); });
     if (step) sgd.step();
-    if (step.boundary) sgd.zero_grad();
+    if (step.boundary) loom::zero_grad(sgd, loom::GradReset::zero);
   }
 }
 
@@ -695,7 +688,7 @@ extern "C" __attribute__((noinline)) void loom_overhead_hand_loop(torch::nn::Seq
       const bool bad =
           loom::detail::scale_and_check(flat, static_cast<double>(samples), /*divide=*/true, /*check=*/true);
       if (!bad) sgd.step();
-      sgd.zero_grad();
+      loom::zero_grad(sgd, loom::GradReset::zero);
       samples = 0;
     }
   }
@@ -716,7 +709,7 @@ int run_overhead(const std::string& which) {
     for (int i = 0; i < kOverheadFirst; ++i) {  // warm-up (and the one-time bucket rebuild)
       auto step = acc.run(32, [&] { mlp_loss(net, data.xs[i], data.ys[i]).backward(); });
       if (step) sgd.step();
-      if (step.boundary) sgd.zero_grad();
+      if (step.boundary) loom::zero_grad(sgd, loom::GradReset::zero);
     }
     loom_overhead_loom_loop(net, data, acc, sgd);
   } else if (which == "hand") {
@@ -734,7 +727,7 @@ int run_overhead(const std::string& which) {
       samples += 32;
       if ((i + 1) % kOverheadK == 0) {
         if (!loom::detail::scale_and_check(flat, static_cast<double>(samples), true, true)) sgd.step();
-        sgd.zero_grad();
+        loom::zero_grad(sgd, loom::GradReset::zero);
         samples = 0;
       }
     }

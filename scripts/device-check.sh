@@ -248,23 +248,29 @@ export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_DEBUG=${NCCL_DEBUG:-WAR
 export CXX=${CXX:-$(command -v g++ || command -v c++ || echo g++)}
 
 # ---- 4. configure ---------------------------------------------------------------------------
-meson_args=(--wrap-mode=nodownload -Dexamples=false -Dbenchmarks=true -Dtests=true
-            "-Dtorch_dir=$TORCH_DIR" "-Dtorch_cxx11_abi=$ABI" -Dcuda=enabled)
-if [ -n "$CUDA_ROOT" ]; then meson_args+=("-Dcudatoolkit_dir=$CUDA_ROOT"); fi
-if [ -n "$NCCL_ROOT" ]; then meson_args+=("-Dnccl_dir=$NCCL_ROOT"); fi
+# Through scripts/cuda-configure.sh, the configuration scripts/cuda-link-check.sh proves on the CPU
+# machine: the CUDA runtime and NCCL from the nvidia/ folders pip put beside torch (Meson's default).
+# Only where torch has no such folders do the roots found above (a toolkit, or a shim over the wheels'
+# versioned libraries) go in by hand.
+meson_args=(-Dexamples=false -Dbenchmarks=true -Dtests=true)
+WHEEL_NVIDIA="${TORCH_DIR:+$TORCH_DIR/../nvidia}"
+if [ -z "$WHEEL_NVIDIA" ] || ! ls "$WHEEL_NVIDIA"/cu1*/include/cuda_runtime_api.h >/dev/null 2>&1; then
+  if [ -n "$CUDA_ROOT" ]; then meson_args+=("-Dcudatoolkit_dir=$CUDA_ROOT"); fi
+fi
+if [ -z "$WHEEL_NVIDIA" ] || [ ! -f "$WHEEL_NVIDIA/nccl/include/nccl.h" ]; then
+  if [ -n "$NCCL_ROOT" ]; then meson_args+=("-Dnccl_dir=$NCCL_ROOT"); fi
+fi
 CONF_SRC=$SRC
-reconf=()
-if [ -f "$BUILD/build.ninja" ]; then reconf=(--reconfigure); fi
-step configure 150 meson setup "${reconf[@]}" "$BUILD" "$CONF_SRC" "${meson_args[@]}"
+step configure 150 bash "$SRC/scripts/cuda-configure.sh" "$BUILD" "$PY" "${meson_args[@]}"
 if [ "$LAST_RC" -ne 0 ]; then
   # Fallback: a copy of the sources whose tests/meson.build builds only the folders this check
   # needs (other folders may need libraries the image lacks, e.g. libpng for tests/examples).
   CONF_SRC=$WORK/src
   mkdir -p "$CONF_SRC"
-  tar -C "$SRC" --exclude='./build*' --exclude=./.git --exclude=./.device-deps -cf - . | tar -C "$CONF_SRC" -xf -
+  tar -C "$SRC" --exclude='./build*' --exclude=./.git --exclude=./.device-deps --exclude=./.venv* -cf - . | tar -C "$CONF_SRC" -xf -
   sed -i "s/^foreach d : \[.*\]/foreach d : ['gpu', 'reduce']/" "$CONF_SRC/tests/meson.build"
   rm -rf "$BUILD"
-  step configure-minimal 150 meson setup "$BUILD" "$CONF_SRC" "${meson_args[@]}"
+  step configure-minimal 150 bash "$CONF_SRC/scripts/cuda-configure.sh" "$BUILD" "$PY" "${meson_args[@]}"
 fi
 for k in "LibTorch with CUDA" "Gloo (LOOM_HAS_GLOO)" "CUDA (LOOM_HAS_CUDA)" "NCCL (LOOM_HAS_NCCL)"; do
   v=$(grep -F "$k" "$LOG" | tail -1 | sed 's/.*: *//' || true)

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Installs every Debian package loom's build, tests, benchmarks and examples need, points the
-# system BLAS at OpenBLAS, and configures the Meson build directory (default: build/).
+# system BLAS at OpenBLAS, installs pip's CPU torch 2.13 into .venv/ (a LibTorch 2.x), and
+# configures two Meson build directories, one per LibTorch:
+#   BUILD_DIR (default build/)             Debian's libtorch-dev (1.13 on Debian 12) and libgloo-dev
+#   TORCH2_BUILD_DIR (default build-torch2/) the LibTorch inside .venv's torch 2.13.0 (CPU; c10d and
+#                                          Gloo compiled into its libtorch_cpu)
 # Idempotent: re-running it installs nothing new and reconfigures only when needed.
 #
-# Usage: scripts/setup.sh [BUILD_DIR]      (run as root, or with sudo available)
+# Usage: scripts/setup.sh [BUILD_DIR [TORCH2_BUILD_DIR]]   (run as root, or with sudo available)
+# LOOM_SETUP_TORCH2=0 skips the .venv and the second build directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${1:-build}
+torch2_build_dir=${2:-build-torch2}
 
 packages=(
   # build tools
@@ -62,4 +68,23 @@ done
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.ccache}
 if [ ! -f "$build_dir/build.ninja" ]; then
   CXX="ccache g++" meson setup "$build_dir" --wrap-mode=nodownload
+fi
+echo "setup: $build_dir/ uses Debian's LibTorch $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || echo '?')"
+
+# LibTorch 2.x: pip's CPU wheel of torch 2.13.0 in a virtual environment of the checkout (.venv/,
+# ignored by git); the wheel holds a complete LibTorch (include/, lib/, share/cmake/).
+if [ "${LOOM_SETUP_TORCH2:-1}" != 0 ]; then
+  torch_version=2.13.0
+  venv=.venv
+  if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+    python3 -m venv --help >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q python3-venv
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q "torch==$torch_version"
+  fi
+  torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+  abi=$("$venv/bin/python" -c 'import torch; print(str(torch._C._GLIBCXX_USE_CXX11_ABI).lower())')
+  if [ ! -f "$torch2_build_dir/build.ninja" ]; then
+    CXX="ccache g++" meson setup "$torch2_build_dir" --wrap-mode=nodownload -Dtorch_dir="$torch_dir" -Dtorch_cxx11_abi="$abi"
+  fi
+  echo "setup: $torch2_build_dir/ uses pip's torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') ($torch_dir)"
 fi

@@ -49,6 +49,7 @@
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/compat.hpp>
 #include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
 #include <loom/reduce/module.hpp>
@@ -289,12 +290,12 @@ void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start
         loss.backward();
       }  // a rank with no rows runs no backward: its gradient counts as zero, its samples as 0
       if (mb.finish()) opt.step();
-      opt.zero_grad();
+      loom::zero_grad(opt, loom::GradReset::zero);
       ++steps;
     }
     while (auto step = acc.end_epoch()) {
       if (*step) opt.step();
-      opt.zero_grad();
+      loom::zero_grad(opt, loom::GradReset::zero);
     }
     const double loss = loom::global_mean(pg, train_loss);
     errors = holdout_errors(model, device, pg, series, mine, o.window);
@@ -355,14 +356,14 @@ void run_in_process(loom::ProcessGroup& pg, const Options& o, Clock::time_point 
         }
         if (const loom::SyncResult s = mb.finish(); s.boundary) {  // after the last device of the step
           if (s) opt.step();
-          opt.zero_grad();
+          loom::zero_grad(opt, loom::GradReset::zero);
         }
       }
       ++steps;
     }
     while (auto step = acc.end_epoch()) {
       if (*step) opt.step();
-      opt.zero_grad();
+      loom::zero_grad(opt, loom::GradReset::zero);
     }
     errors = holdout_errors(model, device, pg, series, all, o.window);
     const auto [model_mse, naive_mse] = holdout_mse(errors);

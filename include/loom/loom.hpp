@@ -23,6 +23,7 @@
 #include <loom/accumulate/all.hpp>
 #include <loom/collate/all.hpp>
 #include <loom/comm/all.hpp>
+#include <loom/compat.hpp>
 #include <loom/config.hpp>
 #include <loom/dist/all.hpp>
 #include <loom/error.hpp>

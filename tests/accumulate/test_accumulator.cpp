@@ -12,6 +12,7 @@
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/accumulate/loss_scaler.hpp>
 #include <loom/comm/local.hpp>
+#include <loom/compat.hpp>
 #include <loom/reduce/reducer.hpp>
 
 #include "support/recording_communicator.hpp"
@@ -112,7 +113,7 @@ TEST_CASE("field: remainder — 10 micro-batches with K = 4 make 3 steps (window
       windows.push_back(step.micro_batches);
       grads.push_back(s.grad());
       sgd.step();
-      sgd.zero_grad();
+      loom::zero_grad(sgd, loom::GradReset::zero);
     };
     for (int e = 0; e < epochs; ++e) {
       for (int i = 0; i < micro_batches; ++i) {

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/compat.hpp>
 #include <loom/reduce/reducer.hpp>
 
 #include "support/ranks.hpp"
@@ -116,7 +117,7 @@ TEST_SUITE("dist") {
       REQUIRE(c.item<double>() == 1.0);
       REQUIRE(a.item<double>() != 1.0);
       // A stale gradient of c stays as it was.
-      sgd.zero_grad();
+      loom::zero_grad(sgd, loom::GradReset::zero);
       c.mutable_grad() = torch::full({1}, 7.0, torch::kDouble);
       auto again = acc.run(1, [&] { loss().backward(); });
       REQUIRE(again.apply);
@@ -145,7 +146,7 @@ TEST_SUITE("dist") {
       REQUIRE(std::abs(w.grad()[0].item<double>() - 0.6) < 1e-6);
       REQUIRE(std::abs(w.grad()[1].item<double>() - 0.8) < 1e-6);
       sgd.step();
-      sgd.zero_grad();
+      loom::zero_grad(sgd, loom::GradReset::zero);
       const auto before = w.detach().clone();
       auto second =
           rank == 1 ? torch::tensor({1.5f, std::numeric_limits<float>::infinity()}) : torch::tensor({1.5f, 4.0f});

@@ -8,6 +8,9 @@
 // tolerance 0 against closed forms computed here in float64 (nccl-tests' "verifiable" idea).
 #include <cmath>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <loom/comm/gloo.hpp>
 #include <loom/dist/rendezvous.hpp>
 #include <loom/dist/spawn.hpp>

@@ -163,6 +163,31 @@ TEST_CASE("GlooPeerTable: Gloo's socket addresses in its messages map to the pee
   CHECK(table.rank_named_in("Timed out waiting 2000ms for recv operation to complete") == -1);
 }
 
+TEST_CASE("GlooPeerTable of a real job: every rank knows a connection to each peer, none to itself") {
+  for (int nprocs : {2, 3, 4}) {
+    CAPTURE(nprocs);
+    loom::spawn(nprocs,
+                [](const loom::Environment& env) {
+                  loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
+                  const auto* table = comm.peer_table();
+                  if (table == nullptr) throw std::runtime_error("no peer table");
+                  for (int j = 0; j < env.world_size; ++j) {
+                    const auto n = table->connections_to(j);
+                    if ((j == env.rank) != (n == 0))
+                      throw std::runtime_error(fmt::format("rank {} knows {} connections to rank {}", env.rank, n, j));
+                  }
+                  // Each recorded connection leads to exactly one peer.
+                  std::size_t sum = 0;
+                  for (int j = 0; j < env.world_size; ++j) sum += table->connections_to(j);
+                  if (sum != table->connections())
+                    throw std::runtime_error(
+                        fmt::format("rank {}: {} connections, {} attributed", env.rank, table->connections(), sum));
+                  comm.barrier();
+                },
+                {.timeout = std::chrono::seconds(60)});
+  }
+}
+
 TEST_CASE("GlooCommunicator: in a 3-rank job each survivor names the rank that died, read from Gloo's socket address") {
   // Rank 1 dies; ranks 0 and 2 wait for it in a barrier-free all_reduce, so both meet its closed
   // sockets (and not each other's: neither gives up before it saw rank 1's close).

@@ -14,6 +14,9 @@
 #include <unistd.h>
 #include <vector>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <loom/comm/gloo.hpp>
 #include <loom/dist/spawn.hpp>
 

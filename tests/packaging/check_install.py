@@ -46,6 +46,8 @@ def main():
     ap.add_argument("--version", required=True)
     ap.add_argument("--consumer", required=True)
     ap.add_argument("--cmake", default="")
+    ap.add_argument("--torch-cmake-dir", default="",
+                    help="share/cmake of the LibTorch loom was built with (a pip or zip LibTorch); empty: the system's")
     ap.add_argument("--workdir", default="", help="stable scratch folder (lets ccache hit on reruns); default: a temp dir")
     ap.add_argument("compiler", nargs="+")
     a = ap.parse_args()
@@ -101,6 +103,10 @@ def main():
             compiler = compiler[1:]
         cm_args.append("-DCMAKE_CXX_COMPILER=" + (shutil.which(compiler[0]) or compiler[0]))
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        if a.torch_cmake_dir:
+            # The consumer's find_package(Torch) must find the same LibTorch (and its Caffe2 config,
+            # which TorchConfig would otherwise look for in the system's folders first).
+            cm_args += [f"-DTorch_DIR={a.torch_cmake_dir}/Torch", f"-DCaffe2_DIR={a.torch_cmake_dir}/Caffe2"]
         bdir = os.path.join(tmp, "cmake-build")
         conf = run([a.cmake, "-S", a.consumer, "-B", bdir, f"-DCMAKE_PREFIX_PATH={prefix}"] + generator + cm_args).stdout
         check(f"loom_DIR={cm}" in conf, "find_package(loom) found the installed config")

@@ -10,6 +10,7 @@
 #include <torch/script.h>
 
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/compat.hpp>
 #include <loom/reduce/jit.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
@@ -114,7 +115,7 @@ TEST_SUITE("dist") {
             [&](std::int64_t k) { return loom::test::sample_loss(ref_params, all[static_cast<std::size_t>(k)]); });
         REQUIRE(loom::test::max_relative_error(model.grads(), ref) < 1e-9);
         sgd.step();
-        sgd.zero_grad();
+        loom::zero_grad(sgd, loom::GradReset::zero);
         torch::NoGradGuard no_grad;
         for (std::size_t k = 0; k < ref.size(); ++k) ref_params[k].sub_(0.1 * ref[k]);
       }

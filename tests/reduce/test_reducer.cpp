@@ -8,6 +8,7 @@
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/local.hpp>
+#include <loom/compat.hpp>
 #include <loom/reduce/jit.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
@@ -236,10 +237,10 @@ TEST_CASE("Reducer: LibTorch's Optimizer::zero_grad and set-to-none both work wi
     CHECK(loom::test::max_relative_error(model.grads(), ref) < 1e-12);
     sgd.step();
     if (step == 0) {
-      sgd.zero_grad();  // LibTorch 1.13: detach_() + zero_()
+      loom::zero_grad(sgd, loom::GradReset::zero);  // detach_() + zero_() on every LibTorch
       CHECK(model.params[0].grad().abs().sum().item<double>() == 0.0);
     } else {
-      for (auto& p : model.params) p.mutable_grad().reset();  // set_to_none
+      loom::zero_grad(sgd, loom::GradReset::none);  // set_to_none
     }
   }
   (void)p64;

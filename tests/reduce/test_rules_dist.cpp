@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/compat.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 
@@ -57,7 +58,7 @@ TEST_SUITE("dist") {
         ++steps;
         REQUIRE(step.apply);
         sgd.step();
-        sgd.zero_grad();
+        loom::zero_grad(sgd, loom::GradReset::zero);
         // Rank 0's statistics, everywhere; and they were not equal before (the test can fail).
         REQUIRE(same_everywhere(comm, bn->running_mean));
         REQUIRE(same_everywhere(comm, bn->running_var));

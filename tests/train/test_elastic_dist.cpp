@@ -26,6 +26,7 @@
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/gloo.hpp>
+#include <loom/compat.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/global_batch.hpp>
 
@@ -136,7 +137,7 @@ void train(loom::GlooCommunicator& comm, const fs::path& dir, int steps, const s
     if (!step.boundary) continue;
     if (!step.apply) throw std::runtime_error("a step was not applied");
     sgd.step();
-    sgd.zero_grad();
+    loom::zero_grad(sgd, loom::GradReset::zero);
     ++done;
   }
   if (comm.rank() == 0) {

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/compat.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/global_batch.hpp>
 #include <loom/train/loader.hpp>
@@ -86,11 +87,11 @@ std::vector<at::Tensor> train_by_hand(Comm& comm, int epochs) {
         step = mb.finish();
       }
       if (step.apply) sgd.step();
-      if (step.boundary) sgd.zero_grad();
+      if (step.boundary) loom::zero_grad(sgd, loom::GradReset::zero);
     }
     while (auto s = acc.end_epoch()) {
       if (*s) sgd.step();
-      sgd.zero_grad();
+      loom::zero_grad(sgd, loom::GradReset::zero);
     }
   }
   return model.params;

@@ -40,6 +40,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <loom/error.hpp>
 

@@ -31,6 +31,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <loom/error.hpp>
 

@@ -33,8 +33,8 @@
 //      collective can never complete). The message names the peer ("peer rank 2") when Gloo's error
 //      names one of this rank's connections (a closed or reset socket), or when there is only one
 //      peer; a plain timeout in a larger job names no peer (Gloo does not say which one was silent).
-//      To read Gloo's socket addresses, construction ends with one small all-to-all (a few hundred
-//      bytes per peer; see loom/comm/detail/gloo_peers.hpp).
+//      To read Gloo's socket addresses, construction ends with two small all-to-alls (64 bytes per
+//      socket of the group; see loom/comm/detail/gloo_peers.hpp).
 //      After a TimeoutError or CommError the communicator is broken: destroy it (c10d behaves the same).
 //      A collective that fails also shuts down every connection of the communicator on this rank, so
 //      the peers' pending collectives fail at once with an error naming this rank, rather than at
@@ -303,6 +303,9 @@ class GlooCommunicator {
     const std::string me = fmt::format("rank {} ({})", rank, detail::host_and_pid());
 
     // The device: which address this rank listens on and advertises (loom/comm/detail/gloo_device.hpp).
+    // The sockets this process has before Gloo makes its own: the peer table is the difference.
+    auto sockets_before =
+        std::make_shared<const std::vector<detail::GlooProcessSocket>>(detail::GlooPeerTable::snapshot());
     auto pg_options = c10d::ProcessGroupGloo::Options::create(options_.timeout);
     pg_options->threads = options_.threads;
     try {
@@ -330,14 +333,14 @@ class GlooCommunicator {
       std::shared_ptr<const detail::GlooPeerTable> peers;
     };
     auto job = std::make_shared<Job>();
-    auto connect = [job, prefixed, rank, world_size, pg_options, timeout = options_.timeout]() {
+    auto connect = [job, prefixed, rank, world_size, pg_options, sockets_before, timeout = options_.timeout]() {
       c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
       std::shared_ptr<const detail::GlooPeerTable> peers;
       std::exception_ptr error;
       try {
         pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, pg_options);
-        peers = std::make_shared<const detail::GlooPeerTable>(
-            detail::GlooPeerTable::build(*pg, *prefixed, rank, world_size, timeout));
+        peers = std::make_shared<const detail::GlooPeerTable>(detail::GlooPeerTable::build(
+            *pg, *prefixed, static_cast<int>(pg_options->devices.size()), *sockets_before, rank, world_size, timeout));
       } catch (...) {
         error = std::current_exception();
       }
@@ -419,6 +422,9 @@ class GlooCommunicator {
   [[nodiscard]] c10::Device device() const noexcept { return c10::Device(c10::kCPU); }
   /// The underlying c10d process group (for c10d APIs loom does not wrap).
   [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_; }
+  /// Which peer rank each of this rank's Gloo socket addresses belongs to (diagnostics, tests; see
+  /// loom/comm/detail/gloo_peers.hpp). Null on a communicator of one rank.
+  [[nodiscard]] const detail::GlooPeerTable* peer_table() const noexcept { return peers_.get(); }
 
   /// Breaks the communicator on purpose: shuts down every connection of this rank's Gloo process group,
   /// so every peer's pending and later collectives fail at once with a TimeoutError naming this rank

@@ -35,6 +35,8 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/TensorOptions.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <loom/cuda/error.hpp>
 

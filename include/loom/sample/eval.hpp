@@ -44,6 +44,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
 #include <loom/error.hpp>

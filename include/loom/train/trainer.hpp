@@ -63,6 +63,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/collate/batch.hpp>

@@ -9,21 +9,22 @@
 //    Gloo turns that into an error. A handler the program installed, or SIG_IGN, is left as it is.
 //    This is what CPython does at start-up (so PyTorch users never meet the signal) and what Gloo's
 //    own tests do.
-// 2. Which peer. Gloo's errors name the address its pair holds for the peer ("Connection closed by
-//    peer [127.0.0.1]:42929", "Read error [10.0.0.2]:5121: Connection reset by peer"). That address is
-//    the remote end of the connection, or, when the peer connected before this rank called connect()
-//    on the pair (Gloo then overwrites the accepted address with the one it was told), the address
-//    the peer listened on for this pair. GlooPeerTable holds both, built once right after the process
-//    group connected:
-//    - remote ends: for each peer r, Gloo's pair gives the local address of the connection to r
-//      (transport::Pair::address()); the process's socket with that local address gives the remote
-//      one (getpeername(2));
-//    - listening addresses: each rank reads its own keys of Gloo's address exchange ("<device>/<rank>"
-//      under the communicator's store prefix: one record per peer) and the ranks swap the records
-//      with one all-to-all (one record per rank pair and device, O(world size) bytes per rank).
-//    So a message naming either address becomes "peer rank r". Only virtual calls and data members of
-//    Gloo are used (nothing needs a Gloo symbol at link time); what cannot be read stays out of the
-//    table, and errors then say "a peer".
+// 2. Which peer. Gloo's errors name a socket address of the connection that failed: its remote end
+//    ("Connection closed by peer [127.0.0.1]:42929", "Read error [10.0.0.2]:5121: ...") or the
+//    address the peer listens on. GlooPeerTable turns such an address into "peer rank r" from the
+//    operating system's view of the sockets alone, without reading any Gloo type (Gloo's internals
+//    and its rendezvous records differ between the Gloo releases inside LibTorch 1.13 and 2.x, and a
+//    pip or zip LibTorch ships no Gloo headers to read them with):
+//    - each rank lists the TCP sockets (connected and listening) that appeared in its process while
+//      its Gloo device and process group were made (a snapshot of /proc/self/fd before, one after),
+//      and the listening addresses that the Gloo of LibTorch 1.13 published in the store for its
+//      pairs and closed once connected (read only where the record has that Gloo's layout);
+//    - the ranks swap these lists with two small all-to-alls of the new process group (the counts,
+//      then the records: 64 bytes per socket);
+//    - a connection of this rank whose (local, remote) addresses are a peer's (remote, local) is a
+//      connection to that peer; a peer's listening addresses are that peer's.
+//    Sockets that only one side lists (a store connection made meanwhile) match no peer and are
+//    left out; what cannot be read stays out of the table, and errors then say "a peer".
 // 3. Failing fast everywhere. When a collective fails on a rank (a peer died, a timeout), Gloo closes
 //    only the connection that failed (all of them on a timeout); the rank's other connections stay
 //    open while its queued collectives wait for their own timeouts, so a peer waiting on this rank
@@ -32,8 +33,8 @@
 //    connection to this rank at once and names it, and this rank's own queued collectives fail.
 //
 // Source: Gloo's TCP transport (gloo/transport/tcp/pair.cc: writev; Address::str() prints
-//         "[ip]:port" with the port field as stored, i.e. in network byte order, then "$seq" when set),
-//         c10d::ProcessGroupGloo's one gloo::Context per device.
+//         "[ip]:port" with the port field as stored, i.e. in network byte order, then "$seq" when set);
+//         socket(7), tcp(7) (SO_ACCEPTCONN), proc(5) (/proc/self/fd).
 #pragma once
 
 #include <loom/config.hpp>
@@ -48,8 +49,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <netinet/in.h>
+#include <optional>
 #include <signal.h>
 #include <string>
 #include <sys/socket.h>
@@ -60,18 +61,6 @@
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-
-// The table needs gloo::transport::Context (its pairs); a LibTorch whose Gloo headers lack it still
-// builds, and errors then name the peer only where it is unambiguous (two ranks).
-#if __has_include(<gloo/context.h>) && __has_include(<gloo/transport/context.h>)
-#include <gloo/context.h>
-#include <gloo/transport/address.h>
-#include <gloo/transport/context.h>
-#include <gloo/transport/pair.h>
-#define LOOM_GLOO_PEER_TABLE 1
-#else
-#define LOOM_GLOO_PEER_TABLE 0
-#endif
 
 namespace loom::detail {
 
@@ -119,36 +108,69 @@ inline std::vector<GlooSocketName> parse_gloo_socket_names(const std::string& te
   return out;
 }
 
-/// The remote socket address of each of this rank's Gloo connections, with the peer's rank; turns a
-/// Gloo error's "[ip]:port" into a rank. Empty (every lookup -1) when the transport is not Gloo's TCP.
+/// One TCP socket of this process: its descriptor, local address and, when connected, remote
+/// address (a listening socket has none: remote.port < 0).
+struct GlooProcessSocket {
+  int fd = -1;
+  GlooSocketName local;
+  GlooSocketName remote;
+  friend auto operator<=>(const GlooProcessSocket&, const GlooProcessSocket&) = default;
+};
+
+/// Which peer a Gloo error's socket address names, and this rank's Gloo connections (see the header
+/// comment). Empty (every lookup -1) when the sockets cannot be read (no /proc).
 class GlooPeerTable {
  public:
   GlooPeerTable() = default;
 
-  /// Builds the table of a connected process group (call right after its constructor returned, on
-  /// every rank: the listening-address swap is a collective). `store` is the store the group was
-  /// created with (Gloo's keys are under it).
-  /// Throws: what the all-to-all throws when a peer fails meanwhile; nothing else (unreadable parts
-  /// are left out).
-  static GlooPeerTable build(c10d::ProcessGroupGloo& pg, c10d::Store& store, int rank, int world_size,
+  /// This process's TCP sockets now (connected and listening); take it right before the Gloo device
+  /// and the process group are made, and hand it to build().
+  static std::vector<GlooProcessSocket> snapshot() {
+    std::vector<GlooProcessSocket> out;
+    DIR* dir = ::opendir("/proc/self/fd");
+    if (dir == nullptr) return out;
+    while (const dirent* e = ::readdir(dir)) {
+      char* end = nullptr;
+      const long fd = std::strtol(e->d_name, &end, 10);
+      if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
+      if (auto sock = read_socket(static_cast<int>(fd))) out.push_back(*sock);
+    }
+    ::closedir(dir);
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  /// Builds the table of a connected process group: call right after its constructor returned, on
+  /// every rank (the swap is two all-to-alls of `pg`), with the snapshot taken before its device.
+  /// Throws: what the all-to-alls throw when a peer fails meanwhile; nothing else.
+  static GlooPeerTable build(c10d::ProcessGroupGloo& pg, c10d::Store& store, int devices,
+                             const std::vector<GlooProcessSocket>& before, int rank, int world_size,
                              std::chrono::milliseconds timeout) {
     GlooPeerTable table;
-#if LOOM_GLOO_PEER_TABLE
-    try {
-      table.add_remote_ends(pg, rank);
-    } catch (...) {
-      table.entries_.clear();
-      table.sockets_.clear();
-    }
-#else
-    (void)pg;
-#endif
-    if (world_size > 1) {
-      int devices = 1;
-#if LOOM_GLOO_PEER_TABLE
-      devices = static_cast<int>((pg.*(&ContextsOf::contexts_)).size());
-#endif
-      table.swap_listening_addresses(pg, store, rank, world_size, std::max(devices, 1), timeout);
+    if (world_size < 2) return table;
+    std::vector<GlooProcessSocket> mine;
+    for (const auto& sock : snapshot())
+      if (!std::binary_search(before.begin(), before.end(), sock)) mine.push_back(sock);
+    // Listening sockets that Gloo closed again once its pairs were connected (one per pair in the
+    // Gloo of LibTorch 1.13) are no longer in the snapshot; their addresses are in Gloo's address
+    // exchange, which is read where it has the layout of that Gloo.
+    auto listed = mine;
+    for (const auto& name : published_listening_addresses(store, devices, rank, world_size, mine))
+      listed.push_back({-1, name, {}});
+    const auto lists = swap_socket_lists(pg, listed, rank, world_size, timeout);
+    for (int j = 0; j < world_size; ++j) {
+      if (j == rank) continue;
+      for (const auto& theirs : lists[static_cast<std::size_t>(j)]) {
+        if (theirs.remote.port < 0) {  // a listening socket of peer j
+          table.add_name(theirs.local, j);
+          continue;
+        }
+        for (const auto& own : mine)
+          if (own.remote.port >= 0 && own.local == theirs.remote && own.remote == theirs.local) {
+            table.add_name(own.remote, j);
+            table.sockets_.push_back(own);
+          }
+      }
     }
     return table;
   }
@@ -165,14 +187,22 @@ class GlooPeerTable {
     return found;
   }
 
-  /// Number of known connections (tests).
-  [[nodiscard]] std::size_t size() const noexcept {
-    return entries_.size();
-  }
+  /// Number of known socket addresses (tests).
+  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
 
-  /// Number of this rank's Gloo sockets that shutdown_connections() would shut down (tests).
-  [[nodiscard]] std::size_t connections() const noexcept {
-    return sockets_.size();
+  /// Number of this rank's Gloo connections that shutdown_connections() would shut down (tests).
+  [[nodiscard]] std::size_t connections() const noexcept { return sockets_.size(); }
+
+  /// Number of this rank's Gloo connections that lead to `peer` (tests, diagnostics).
+  [[nodiscard]] std::size_t connections_to(int peer) const noexcept {
+    std::size_t n = 0;
+    for (const auto& sock : sockets_)
+      for (const auto& e : entries_)
+        if (e.rank == peer && e.name == sock.remote) {
+          ++n;
+          break;
+        }
+    return n;
   }
 
   /// Shuts down (shutdown(2), SHUT_RDWR) every socket of this rank's Gloo connections, so each peer
@@ -183,101 +213,17 @@ class GlooPeerTable {
   /// collective failed: the communicator is broken from then on (c10d behaves the same).
   void shutdown_connections() const noexcept {
     for (const auto& sock : sockets_) {
-      sockaddr_storage local{}, remote{};
-      socklen_t llen = sizeof(local), rlen = sizeof(remote);
-      if (::getsockname(sock.fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0) continue;
-      if (::getpeername(sock.fd, reinterpret_cast<sockaddr*>(&remote), &rlen) != 0) continue;
-      if (socket_name(local) != sock.local || socket_name(remote) != sock.remote) continue;
+      const auto now = read_socket(sock.fd);
+      if (!now || *now != sock) continue;
       ::shutdown(sock.fd, SHUT_RDWR);
     }
   }
 
-  /// Adds a remote socket address for `peer_rank`, as Gloo prints it (port in network byte order)
-  /// and with the port in host order, in case a Gloo release prints it that way.
-  void add(const sockaddr_storage& ss, int peer_rank) {
-    const auto name = socket_name(ss);
-    if (name.port < 0) return;
-    entries_.push_back({name, peer_rank});
-    const long host_port = ntohs(static_cast<std::uint16_t>(name.port));
-    if (host_port != name.port) entries_.push_back({{name.ip, host_port}, peer_rank});
-  }
+  /// Adds a socket address of `peer_rank` (tests, and build()).
+  void add(const sockaddr_storage& ss, int peer_rank) { add_name(socket_name(ss), peer_rank); }
 
-  /// Remote ends of this rank's Gloo connections (see the header comment).
-  void add_remote_ends(c10d::ProcessGroupGloo& pg, int rank) {
-#if LOOM_GLOO_PEER_TABLE
-    const auto remote_of = connected_sockets();
-    for (const auto& context : pg.*(&ContextsOf::contexts_)) {
-      if (!context) continue;
-      const auto& transport = (*context).*(&TransportOf::transportContext_);
-      if (!transport) continue;
-      const auto& pairs = (*transport).*(&PairsOf::pairs_);
-      for (std::size_t r = 0; r < pairs.size(); ++r) {
-        if (!pairs[r] || static_cast<int>(r) == rank) continue;
-        const auto local = parse_gloo_socket_names(pairs[r]->address().str());
-        if (local.size() != 1) continue;
-        auto it = remote_of.find(local.front());
-        if (it == remote_of.end())  // a Gloo that prints the port in host order
-          it = remote_of.find(
-              {local.front().ip, static_cast<long>(htons(static_cast<std::uint16_t>(local.front().port)))});
-        if (it != remote_of.end()) {
-          add(it->second.remote, static_cast<int>(r));
-          sockets_.push_back({it->second.fd, it->first, socket_name(it->second.remote)});
-        }
-      }
-    }
-#else
-    (void)pg;
-    (void)rank;
-#endif
-  }
-
-  /// Listening addresses (see the header comment): this rank's record for peer j on device d goes to
-  /// j, j's record for this rank comes back. A rank that cannot read its keys sends zeros (left out by
-  /// add()).
-  void swap_listening_addresses(c10d::ProcessGroupGloo& pg, c10d::Store& store, int rank, int world_size, int devices,
-                                std::chrono::milliseconds timeout) {
-    constexpr std::size_t kRecord = sizeof(sockaddr_storage);
-    static_assert(kRecord % sizeof(std::int64_t) == 0);
-    const auto words = static_cast<std::int64_t>(kRecord / sizeof(std::int64_t)) * devices;
-    // Slot j (j = 0..world_size-1) holds `devices` records for rank j.
-    auto send = at::zeros({world_size * words}, at::kLong);
-    auto* out = reinterpret_cast<unsigned char*>(send.data_ptr<std::int64_t>());
-    const auto peers = static_cast<std::size_t>(world_size - 1);
-    for (int d = 0; d < devices; ++d) {
-      try {
-        // Gloo's key of device d: one record per peer in rank order (this rank left out); a record
-        // starts with the sockaddr_storage of the pair's listening socket.
-        const std::string key = fmt::format("{}/{}", d, rank);
-        if (!store.check({key})) continue;
-        const auto bytes = store.get(key);
-        if (bytes.size() % peers != 0 || bytes.size() / peers < kRecord) continue;
-        const std::size_t record = bytes.size() / peers;
-        for (int j = 0; j < world_size; ++j) {
-          if (j == rank) continue;
-          const std::size_t index = static_cast<std::size_t>(j > rank ? j - 1 : j);
-          std::memcpy(out + (static_cast<std::size_t>(j) * devices + d) * kRecord, bytes.data() + index * record,
-                      kRecord);
-        }
-      } catch (...) {
-      }
-    }
-    auto receive = at::zeros_like(send);
-    std::vector<std::int64_t> counts;
-    c10d::AllToAllOptions opts;
-    opts.timeout = timeout;
-    pg.alltoall_base(receive, send, counts, counts, opts)->wait(timeout);
-    const auto* in = reinterpret_cast<const unsigned char*>(receive.data_ptr<std::int64_t>());
-    for (int j = 0; j < world_size; ++j) {
-      if (j == rank) continue;
-      for (int d = 0; d < devices; ++d) {
-        sockaddr_storage ss{};
-        std::memcpy(&ss, in + (static_cast<std::size_t>(j) * devices + d) * kRecord, kRecord);
-        add(ss, j);
-      }
-    }
-  }
-
-  /// A socket address the way Gloo prints it: inet_ntop's text and the port field as stored.
+  /// A socket address the way Gloo prints it: inet_ntop's text and the port field as stored
+  /// (network byte order); port -1 for anything but IPv4 / IPv6.
   static GlooSocketName socket_name(const sockaddr_storage& ss) {
     char ip[INET6_ADDRSTRLEN] = {};
     if (ss.ss_family == AF_INET) {
@@ -291,61 +237,141 @@ class GlooPeerTable {
     return {};
   }
 
-  /// A connected TCP socket of this process: its descriptor and remote address.
-  struct ConnectedSocket {
-    int fd = -1;
-    sockaddr_storage remote{};
-  };
-
-  /// This process's connected TCP sockets: local address (as Gloo prints it) -> descriptor and
-  /// remote address.
-  static std::map<GlooSocketName, ConnectedSocket> connected_sockets() {
-    std::map<GlooSocketName, ConnectedSocket> out;
-    DIR* dir = ::opendir("/proc/self/fd");
-    if (dir == nullptr) return out;
-    while (const dirent* e = ::readdir(dir)) {
-      char* end = nullptr;
-      const long fd = std::strtol(e->d_name, &end, 10);
-      if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
-      sockaddr_storage local{}, remote{};
-      socklen_t llen = sizeof(local), rlen = sizeof(remote);
-      if (::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &llen) != 0) continue;
-      if (local.ss_family != AF_INET && local.ss_family != AF_INET6) continue;
-      if (::getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&remote), &rlen) != 0) continue;
-      out.emplace(socket_name(local), ConnectedSocket{static_cast<int>(fd), remote});
+ private:
+  /// The socket behind `fd` when it is a connected or listening IPv4 / IPv6 socket.
+  static std::optional<GlooProcessSocket> read_socket(int fd) {
+    sockaddr_storage local{}, remote{};
+    socklen_t llen = sizeof(local), rlen = sizeof(remote);
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &llen) != 0) return std::nullopt;
+    if (local.ss_family != AF_INET && local.ss_family != AF_INET6) return std::nullopt;
+    GlooProcessSocket sock{fd, socket_name(local), {}};
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&remote), &rlen) == 0) {
+      sock.remote = socket_name(remote);
+      return sock;
     }
-    ::closedir(dir);
+    int listening = 0;
+    socklen_t len = sizeof(listening);
+    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening != 0) return sock;
+    return std::nullopt;
+  }
+
+  /// This rank's listening addresses as the Gloo of LibTorch 1.13 publishes them: key "<device>/<rank>"
+  /// of the group's store holds one record per peer (rank order, this rank left out), each starting
+  /// with the sockaddr_storage of this rank's listening socket for that pair. A Gloo that publishes
+  /// another layout (LibTorch 2.x: one record per rank, one listener per device, which stays open and
+  /// is in the snapshot) yields nothing here: a record counts only when it is an IPv4 / IPv6 address
+  /// with a port, on an IP address that one of this rank's new sockets has.
+  static std::vector<GlooSocketName> published_listening_addresses(c10d::Store& store, int devices, int rank,
+                                                                   int world_size,
+                                                                   const std::vector<GlooProcessSocket>& mine) {
+    constexpr std::size_t kRecord = sizeof(sockaddr_storage);
+    std::vector<GlooSocketName> out;
+    const auto peers = static_cast<std::size_t>(world_size - 1);
+    for (int d = 0; d < devices; ++d) {
+      try {
+        const std::string key = fmt::format("{}/{}", d, rank);
+        if (!store.check({key})) continue;
+        const auto bytes = store.get(key);
+        if (bytes.size() % peers != 0 || bytes.size() / peers < kRecord) continue;
+        const std::size_t record = bytes.size() / peers;
+        for (std::size_t i = 0; i < peers; ++i) {
+          sockaddr_storage ss{};
+          std::memcpy(&ss, bytes.data() + i * record, kRecord);
+          const auto name = socket_name(ss);
+          if (name.port <= 0) continue;
+          const bool own_ip =
+              std::any_of(mine.begin(), mine.end(), [&](const GlooProcessSocket& m) { return m.local.ip == name.ip; });
+          if (own_ip) out.push_back(name);
+        }
+      } catch (...) {
+      }
+    }
     return out;
   }
 
- private:
-#if LOOM_GLOO_PEER_TABLE
-  // Named access to three protected members (c10d::ProcessGroupGloo::contexts_, gloo::Context's
-  // transport context and gloo::transport::Context's pairs): a pointer to a base's member taken
-  // through a derived class that makes it public. None of these classes is ever instantiated.
-  struct ContextsOf : c10d::ProcessGroupGloo {
-    using c10d::ProcessGroupGloo::contexts_;
-  };
-  struct TransportOf : ::gloo::Context {
-    using ::gloo::Context::transportContext_;
-  };
-  struct PairsOf : ::gloo::transport::Context {
-    using ::gloo::transport::Context::pairs_;
-  };
-#endif
+  // A socket record on the wire: 8 int64 words, local then remote, each as (port + 1, family,
+  // address bytes 0-7, address bytes 8-15); port + 1 == 0 is "no address".
+  static constexpr std::int64_t kWords = 8;
+
+  static void encode(const GlooSocketName& name, std::int64_t* out) {
+    out[0] = name.port + 1;
+    unsigned char bytes[16] = {};
+    if (name.port >= 0) {
+      if (::inet_pton(AF_INET, name.ip.c_str(), bytes) == 1) {
+        out[1] = AF_INET;
+      } else if (::inet_pton(AF_INET6, name.ip.c_str(), bytes) == 1) {
+        out[1] = AF_INET6;
+      } else {
+        out[0] = 0;
+      }
+    }
+    std::memcpy(out + 2, bytes, sizeof(bytes));
+  }
+
+  static GlooSocketName decode(const std::int64_t* in) {
+    if (in[0] <= 0) return {};
+    unsigned char bytes[16];
+    std::memcpy(bytes, in + 2, sizeof(bytes));
+    char ip[INET6_ADDRSTRLEN] = {};
+    const int family = in[1] == AF_INET6 ? AF_INET6 : AF_INET;
+    if (::inet_ntop(family, bytes, ip, sizeof(ip)) == nullptr) return {};
+    return {ip, in[0] - 1};
+  }
+
+  /// Every rank's list of new sockets (index = rank): the counts, then the records padded to the
+  /// longest list, each through one all-to-all that sends this rank's data to every rank.
+  static std::vector<std::vector<GlooProcessSocket>> swap_socket_lists(c10d::ProcessGroupGloo& pg,
+                                                                       const std::vector<GlooProcessSocket>& mine,
+                                                                       int rank, int world_size,
+                                                                       std::chrono::milliseconds timeout) {
+    auto all_to_all = [&](const at::Tensor& row) {  // row: this rank's data; returns [world_size, n]
+      auto send = row.reshape({1, -1}).repeat({world_size, 1}).contiguous();
+      auto receive = at::zeros_like(send);
+      std::vector<std::int64_t> counts;
+      c10d::AllToAllOptions opts;
+      opts.timeout = timeout;
+      pg.alltoall_base(receive, send, counts, counts, opts)->wait(timeout);
+      return receive;
+    };
+    const auto counts = all_to_all(at::full({1}, static_cast<std::int64_t>(mine.size()), at::kLong));
+    const std::int64_t longest = counts.max().item<std::int64_t>();
+    std::vector<std::vector<GlooProcessSocket>> lists(static_cast<std::size_t>(world_size));
+    if (longest == 0) return lists;
+    auto row = at::zeros({longest * kWords}, at::kLong);
+    auto* out = row.data_ptr<std::int64_t>();
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      encode(mine[i].local, out + i * kWords);
+      encode(mine[i].remote, out + i * kWords + kWords / 2);
+    }
+    const auto received = all_to_all(row);
+    const auto* in = received.data_ptr<std::int64_t>();
+    for (int j = 0; j < world_size; ++j) {
+      if (j == rank) continue;
+      const std::int64_t n = std::min(counts[j].item<std::int64_t>(), longest);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const auto* rec = in + (j * longest + i) * kWords;
+        GlooProcessSocket sock{-1, decode(rec), decode(rec + kWords / 2)};
+        if (sock.local.port >= 0) lists[static_cast<std::size_t>(j)].push_back(sock);
+      }
+    }
+    return lists;
+  }
+
+  /// Adds `name` for `peer_rank` as Gloo prints it (port in network byte order) and with the port in
+  /// host order, in case a Gloo release prints it that way.
+  void add_name(const GlooSocketName& name, int peer_rank) {
+    if (name.port < 0) return;
+    entries_.push_back({name, peer_rank});
+    const long host_port = ntohs(static_cast<std::uint16_t>(name.port));
+    if (host_port != name.port) entries_.push_back({{name.ip, host_port}, peer_rank});
+  }
 
   struct Entry {
     GlooSocketName name;
     int rank = -1;
   };
-  /// One of this rank's Gloo connections: descriptor, local and remote address when recorded.
-  struct Socket {
-    int fd = -1;
-    GlooSocketName local;
-    GlooSocketName remote;
-  };
   std::vector<Entry> entries_;
-  std::vector<Socket> sockets_;
+  std::vector<GlooProcessSocket> sockets_;
 };
 
 }  // namespace loom::detail

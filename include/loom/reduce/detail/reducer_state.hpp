@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/detail/torch_api.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/buckets.hpp>
 #include <loom/reduce/concepts.hpp>
@@ -695,7 +696,7 @@ class ReducerState {
   std::vector<char> global_used_;
   at::Tensor meta_;              // int64 [window samples, final flag] on device_
   std::vector<Factor> factors_;  // this window's factors, per dtype / device
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<GradAccumulatorPtr> accumulators_;
   std::vector<std::uintptr_t> keys_;
   std::mutex mutex_;
   std::size_t next_launch_ = 0;

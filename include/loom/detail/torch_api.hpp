@@ -1,0 +1,24 @@
+// loom/detail/torch_api.hpp — the LibTorch API differences between the versions loom is built with
+// (Debian's 1.13; pip's and the zip's 2.x), named once so that no other header needs a version #if.
+//
+// - LOOM_TORCH_VERSION: major * 10000 + minor * 100 + patch (1.13.1 -> 11301), from torch/version.h.
+// - GradAccumulatorPtr: what torch::autograd::impl::grad_accumulator() returns, the owning pointer
+//   to a leaf's AccumulateGrad node: std::shared_ptr<Node> on 1.13, c10::intrusive_ptr<Node> on 2.13
+//   (both built by CI). loom holds it to keep its post-hooks alive and compares it with
+//   try_get_grad_accumulator() to see whether a parameter was replaced.
+// The optimizer's zero_grad() difference is handled in loom/compat.hpp (loom::zero_grad).
+#pragma once
+
+#include <utility>
+
+#include <torch/csrc/autograd/variable.h>
+#include <torch/version.h>
+
+#define LOOM_TORCH_VERSION (TORCH_VERSION_MAJOR * 10000 + TORCH_VERSION_MINOR * 100 + TORCH_VERSION_PATCH)
+
+namespace loom::detail {
+
+/// The owning pointer type of a leaf tensor's gradient accumulator (see the header comment).
+using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+}  // namespace loom::detail
