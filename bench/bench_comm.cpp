@@ -18,6 +18,7 @@
 #include <utility>
 
 #include <benchmark/benchmark.h>
+#include <torch/version.h>
 
 #include <loom/comm/gloo.hpp>
 #include <loom/dist/spawn.hpp>
@@ -164,6 +165,7 @@ int main(int argc, char** argv) {
         }
         int ac = static_cast<int>(args.size());
         benchmark::Initialize(&ac, args.data());
+        benchmark::AddCustomContext("libtorch", TORCH_VERSION);  // which LibTorch the anchors ran on
         RatioReporter reporter;
         benchmark::RunSpecifiedBenchmarks(&reporter);
         benchmark::Shutdown();

@@ -45,6 +45,7 @@
 
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/gloo.hpp>
@@ -843,6 +844,7 @@ int run_cuda(int argc, char** argv) {
   cargs.push_back(interleave.data());
   int ac = static_cast<int>(cargs.size());
   benchmark::Initialize(&ac, cargs.data());
+  benchmark::AddCustomContext("libtorch", TORCH_VERSION);  // which LibTorch the anchors ran on
   RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
@@ -885,6 +887,7 @@ int main(int argc, char** argv) {
                   }
                   int ac = static_cast<int>(cargs.size());
                   benchmark::Initialize(&ac, cargs.data());
+                  benchmark::AddCustomContext("libtorch", TORCH_VERSION);  // which LibTorch the anchors ran on
                   register_all();
                   RatioReporter reporter;
                   benchmark::RunSpecifiedBenchmarks(&reporter);

@@ -1,11 +1,11 @@
 // bench/ddp_reducer.hpp — c10d::Reducer (DistributedDataParallel's reducer) built the way
-// torch.nn.parallel.DistributedDataParallel builds it, on LibTorch 1.13 and 2.x: bench_reduce's "ddp"
-// baseline. The constructor is the one LibTorch API of the benchmark that differs between versions;
+// torch.nn.parallel.DistributedDataParallel builds it, on LibTorch 1.13 and 2.13 / 2.14 (the versions
+// built here; other 2.x releases changed this constructor more than once): bench_reduce's "ddp" baseline. The constructor is the one LibTorch API of the benchmark that differs between versions;
 // this header is the only place that knows.
 //
 // - LibTorch 1.13: Reducer(params, bucket_indices, per_bucket_size_limits, ProcessGroup, ...): the
 //   Gloo ProcessGroup itself.
-// - LibTorch 2.x: ProcessGroupGloo is a c10d::Backend; the Reducer takes a c10d::ProcessGroup that
+// - LibTorch 2.13 and 2.14: ProcessGroupGloo is a c10d::Backend; the Reducer takes a c10d::ProcessGroup that
 //   holds it (setBackend for the CPU, Gloo the default), no per-bucket size limits, and three more
 //   arguments: skip_all_reduce_unused_params (false), use_python_reducer (false: the C++ reducer),
 //   bucket_bytes_cap_list (empty: every bucket capped by bucket_bytes_cap, DDP's default).

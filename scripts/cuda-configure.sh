@@ -19,11 +19,12 @@ build_dir=$1
 python=$2
 shift 2
 cd "$(dirname "$0")/.."
-torch_dir=$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
-abi=$("$python" -c 'import torch; print(str(torch._C._GLIBCXX_USE_CXX11_ABI).lower())')
-cuda=$("$python" -c 'import torch; print(torch.version.cuda or "")')
+torch_dir=$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null) ||
+  { echo "cuda-configure: $python cannot import torch" >&2; exit 1; }
+abi=$("$python" -c 'import torch; print(str(torch._C._GLIBCXX_USE_CXX11_ABI).lower())' 2>/dev/null)
+cuda=$("$python" -c 'import torch; print(torch.version.cuda or "")' 2>/dev/null)
 if [ -z "$cuda" ]; then
-  echo "cuda-configure: $python's torch $("$python" -c 'import torch; print(torch.__version__)') is not a CUDA build" >&2
+  echo "cuda-configure: $python's torch $("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null) is not a CUDA build" >&2
   exit 1
 fi
 reconf=()
@@ -37,4 +38,4 @@ for flag in LOOM_TORCH_HAS_CUDA LOOM_HAS_CUDA LOOM_HAS_NCCL; do
     exit 1
   fi
 done
-echo "cuda-configure: $build_dir/ against torch $("$python" -c 'import torch; print(torch.__version__)') (CUDA $cuda) in $torch_dir"
+echo "cuda-configure: $build_dir/ against torch $("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null) (CUDA $cuda) in $torch_dir"

@@ -81,10 +81,13 @@ if [ "${LOOM_SETUP_TORCH2:-1}" != 0 ]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q "torch==$torch_version"
   fi
-  torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
-  abi=$("$venv/bin/python" -c 'import torch; print(str(torch._C._GLIBCXX_USE_CXX11_ABI).lower())')
+  # The format check's clang-format, the same 14.0.6 on Debian 12 and 13 (Debian 13 ships 19).
+  "$venv/bin/clang-format" --version 2>/dev/null | grep -q "version 14.0.6" || "$venv/bin/pip" install -q clang-format==14.0.6
+  torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null) ||
+    { echo "setup: $venv/bin/python cannot import torch" >&2; exit 1; }
+  abi=$("$venv/bin/python" -c 'import torch; print(str(torch._C._GLIBCXX_USE_CXX11_ABI).lower())' 2>/dev/null)
   if [ ! -f "$torch2_build_dir/build.ninja" ]; then
     CXX="ccache g++" meson setup "$torch2_build_dir" --wrap-mode=nodownload -Dtorch_dir="$torch_dir" -Dtorch_cxx11_abi="$abi"
   fi
-  echo "setup: $torch2_build_dir/ uses pip's torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') ($torch_dir)"
+  echo "setup: $torch2_build_dir/ uses pip's torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) ($torch_dir)"
 fi

@@ -24,7 +24,8 @@ namespace loom {
 
 /// What zero_grad() leaves in each parameter's grad().
 enum class GradReset {
-  zero,  ///< a tensor of zeros (the same tensor, detached from any graph): LibTorch 1.13's zero_grad()
+  zero,  ///< a tensor of zeros where a gradient existed (the same tensor, detached from any graph; an
+         ///< undefined gradient stays undefined): LibTorch 1.13's zero_grad()
   none,  ///< undefined (the memory is released; the next backward allocates): LibTorch 2.x's zero_grad()
 };
 

@@ -423,7 +423,7 @@ class GlooCommunicator {
   /// The underlying c10d process group (for c10d APIs loom does not wrap).
   [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_; }
   /// Which peer rank each of this rank's Gloo socket addresses belongs to (diagnostics, tests; see
-  /// loom/comm/detail/gloo_peers.hpp). Null on a communicator of one rank.
+  /// loom/comm/detail/gloo_peers.hpp). Empty (no connections) on a communicator of one rank.
   [[nodiscard]] const detail::GlooPeerTable* peer_table() const noexcept { return peers_.get(); }
 
   /// Breaks the communicator on purpose: shuts down every connection of this rank's Gloo process group,

@@ -1,7 +1,7 @@
 // loom/detail/torch_api.hpp — the LibTorch API differences between the versions loom is built with
 // (Debian's 1.13; pip's and the zip's 2.x), named once so that no other header needs a version #if.
 //
-// - LOOM_TORCH_VERSION: major * 10000 + minor * 100 + patch (1.13.1 -> 11301), from torch/version.h.
+// - LOOM_TORCH_VERSION: major * 10000 + minor * 100 + patch (Debian's 1.13 reports 1.13.0: 11300), from torch/version.h.
 // - GradAccumulatorPtr: what torch::autograd::impl::grad_accumulator() returns, the owning pointer
 //   to a leaf's AccumulateGrad node: std::shared_ptr<Node> on 1.13, c10::intrusive_ptr<Node> on 2.13
 //   (both built by CI). loom holds it to keep its post-hooks alive and compares it with
