@@ -827,6 +827,12 @@ void cuda_loom_hooks(benchmark::State& state) {
 }
 
 int run_cuda(int argc, char** argv) {
+  // Without a usable GPU there is nothing to measure: say why and exit 77 (skipped).
+  const auto probe = loom::cuda::probe_devices();
+  if (probe.count == 0) {
+    std::fprintf(stderr, "bench_reduce --cuda: no CUDA device (%s)\n", probe.reason.c_str());
+    return 77;
+  }
   auto store = c10::make_intrusive<c10d::HashStore>();
   loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = std::chrono::seconds(120)});
   g_nccl = &comm;
