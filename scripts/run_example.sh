@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${LOOM_BUILD_DIR:-build}
-bash scripts/setup.sh "$build_dir"
+# The example needs only Debian's LibTorch build; the pip torch of the test command is skipped.
+LOOM_SETUP_TORCH2=${LOOM_SETUP_TORCH2:-0} bash scripts/setup.sh "$build_dir"
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.ccache}
 ninja -C "$build_dir" examples/finetune_icons
 exec "$build_dir/examples/finetune_icons" --out "$build_dir/finetune_icons_out" "$@"
