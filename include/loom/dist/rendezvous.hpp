@@ -11,7 +11,9 @@
 //
 // Two modes, chosen from the environment:
 //   - default: rank 0 hosts a TCPStore on MASTER_ADDR:MASTER_PORT (listening on every interface);
-//     the other ranks connect to it as clients.
+//     the other ranks connect to it as clients. Under loom::spawn with LibTorch 2.x rank 0 hosts it
+//     on the listening socket spawn reserved the port with (LOOM_MASTER_LISTEN_FD), taken over once
+//     per process; a client that connects before the store runs waits in that socket's backlog.
 //   - torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True, torchrun's default rendezvous):
 //     the torchrun agent already hosts the store at MASTER_ADDR:MASTER_PORT, so every rank, rank 0
 //     included, is a client; keys live under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", the
@@ -43,6 +45,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <poll.h>
 #include <string>
@@ -55,6 +58,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <fmt/format.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -63,6 +67,7 @@
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/exception_text.hpp>
 #include <loom/detail/process_counter.hpp>
+#include <loom/detail/torch_api.hpp>
 #include <loom/dist/environment.hpp>
 #include <loom/error.hpp>
 
@@ -151,6 +156,29 @@ inline bool port_answers(const std::string& host, std::uint16_t port, std::chron
   }
 }
 
+/// The listening MASTER_PORT socket loom::spawn handed to this process (LOOM_MASTER_LISTEN_FD), or
+/// -1: none was handed over, it was taken already (once per process: the store that took it closes
+/// it), or the descriptor is not a listening socket on `port` (a variable inherited by another program).
+inline int take_spawned_listen_fd(std::uint16_t port) {
+  static std::atomic<bool> taken{false};
+  const char* text = std::getenv("LOOM_MASTER_LISTEN_FD");
+  if (text == nullptr || taken.load()) return -1;
+  char* end = nullptr;
+  const long fd = std::strtol(text, &end, 10);
+  if (end == text || *end != '\0' || fd < 0 || fd > 1 << 20) return -1;
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  int listening = 0;
+  socklen_t opt_len = sizeof(listening);
+  if (::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+      addr.ss_family != AF_INET ||
+      ntohs(reinterpret_cast<const sockaddr_in*>(&addr)->sin_port) != port ||
+      ::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &opt_len) != 0 || listening == 0)
+    return -1;
+  if (taken.exchange(true)) return -1;
+  return static_cast<int>(fd);
+}
+
 /// Rank 0's one line about a job without LOOM_RENDEZVOUS_SECRET (once per process).
 inline void warn_once_without_secret(const Environment& env) {
   static std::atomic<bool> warned{false};
@@ -187,6 +215,12 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
   if (!env.use_agent_store) {
     opts.numWorkers = static_cast<std::size_t>(env.world_size);
     opts.waitWorkers = false;  // loom's own check-in below gives the better error message
+  }
+  // Under loom::spawn with LibTorch 2.x, rank 0 hosts the store on the socket spawn reserved (already
+  // listening, so early clients wait in its backlog and no other process can take the port).
+  if (host) {
+    const int fd = detail::take_spawned_listen_fd(env.master_port);
+    if (fd >= 0) detail::set_master_listen_fd(opts, fd);
   }
   c10::intrusive_ptr<c10d::Store> store;
   // A client tries again until loom's own deadline. c10d's connect (LibTorch 1.13) counts its timeout

@@ -16,6 +16,8 @@
 //   RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, LOCAL_WORLD_SIZE=n, GROUP_RANK=0, GROUP_WORLD_SIZE=1,
 //   MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port spawn picked>, OMP_NUM_THREADS=<threads_per_rank>,
 //   LOOM_RENDEZVOUS_SECRET=<128 random bits, new for every spawn call> (see loom/dist/rendezvous.hpp),
+//   LOOM_MASTER_LISTEN_FD=<fd> in rank 0 with LibTorch 2.x (the listening MASTER_PORT socket spawn
+//   reserved, which rank 0's rendezvous hosts its store on: the port is never free in between),
 //   then SpawnOptions::env on top (it may override any of these). TORCHELASTIC_* variables inherited
 //   from the parent are removed (a spawned job is not a torchrun job) unless SpawnOptions::env sets them.
 //   Signals as after execve(2): the parent's handlers are reset to SIG_DFL, signals the parent
@@ -77,6 +79,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <loom/detail/torch_api.hpp>
 #include <loom/dist/environment.hpp>
 #include <loom/error.hpp>
 
@@ -166,9 +169,10 @@ inline std::string demangled_type_name(const std::type_info& ti) {
   return status == 0 && p ? std::string(p.get()) : std::string(ti.name());
 }
 
-/// Binds a TCP socket to a free port on every interface with SO_REUSEADDR and keeps it bound (not
-/// listening) while the ranks are forked, so no other process's ephemeral port search picks the
-/// port meanwhile; spawn closes it once every rank is started. Returns {fd, port}.
+/// Binds an IPv4 TCP socket to a free port on every interface with SO_REUSEADDR (bound, not
+/// listening), so no other process's ephemeral port search picks the port. spawn keeps it while the
+/// ranks are forked and then either hands it to rank 0's store (LibTorch 2.x) or closes it (see
+/// run_ranks). Returns {fd, port}.
 inline std::pair<int, std::uint16_t> reserve_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw Error(fmt::format("spawn: socket() failed: {}", std::strerror(errno)));
@@ -229,9 +233,15 @@ inline std::string random_job_secret() {
   return out;
 }
 
+/// The variable that tells rank 0's rendezvous which inherited descriptor is the listening MASTER_PORT
+/// socket spawn reserved (loom/dist/rendezvous.hpp takes it over once; other processes never see it).
+inline constexpr const char* kMasterListenFdVariable = "LOOM_MASTER_LISTEN_FD";
+
 /// Sets torchrun's variables (and SpawnOptions::env) in a freshly forked child, and its thread count.
+/// `listen_fd` >= 0 (rank 0 only): the reserved MASTER_PORT socket, kept open across exec and named
+/// in LOOM_MASTER_LISTEN_FD; otherwise that variable is removed.
 inline void prepare_child(int rank, int nprocs, std::uint16_t port, const std::string& secret,
-                          const SpawnOptions& options, pid_t parent) {
+                          const SpawnOptions& options, pid_t parent, int listen_fd) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != parent) ::_exit(111);  // the parent died between fork and prctl
   // Signal dispositions as an exec'd rank would have them: handlers installed by the parent (a test
@@ -261,6 +271,12 @@ inline void prepare_child(int rank, int nprocs, std::uint16_t port, const std::s
   set("MASTER_ADDR", options.master_addr);
   set("MASTER_PORT", std::to_string(port));
   set("LOOM_RENDEZVOUS_SECRET", secret);
+  if (listen_fd >= 0) {
+    ::fcntl(listen_fd, F_SETFD, ::fcntl(listen_fd, F_GETFD) & ~FD_CLOEXEC);  // spawn_command's exec keeps it
+    set(kMasterListenFdVariable, std::to_string(listen_fd));
+  } else {
+    ::unsetenv(kMasterListenFdVariable);
+  }
   if (options.threads_per_rank > 0) set("OMP_NUM_THREADS", std::to_string(options.threads_per_rank));
   for (const auto& [k, v] : options.env) set(k, v);
 }
@@ -310,6 +326,15 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
   int reserved_fd = -1;
   std::uint16_t port = options.master_port;
   if (port == 0) std::tie(reserved_fd, port) = reserve_port();
+  // LibTorch 2.x: the reserved socket starts listening here and rank 0's store takes it over
+  // (TCPStoreOptions::masterListenFd), so the port is never free between reservation and the store,
+  // and a rank that connects before rank 0's store runs waits in the socket's backlog instead of being
+  // refused. IPv4 masters only (the socket is IPv4). LibTorch 1.13 cannot take a socket over: the
+  // port is released once every rank is forked and rank 0 binds it again.
+  in_addr ipv4{};
+  const bool hand_over = reserved_fd >= 0 && kStoreTakesListenFd &&
+                         ::inet_pton(AF_INET, options.master_addr.c_str(), &ipv4) == 1 &&
+                         ::listen(reserved_fd, SOMAXCONN) == 0;
 
   std::cout.flush();
   std::cerr.flush();
@@ -342,8 +367,9 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
       ::close(pipefd[0]);
       for (int fd : fds)
         if (fd >= 0) ::close(fd);
-      if (reserved_fd >= 0) ::close(reserved_fd);
-      prepare_child(r, nprocs, port, secret, options, parent);
+      const bool keep = hand_over && r == 0;
+      if (reserved_fd >= 0 && !keep) ::close(reserved_fd);
+      prepare_child(r, nprocs, port, secret, options, parent, keep ? reserved_fd : -1);
       child(r, pipefd[1]);
       finish_child(pipefd[1], 112);  // child() must not return
     }
@@ -351,10 +377,8 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
     pids[static_cast<std::size_t>(r)] = pid;
     fds[static_cast<std::size_t>(r)] = pipefd[0];
   }
-  // Every rank is started: give the port up now, before rank 0's store listens on it. Held while
-  // the store starts, the bound socket made c10d's store of LibTorch 2.x lose a client now and then
-  // (measured with pip's torch 2.13: 2-4 of 100 three-rank rendezvous, against 0 of 200 with the port
-  // released here); the window in which another process could take the port is the children's start.
+  // Every rank is started: the parent's copy of the reserved socket goes (rank 0 holds the listening
+  // socket when it was handed over; otherwise the port is free for rank 0's store to bind).
   if (reserved_fd >= 0) {
     ::close(reserved_fd);
     reserved_fd = -1;
