@@ -27,7 +27,9 @@ using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std:
 
 /// Whether `O` (c10d::TCPStoreOptions) has masterListenFd, the already-listening socket a server takes over.
 template <class O>
-concept HasMasterListenFd = requires(O& o, int fd) { o.masterListenFd = fd; };
+concept HasMasterListenFd = requires(O& o, int fd) {
+  o.masterListenFd = fd;
+};
 
 /// Whether this LibTorch's TCPStore server can take over a listening socket (see the header comment).
 inline constexpr bool kStoreTakesListenFd = HasMasterListenFd<c10d::TCPStoreOptions>;

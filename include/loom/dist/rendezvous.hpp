@@ -47,6 +47,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <netinet/in.h>
 #include <poll.h>
 #include <string>
 #include <sys/socket.h>
@@ -58,7 +59,6 @@
 #include <c10/util/intrusive_ptr.h>
 #include <fmt/format.h>
 #include <netdb.h>
-#include <netinet/in.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -170,8 +170,7 @@ inline int take_spawned_listen_fd(std::uint16_t port) {
   socklen_t len = sizeof(addr);
   int listening = 0;
   socklen_t opt_len = sizeof(listening);
-  if (::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
-      addr.ss_family != AF_INET ||
+  if (::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&addr), &len) != 0 || addr.ss_family != AF_INET ||
       ntohs(reinterpret_cast<const sockaddr_in*>(&addr)->sin_port) != port ||
       ::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &opt_len) != 0 || listening == 0)
     return -1;
