@@ -1,13 +1,11 @@
 // loom::spawn and spawn_command: variables seen by the ranks, every way a rank can fail, the overall
 // timeout, the fork rule (intra-op threads), and rendezvous timeouts.
 #include <algorithm>
-#include <atomic>
 #include <csignal>
 #include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <mutex>
 #include <sstream>
 #include <thread>
 #include <unistd.h>
@@ -309,57 +307,54 @@ TEST_CASE("rendezvous: unreachable store and missing ranks are TimeoutErrors nam
 
 namespace {
 
-/// What rank 0 (alone in a world of 2, rendezvous timeout 3 s) did while a stranger who can reach its
-/// store, but does not know the job's secret, wrote the keys that say "every rank arrived": "accepted"
-/// (rendezvous returned without rank 1) or "rejected" (it timed out waiting for rank 1). `stderr_path`
-/// gets rank 0's standard error.
+/// What rank 0 (world of 2, rendezvous timeout 3 s) did while rank 1, a stranger who can reach its
+/// store but does not know the job's secret, wrote the keys that say "every rank arrived": "accepted"
+/// (rendezvous returned without rank 1 checking in) or "rejected" (it timed out waiting for rank 1).
+/// `stderr_path` gets rank 0's standard error. The stranger is a process of its own (spawn's rank 1),
+/// not a thread of the test: a thread inside c10d while spawn forks could hold a lock rank 0 needs
+/// (spawn.hpp's fork rule), and rank 0 would hang instead of answering.
 std::string rendezvous_with_stranger(const std::map<std::string, std::string>& env, const fs::path& stderr_path) {
-  auto [fd, port] = loom::detail::reserve_port();
-  close(fd);  // rank 0's store takes the port over
-  std::atomic<bool> stop{false};
-  std::atomic<int> forged{0};
-  std::mutex error_mutex;
-  std::string stranger_error = "(none)";  // the stranger's last failure, for the report
-  // The stranger: connects as a store client as soon as rank 0 listens, and forges the check-in keys
-  // of the first ten rendezvous generations (what an outsider would try).
-  const auto started = std::chrono::steady_clock::now();
-  std::thread stranger([&, port = port] {
-    while (!stop) {
-      try {
-        c10d::TCPStoreOptions opts;
-        opts.port = port;
-        opts.isServer = false;
-        opts.waitWorkers = false;
-        opts.timeout = std::chrono::seconds(5);  // c10d retries refused connects until then
-        c10d::TCPStore store("127.0.0.1", opts);
-        for (int gen = 0; gen < 10; ++gen) {
-          store.add(fmt::format("loom/rdzv/{}/arrived", gen), 1);
-          store.set(fmt::format("loom/rdzv/{}/all", gen), std::vector<std::uint8_t>{1});
-          forged = 1;  // (a rank that accepts may exit and close the store before the later generations)
-        }
-        return;
-      } catch (const std::exception& e) {
-        if (forged == 1) return;
-        {
-          std::lock_guard<std::mutex> lock(error_mutex);
-          stranger_error = fmt::format("{:.3f} s: {}", loom::detail::seconds_since(started), e.what());
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-  });
   TempDir out;
   const fs::path result = out.path / "result";
+  const fs::path forged = out.path / "forged";
+  const fs::path stranger_error = out.path / "stranger_error";
   const std::string err = stderr_path.string();
-  loom::SpawnOptions options{.timeout = std::chrono::seconds(60), .master_port = port, .env = {}};
+  const auto started = std::chrono::steady_clock::now();
+  loom::SpawnOptions options{.timeout = std::chrono::seconds(60), .env = {}};
   for (const auto& [k, v] : env) options.env[k] = v;
   loom::spawn(
-      1,
-      [result, err](const loom::Environment& env0) {
+      2,
+      [=](const loom::Environment& env) {
+        if (env.rank == 1) {
+          // The stranger: connects as a plain store client (no secret, no check-in) and forges the
+          // check-in keys of the first ten rendezvous generations (what an outsider would try).
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+          while (std::chrono::steady_clock::now() < deadline) {
+            bool wrote = false;
+            try {
+              c10d::TCPStoreOptions opts;
+              opts.port = env.master_port;
+              opts.isServer = false;
+              opts.waitWorkers = false;
+              opts.timeout = std::chrono::seconds(5);  // c10d retries refused connects until then
+              c10d::TCPStore store(env.master_addr, opts);
+              for (int gen = 0; gen < 10; ++gen) {
+                store.add(fmt::format("loom/rdzv/{}/arrived", gen), 1);
+                store.set(fmt::format("loom/rdzv/{}/all", gen), std::vector<std::uint8_t>{1});
+                if (!wrote) write_file(forged, "1");
+                wrote = true;  // (a rank 0 that accepts may exit and close the store before the later ones)
+              }
+              return;
+            } catch (const std::exception& e) {
+              if (wrote) return;
+              write_file(stranger_error, fmt::format("{:.3f} s: {}", loom::detail::seconds_since(started), e.what()));
+              std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            }
+          }
+          return;
+        }
         const int fd = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
         ::dup2(fd, 2);
-        loom::Environment env = env0;
-        env.world_size = 2;
         try {
           (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(3)});
           write_file(result, "accepted");
@@ -369,11 +364,9 @@ std::string rendezvous_with_stranger(const std::map<std::string, std::string>& e
         }
       },
       options);
-  stop = true;
-  stranger.join();
-  INFO("the stranger's last error at ", stranger_error, "; spawn returned after ", loom::detail::seconds_since(started),
-       " s");
-  CHECK(forged == 1);  // the stranger did reach the store and write its keys
+  INFO("the stranger's last error: ", out.read("stranger_error"), "; spawn returned after ",
+       loom::detail::seconds_since(started), " s");
+  CHECK(out.read("forged") == "1");  // the stranger did reach the store and write its keys
   return out.read("result");
 }
 
