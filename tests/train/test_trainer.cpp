@@ -3,6 +3,7 @@
 // error naming it (or does not compile). Multi-rank twins: test_trainer_dist.cpp.
 #include <iterator>
 #include <ranges>
+#include <stdexcept>
 
 #include <doctest/doctest.h>
 #include <torch/torch.h>
@@ -126,26 +127,59 @@ TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error n
     };
     CHECK_THROWS_WITH_AS(run(), doctest::Contains("not the one the epoch loop just yielded"), loom::Error);
   }
-  SUBCASE("a break inside a step, then the next epoch") {
+  SUBCASE("a break inside a step is an error at the break; the Trainer refuses further use") {
     Setup s;
-    for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
-      s.trainer.backward(s.loss(b), b);
-      break;  // the first step has 2 batches: the window is open
-    }
-    CHECK_THROWS_WITH_AS((void)s.trainer.epoch(s.loader, 1), doctest::Contains("ended inside an optimizer step"),
-                         loom::Error);
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        s.trainer.backward(s.loss(b), b);
+        break;  // the first step has 2 batches: the window is open
+      }
+    };
+    CHECK_THROWS_WITH_AS(
+        run(), doctest::Contains("was left before the epoch's end (a break or return after batch 1 of step 0)"),
+        loom::Error);
+    CHECK(s.trainer.steps() == 0);
+    CHECK_THROWS_WITH_AS((void)s.trainer.epoch(s.loader, 1), doctest::Contains("refuses further use"), loom::Error);
   }
-  SUBCASE("a break right after a step boundary is fine") {
+  SUBCASE("a break right after a step boundary is an error too (ranks see different boundaries), naming stop()") {
     Setup s;
-    for (loom::Batch& b : s.trainer.epoch(s.loader, 0))
-      if (s.trainer.backward(s.loss(b), b).boundary) break;
-    CHECK(s.trainer.steps() == 1);
-    int64_t batches = 0;
-    for (loom::Batch& b : s.trainer.epoch(s.loader, 1)) {
-      s.trainer.backward(s.loss(b), b);
-      ++batches;
-    }
-    CHECK(batches == static_cast<int64_t>(s.loader.sampler().plan().batches.size()));
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0))
+        if (s.trainer.backward(s.loss(b), b).boundary) break;
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("call trainer.stop() from on_step()"), loom::Error);
+    CHECK(s.trainer.steps() == 1);  // the step before the break was applied; the leaving window was not
+  }
+  SUBCASE("a return from inside the loop is the same error") {
+    Setup s;
+    auto run = [&]() -> int {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        s.trainer.backward(s.loss(b), b);
+        return 1;
+      }
+      return 0;
+    };
+    CHECK_THROWS_WITH_AS((void)run(), doctest::Contains("was left before the epoch's end"), loom::Error);
+  }
+  SUBCASE("an exception out of the loop body is not turned into the leaving error") {
+    Setup s;
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        s.trainer.backward(s.loss(b), b);
+        throw std::runtime_error("user error");
+      }
+    };
+    CHECK_THROWS_WITH_AS(run(), "user error", std::runtime_error);
+  }
+  SUBCASE("stop() from the loop body (it would stop this rank alone)") {
+    Setup s;
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        s.trainer.backward(s.loss(b), b);
+        s.trainer.stop();
+      }
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("call it from on_step()"), loom::Error);
   }
   SUBCASE("a loss of the wrong kind") {
     Setup s;
@@ -166,6 +200,142 @@ TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error n
     static_assert(loom::StepOptimizer<loom::StepFunctions>);
     CHECK(true);
   }
+}
+
+TEST_CASE("Trainer: optimizer calls left in the loop body (PyTorch habits) change nothing") {
+  // The plan has 2 batches per step, so the body runs between two micro-batches of a step as well as
+  // after a step boundary. SGD with momentum: a second step, even with zero gradients, would move
+  // the parameters.
+  loom::LocalCommunicator comm;
+  const auto clean = loom::test::train_short(comm, 2);
+  enum class Habit { zero_grad_zero, zero_grad_none, step_after_backward, both };
+  for (const Habit habit : {Habit::zero_grad_zero, Habit::zero_grad_none, Habit::step_after_backward, Habit::both}) {
+    CAPTURE(static_cast<int>(habit));
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+    loom::Trainer trainer(comm, model.list(), sgd);
+    for (int64_t e = 0; e < 2; ++e)
+      for (loom::Batch& b : trainer.epoch(loader, e)) {
+        if (habit == Habit::zero_grad_zero || habit == Habit::both) loom::zero_grad(sgd, loom::GradReset::zero);
+        if (habit == Habit::zero_grad_none) loom::zero_grad(sgd, loom::GradReset::none);
+        trainer.backward(loom::test::mean_loss(model, b), b);
+        if (habit == Habit::step_after_backward || habit == Habit::both) sgd.step();
+      }
+    CHECK(equal_lists(model.params, clean));
+    CHECK(trainer.steps() == 2 * static_cast<int64_t>(loader.sampler().plan().steps.size()));
+  }
+}
+
+TEST_CASE("Trainer: parameters or gradients written in the loop body are loom errors; on_step may write") {
+  SUBCASE("a parameter written in place in the loop body") {
+    Setup s;
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        s.trainer.backward(s.loss(b), b);
+        torch::NoGradGuard no_grad;
+        s.model.params[2].clamp_(-0.5, 0.5);
+      }
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("parameter 2 ('w2') was written in place outside the Trainer's"),
+                         loom::Error);
+    CHECK(s.trainer.steps() == 0);
+  }
+  SUBCASE("a gradient set by hand between two micro-batches") {
+    Setup s;
+    auto run = [&] {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) {
+        s.model.params[1].mutable_grad() = torch::ones_like(s.model.params[1]);
+        s.trainer.backward(s.loss(b), b);
+      }
+    };
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("the gradient of parameter 1 ('b1') was set between two calls"),
+                         loom::Error);
+  }
+  SUBCASE("on_step may write the parameters (per-step work), and so may code between epochs") {
+    Setup s;
+    s.trainer.on_step([&](const loom::SyncResult&) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : s.model.params) p.clamp_(-10.0, 10.0);
+    });
+    for (int64_t e = 0; e < 2; ++e) {
+      for (loom::Batch& b : s.trainer.epoch(s.loader, e)) s.trainer.backward(s.loss(b), b);
+      torch::NoGradGuard no_grad;
+      s.model.params[1].add_(0.0);  // e.g. a checkpoint loaded between epochs
+    }
+    CHECK(s.trainer.steps() == 2 * static_cast<int64_t>(s.loader.sampler().plan().steps.size()));
+  }
+}
+
+TEST_CASE("Trainer: construction refuses what would make a silently different run") {
+  loom::LocalCommunicator comm;
+  SUBCASE("a second Trainer on a model whose first Trainer is alive; after it is gone, a new one trains as a first") {
+    Setup s;
+    torch::optim::SGD sgd(s.model.params, torch::optim::SGDOptions(0.05));
+    CHECK_THROWS_WITH_AS((loom::Trainer<loom::LocalCommunicator, torch::optim::SGD>(comm, s.model.list(), sgd)),
+                         doctest::Contains("parameter 0 ('w1') already belongs to another live loom::Reducer"),
+                         loom::InvalidArgument);
+    CHECK_THROWS_WITH_AS((loom::Reducer<loom::LocalCommunicator>(comm, s.model.list())),
+                         doctest::Contains("already belongs to another live loom::Reducer"), loom::InvalidArgument);
+    // One Trainer per phase, each destroyed before the next: the second trains exactly as a first one.
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD opt(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+    { loom::Trainer first(comm, model.list(), opt); }
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+    loom::Trainer second(comm, model.list(), opt);
+    for (loom::Batch& b : second.epoch(loader, 0)) second.backward(loom::test::mean_loss(model, b), b);
+    CHECK(equal_lists(model.params, loom::test::train_short(comm, 1)));
+  }
+  SUBCASE("reducer options that contradict the Trainer's weighting") {
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+    for (const auto average : {loom::Average::world_size, loom::Average::none}) {
+      const std::string expected =
+          fmt::format("reducer.average = {} contradicts the Trainer's weighting", loom::to_string(average));
+      CHECK_THROWS_WITH_AS(loom::Trainer(comm, model.list(), sgd, {.reducer = {.average = average}}),
+                           doctest::Contains(expected.c_str()), loom::InvalidArgument);
+    }
+  }
+  SUBCASE("an optimizer holding a tensor that is not the model's") {
+    loom::test::Mlp model(at::kDouble);
+    auto extra = torch::zeros({7, 2}, torch::kDouble).requires_grad_();
+    auto params = model.params;
+    params.push_back(extra);
+    torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.05));
+    CHECK_THROWS_WITH_AS(loom::Trainer(comm, model.list(), sgd),
+                         doctest::Contains("tensor 4 of the optimizer's parameter group 0 (Double [7, 2]) is not a "
+                                           "parameter of the model"),
+                         loom::InvalidArgument);
+  }
+  SUBCASE("an optimizer missing a trainable parameter; a frozen one may be missing") {
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(std::vector<at::Tensor>{model.params[0], model.params[1], model.params[3]},
+                          torch::optim::SGDOptions(0.05));
+    CHECK_THROWS_WITH_AS(loom::Trainer(comm, model.list(), sgd),
+                         doctest::Contains("parameter 2 ('w2') is trainable but not in the optimizer"),
+                         loom::InvalidArgument);
+    model.params[2].requires_grad_(false);
+    CHECK_NOTHROW(loom::Trainer(comm, model.list(), sgd));
+  }
+}
+
+TEST_CASE("Trainer: a gradient left by a backward before the Trainer was built does not reach the first step") {
+  loom::LocalCommunicator comm;
+  auto run = [&](bool smoke_test) {
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+    if (smoke_test) {  // a forward and backward to check the model runs, before training
+      model.loss_sum(torch::ones({4, loom::test::kIn}, torch::kDouble), torch::ones({4, 2}, torch::kDouble)).backward();
+      REQUIRE(model.params[0].grad().abs().sum().item<double>() > 0);
+    }
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+    loom::Trainer trainer(comm, model.list(), sgd);
+    for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(loom::test::mean_loss(model, b), b);
+    return model.params;
+  };
+  const auto clean = run(false), after_smoke_test = run(true);
+  CHECK(equal_lists(clean, after_smoke_test));
+  CHECK(equal_lists(clean, loom::test::train_short(comm, 1)));
 }
 
 TEST_CASE("Trainer: stop() from on_step ends the loop at that step; the next epoch runs in full") {

@@ -130,6 +130,50 @@ TEST_SUITE("dist") {
         {.nproc = 2, .spawn = {.timeout = std::chrono::seconds(120)}});
   }
 
+  TEST_CASE(
+      "a loop left early (break) on 3 ranks, some idle in every step: every rank stops with the loom error, none "
+      "waits for a collective") {
+    // 3 ranks and 2 batches per step: in every step at least one rank has no batch and takes the step's
+    // boundary inside the range, so "right after a boundary" is a different step on different ranks.
+    struct Case {
+      const char* name;
+      bool (*leaves)(int rank, bool boundary);
+    };
+    const Case cases[] = {
+        {"every rank breaks right after its first step boundary", [](int, bool boundary) { return boundary; }},
+        {"rank 1 alone breaks after its first batch", [](int rank, bool) { return rank == 1; }},
+    };
+    for (const Case& c : cases) {
+      CAPTURE(c.name);
+      const auto started = std::chrono::steady_clock::now();
+      loom::test::run_ranks(
+          3,
+          [&](loom::GlooCommunicator& comm) {
+            loom::test::Mlp model(at::kDouble);
+            torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+            loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                     loom::test::kTrainerPlan);
+            loom::Trainer trainer(comm, model.list(), sgd);
+            int64_t idle_steps = 0;
+            for (const auto& st : loader.sampler().plan().steps) idle_steps += st.num_batches < 3 ? 1 : 0;
+            expect(idle_steps == static_cast<int64_t>(loader.sampler().plan().steps.size()),
+                   "some rank is idle in every step");
+            std::string what = "(no error)";
+            try {
+              for (loom::Batch& b : trainer.epoch(loader, 0))
+                if (c.leaves(comm.rank(), trainer.backward(loom::test::mean_loss(model, b), b).boundary)) break;
+            } catch (const loom::Error& e) {
+              what = e.what();
+            }
+            expect(what.find("call trainer.stop() from on_step()") != std::string::npos,
+                   fmt::format("rank {}: {}", comm.rank(), what));
+          },
+          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+      // A rank left waiting would have failed with the 30 s collective timeout instead.
+      CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(25));
+    }
+  }
+
   TEST_CASE("Metrics by name on 2 ranks: different orders, a name only one rank saw, one collective") {
     loom::test::run_ranks(2,
                           [](loom::GlooCommunicator& comm) {

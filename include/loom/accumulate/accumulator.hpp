@@ -96,6 +96,7 @@ struct SyncResult {
   double loss_scale = 1.0;          ///< the scale the window's losses were multiplied by
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global norm, when clipping computed it
   double clip_coef = 1.0;                                       ///< clipping factor applied (1 = none)
+  std::int64_t ranks_leaving = 0;  ///< ranks that left their loop in this window (leave_step): nobody applies it
 
   explicit operator bool() const noexcept { return apply; }
 };
@@ -212,6 +213,25 @@ class Accumulator {
     }
   }
 
+  /// For a rank that abandons its loop in the middle of an epoch (loom::Trainer, on a `break`): closes
+  /// this rank's window now, like join_step, with BackwardPlan::leaving set, so the other ranks' current
+  /// step completes and reports ranks_leaving > 0 on every rank (gradients zeroed, not applied) instead
+  /// of waiting for this rank. The accumulator refuses further use afterwards.
+  /// Throws: loom::Error (a micro-batch still open), the reducer's errors.
+  SyncResult leave_step() {
+    check_usable("leave_step");
+    try {
+      reducer_->prepare_backward(
+          {.sync = true, .leaving = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
+      SyncResult s = close_window(reducer_->finish_window());
+      break_with("this rank left its loop in the middle of an epoch (leave_step)");
+      return s;
+    } catch (const std::exception& e) {
+      break_with(fmt::format("a collective failed in leave_step ({})", e.what()));
+      throw;
+    }
+  }
+
   /// Callable form: opens a micro-batch, calls `fn(mb)` (or `fn()`), which runs forward and
   /// backward, and returns mb.finish().
   template <class F>
@@ -294,14 +314,17 @@ class Accumulator {
     SyncResult s;
     s.boundary = r.reduced;
     s.skipped_non_finite = r.non_finite;
-    s.apply = r.reduced && !r.non_finite && !r.no_samples;
+    s.apply = r.reduced && !r.non_finite && !r.no_samples && r.ranks_leaving == 0;
     s.micro_batches = window_micro_batches_;
     s.local_samples = window_samples_;
     s.global_samples = r.global_samples;
     s.loss_scale = loss_scale();
     s.grad_norm = r.grad_norm;
     s.clip_coef = r.clip_coef;
-    if (scaler_ && r.reduced && !r.no_samples) scaler_->update(r.non_finite);
+    s.ranks_leaving = r.ranks_leaving;
+    if (r.ranks_leaving > 0)
+      break_with(fmt::format("{} rank(s) left their loop in the middle of an epoch", r.ranks_leaving));
+    if (scaler_ && r.reduced && !r.no_samples && r.ranks_leaving == 0) scaler_->update(r.non_finite);
     reset_window();
     return s;
   }

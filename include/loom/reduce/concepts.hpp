@@ -32,6 +32,9 @@ struct BackwardPlan {
   bool sync = false;                ///< this backward closes the window: reduce after it
   bool final = false;               ///< end-of-epoch flush on this rank (sync only): it has no further
                                     ///< micro-batches this epoch and only helps the others finish (join)
+  bool leaving = false;             ///< sync only: this rank abandons its loop after this window (a
+                                    ///< `break` out of loom::Trainer's epoch loop); every rank's
+                                    ///< Reduction reports it (ranks_leaving) and skips the step
   std::int64_t window_samples = 0;  ///< samples of this rank's window (sync only)
   double grad_scale = 1.0;          ///< sync only: multiply the averaged gradient by this (1 / loss scale)
 };
@@ -47,6 +50,8 @@ struct Reduction {
   bool non_finite = false;          ///< some rank produced inf/NaN: every rank must skip the step (gradients zeroed)
   bool no_samples = false;          ///< averaging by samples and no rank had one: gradients zeroed, skip the step
   std::int64_t global_samples = 0;  ///< samples of the window summed over ranks
+  std::int64_t ranks_leaving = 0;   ///< ranks that closed this window leaving their loop (BackwardPlan::leaving):
+                                    ///< when > 0 the gradients are zeroed and nobody steps
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global L2 norm, when clipping computed it
   double clip_coef = 1.0;  ///< factor applied by global-norm clipping (1 = not clipped)
 };

@@ -29,6 +29,9 @@
 //   none: the plain sum over ranks.
 //
 // Rules:
+//   One reducer per parameter: a parameter already hooked by another live loom::Reducer (a second
+//     Trainer or Reducer on the same model) is loom::InvalidArgument at construction, before any
+//     collective; build the next one after the first is destroyed.
 //   Buckets: ~25 MiB (bucket_cap_bytes), the first one 1 MiB (first_bucket_cap_bytes), one dtype and
 //     device per bucket, filled in reverse registration order; after the first step they are rebuilt
 //     once in the order gradients became ready on rank 0 (broadcast, so every rank agrees). Each
@@ -75,7 +78,7 @@
 //   Host reads: nothing inside an autograd hook reads a value back to the host, or waits (hooks
 //     only start all-reduces); the divisor and the verdicts stay on the communicator's device
 //     (CPU communicators read them from host memory); finish_window makes one read of a small
-//     float64 summary (count, final flags, used-flags, verdicts, squared norm), and an end-of-epoch
+//     float64 summary (count, final and leaving flags, used-flags, verdicts, squared norm), and an end-of-epoch
 //     flush one more first (whether any rank has samples). host_reads() counts them.
 //   Wire compression (wire_dtype = float16 / bfloat16, float32 buckets only): rank r sends its
 //     share s_r = S_r / W, where S_r is its summed (still loss-scaled) gradient and W the world size,
@@ -90,8 +93,12 @@
 //     shares are normal, and an absolute 2^-25 x W / divisor per rounding below; a share below
 //     2^-25 (3e-8) is flushed to zero, and one above 65504 becomes inf (reported non_finite).
 //   Sample count and join: each window's sync backward starts one small int64 all-reduce of
-//     [window samples, final flag] before backward runs; a final flush (end of epoch) that finds
-//     every rank final and no sample anywhere stops without touching the buckets.
+//     [window samples, final flag, leaving flag] before backward runs; a final flush (end of epoch)
+//     that finds every rank final and no sample anywhere stops without touching the buckets.
+//   Leaving (BackwardPlan::leaving): a rank that abandons its loop early (loom::Trainer, on a
+//     `break`) closes one last window with the flag set; every rank's Reduction then reports
+//     ranks_leaving > 0 with its gradients zeroed, so the ranks still in that step stop with an
+//     error instead of waiting for a rank that will not come.
 //
 // Collectives per step: 1 + number of buckets all-reduces (+ one broadcast, once, for the rebuild;
 // + the buffer broadcast when the model has buffers).
@@ -99,7 +106,8 @@
 //        channels-last), dtypes float32/float64/float16/bfloat16; frozen parameters are left out.
 //        A bucket on the wire is [gradients | one used-flag per gradient], one dtype and device.
 // Units: caps in bytes, samples in samples.
-// Throws: loom::InvalidArgument (bad options, non-floating or non-leaf trainable parameter,
+// Throws: loom::InvalidArgument (bad options, non-floating or non-leaf trainable parameter, a
+//         parameter another live Reducer already hooks,
 //         parameters that differ across ranks, a gradient produced twice after its bucket left,
 //         a parameter set changed after construction),
 //         loom::Error (calls out of order), and the communicator's CommError / TimeoutError.

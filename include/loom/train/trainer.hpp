@@ -34,13 +34,34 @@
 //     zero_grad() run there, inside backward(); a step with inf/NaN is skipped on every rank;
 //   - a step in which this rank has no batch is joined without a backward (the loop never sees it);
 //   - the epoch's end (remainder and join) runs when the loop over trainer.epoch(...) ends.
-// What is checked, each a loom::Error naming what was forgotten:
+// What is checked, each a loom error naming what was forgotten or misplaced (docs/loop.md lists the
+// messages):
 //   - a batch the loop received but never passed to backward() (at the next batch or the end);
 //   - a backward() outside backward() (loss.backward() by hand: its gradient would not be reduced);
 //   - backward() twice for one batch, or for a batch the loop did not just receive;
 //   - a loss that is not a one-element floating tensor requiring grad;
-//   - a new epoch while the previous loop ended early (break) inside a step (leaving right after
-//     a step boundary is fine).
+//   - a parameter written in place outside the Trainer's step and on_step() (its version counter
+//     moved), or a gradient set by hand between two calls of the Trainer;
+//   - leaving the loop before the epoch's end (break, return): ranks run the body different numbers
+//     of times, so no place in the body is the same step on every rank. The rank that leaves closes
+//     one last window marked "leaving" (BackwardPlan::leaving), the ranks still in that step see it
+//     in their reduction, and every rank throws loom::Error; trainer.stop() from on_step() is the
+//     way to end an epoch early. The Trainer refuses further use afterwards.
+// At construction (loom::InvalidArgument, before any collective): reducer options that contradict
+// the Trainer's weighting (ReducerOptions::average other than samples); an optimizer (one with
+// param_groups(), as every torch::optim optimizer) holding a tensor that is not one of the model's
+// parameters, or missing one of its trainable parameters; a second Trainer or Reducer on a model
+// whose first one is still alive (loom::Reducer's rule). Gradients the parameters already hold (a
+// smoke-test backward) are cleared: the first step starts from zero, as the PyTorch habit of
+// zero_grad() at the top of the loop would have it.
+// Gradients between the Trainer's calls: the parameters hold none. Inside a step the Trainer keeps
+// the partial sums of the step's micro-batches itself and hands them back to the parameters at the
+// next backward(); after a step they are zeroed and dropped (as zero_grad(set_to_none = true), on
+// LibTorch 1.13 too). So the PyTorch habits left in a loop body do what the user meant: an
+// optimizer.zero_grad() at the top of the body finds nothing to clear (the step's earlier
+// micro-batches are kept), and a leftover optimizer.step() finds no gradient and changes nothing
+// (torch::optim optimizers skip parameters without one); the Trainer alone steps, once per step.
+// A parameter no rank used in a step has no gradient at that step (optimizers skip it).
 // One rule the loop keeps: no collective in the loop body. A step's batches are dealt to the ranks
 // by cost, so ranks run the body different numbers of times; per-step work that talks to the other
 // ranks (a progress count, a checkpoint) goes into on_step(), which every rank runs at every step.
@@ -56,10 +77,13 @@
 
 #include <concepts>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -113,6 +137,13 @@ struct StepFunctions {
   void zero_grad() const { on_zero_grad(); }
 };
 
+/// An optimizer whose parameters loom can list: `o.param_groups()`, each group with `params()`
+/// (torch::optim::Optimizer). Trainer compares them with the model's parameters when it is built.
+template <class O>
+concept HasParamGroups = requires(O& o) {
+  o.param_groups().begin()->params().begin()->unsafeGetTensorImpl();
+};
+
 template <class T, class L>
 class EpochRange;
 
@@ -127,14 +158,23 @@ class Trainer {
  public:
   using ReducerType = Reducer<Comm>;
 
-  /// Checks and broadcasts the parameters (rank 0's everywhere), builds the reducer and accumulator.
+  /// Checks the options and the optimizer's parameters against `params`, clears gradients the
+  /// parameters already hold, then checks and broadcasts the parameters (rank 0's everywhere) and
+  /// builds the reducer and accumulator.
+  /// Throws: loom::InvalidArgument (see the file comment: options, optimizer parameters, a second
+  ///         Trainer on the same model; the reducer's checks), the communicator's errors.
   Trainer(Comm& comm, ParameterList params, Opt& optimizer, TrainerOptions options = {})
       : comm_(&comm),
         optimizer_(&optimizer),
         options_(std::move(options)),
-        reducer_(comm, std::move(params), options_.reducer),
+        reducer_(comm, prepared(std::move(params), optimizer, options_), options_.reducer),
         accumulator_(reducer_,
-                     {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {}
+                     {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {
+    const auto& list = reducer_.parameters();
+    for (std::size_t i = 0; i < list.params.size(); ++i)
+      if (list.params[i].requires_grad()) trainable_.push_back(i);
+    record_parameter_versions();
+  }
 
   /// The same, for a torch::nn::Module (its parameters and buffers, see loom::parameters_of).
   Trainer(Comm& comm, const torch::nn::Module& model, Opt& optimizer, TrainerOptions options = {})
@@ -143,21 +183,19 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  /// The loop over this rank's batches of epoch `epoch` (see EpochRange). Throws: loom::Error when
-  /// the previous epoch's loop ended inside a step (a `break`).
+  /// The loop over this rank's batches of epoch `epoch` (see EpochRange). Parameters may be changed between epochs (a checkpoint loaded, an evaluation's write-back):
+  /// the check for changes outside the optimizer step starts afresh here.
+  /// Throws: loom::Error when this Trainer refuses further use (a previous loop was left early).
   template <class Loader>
   [[nodiscard]] EpochRange<Trainer, Loader> epoch(Loader& loader, int64_t epoch) {
-    if (accumulator_.window_micro_batches() > 0)
-      throw Error(
-          fmt::format("Trainer::epoch({}): the previous loop ended inside an optimizer step (a break out of "
-                      "trainer.epoch(...)?), so {} micro-batch(es) were never reduced; leave a loop only right "
-                      "after a step boundary (trainer.backward(...).boundary)",
-                      epoch, accumulator_.window_micro_batches()));
+    if (!broken_.empty())
+      throw Error(fmt::format("Trainer::epoch({}): this Trainer refuses further use: {}", epoch, broken_));
     current_.reset();
     stop_ = false;
     stopped_ = false;
     loader.begin_epoch(epoch);
     epoch_ = epoch;
+    record_parameter_versions();
     return EpochRange<Trainer, Loader>(this, &loader);
   }
 
@@ -179,6 +217,8 @@ class Trainer {
                       "several losses first)",
                       batch_number_, current_step_));
     check_loss(loss);
+    check_parameters_untouched("Trainer::backward");
+    restore_gradients("Trainer::backward");
     auto mb = accumulator_.micro_batch(batch);
     at::Tensor total = loss.reshape({});
     if (options_.loss == LossReduction::mean) total = total * static_cast<double>(batch.num_samples);
@@ -188,6 +228,7 @@ class Trainer {
     backward_done_ = true;
     last_ = mb.finish();
     apply(last_);
+    if (!last_.boundary) hide_gradients(/*keep=*/true);
     return last_;
   }
 
@@ -202,9 +243,17 @@ class Trainer {
   /// Ends the running epoch loop at the current step boundary: the range stops yielding batches
   /// without running further steps (and without the end-of-epoch flush, which has nothing to do at
   /// a boundary). Call it from on_step, which every rank runs at the same step, so every rank stops
-  /// there; called between boundaries it takes effect at the next one. The next epoch() clears it.
+  /// there. The next epoch() clears it.
   /// Example: `trainer.on_step([&](const loom::SyncResult&) { if (++n == max_steps) trainer.stop(); });`
-  void stop() noexcept { stop_ = true; }
+  /// Throws: loom::Error when called outside on_step (from the loop body it would stop this rank
+  ///         alone, at a step the other ranks do not stop at).
+  void stop() {
+    if (!in_on_step_)
+      throw Error(
+          "Trainer::stop: call it from on_step(), which every rank runs at the same step; from the loop body it "
+          "would stop this rank alone (ranks run the body different numbers of times per step)");
+    stop_ = true;
+  }
   /// Whether the last epoch loop ended by stop().
   [[nodiscard]] bool stopped() const noexcept { return stopped_; }
 
@@ -254,6 +303,17 @@ class Trainer {
 
   void apply(const SyncResult& s) {
     if (!s.boundary) return;
+    if (s.ranks_leaving > 0) {
+      broken_ = fmt::format("{} rank(s) left the loop over trainer.epoch(...) during step {} of epoch {}",
+                            s.ranks_leaving, current_step_, epoch_);
+      throw Error(fmt::format(
+          "Trainer::epoch({}): {} rank(s) left the loop over trainer.epoch(...) before the epoch's end (a break or "
+          "return in the loop body) while this rank was in step {}; ranks run the body different numbers of times "
+          "per step, so every rank stops here with this error instead of training on out of step. To end an epoch "
+          "early, call trainer.stop() from on_step(), which every rank runs at the same step",
+          epoch_, s.ranks_leaving, current_step_));
+    }
+    check_parameters_untouched("Trainer: at a step boundary");
     if (s.apply) {
       optimizer_->step();
       ++steps_;
@@ -261,12 +321,139 @@ class Trainer {
       ++skipped_;
     }
     optimizer_->zero_grad();
-    if (on_step_) on_step_(s);
+    hide_gradients(/*keep=*/false);
+    if (on_step_) {
+      in_on_step_ = true;
+      try {
+        on_step_(s);
+      } catch (...) {
+        in_on_step_ = false;
+        throw;
+      }
+      in_on_step_ = false;
+    }
+    record_parameter_versions();
+  }
+
+  /// Validates the options and the optimizer against `params` and clears existing gradients
+  /// (constructor, before the reducer exists: no collective has run yet).
+  static ParameterList prepared(ParameterList params, Opt& optimizer, const TrainerOptions& options) {
+    if (options.reducer.average != Average::samples)
+      throw InvalidArgument(fmt::format(
+          "Trainer: TrainerOptions::reducer.average = {} contradicts the Trainer's weighting (each batch's loss "
+          "is multiplied by its samples and the step's sum divided by the global sample count: Average::samples), "
+          "so the gradient would depend on batch sizes and the world size; leave it at samples (for another rule, "
+          "use loom::Reducer and loom::Accumulator directly)",
+          to_string(options.reducer.average)));
+    if constexpr (HasParamGroups<Opt>) check_optimizer_parameters(params, optimizer);
+    at::NoGradGuard no_grad;
+    for (auto& p : params.params)
+      if (p.defined() && p.grad().defined()) p.mutable_grad().reset();
+    return params;
+  }
+
+  /// The optimizer updates exactly the model's trainable parameters (frozen ones may be in it too).
+  static void check_optimizer_parameters(const ParameterList& list, Opt& optimizer) {
+    std::unordered_set<const c10::TensorImpl*> model, held;
+    for (const auto& p : list.params)
+      if (p.defined()) model.insert(p.unsafeGetTensorImpl());
+    std::size_t group = 0;
+    for (auto& g : optimizer.param_groups()) {
+      std::size_t index = 0;
+      for (const auto& t : g.params()) {
+        if (!model.contains(t.unsafeGetTensorImpl()))
+          throw InvalidArgument(fmt::format(
+              "Trainer: tensor {} of the optimizer's parameter group {} ({} [{}]) is not a parameter of the model "
+              "given to the Trainer, so its gradient would never be reduced across ranks or divided by the step's "
+              "samples and the replicas would drift apart; give the Trainer every tensor the optimizer updates "
+              "(a loom::ParameterList), or leave it out of the optimizer",
+              index, group, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
+        held.insert(t.unsafeGetTensorImpl());
+        ++index;
+      }
+      ++group;
+    }
+    for (std::size_t i = 0; i < list.params.size(); ++i)
+      if (list.params[i].defined() && list.params[i].requires_grad() &&
+          !held.contains(list.params[i].unsafeGetTensorImpl()))
+        throw InvalidArgument(fmt::format(
+            "Trainer: {} is trainable but not in the optimizer, so its gradient would be reduced every step and "
+            "never applied; add it to the optimizer, or freeze it (requires_grad_(false)) before building the "
+            "Trainer",
+            list.describe(i)));
+  }
+
+  void record_parameter_versions() {
+    const auto& params = reducer_.parameters().params;
+    param_versions_.clear();
+    for (std::size_t i : trainable_) param_versions_.push_back(params[i]._version());
+  }
+
+  // A parameter's version counter moves with every in-place write (an optimizer step included);
+  // between the Trainer's own steps nothing may write them.
+  void check_parameters_untouched(const char* where) const {
+    const auto& list = reducer_.parameters();
+    for (std::size_t k = 0; k < trainable_.size(); ++k)
+      if (list.params[trainable_[k]]._version() != param_versions_[k])
+        throw Error(fmt::format(
+            "{}: {} was written in place outside the Trainer's optimizer step and on_step() (in the loop body, "
+            "which ranks run different numbers of times per step), so the replicas would differ; per-step changes "
+            "to parameters (clipping weights, loading values) belong in on_step() or between epochs",
+            where, list.describe(trainable_[k])));
+  }
+
+  // Between the Trainer's calls the parameters hold no gradient (see the file comment): inside a
+  // step (`keep`) the partial sums are kept in hidden_; after a step they were zeroed and are dropped.
+  void hide_gradients(bool keep) {
+    const auto& params = reducer_.parameters().params;
+    hidden_.clear();
+    for (std::size_t i : trainable_) {
+      at::Tensor& g = params[i].mutable_grad();
+      if (keep) hidden_.push_back(g);
+      g.reset();
+    }
+  }
+
+  // Before the reducer runs again: the kept partial sums go back to the parameters. A gradient that
+  // appeared in between was set by hand (a backward by hand is caught by check_no_stray_backward).
+  void restore_gradients(const char* where) {
+    const auto& list = reducer_.parameters();
+    for (std::size_t k = 0; k < trainable_.size(); ++k) {
+      at::Tensor& g = list.params[trainable_[k]].mutable_grad();
+      if (g.defined())
+        throw Error(fmt::format(
+            "{}: the gradient of {} was set between two calls of the Trainer (the Trainer holds the step's "
+            "gradients between its calls and applies them at the step boundary itself); leave .grad() alone in "
+            "the loop body",
+            where, list.describe(trainable_[k])));
+      if (k < hidden_.size()) g = hidden_[k];
+    }
+    hidden_.clear();
+  }
+
+  /// A loop over trainer.epoch(...) ended before the epoch's end, not by stop() and not by an
+  /// exception (EpochRange's destructor): one last window marked leaving, so the other ranks stop
+  /// with an error instead of waiting for this one; then the error here.
+  [[noreturn]] void leave_loop() {
+    const int64_t step = current_step_, batch = batch_number_;
+    current_.reset();
+    if (broken_.empty()) {
+      broken_ = fmt::format("its loop over epoch {} was left before the epoch's end (step {})", epoch_, step);
+      restore_gradients("Trainer::epoch");
+      (void)accumulator_.leave_step();
+    }
+    throw Error(fmt::format(
+        "Trainer::epoch({}): the loop over trainer.epoch(...) was left before the epoch's end (a break or return "
+        "after batch {} of step {}); ranks run the body different numbers of times per step, so no place in it is "
+        "the same step on every rank, and every rank stops with this error. To end an epoch early, call "
+        "trainer.stop() from on_step(), which every rank runs at the same step",
+        epoch_, batch, step));
   }
 
   // Called by EpochRange.
   void receive(Batch batch, int64_t step) {
     check_no_stray_backward("Trainer::epoch");
+    check_parameters_untouched("Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
     current_ = std::move(batch);
     current_step_ = step;
@@ -276,13 +463,16 @@ class Trainer {
 
   void join() {
     if (current_ && !backward_done_) forgotten();
+    restore_gradients("Trainer::epoch");
     last_ = accumulator_.join_step();
     apply(last_);
   }
 
   void end_epoch() {
     check_no_stray_backward("Trainer::epoch");
+    check_parameters_untouched("Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
+    restore_gradients("Trainer::epoch");
     current_.reset();
     while (auto s = accumulator_.end_epoch()) {
       last_ = *s;
@@ -303,6 +493,10 @@ class Trainer {
   TrainerOptions options_;
   ReducerType reducer_;
   Accumulator<ReducerType> accumulator_;
+  std::vector<std::size_t> trainable_;   // indices of the trainable parameters in reducer_.parameters()
+  std::vector<int64_t> param_versions_;  // their version counters after the Trainer's last write
+  std::vector<at::Tensor> hidden_;       // inside a step: their gradients between the Trainer's calls
+  std::string broken_;                   // why this Trainer refuses further use (empty: usable)
   std::optional<Batch> current_;
   SyncResult last_{};
   std::function<void(const SyncResult&)> on_step_;
@@ -313,8 +507,9 @@ class Trainer {
   int64_t skipped_ = 0;
   int64_t arrivals_seen_ = 0;
   bool backward_done_ = false;
-  bool stop_ = false;     // stop() was called
-  bool stopped_ = false;  // the last epoch loop ended by stop()
+  bool stop_ = false;        // stop() was called
+  bool stopped_ = false;     // the last epoch loop ended by stop()
+  bool in_on_step_ = false;  // on_step's callback is running
 };
 
 /// The loop over this rank's batches of one epoch, made by Trainer::epoch. Iterating it yields
@@ -323,7 +518,9 @@ class Trainer {
 ///
 /// Example: `for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);`
 /// Throws (while advancing): the checks of Trainer (a batch without backward, a stray backward),
-/// the loader's errors, the reducer's errors.
+/// the loader's errors, the reducer's errors. Its destructor throws loom::Error when a started loop
+/// ends before the epoch's end other than by stop() or an exception (a break or return: see the
+/// Trainer's file comment); it is noexcept(false) for that reason.
 template <class T, class L>
 class EpochRange {
  public:
@@ -346,10 +543,23 @@ class EpochRange {
     EpochRange* range_;
   };
 
-  EpochRange(T* trainer, L* loader) : trainer_(trainer), loader_(loader) {}
+  EpochRange(T* trainer, L* loader) : trainer_(trainer), loader_(loader), exceptions_(std::uncaught_exceptions()) {}
   EpochRange(const EpochRange&) = delete;
   EpochRange& operator=(const EpochRange&) = delete;
-  EpochRange(EpochRange&&) = default;
+  EpochRange& operator=(EpochRange&&) = delete;
+  EpochRange(EpochRange&& other) noexcept
+      : trainer_(std::exchange(other.trainer_, nullptr)),
+        loader_(other.loader_),
+        started_(other.started_),
+        done_(other.done_),
+        exceptions_(other.exceptions_) {}
+
+  /// A loop that started and did not reach the epoch's end, and is not unwinding an exception, was
+  /// left by a break or return: Trainer tells every rank and throws (see the Trainer's file comment).
+  ~EpochRange() noexcept(false) {
+    if (trainer_ == nullptr || !started_ || done_ || std::uncaught_exceptions() > exceptions_) return;
+    trainer_->leave_loop();
+  }
 
   friend class Iterator;
 
@@ -391,6 +601,7 @@ class EpochRange {
   L* loader_;
   bool started_ = false;
   bool done_ = false;
+  int exceptions_ = 0;  // std::uncaught_exceptions() when the range was made
 };
 
 }  // namespace loom

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -34,8 +35,29 @@
 
 namespace loom::detail {
 
+/// Carried by every loom reducer's gradient hook (whatever its communicator type), so that a second
+/// reducer on the same parameters finds the first one's hooks (see ReducerState's constructor).
+class ReducerHookMarker {
+ public:
+  virtual ~ReducerHookMarker() = default;
+};
+
+/// The describe() text of the first trainable parameter in `list` whose gradient accumulator already
+/// carries a loom reducer's hook, or an empty string. Creates missing accumulators (as hooking does).
+inline std::string first_hooked_parameter(const ParameterList& list) {
+  for (std::size_t i = 0; i < list.params.size(); ++i) {
+    const auto& p = list.params[i];
+    if (!p.defined() || !p.requires_grad() || !p.is_leaf()) continue;
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    if (acc == nullptr) continue;
+    for (const auto& hook : acc->post_hooks())
+      if (dynamic_cast<const ReducerHookMarker*>(hook.get()) != nullptr) return list.describe(i);
+  }
+  return {};
+}
+
 template <class State>
-class GradReadyHook final : public torch::autograd::FunctionPostHook {
+class GradReadyHook final : public torch::autograd::FunctionPostHook, public ReducerHookMarker {
  public:
   GradReadyHook(State* state, std::size_t slot) : state_(state), slot_(slot) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
@@ -61,6 +83,14 @@ class ReducerState {
     if (!list_.names.empty() && list_.names.size() != list_.params.size())
       throw InvalidArgument(
           fmt::format("Reducer: {} names for {} parameters", list_.names.size(), list_.params.size()));
+    // Before any collective: every rank of the same program reaches the same verdict.
+    if (const std::string hooked = first_hooked_parameter(list_); !hooked.empty())
+      throw InvalidArgument(fmt::format(
+          "Reducer: {} already belongs to another live loom::Reducer (a second Trainer or Reducer on the same "
+          "model while the first exists); both would take its gradient, and one of them would apply it "
+          "unreduced. Destroy the first before building another (one Trainer per model: keep it, or scope "
+          "each phase's Trainer so it ends before the next begins)",
+          hooked));
     if (options_.check_parameters) check_same_parameters(*comm_, list_);
     if (options_.broadcast_parameters) broadcast_from_rank0(*comm_, list_);
 
@@ -88,7 +118,7 @@ class ReducerState {
     order_ = reverse_order(slots_.size());
     build(assign(order_));
     recording_ = options_.rebuild_buckets;
-    meta_ = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device_));
+    meta_ = at::zeros({kMetaLen}, at::TensorOptions().dtype(at::kLong).device(device_));
     for (std::size_t k = 0; k < slots_.size(); ++k) {
       auto acc = torch::autograd::impl::grad_accumulator(param(k));
       LOOM_ASSERT(acc != nullptr, list_.describe(slots_[k].param));
@@ -111,6 +141,8 @@ class ReducerState {
     if (sync_)
       throw Error("Reducer::prepare_backward: the previous synchronising backward was not closed with finish_window()");
     if (plan.final && !plan.sync) throw InvalidArgument("Reducer::prepare_backward: final = true needs sync = true");
+    if (plan.leaving && !plan.sync)
+      throw InvalidArgument("Reducer::prepare_backward: leaving = true needs sync = true");
     if (plan.window_samples < 0)
       throw InvalidArgument(
           fmt::format("Reducer::prepare_backward: window_samples = {} (must be >= 0)", plan.window_samples));
@@ -134,11 +166,13 @@ class ReducerState {
     }
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
-    const std::int64_t values[2] = {plan.window_samples, plan.final ? 1 : 0};  // [count, final]
+    const std::int64_t values[kMetaLen] = {plan.window_samples, plan.final ? 1 : 0,
+                                           plan.leaving ? 1 : 0};  // [count, final, leaving]
     if (meta_.is_cpu())
-      std::copy(values, values + 2, meta_.data_ptr<std::int64_t>());
+      std::copy(values, values + kMetaLen, meta_.data_ptr<std::int64_t>());
     else
-      meta_.copy_(at::tensor(std::vector<std::int64_t>(values, values + 2), at::kLong), /*non_blocking=*/false);
+      meta_.copy_(at::tensor(std::vector<std::int64_t>(values, values + kMetaLen), at::kLong),
+                  /*non_blocking=*/false);
     meta_work_ = start(meta_);
   }
 
@@ -153,7 +187,7 @@ class ReducerState {
     if (final_) {  // a flush without backward: skip the buckets when every rank flushes and nobody has a sample
       const at::Tensor m = host_read(meta_);
       const auto* v = m.data_ptr<std::int64_t>();
-      if (v[1] == world && v[0] == 0) {
+      if (v[1] == world && v[0] == 0 && v[2] == 0) {
         r.all_final = true;
         discard_window();
         return r;
@@ -171,16 +205,17 @@ class ReducerState {
       average_bucket(buckets_[bi]);
     }
 
-    // The window's one host read: count, final flags, used-flags and inf/NaN verdicts, squared norm.
+    // The window's one host read: count, final and leaving flags, used-flags and inf/NaN verdicts, squared norm.
     const std::vector<double> summary = read_summary(clip);
     const double* v = summary.data();
     const auto count = static_cast<std::int64_t>(v[0]);
     const bool no_samples = options_.average == Average::samples && count == 0;
     r.global_samples = count;
     r.all_final = static_cast<std::int64_t>(v[1]) == world;
+    r.ranks_leaving = static_cast<std::int64_t>(v[2]);
     bool non_finite = false;
     global_used_.assign(slots_.size(), 0);
-    std::size_t pos = 2;
+    std::size_t pos = kMetaLen;
     for (const auto& b : buckets_) {
       for (std::size_t j = 0; j < b.slots.size(); ++j) global_used_[b.slots[j]] = v[pos + j] > 0 ? 1 : 0;
       pos += b.slots.size();
@@ -197,7 +232,7 @@ class ReducerState {
           for (auto& b : buckets_) b.head.mul_(coef);
       }
     }
-    if (non_finite || no_samples)
+    if (non_finite || no_samples || r.ranks_leaving > 0)
       for (auto& b : buckets_) b.head.zero_();
     r.non_finite = non_finite;
     r.no_samples = no_samples;
@@ -271,6 +306,7 @@ class ReducerState {
 
  private:
   static constexpr std::size_t kNoSlot = static_cast<std::size_t>(-1);
+  static constexpr std::int64_t kMetaLen = 3;  // the window's [count, final, leaving], summed over ranks
 
   const at::Tensor& param(std::size_t k) const { return list_.params[slots_[k].param]; }
 
@@ -301,10 +337,10 @@ class ReducerState {
   /// gradients): then scalars are read directly instead of computed by device ops.
   bool host_side(const GradBucket& b) const { return meta_.is_cpu() && b.flat.is_cpu(); }
 
-  /// The window's summary as float64 on the host, in this order: count, number of final ranks, then
-  /// per bucket its used-flags (summed over ranks) and its inf/NaN verdict, then (clipping) the
-  /// squared global norm. One counted read: a device-to-host copy of one small
-  /// tensor, or direct reads of host memory when everything lives there.
+  /// The window's summary as float64 on the host, in this order: count, number of final ranks, number
+  /// of leaving ranks, then per bucket its used-flags (summed over ranks) and its inf/NaN verdict, then
+  /// (clipping) the squared global norm. One counted read: a device-to-host copy of one small tensor,
+  /// or direct reads of host memory when everything lives there.
   std::vector<double> read_summary(bool clip) {
     const bool on_host = meta_.is_cpu() && std::all_of(buckets_.begin(), buckets_.end(),
                                                        [](const GradBucket& b) { return b.flat.is_cpu(); });
@@ -312,7 +348,7 @@ class ReducerState {
     std::vector<double> out;
     if (on_host) {
       const auto* m = meta_.data_ptr<std::int64_t>();
-      out = {static_cast<double>(m[0]), static_cast<double>(m[1])};
+      out = {static_cast<double>(m[0]), static_cast<double>(m[1]), static_cast<double>(m[2])};
       double sumsq = 0;
       for (const auto& b : buckets_) {
         const at::Tensor& tail = b.wire.defined() ? b.wire_tail : b.tail;
@@ -694,7 +730,7 @@ class ReducerState {
   std::vector<std::optional<Work>> works_;
   std::optional<Work> meta_work_;
   std::vector<char> global_used_;
-  at::Tensor meta_;              // int64 [window samples, final flag] on device_
+  at::Tensor meta_;              // int64 [window samples, final flag, leaving flag] on device_
   std::vector<Factor> factors_;  // this window's factors, per dtype / device
   std::vector<GradAccumulatorPtr> accumulators_;
   std::vector<std::uintptr_t> keys_;
