@@ -308,9 +308,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     train_loss = metrics.mean("loss");
     last = evaluate();
     epochs_done = e + 1;
-    st.cursor = loader.sampler().cursor();  // the end of epoch e: resumes at epoch e + 1, step 0
-    st.cursor.epoch = e + 1;
-    st.cursor.step = 0;
+    st.cursor = loader.sampler().cursor();  // after epoch e's last step: epoch e + 1, step 0
     st.seconds = seconds_before + seconds_since(start);
     if (pg.rank() == 0) save_checkpoint(checkpoint, model, &opt, st);
     log.info(

@@ -468,3 +468,113 @@ TEST_CASE("rank_cuda_device: LOCAL_RANK among CUDA_VISIBLE_DEVICES; too few GPUs
   CHECK_THROWS_WITH_AS(loom::ProcessGroup::resolve(env(0, 2), {.backend = loom::Backend::local}),
                        doctest::Contains("world size 1, not 2"), loom::ConfigError);
 }
+
+TEST_CASE("Trainer and BatchLoader: one resume path; the loop must start at the cursor's epoch") {
+  loom::LocalCommunicator comm;
+  // The cursor after 3 steps of epoch 1.
+  loom::GlobalCursor cursor;
+  {
+    Setup s;
+    for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) s.trainer.backward(s.loss(b), b);
+    s.trainer.on_step([&](const loom::SyncResult&) {
+      if (s.trainer.steps() == s.loader.sampler().num_steps() + 3) {
+        cursor = s.loader.sampler().cursor();
+        s.trainer.stop();
+      }
+    });
+    for (loom::Batch& b : s.trainer.epoch(s.loader, 1)) s.trainer.backward(s.loss(b), b);
+    REQUIRE(s.trainer.stopped());
+  }
+  REQUIRE(cursor.epoch == 1);
+  REQUIRE(cursor.step == 3);
+  for (const bool through_sampler : {false, true}) {
+    CAPTURE(through_sampler);
+    Setup s;
+    if (through_sampler)
+      s.loader.sampler().resume(cursor);  // the form docs/elastic.md also offers
+    else
+      s.loader.resume(cursor);
+    int64_t samples = 0;
+    for (loom::Batch& b : s.trainer.epoch(s.loader, cursor.epoch)) {
+      s.trainer.backward(s.loss(b), b);
+      samples += b.num_samples;
+    }
+    CHECK(s.trainer.steps() == s.loader.sampler().num_steps() - 3);
+    int64_t skipped = 0;
+    for (int64_t k = 0; k < 3; ++k) skipped += s.loader.sampler().plan().steps[static_cast<std::size_t>(k)].num_samples;
+    CHECK(samples == loom::test::kTrainerSamples - skipped);
+  }
+  SUBCASE("a loop that starts at another epoch than the cursor's") {
+    Setup s;
+    s.loader.resume(cursor);
+    CHECK_THROWS_WITH_AS((void)s.trainer.epoch(s.loader, 0),
+                         doctest::Contains("start the epoch loop at the cursor's epoch (1)"), loom::InvalidArgument);
+  }
+  SUBCASE("a cursor taken after an epoch's last step resumes at the next epoch's first step") {
+    Setup s;
+    loom::GlobalCursor end;
+    for (loom::Batch& b : s.trainer.epoch(s.loader, 0)) s.trainer.backward(s.loss(b), b);
+    end = s.loader.sampler().cursor();
+    CHECK(end.epoch == 1);
+    CHECK(end.step == 0);
+    Setup t;
+    t.loader.resume(end);
+    loom::Metrics metrics(comm);
+    for (int64_t e = end.epoch; e < 2; ++e)  // the natural loop
+      for (loom::Batch& b : t.trainer.epoch(t.loader, e)) {
+        auto loss = t.loss(b);
+        t.trainer.backward(loss, b);
+        metrics.add("loss", loss, b);
+      }
+    CHECK(metrics.weight("loss") == static_cast<double>(loom::test::kTrainerSamples));
+    CHECK(t.trainer.steps() == t.loader.sampler().num_steps());
+  }
+}
+
+TEST_CASE("BatchLoader: a sample of another shape than declared, and a target of another dtype, are named") {
+  loom::LocalCommunicator comm;
+  auto fetch = [](int64_t i) {
+    auto [x, y] = loom::test::trainer_sample(i);
+    if (i == 4) x = x.narrow(0, 0, 2);  // declared 3 x 3 (trainer_length(4) == 3)
+    return std::make_pair(x, y);
+  };
+  loom::BatchLoader loader(comm, loom::test::trainer_shapes(), fetch, loom::test::kTrainerPlan);
+  auto run = [&] {
+    while (auto item = loader.sampler().next())
+      if (!item->idle) (void)loader.load(*item);
+  };
+  CHECK_THROWS_WITH_AS(run(),
+                       doctest::Contains("fetch(4) returned a sample of shape [2, 3], but its declared shape "
+                                         "(shapes[4]) is [3, 3]"),
+                       loom::InvalidArgument);
+  const std::vector<std::pair<at::Tensor, at::Tensor>> mixed = {{torch::zeros({2}), torch::zeros({3}, torch::kDouble)},
+                                                                {torch::zeros({2}), torch::zeros({3}, torch::kFloat)}};
+  const std::vector<int64_t> ids = {7, 8};
+  CHECK_THROWS_WITH_AS(loom::collate(mixed, ids),
+                       doctest::Contains("sample 8: its target is a Float tensor [3], but sample 7's is a Double "
+                                         "tensor [3]"),
+                       loom::InvalidArgument);
+}
+
+TEST_CASE("BatchLoader: a plan that pads gives batches a mask, as padded buckets do") {
+  loom::LocalCommunicator comm;
+  loom::GlobalBatchOptions plan = loom::test::kTrainerPlan;
+  plan.pad = {{.dim = 0, .multiple = 4}};  // lengths 2, 3, 5 pad to 4, 4, 8
+  loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), plan);
+  CHECK(loader.mask());
+  int64_t batches = 0;
+  while (auto item = loader.sampler().next()) {
+    if (item->idle) continue;
+    const loom::Batch b = loader.load(*item);
+    REQUIRE(b.mask.defined());
+    CHECK(b.mask.sizes() == b.data.sizes());
+    // Real elements: each sample's own length times 3 features.
+    int64_t real = 0;
+    for (int64_t i : item->indices) real += loom::test::trainer_length(i) * loom::test::kIn;
+    CHECK(b.mask.sum().item<int64_t>() == real);
+    ++batches;
+  }
+  CHECK(batches == static_cast<int64_t>(loader.sampler().plan().batches.size()));
+  loom::BatchLoader exact(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+  CHECK_FALSE(exact.mask());
+}

@@ -144,7 +144,8 @@ TEST_SUITE("dist") {
         {"rank 1 alone breaks after its first batch", [](int rank, bool) { return rank == 1; }},
     };
     for (const Case& c : cases) {
-      CAPTURE(c.name);
+      const std::string name = c.name;
+      CAPTURE(name);
       const auto started = std::chrono::steady_clock::now();
       loom::test::run_ranks(
           3,
@@ -171,6 +172,58 @@ TEST_SUITE("dist") {
           {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
       // A rank left waiting would have failed with the 30 s collective timeout instead.
       CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(25));
+    }
+  }
+
+  TEST_CASE("ranks that plan differently are a loom error on every rank, naming the rank and what differs") {
+    struct Case {
+      const char* name;
+      const char* expected;
+      void (*change)(int rank, std::vector<std::vector<int64_t>>& shapes, loom::GlobalBatchOptions& plan);
+    };
+    const Case cases[] = {
+        {"a seed taken from the rank", "rank 1 has seed 4, rank 0 has seed 3",
+         [](int rank, std::vector<std::vector<int64_t>>&, loom::GlobalBatchOptions& plan) {
+           plan.seed = 3 + static_cast<uint64_t>(rank);
+         }},
+        {"shapes listed in another order", "rank 1 has fingerprint (options and shapes)",
+         [](int rank, std::vector<std::vector<int64_t>>& shapes, loom::GlobalBatchOptions&) {
+           if (rank == 1) std::reverse(shapes.begin(), shapes.end());
+         }},
+        {"other batching options", "rank 1 has fingerprint (options and shapes)",
+         [](int rank, std::vector<std::vector<int64_t>>&, loom::GlobalBatchOptions& plan) {
+           if (rank == 1) plan.max_samples = 2;
+         }},
+    };
+    for (const Case& c : cases) {
+      const std::string name = c.name;
+      CAPTURE(name);
+      loom::test::run_ranks(
+          2,
+          [&](loom::GlooCommunicator& comm) {
+            loom::test::Mlp model(at::kDouble);
+            torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+            auto shapes = loom::test::trainer_shapes();
+            auto plan = loom::test::kTrainerPlan;
+            c.change(comm.rank(), shapes, plan);
+            // The fetch follows the (possibly reordered) shapes, so only the plan check can object.
+            auto fetch = [&shapes](int64_t i) {
+              auto [x, y] = loom::test::trainer_sample(0);
+              return std::make_pair(torch::zeros(shapes[static_cast<std::size_t>(i)], torch::kDouble), y);
+            };
+            loom::BatchLoader loader(comm, shapes, fetch, plan);
+            loom::Trainer trainer(comm, model.list(), sgd);
+            std::string what = "(no error)";
+            try {
+              (void)trainer.epoch(loader, 0);
+            } catch (const loom::InvalidArgument& e) {
+              what = e.what();
+            }
+            expect(what.find(c.expected) != std::string::npos, fmt::format("rank {}: {}", comm.rank(), what));
+            expect(what.find("Trainer::epoch(0): the ranks plan different steps") != std::string::npos,
+                   fmt::format("rank {}: {}", comm.rank(), what));
+          },
+          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
     }
   }
 

@@ -143,8 +143,10 @@ requires CollatableRange<Range, Projection> Batch collate(const Range& samples, 
       if (target.kind != layout.target_kind || (target.kind == detail::TargetValue::Kind::tensor &&
                                                 (target.tensor.sizes() != c10::IntArrayRef(layout.target_shape) ||
                                                  target.tensor.scalar_type() != layout.target_dtype)))
-        throw InvalidArgument(fmt::format(
-            "collate: sample {}: its target differs in kind, shape or dtype from sample {}'s", index, indices[0]));
+        throw InvalidArgument(
+            fmt::format("collate: sample {}: its target is {}, but sample {}'s is {}", index,
+                        detail::target_text(target.kind, target.tensor), indices[0],
+                        detail::target_text(layout.target_kind, layout.target_shape, layout.target_dtype)));
     }
     if (!given) {
       if (layout.padded.empty()) layout.padded.assign(t.sizes().begin(), t.sizes().end());

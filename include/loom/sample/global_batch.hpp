@@ -19,8 +19,8 @@
 //   // later, on any number of ranks:  sampler.resume(cursor);
 //
 // The plan (world-size free):
-//   1. Samples are visited in a seeded order (a permutation seeded seed + epoch; dataset order
-//      without shuffle) and grouped into batches by the collators' BucketPlanner rules (exact-shape
+//   1. Samples are visited in a seeded order (a permutation from a generator seeded with all 64
+//      bits of seed + epoch, loom::generator64; dataset order without shuffle) and grouped into batches by the collators' BucketPlanner rules (exact-shape
 //      or padded buckets, max_samples / max_elements, partial buckets flushed: nothing is lost
 //      unless drop_incomplete or OversizePolicy::skip ask for it, and plan().stats counts them).
 //   2. The batches are shuffled with the same generator (shuffle only).
@@ -37,16 +37,24 @@
 //   weight 0 otherwise, so the step's gradient, divided by its global sample count
 //   (ReducerOptions::average = samples), is the same on any world size up to summation order.
 // Resume: cursor() = (seed, epoch, next step, fingerprint of the options and shapes), a few integers
-//   that do not mention the world size; resume(cursor) on any world size continues at that step.
-//   state()/load_state() resume mid-step at the same world size (ResumableSampler).
+//   that do not mention the world size; resume(cursor) on any world size continues at that step. A
+//   cursor taken after an epoch's last step is the next epoch's step 0. After resume(), the next
+//   set_epoch() must name the cursor's epoch and keeps the resumed position (a loop that calls
+//   set_epoch(e) at the top of each epoch, as with torch's DistributedSampler, resumes as meant);
+//   another epoch is loom::InvalidArgument. state()/load_state() resume mid-step at the same world
+//   size (ResumableSampler).
+// Ranks must plan alike: check_same_plan(comm, sampler) compares seed, epoch, step, fingerprint,
+//   dealing and world size across ranks in one small all_gather (loom::Trainer runs it per epoch).
 //
 // Units: steps are optimizer steps (equal on every rank); size() counts this rank's items.
 // Throws: loom::InvalidArgument for an empty dataset, world_size < 1, rank outside [0, world_size),
 //         bad batching options (as the collators), no step rule, a negative epoch, a cursor or
-//         state of another configuration (naming what differs).
+//         state of another configuration (naming what differs), set_epoch after resume() to
+//         another epoch, ranks that plan differently (check_same_plan).
 // Source: the world-size-free global batch follows MosaicML streaming's deterministic sample order
 //         across device counts, generalised to variable-shape batches; LPT dealing is Graham's
-//         longest-processing-time-first rule; seeding as torch's DistributedSampler (seed + epoch).
+//         longest-processing-time-first rule; seeding as torch's DistributedSampler (seed + epoch),
+//         with all 64 bits of the seed.
 #pragma once
 
 #include <algorithm>
@@ -70,6 +78,7 @@
 #include <loom/error.hpp>
 #include <loom/sample/bucket_batch.hpp>
 #include <loom/sample/concepts.hpp>
+#include <loom/sample/sample_seed.hpp>
 
 namespace loom {
 
@@ -232,7 +241,7 @@ inline EpochPlan plan_epoch(const std::vector<std::vector<int64_t>>& shapes, con
   std::vector<int64_t> order(static_cast<std::size_t>(n));
   at::Generator gen;
   if (o.shuffle) {
-    gen = at::make_generator<at::CPUGeneratorImpl>(o.seed + static_cast<uint64_t>(epoch));
+    gen = generator64(o.seed + static_cast<uint64_t>(epoch));
     const at::Tensor p = at::randperm(n, gen, at::TensorOptions(at::kLong));
     const auto* ptr = p.data_ptr<int64_t>();
     order.assign(ptr, ptr + n);
@@ -377,9 +386,20 @@ class GlobalBatchSampler {
   GlobalBatchSampler(const C& comm, std::vector<std::vector<int64_t>> shapes, GlobalBatchOptions o)
       : GlobalBatchSampler(std::move(shapes), with_comm(comm, std::move(o))) {}
 
-  /// Selects the epoch and rewinds to its first step.
+  /// Selects the epoch and rewinds to its first step; right after resume(), keeps the resumed
+  /// position when `epoch` is the cursor's.
+  /// Throws: loom::InvalidArgument for a negative epoch, or another epoch than a pending resume's.
   void set_epoch(int64_t epoch) {
     if (epoch < 0) throw InvalidArgument(fmt::format("GlobalBatchSampler: epoch {} is negative", epoch));
+    if (resume_pending_) {
+      if (epoch != plan_.epoch)
+        throw InvalidArgument(fmt::format(
+            "GlobalBatchSampler::set_epoch({}): the sampler was resumed at epoch {}, step {} (resume(cursor)), so "
+            "this loop would silently retrain or skip epochs; start the epoch loop at the cursor's epoch ({})",
+            epoch, plan_.epoch, step_, plan_.epoch));
+      resume_pending_ = false;
+      return;
+    }
     if (epoch != plan_.epoch || plan_.steps.empty()) {
       plan_ = plan_epoch(shapes_, o_, epoch);
       epoch_size_ = 0;
@@ -411,6 +431,7 @@ class GlobalBatchSampler {
 
   /// This rank's next item, or nullopt at the end of the epoch.
   std::optional<SampledBatch> next() {
+    resume_pending_ = false;
     if (step_ >= num_steps()) return std::nullopt;
     SampledBatch s;
     s.step = step_;
@@ -436,13 +457,20 @@ class GlobalBatchSampler {
 
   /// The first step not yet finished by this rank, as a world-size-free cursor. Taken right after a
   /// step's last item (a step boundary) it is the next step to run; mid-step it is the current one
-  /// (resuming reruns the whole step, which was never applied).
-  [[nodiscard]] GlobalCursor cursor() const { return {o_.seed, plan_.epoch, step_, fingerprint_}; }
+  /// (resuming reruns the whole step, which was never applied); after the epoch's last step it is
+  /// step 0 of the next epoch.
+  [[nodiscard]] GlobalCursor cursor() const {
+    if (step_ >= num_steps()) return {o_.seed, plan_.epoch + 1, 0, fingerprint_};
+    return {o_.seed, plan_.epoch, step_, fingerprint_};
+  }
 
-  /// Continues at `c.step` of `c.epoch` on this sampler's world size.
+  /// Continues at `c.step` of `c.epoch` on this sampler's world size (step = that epoch's number of
+  /// steps means the next epoch's step 0). The next set_epoch() keeps this position if it names the
+  /// epoch resumed at (see the file comment).
   /// Throws: loom::InvalidArgument when `c` came from another seed, options or shapes, or its step
   ///         is outside [0, steps of that epoch].
   void resume(const GlobalCursor& c) {
+    resume_pending_ = false;
     if (c.seed != o_.seed)
       throw InvalidArgument(
           fmt::format("GlobalBatchSampler::resume: the cursor has seed {}, this sampler {}", c.seed, o_.seed));
@@ -455,9 +483,17 @@ class GlobalBatchSampler {
     if (c.step < 0 || c.step > num_steps())
       throw InvalidArgument(fmt::format("GlobalBatchSampler::resume: step {} is outside [0, {}] for epoch {}", c.step,
                                         num_steps(), c.epoch));
-    position_ = items_before(c.step);
-    seek(c.step);
+    if (c.step == num_steps()) {
+      set_epoch(c.epoch + 1);
+    } else {
+      position_ = items_before(c.step);
+      seek(c.step);
+    }
+    resume_pending_ = true;
   }
+
+  /// The shapes the plan was made from (`shapes()[i]`: dataset sample i's shape).
+  [[nodiscard]] const std::vector<std::vector<int64_t>>& shapes() const noexcept { return shapes_; }
 
   /// Position for ResumableSampler (same world size and rank; exact to the item).
   [[nodiscard]] SamplerState state() const {
@@ -470,6 +506,7 @@ class GlobalBatchSampler {
   /// Resumes at the saved epoch and item. Throws loom::InvalidArgument for a state of another
   /// configuration (world size and rank included: use resume(cursor) to change them).
   void load_state(const SamplerState& st) {
+    resume_pending_ = false;
     SamplerState config_only = st;
     config_only.position = 0;
     detail::check_state_matches(config_only, identity(), 0, "GlobalBatchSampler");
@@ -531,8 +568,51 @@ class GlobalBatchSampler {
   int64_t within_ = 0;            // index into current_
   int64_t position_ = 0;          // items yielded this epoch
   std::vector<int64_t> current_;  // this rank's batch positions in step_
+  bool resume_pending_ = false;   // resume() ran and no set_epoch() / next() since
 };
 
 static_assert(ResumableSampler<GlobalBatchSampler>);
+
+/// Checks that every rank's sampler plans the same steps: seed, epoch, next step, fingerprint
+/// (options and shapes, in order), dealing and world size, compared with rank 0's in one all_gather
+/// of 6 int64 values on comm.device(). Call it on every rank at the same point (loom::Trainer::epoch
+/// does, once per epoch).
+///
+/// Example: `sampler.set_epoch(e); loom::check_same_plan(comm, sampler, "my loop");`
+/// Throws: loom::InvalidArgument on every rank when a rank differs, naming the first such rank,
+///         what differs and both values (a seed taken from the rank, shapes listed in another
+///         order, other batching options would each make ranks train some samples twice and others
+///         never); the communicator's errors.
+template <Communicator C>
+void check_same_plan(C& comm, const GlobalBatchSampler& sampler, std::string_view where) {
+  const GlobalCursor c = sampler.cursor();
+  const GlobalBatchOptions& o = sampler.options();
+  // The position check uses the step the sampler stands at (cursor() maps an epoch's end forward).
+  const int64_t mine[6] = {static_cast<int64_t>(c.seed),
+                           sampler.epoch(),
+                           c.epoch == sampler.epoch() ? c.step : sampler.num_steps(),
+                           static_cast<int64_t>(c.fingerprint),
+                           static_cast<int64_t>(o.dealing),
+                           static_cast<int64_t>(o.world_size)};
+  at::Tensor local = at::tensor(std::vector<int64_t>(mine, mine + 6), at::kLong).to(comm.device());
+  const std::vector<at::Tensor> all = comm.all_gather(local);
+  static constexpr const char* kNames[6] = {"seed",    "epoch",     "step", "fingerprint (options and shapes)",
+                                            "dealing", "world size"};
+  const at::Tensor first = all[0].to(at::kCPU);
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const at::Tensor other = all[r].to(at::kCPU);
+    for (int64_t k = 0; k < 6; ++k) {
+      const int64_t a = first.data_ptr<int64_t>()[k], b = other.data_ptr<int64_t>()[k];
+      if (a == b) continue;
+      const bool unsigned_value = k == 0 || k == 3;
+      throw InvalidArgument(fmt::format(
+          "{}: the ranks plan different steps: rank {} has {} {}, rank 0 has {} {} (every rank must build its "
+          "sampler or loader with the same seed, options and shapes in the same order, and start the same epoch "
+          "and step; otherwise some samples are trained twice and others never)",
+          where, r, kNames[k], unsigned_value ? fmt::format("{}", static_cast<uint64_t>(b)) : fmt::format("{}", b),
+          kNames[k], unsigned_value ? fmt::format("{}", static_cast<uint64_t>(a)) : fmt::format("{}", a)));
+    }
+  }
+}
 
 }  // namespace loom

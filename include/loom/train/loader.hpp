@@ -16,8 +16,11 @@
 //   LoaderOptions::device says so), they are collated into pinned memory and copied with
 //   non_blocking = true (the copy overlaps with the host's next work; the pinned buffer lives
 //   until the copy finished: LibTorch's host allocator records the stream).
-// Shape: as loom::collate_sampled (Batch::data N x planned padded shape, targets, mask on demand).
-// Throws: the sampler's, the fetch function's and collation's errors (naming the sample index).
+// Shape: as loom::collate_sampled (Batch::data N x planned padded shape, targets); Batch::mask
+//   (bool, true = real) whenever the plan pads (GlobalBatchOptions::pad), or when collate.mask asks.
+//   Each fetched sample must have its declared shape (shapes[i]) exactly.
+// Throws: the sampler's, the fetch function's and collation's errors (naming the sample index); a
+//   fetched sample whose shape is not its declared one (loom::InvalidArgument naming both).
 // Source: torch.utils.data.DataLoader with pin_memory=True and a batch_sampler.
 #pragma once
 
@@ -29,6 +32,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Device.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <loom/collate/batch.hpp>
 #include <loom/collate/collator.hpp>
@@ -41,7 +46,10 @@ namespace loom {
 
 /// Options of BatchLoader beyond the plan; use with designated initializers.
 struct LoaderOptions {
-  CollateOptions collate{};             ///< pad value, mask, pool / allocator (padded_shape comes from the plan)
+  CollateOptions collate{};  ///< pad value, mask, pool / allocator (padded_shape comes from the plan);
+                             ///< a plan that pads (GlobalBatchOptions::pad) always gets Batch::mask,
+                             ///< as padded buckets do by default
+
   std::optional<c10::Device> device{};  ///< where batches go; default: the process group's device
 };
 
@@ -61,6 +69,7 @@ class BatchLoader {
         options_(std::move(options)),
         projection_(std::move(projection)),
         device_(options_.device.value_or(comm.device())) {
+    if (!sampler_.options().pad.empty()) options_.collate.mask = true;  // padded plans: a mask, as padded buckets
     if (device_.is_cuda() && !options_.collate.allocate && !options_.collate.pool)
       options_.collate.allocate = [](c10::IntArrayRef sizes, c10::ScalarType dtype) {
         return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(true));
@@ -68,8 +77,15 @@ class BatchLoader {
   }
 
   /// The collated batch of one sampler item (an idle item gives an empty Batch with weight 0).
+  /// Throws: loom::InvalidArgument when a fetched sample's shape is not its declared one
+  ///         (shapes[i]), naming the index and both shapes; collation's errors.
   [[nodiscard]] Batch load(const SampledBatch& item) {
-    Batch b = collate_sampled(item, fetch_, options_.collate, projection_);
+    auto checked = [this](int64_t i) {
+      auto sample = fetch_(i);
+      check_declared_shape(i, projection_.data(sample));
+      return sample;
+    };
+    Batch b = collate_sampled(item, checked, options_.collate, projection_);
     if (!device_.is_cpu() && b.data.defined()) {
       b.data = b.data.to(device_, /*non_blocking=*/true);
       if (b.targets.defined()) b.targets = b.targets.to(device_, /*non_blocking=*/true);
@@ -79,30 +95,38 @@ class BatchLoader {
   }
 
   [[nodiscard]] GlobalBatchSampler& sampler() noexcept { return sampler_; }
+  /// Whether batches carry Batch::mask (see LoaderOptions).
+  [[nodiscard]] bool mask() const noexcept { return options_.collate.mask; }
   [[nodiscard]] const GlobalBatchSampler& sampler() const noexcept { return sampler_; }
   /// Where batches are delivered.
   [[nodiscard]] c10::Device device() const noexcept { return device_; }
 
   /// Continues at a saved cursor: the next Trainer::epoch(loader, cursor.epoch) starts at its step
-  /// instead of the epoch's first. Throws as GlobalBatchSampler::resume.
-  void resume(const GlobalCursor& cursor) {
-    sampler_.resume(cursor);
-    resumed_epoch_ = cursor.epoch;
-  }
+  /// instead of the epoch's first (the same as loader.sampler().resume(cursor)).
+  /// Throws as GlobalBatchSampler::resume.
+  void resume(const GlobalCursor& cursor) { sampler_.resume(cursor); }
 
-  /// Prepares epoch `epoch` (rewinds, unless resume() pointed into it); used by Trainer::epoch.
-  void begin_epoch(int64_t epoch) {
-    if (resumed_epoch_ != epoch) sampler_.set_epoch(epoch);
-    resumed_epoch_.reset();
-  }
+  /// Prepares epoch `epoch` (rewinds, unless a resume pointed into it); used by Trainer::epoch.
+  /// Throws: loom::InvalidArgument when a resume pointed into another epoch (GlobalBatchSampler::set_epoch).
+  void begin_epoch(int64_t epoch) { sampler_.set_epoch(epoch); }
 
  private:
+  // The plan batches and pads by the declared shapes: a sample of another shape would be padded
+  // (or cut) silently.
+  void check_declared_shape(int64_t i, const at::Tensor& data) const {
+    const auto& declared = sampler_.shapes()[static_cast<std::size_t>(i)];
+    if (data.sizes() != c10::IntArrayRef(declared))
+      throw InvalidArgument(fmt::format(
+          "BatchLoader: fetch({}) returned a sample of shape [{}], but its declared shape (shapes[{}]) is [{}]; the "
+          "plan batches and pads samples by their declared shapes, so declare each sample's real shape",
+          i, fmt::join(data.sizes(), ", "), i, fmt::join(declared, ", ")));
+  }
+
   GlobalBatchSampler sampler_;
   Fetch fetch_;
   LoaderOptions options_;
   Projection projection_;
   c10::Device device_;
-  std::optional<int64_t> resumed_epoch_;
 };
 
 }  // namespace loom

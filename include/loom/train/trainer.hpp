@@ -69,7 +69,7 @@
 //
 // Cost: one Accumulator micro-batch per batch (the callgrind comparison of
 // scripts/callgrind_overhead.sh holds this layer to the hand-written loop); one tiny collective per
-// epoch end.
+// epoch end, and one all_gather of 6 integers per epoch start (the plan check).
 // Throws: see above; the reducer's, accumulator's, loader's and optimizer's errors.
 // Source: the short path over a low-level layer of HF Accelerate (accumulate / backward /
 //         gather_for_metrics) and Lightning Fabric (backward, no_backward_sync).
@@ -81,6 +81,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -96,6 +97,7 @@
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/bucket_batch.hpp>
+#include <loom/sample/global_batch.hpp>
 
 namespace loom {
 
@@ -185,7 +187,11 @@ class Trainer {
 
   /// The loop over this rank's batches of epoch `epoch` (see EpochRange). Parameters may be changed between epochs (a checkpoint loaded, an evaluation's write-back):
   /// the check for changes outside the optimizer step starts afresh here.
-  /// Throws: loom::Error when this Trainer refuses further use (a previous loop was left early).
+  /// Every rank must plan alike: one all_gather of 6 integers compares the loader's plan (seed, epoch,
+  /// step, options and shapes, dealing, world size) across ranks (loom::check_same_plan).
+  /// Throws: loom::Error when this Trainer refuses further use (a previous loop was left early);
+  ///         loom::InvalidArgument when the ranks plan differently, or the loader was resumed into
+  ///         another epoch (the loader's errors).
   template <class Loader>
   [[nodiscard]] EpochRange<Trainer, Loader> epoch(Loader& loader, int64_t epoch) {
     if (!broken_.empty())
@@ -195,6 +201,8 @@ class Trainer {
     stopped_ = false;
     loader.begin_epoch(epoch);
     epoch_ = epoch;
+    if constexpr (requires { check_same_plan(*comm_, loader.sampler(), std::string_view{}); })
+      check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch));
     record_parameter_versions();
     return EpochRange<Trainer, Loader>(this, &loader);
   }

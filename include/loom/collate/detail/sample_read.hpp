@@ -8,10 +8,12 @@
 
 #include <concepts>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include <ATen/core/Tensor.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <loom/collate/sample.hpp>
 #include <loom/error.hpp>
@@ -32,6 +34,21 @@ struct TargetValue {
     return nullptr;
   }
 };
+
+/// "an int64 label", "no target" or "a Float tensor [2, 3]": a target's kind, dtype and shape, for messages.
+inline std::string target_text(TargetValue::Kind kind, c10::IntArrayRef shape, c10::ScalarType dtype) {
+  switch (kind) {
+    case TargetValue::Kind::none: return "no target";
+    case TargetValue::Kind::integer: return "an int64 label";
+    case TargetValue::Kind::tensor:
+      return fmt::format("a {} tensor [{}]", c10::toString(dtype), fmt::join(shape, ", "));
+  }
+  return "?";
+}
+inline std::string target_text(TargetValue::Kind kind, const at::Tensor& tensor) {
+  return kind == TargetValue::Kind::tensor ? target_text(kind, tensor.sizes(), tensor.scalar_type())
+                                           : target_text(kind, {}, c10::ScalarType::Undefined);
+}
 
 /// Converts what a projection's target() returned. Throws loom::InvalidArgument (naming
 /// `who` and the sample index) for an undefined or non-CPU target tensor.
