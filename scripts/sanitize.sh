@@ -30,8 +30,10 @@ lock=${LOOM_BUILD_LOCK:-/tmp/loom-build.lock}
 
 # The test executables and the meson test entries that run them.
 targets=(tests/comm/test_comm tests/dist/test_dist tests/log/test_log tests/collate/test_collate
-         tests/sample/test_sample tests/reduce/test_reduce tests/schedule/test_schedule)
-suites=(comm dist log collate sample sample_dist reduce reduce-dist schedule schedule_rank)
+         tests/sample/test_sample tests/reduce/test_reduce tests/accumulate/test_accumulate
+         tests/train/test_train tests/schedule/test_schedule)
+suites=(comm dist log collate sample sample_dist reduce reduce-dist accumulate accumulate-dist train train-dist
+        schedule schedule_rank)
 
 start=$(date +%s)
 phase() { echo "[sanitize +$(($(date +%s) - start))s] $*"; }
