@@ -1,7 +1,9 @@
 // loom::Trainer, BatchLoader, Metrics and run() in one process: the short path equals the
 // hand-written low-level loop bit for bit, and each protocol step a loop could forget is a loom
 // error naming it (or does not compile). Multi-rank twins: test_trainer_dist.cpp.
+#include <cmath>
 #include <iterator>
+#include <optional>
 #include <ranges>
 #include <stdexcept>
 
@@ -577,4 +579,75 @@ TEST_CASE("BatchLoader: a plan that pads gives batches a mask, as padded buckets
   CHECK(batches == static_cast<int64_t>(loader.sampler().plan().batches.size()));
   loom::BatchLoader exact(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
   CHECK_FALSE(exact.mask());
+}
+
+TEST_CASE("Trainer: the loss scaler's state resumes with the run") {
+  // float32, a first scale of 2^200: losses times 2^200 and 2^150 overflow float32 (max ~2^128),
+  // so the first two steps are skipped (backoff 2^-50 each); from 2^100 on every step is finite and
+  // the scale doubles every 4 of them. Interrupted after epoch 0, a resumed
+  // run equals the uninterrupted one only when the scaler's state comes back too.
+  loom::LocalCommunicator comm;
+  const loom::LossScalerOptions scaling{.init_scale = std::ldexp(1.0, 200),
+                                        .growth_factor = 2.0,
+                                        .backoff_factor = std::ldexp(1.0, -50),
+                                        .growth_interval = 4};
+  auto fetch = [](int64_t i) {
+    auto [x, y] = loom::test::trainer_sample(i);
+    return std::make_pair(x.to(torch::kFloat), y.to(torch::kFloat));
+  };
+  struct Run {
+    std::vector<at::Tensor> params;
+    int64_t steps = 0, skipped = 0;
+    loom::LossScalerState scaler;
+    loom::GlobalCursor cursor;
+  };
+  // Epochs [first, last) from `start` (parameters, or the Mlp's own), with the scaler's state when given.
+  auto run = [&](int64_t first, int64_t last, const std::vector<at::Tensor>* start,
+                 std::optional<loom::LossScalerState> state, std::optional<loom::GlobalCursor> cursor) {
+    loom::test::Mlp model(at::kFloat);
+    if (start) {
+      torch::NoGradGuard no_grad;
+      for (std::size_t k = 0; k < model.params.size(); ++k) model.params[k].copy_((*start)[k]);
+    }
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), fetch, loom::test::kTrainerPlan);
+    loom::Trainer trainer(comm, model.list(), sgd, {.loss_scaling = scaling});
+    if (state) trainer.load_loss_scaler_state(*state);
+    if (cursor) loader.resume(*cursor);
+    for (int64_t e = first; e < last; ++e)
+      for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loom::test::mean_loss(model, b), b);
+    Run r;
+    for (const auto& p : model.params) r.params.push_back(p.detach().clone());
+    r.steps = trainer.steps();
+    r.skipped = trainer.skipped_steps();
+    r.scaler = *trainer.loss_scaler_state();
+    r.cursor = loader.sampler().cursor();
+    return r;
+  };
+  const Run whole = run(0, 2, nullptr, std::nullopt, std::nullopt);
+  REQUIRE(whole.skipped == 2);
+  REQUIRE(whole.scaler.scale > std::ldexp(1.0, 100));  // it grew after the skips
+  const Run first = run(0, 1, nullptr, std::nullopt, std::nullopt);
+  REQUIRE(first.cursor.epoch == 1);
+  // The state travels as one line of text.
+  const loom::LossScalerState saved = loom::parse_loss_scaler_state(loom::to_string(first.scaler));
+  CHECK(saved == first.scaler);
+  const Run resumed = run(1, 2, &first.params, saved, first.cursor);
+  CHECK(equal_lists(resumed.params, whole.params));
+  CHECK(resumed.scaler == whole.scaler);
+  CHECK(first.skipped + resumed.skipped == whole.skipped);
+  // Without it, the resumed run starts at 2^200 again and skips 2 steps the whole run did not.
+  const Run forgot = run(1, 2, &first.params, std::nullopt, first.cursor);
+  CHECK(forgot.skipped == 2);
+  CHECK_FALSE(equal_lists(forgot.params, whole.params));
+  // Misuse is named.
+  CHECK_THROWS_WITH_AS(loom::parse_loss_scaler_state("loom-loss-scaler v1 scale=1"), doctest::Contains("malformed"),
+                       loom::InvalidArgument);
+  Setup s;  // no loss scaling
+  CHECK_FALSE(s.trainer.loss_scaler_state());
+  CHECK_THROWS_WITH_AS(s.trainer.load_loss_scaler_state(saved), doctest::Contains("has no loss scaler"),
+                       loom::InvalidArgument);
+  loom::LossScaler scaler(scaling);
+  CHECK_THROWS_WITH_AS(scaler.load_state({.scale = 1.0, .good_steps = 4}),
+                       doctest::Contains("good_steps = 4 (must be in [0, 4))"), loom::InvalidArgument);
 }

@@ -273,6 +273,10 @@ class Accumulator {
 
   /// The loss scale the current window's losses must be multiplied by (1 without loss scaling).
   [[nodiscard]] double loss_scale() const noexcept { return scaler_ ? scaler_->scale() : 1.0; }
+  /// The loss scaler (AccumulatorOptions::loss_scaling), or nullptr without loss scaling. Its state()
+  /// belongs in a checkpoint; load_state() it when resuming.
+  [[nodiscard]] LossScaler* loss_scaler() noexcept { return scaler_ ? &*scaler_ : nullptr; }
+  [[nodiscard]] const LossScaler* loss_scaler() const noexcept { return scaler_ ? &*scaler_ : nullptr; }
   /// Micro-batches in the open window on this rank.
   [[nodiscard]] std::int64_t window_micro_batches() const noexcept { return window_micro_batches_; }
   /// Samples in the open window on this rank.

@@ -10,6 +10,8 @@
 //   scaler.scale(loss).backward();           // loss * 1024
 //   scaler.update(/*found_non_finite=*/true); // scale() == 512
 //
+// Resume: state() / load_state() (LossScalerState, one line of text with to_string) belong in every
+//   checkpoint of a run that scales its loss.
 // Units: the scale is a pure factor; growth_interval counts optimizer steps.
 // Throws: loom::InvalidArgument for options outside their ranges (named with the value).
 // Source: torch.cuda.amp.GradScaler (init 2^16, growth 2, backoff 0.5, interval 2000).
@@ -17,6 +19,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <string>
+#include <string_view>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -35,6 +40,36 @@ struct LossScalerOptions {
   double backoff_factor = 0.5;          ///< applied once per skipped (non-finite) step, in (0, 1]
   std::int64_t growth_interval = 2000;  ///< finite steps between growths (>= 1)
 };
+
+/// What a resumed run needs of a LossScaler: the scale and the finite steps since the last change.
+/// Part of a checkpoint: without it a resumed run restarts at init_scale and skips steps the
+/// uninterrupted run did not.
+///
+/// Example: `loom::to_string(s)` -> "loom-loss-scaler v1 scale=512 good_steps=37".
+struct LossScalerState {
+  double scale = 65536.0;
+  std::int64_t good_steps = 0;
+
+  friend bool operator==(const LossScalerState&, const LossScalerState&) = default;
+};
+
+/// One line of text for a LossScalerState (for a checkpoint file); the scale is written exactly
+/// (hexadecimal floating point).
+inline std::string to_string(const LossScalerState& s) {
+  return fmt::format("loom-loss-scaler v1 scale={:a} good_steps={}", s.scale, s.good_steps);
+}
+
+/// Parses the text of to_string(LossScalerState). Throws loom::InvalidArgument quoting the text.
+inline LossScalerState parse_loss_scaler_state(std::string_view text) {
+  const std::string s(text);
+  double scale = 0;
+  long long good = 0;
+  char tail = 0;
+  if (std::sscanf(s.c_str(), "loom-loss-scaler v1 scale=%la good_steps=%lld%c", &scale, &good, &tail) != 2)
+    throw InvalidArgument(
+        fmt::format("loss scaler state '{}' is malformed (expected 'loom-loss-scaler v1 scale=S good_steps=N')", text));
+  return {.scale = scale, .good_steps = good};
+}
 
 /// Dynamic loss scale. See the file comment.
 ///
@@ -79,6 +114,21 @@ class LossScaler {
 
   /// Finite steps since the last growth or backoff.
   [[nodiscard]] std::int64_t good_steps() const noexcept { return good_steps_; }
+
+  /// The state a resumed run needs (see LossScalerState).
+  [[nodiscard]] LossScalerState state() const noexcept { return {.scale = scale_, .good_steps = good_steps_}; }
+
+  /// Continues from a saved state. Throws: loom::InvalidArgument for a scale that is not finite and
+  /// > 0, or good_steps outside [0, growth_interval).
+  void load_state(const LossScalerState& s) {
+    if (!(s.scale > 0) || !std::isfinite(s.scale))
+      throw InvalidArgument(fmt::format("LossScaler::load_state: scale = {} (must be finite and > 0)", s.scale));
+    if (s.good_steps < 0 || s.good_steps >= options_.growth_interval)
+      throw InvalidArgument(fmt::format("LossScaler::load_state: good_steps = {} (must be in [0, {}))", s.good_steps,
+                                        options_.growth_interval));
+    scale_ = s.scale;
+    good_steps_ = s.good_steps;
+  }
   [[nodiscard]] const LossScalerOptions& options() const noexcept { return options_; }
 
  private:

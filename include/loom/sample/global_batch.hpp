@@ -69,6 +69,7 @@
 #include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/randperm.h>
 #include <fmt/format.h>
 
@@ -594,7 +595,9 @@ void check_same_plan(C& comm, const GlobalBatchSampler& sampler, std::string_vie
                            static_cast<int64_t>(c.fingerprint),
                            static_cast<int64_t>(o.dealing),
                            static_cast<int64_t>(o.world_size)};
-  at::Tensor local = at::tensor(std::vector<int64_t>(mine, mine + 6), at::kLong).to(comm.device());
+  at::Tensor local = at::empty({6}, at::TensorOptions(at::kLong));
+  std::copy(mine, mine + 6, local.data_ptr<int64_t>());
+  local = local.to(comm.device());
   const std::vector<at::Tensor> all = comm.all_gather(local);
   static constexpr const char* kNames[6] = {"seed",    "epoch",     "step", "fingerprint (options and shapes)",
                                             "dealing", "world size"};

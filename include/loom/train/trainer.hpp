@@ -269,6 +269,21 @@ class Trainer {
   [[nodiscard]] int64_t steps() const noexcept { return steps_; }
   /// Steps skipped because some rank had inf/NaN gradients.
   [[nodiscard]] int64_t skipped_steps() const noexcept { return skipped_; }
+  /// The loss scaler's state (TrainerOptions::loss_scaling), for a checkpoint; nullopt without loss scaling.
+  [[nodiscard]] std::optional<LossScalerState> loss_scaler_state() const {
+    const LossScaler* s = accumulator_.loss_scaler();
+    return s ? std::optional<LossScalerState>(s->state()) : std::nullopt;
+  }
+  /// Continues the loss scaler from a checkpoint's state (call before the first epoch loop).
+  /// Throws: loom::InvalidArgument without TrainerOptions::loss_scaling, or for a bad state.
+  void load_loss_scaler_state(const LossScalerState& state) {
+    LossScaler* s = accumulator_.loss_scaler();
+    if (s == nullptr)
+      throw InvalidArgument(
+          "Trainer::load_loss_scaler_state: this Trainer has no loss scaler (TrainerOptions::loss_scaling unset)");
+    s->load_state(state);
+  }
+
   /// The SyncResult of the last boundary or micro-batch.
   [[nodiscard]] const SyncResult& last_step() const noexcept { return last_; }
   [[nodiscard]] ReducerType& reducer() noexcept { return reducer_; }
