@@ -220,8 +220,9 @@ TEST_CASE("GlobalBatchSampler: a cursor from W = 2 resumes on W = 3 and W = 1 wi
     else
       CHECK(c == cursor);
   }
-  // The checkpoint's text survives a round trip.
+  // The checkpoint's text survives a round trip, also as a line read with its newline.
   CHECK(loom::parse_global_cursor(loom::to_string(cursor)) == cursor);
+  CHECK(loom::parse_global_cursor(loom::to_string(cursor) + "\n") == cursor);
   for (int w : {3, 1}) {
     auto resumed = uses;
     for (int r = 0; r < w; ++r) {

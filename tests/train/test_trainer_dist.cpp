@@ -175,6 +175,66 @@ TEST_SUITE("dist") {
     }
   }
 
+  TEST_CASE("a break right after the boundary at which stop() took effect is that stop, on 3 ranks idle in steps") {
+    loom::test::run_ranks(
+        3,
+        [&](loom::GlooCommunicator& comm) {
+          loom::test::Mlp model(at::kDouble);
+          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                   loom::test::kTrainerPlan);
+          loom::Trainer trainer(comm, model.list(), sgd);
+          bool stopping = false;
+          trainer.on_step([&](const loom::SyncResult&) {
+            if (trainer.steps() == 2) {
+              trainer.stop();
+              stopping = true;
+            }
+          });
+          for (loom::Batch& b : trainer.epoch(loader, 0))
+            if (trainer.backward(loom::test::mean_loss(model, b), b).boundary && stopping) break;
+          expect(trainer.stopped() && trainer.steps() == 2,
+                 fmt::format("rank {}: stopped {} after {} steps", comm.rank(), trainer.stopped(), trainer.steps()));
+          trainer.on_step(nullptr);
+          for (loom::Batch& b : trainer.epoch(loader, 1)) trainer.backward(loom::test::mean_loss(model, b), b);
+          for (const auto& p : model.params) {
+            auto all = comm.all_gather(p.detach().contiguous());
+            expect(torch::equal(all[0], all[1]) && torch::equal(all[0], all[2]), "replicas differ");
+          }
+        },
+        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+  }
+
+  TEST_CASE("a rank that cannot prepare the epoch (resumed into another epoch) stops every rank") {
+    loom::GlobalCursor cursor;
+    {
+      loom::GlobalBatchSampler sampler(loom::test::trainer_shapes(), loom::test::kTrainerPlan);
+      while (sampler.next()) {
+      }
+      cursor = sampler.cursor();  // epoch 1, step 0
+    }
+    loom::test::run_ranks(
+        2,
+        [&](loom::GlooCommunicator& comm) {
+          loom::test::Mlp model(at::kDouble);
+          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                   loom::test::kTrainerPlan);
+          if (comm.rank() == 0) loader.resume(cursor);  // only rank 0 read the checkpoint
+          loom::Trainer trainer(comm, model.list(), sgd);
+          std::string what = "(no error)";
+          try {
+            (void)trainer.epoch(loader, 0);
+          } catch (const loom::InvalidArgument& e) {
+            what = e.what();
+          }
+          const char* expected = comm.rank() == 0 ? "start the epoch loop at the cursor's epoch (1"
+                                                  : "Trainer::epoch(0): rank 0 could not prepare the epoch";
+          expect(what.find(expected) != std::string::npos, fmt::format("rank {}: {}", comm.rank(), what));
+        },
+        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+  }
+
   TEST_CASE("ranks that plan differently are a loom error on every rank, naming the rank and what differs") {
     struct Case {
       const char* name;

@@ -65,7 +65,7 @@ inline LossScalerState parse_loss_scaler_state(std::string_view text) {
   double scale = 0;
   long long good = 0;
   char tail = 0;
-  if (std::sscanf(s.c_str(), "loom-loss-scaler v1 scale=%la good_steps=%lld%c", &scale, &good, &tail) != 2)
+  if (std::sscanf(s.c_str(), "loom-loss-scaler v1 scale=%la good_steps=%lld %c", &scale, &good, &tail) != 2)
     throw InvalidArgument(
         fmt::format("loss scaler state '{}' is malformed (expected 'loom-loss-scaler v1 scale=S good_steps=N')", text));
   return {.scale = scale, .good_steps = good};

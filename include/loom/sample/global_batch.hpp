@@ -60,6 +60,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -157,7 +158,7 @@ inline GlobalCursor parse_global_cursor(std::string_view text) {
   long long epoch = 0, step = 0;
   const std::string s(text);
   char tail = 0;
-  if (std::sscanf(s.c_str(), "loom-global-cursor v1 seed=%llu epoch=%lld step=%lld fingerprint=%llu%c", &seed, &epoch,
+  if (std::sscanf(s.c_str(), "loom-global-cursor v1 seed=%llu epoch=%lld step=%lld fingerprint=%llu %c", &seed, &epoch,
                   &step, &fingerprint, &tail) != 4)
     throw InvalidArgument(
         fmt::format("global cursor '{}' is malformed (expected 'loom-global-cursor v1 seed=S epoch=E "
@@ -201,9 +202,15 @@ inline void check_step_rules(const GlobalBatchOptions& o) {
         "(no rule closes a step)");
 }
 
-/// Hash of what shapes the plan: options but world_size, rank and dealing; and the shapes.
+/// The planning scheme, part of every fingerprint: 2 since plans are seeded with all 64 bits
+/// (generator64). A cursor of an older scheme would resume into another sample order, so it is
+/// refused (its fingerprint differs).
+inline constexpr uint64_t kPlanScheme = 2;
+
+/// Hash of what shapes the plan: the scheme, options but world_size, rank and dealing; and the shapes.
 inline uint64_t plan_fingerprint(const std::vector<std::vector<int64_t>>& shapes, const GlobalBatchOptions& o) {
   Fingerprint f;
+  f.add(kPlanScheme);
   f.add(o.shuffle ? 1 : 0);
   f.add(static_cast<uint64_t>(o.max_samples.value_or(-1)));
   f.add(static_cast<uint64_t>(o.max_elements.value_or(-1)));
@@ -396,7 +403,8 @@ class GlobalBatchSampler {
       if (epoch != plan_.epoch)
         throw InvalidArgument(fmt::format(
             "GlobalBatchSampler::set_epoch({}): the sampler was resumed at epoch {}, step {} (resume(cursor)), so "
-            "this loop would silently retrain or skip epochs; start the epoch loop at the cursor's epoch ({})",
+            "this loop would silently retrain or skip epochs; start the epoch loop at the cursor's epoch ({}; a "
+            "cursor that names the end of an epoch resumes at the next one)",
             epoch, plan_.epoch, step_, plan_.epoch));
       resume_pending_ = false;
       return;
@@ -576,29 +584,38 @@ static_assert(ResumableSampler<GlobalBatchSampler>);
 
 /// Checks that every rank's sampler plans the same steps: seed, epoch, next step, fingerprint
 /// (options and shapes, in order), dealing and world size, compared with rank 0's in one all_gather
-/// of 6 int64 values on comm.device(). Call it on every rank at the same point (loom::Trainer::epoch
-/// does, once per epoch).
+/// of 7 int64 values on comm.device(). Call it on every rank at the same point (loom::Trainer::epoch
+/// does, once per epoch). A rank whose preparation of the epoch failed passes its error as
+/// `local_error`: it still takes part, then rethrows it, and every other rank throws naming it.
 ///
 /// Example: `sampler.set_epoch(e); loom::check_same_plan(comm, sampler, "my loop");`
-/// Throws: loom::InvalidArgument on every rank when a rank differs, naming the first such rank,
+/// Throws: `local_error` on the rank that passed it, loom::InvalidArgument naming that rank on the
+///         others; loom::InvalidArgument on every rank when a rank differs, naming the first such rank,
 ///         what differs and both values (a seed taken from the rank, shapes listed in another
 ///         order, other batching options would each make ranks train some samples twice and others
 ///         never); the communicator's errors.
 template <Communicator C>
-void check_same_plan(C& comm, const GlobalBatchSampler& sampler, std::string_view where) {
+void check_same_plan(C& comm, const GlobalBatchSampler& sampler, std::string_view where,
+                     std::exception_ptr local_error = nullptr) {
   const GlobalCursor c = sampler.cursor();
   const GlobalBatchOptions& o = sampler.options();
   // The position check uses the step the sampler stands at (cursor() maps an epoch's end forward).
-  const int64_t mine[6] = {static_cast<int64_t>(c.seed),
+  const int64_t mine[7] = {static_cast<int64_t>(c.seed),
                            sampler.epoch(),
                            c.epoch == sampler.epoch() ? c.step : sampler.num_steps(),
                            static_cast<int64_t>(c.fingerprint),
                            static_cast<int64_t>(o.dealing),
-                           static_cast<int64_t>(o.world_size)};
-  at::Tensor local = at::empty({6}, at::TensorOptions(at::kLong));
-  std::copy(mine, mine + 6, local.data_ptr<int64_t>());
+                           static_cast<int64_t>(o.world_size),
+                           local_error ? 1 : 0};
+  at::Tensor local = at::empty({7}, at::TensorOptions(at::kLong));
+  std::copy(mine, mine + 7, local.data_ptr<int64_t>());
   local = local.to(comm.device());
   const std::vector<at::Tensor> all = comm.all_gather(local);
+  if (local_error) std::rethrow_exception(local_error);
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (all[r].to(at::kCPU).data_ptr<int64_t>()[6] != 0)
+      throw InvalidArgument(fmt::format(
+          "{}: rank {} could not prepare the epoch (its own error says why), so every rank stops here", where, r));
   static constexpr const char* kNames[6] = {"seed",    "epoch",     "step", "fingerprint (options and shapes)",
                                             "dealing", "world size"};
   const at::Tensor first = all[0].to(at::kCPU);

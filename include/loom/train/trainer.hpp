@@ -46,7 +46,9 @@
 //     of times, so no place in the body is the same step on every rank. The rank that leaves closes
 //     one last window marked "leaving" (BackwardPlan::leaving), the ranks still in that step see it
 //     in their reduction, and every rank throws loom::Error; trainer.stop() from on_step() is the
-//     way to end an epoch early. The Trainer refuses further use afterwards.
+//     way to end an epoch early (a break right after the boundary at which stop() took effect is
+//     that stop). The Trainer refuses further use afterwards. An exception out of the loop body
+//     sends nothing; when it left a step open, the Trainer refuses further use too.
 // At construction (loom::InvalidArgument, before any collective): reducer options that contradict
 // the Trainer's weighting (ReducerOptions::average other than samples); an optimizer (one with
 // param_groups(), as every torch::optim optimizer) holding a tensor that is not one of the model's
@@ -199,10 +201,17 @@ class Trainer {
     current_.reset();
     stop_ = false;
     stopped_ = false;
-    loader.begin_epoch(epoch);
+    std::exception_ptr failed;  // a rank that cannot prepare the epoch still joins the plan check
+    try {
+      loader.begin_epoch(epoch);
+    } catch (...) {
+      failed = std::current_exception();
+    }
     epoch_ = epoch;
-    if constexpr (requires { check_same_plan(*comm_, loader.sampler(), std::string_view{}); })
-      check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch));
+    if constexpr (requires { check_same_plan(*comm_, loader.sampler(), std::string_view{}, failed); })
+      check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch), failed);
+    else if (failed)
+      std::rethrow_exception(failed);
     record_parameter_versions();
     return EpochRange<Trainer, Loader>(this, &loader);
   }
@@ -369,6 +378,7 @@ class Trainer {
           "use loom::Reducer and loom::Accumulator directly)",
           to_string(options.reducer.average)));
     if constexpr (HasParamGroups<Opt>) check_optimizer_parameters(params, optimizer);
+    detail::check_not_hooked(params, "Trainer");  // before the gradients below are touched
     at::NoGradGuard no_grad;
     for (auto& p : params.params)
       if (p.defined() && p.grad().defined()) p.mutable_grad().reset();
@@ -454,6 +464,17 @@ class Trainer {
     hidden_.clear();
   }
 
+  /// An exception left the loop (EpochRange's destructor while unwinding): with a step open on this
+  /// rank the Trainer refuses further use (no collective is attempted).
+  void abandon_loop() noexcept {
+    if (accumulator_.window_micro_batches() == 0 && hidden_.empty()) return;
+    if (broken_.empty())
+      broken_ = fmt::format(
+          "an exception left the loop over epoch {} inside step {}, whose micro-batches were never reduced (the "
+          "ranks may be out of step); build a new Trainer",
+          epoch_, current_step_);
+  }
+
   /// A loop over trainer.epoch(...) ended before the epoch's end, not by stop() and not by an
   /// exception (EpochRange's destructor): one last window marked leaving, so the other ranks stop
   /// with an error instead of waiting for this one; then the error here.
@@ -462,7 +483,11 @@ class Trainer {
     current_.reset();
     if (broken_.empty()) {
       broken_ = fmt::format("its loop over epoch {} was left before the epoch's end (step {})", epoch_, step);
-      restore_gradients("Trainer::epoch");
+      // No check may throw here: the other ranks wait for this window.
+      const auto& params = reducer_.parameters().params;
+      for (std::size_t k = 0; k < trainable_.size(); ++k)
+        params[trainable_[k]].mutable_grad() = k < hidden_.size() ? hidden_[k] : at::Tensor();
+      hidden_.clear();
       (void)accumulator_.leave_step();
     }
     throw Error(fmt::format(
@@ -485,6 +510,8 @@ class Trainer {
   }
 
   void join() {
+    check_no_stray_backward("Trainer::epoch");
+    check_parameters_untouched("Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
     restore_gradients("Trainer::epoch");
     last_ = accumulator_.join_step();
@@ -577,10 +604,22 @@ class EpochRange {
         done_(other.done_),
         exceptions_(other.exceptions_) {}
 
-  /// A loop that started and did not reach the epoch's end, and is not unwinding an exception, was
-  /// left by a break or return: Trainer tells every rank and throws (see the Trainer's file comment).
+  /// A loop that started and did not reach the epoch's end:
+  ///  - left by an exception: nothing is sent (the error is on its way); when a step was open, the
+  ///    Trainer refuses further use (its gradients and counts belong to a step that never closed);
+  ///  - left by a break or return right after stop() took effect at a boundary: as if the loop
+  ///    had ended by stop() (the other ranks stop there too);
+  ///  - otherwise (a break or return): the Trainer tells every rank and throws (see its file comment).
   ~EpochRange() noexcept(false) {
-    if (trainer_ == nullptr || !started_ || done_ || std::uncaught_exceptions() > exceptions_) return;
+    if (trainer_ == nullptr || !started_ || done_) return;
+    if (std::uncaught_exceptions() > exceptions_) {
+      trainer_->abandon_loop();
+      return;
+    }
+    if (trainer_->stop_ && trainer_->accumulator_.window_micro_batches() == 0) {
+      trainer_->stopped_ = true;
+      return;
+    }
     trainer_->leave_loop();
   }
 

@@ -56,6 +56,18 @@ inline std::string first_hooked_parameter(const ParameterList& list) {
   return {};
 }
 
+/// Throws loom::InvalidArgument when a trainable parameter of `list` is already hooked by another
+/// live loom::Reducer (see first_hooked_parameter). `who` starts the message.
+inline void check_not_hooked(const ParameterList& list, const char* who) {
+  if (const std::string hooked = first_hooked_parameter(list); !hooked.empty())
+    throw InvalidArgument(fmt::format(
+        "{}: {} already belongs to another live loom::Reducer (a second Trainer or Reducer on the same model "
+        "while the first exists); both would take its gradient, and one of them would apply it unreduced. "
+        "Destroy the first before building another (one Trainer per model: keep it, or scope each phase's "
+        "Trainer so it ends before the next begins)",
+        who, hooked));
+}
+
 template <class State>
 class GradReadyHook final : public torch::autograd::FunctionPostHook, public ReducerHookMarker {
  public:
@@ -84,13 +96,7 @@ class ReducerState {
       throw InvalidArgument(
           fmt::format("Reducer: {} names for {} parameters", list_.names.size(), list_.params.size()));
     // Before any collective: every rank of the same program reaches the same verdict.
-    if (const std::string hooked = first_hooked_parameter(list_); !hooked.empty())
-      throw InvalidArgument(fmt::format(
-          "Reducer: {} already belongs to another live loom::Reducer (a second Trainer or Reducer on the same "
-          "model while the first exists); both would take its gradient, and one of them would apply it "
-          "unreduced. Destroy the first before building another (one Trainer per model: keep it, or scope "
-          "each phase's Trainer so it ends before the next begins)",
-          hooked));
+    check_not_hooked(list_, "Reducer");
     if (options_.check_parameters) check_same_parameters(*comm_, list_);
     if (options_.broadcast_parameters) broadcast_from_rank0(*comm_, list_);
 
