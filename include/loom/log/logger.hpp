@@ -121,7 +121,7 @@ class Logger {
   template <class... Args>
   void log(LogLevel level, fmt::format_string<Args...> format, Args&&... args) {
     if (!enabled(level)) return;
-    write_message(level, fmt::vformat(format, fmt::make_format_args(args...)));
+    write_message(level, fmt::format(format, std::forward<Args>(args)...));
   }
 
   template <class... Args>
