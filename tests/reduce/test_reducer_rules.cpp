@@ -131,6 +131,74 @@ TEST_CASE("Reducer: the parameter set changing after construction is a loom erro
   }
 }
 
+TEST_CASE(
+    "Reducer: float16 and bfloat16 micro-batch gradients sum in float32 (float32_accumulation), or in their dtype") {
+  // A gradient of 1, then 64 micro-batches of `small` each, summed over one window (Average::none).
+  // In the parameter's dtype every addition rounds back to 1 (small is a quarter of the spacing at 1:
+  // bfloat16 2^-7, float16 2^-10); in float32 the sum is 1 + 64 small, which the dtype represents.
+  for (auto [dtype, small] :
+       {std::pair{at::kBFloat16, std::ldexp(1.0, -9)}, std::pair{at::kHalf, std::ldexp(1.0, -12)}}) {
+    for (const bool in_float32 : {true, false}) {
+      CAPTURE(c10::toString(dtype));
+      CAPTURE(in_float32);
+      auto w = torch::zeros({3}, dtype).requires_grad_();
+      loom::LocalCommunicator comm;
+      loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}},
+                            {.average = loom::Average::none, .float32_accumulation = in_float32});
+      CHECK((reducer.bucket_tensors()[0].scalar_type() == (in_float32 ? at::kFloat : dtype)));
+      reducer.prepare_backward({.sync = false});
+      w.sum().backward();
+      for (int i = 0; i < 64; ++i) {
+        reducer.prepare_backward({.sync = i == 63, .window_samples = 1});
+        (w * small).sum().backward();
+      }
+      const loom::Reduction r = reducer.finish_window();
+      CHECK_FALSE(r.non_finite);
+      CHECK((w.grad().scalar_type() == dtype));
+      CHECK(torch::equal(w.grad(), torch::full({3}, in_float32 ? 1.0 + 64 * small : 1.0, dtype)));
+      // The next window starts from the gradient the parameter holds (not zeroed here: it adds up).
+      reducer.prepare_backward({.sync = true, .window_samples = 1});
+      (w * small).sum().backward();
+      reducer.finish_window();
+      CHECK(torch::equal(w.grad(), torch::full({3}, in_float32 ? 1.0 + 65 * small : 1.0, dtype)));
+    }
+  }
+}
+
+TEST_CASE("Reducer: a float32-accumulated average outside float16's range is non-finite, not inf in the step") {
+  // Two micro-batches of 40000 each: a finite float32 sum (80000) that float16 cannot hold.
+  auto w = torch::zeros({2}, torch::kHalf).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.average = loom::Average::none});
+  reducer.prepare_backward({.sync = false});
+  (w * 40000.0).sum().backward();
+  reducer.prepare_backward({.sync = true, .window_samples = 2});
+  (w * 40000.0).sum().backward();
+  const loom::Reduction r = reducer.finish_window();
+  CHECK(r.non_finite);
+  CHECK(torch::equal(w.grad(), torch::zeros({2}, torch::kHalf)));
+}
+
+TEST_CASE("Reducer: loss_divisor is multiplied back; out of range is named") {
+  // Gradients x = 1, 2, 3, 4 of 4 samples: mean 2.5, whatever the losses were divided by.
+  for (const std::int64_t divisor : {1, 2, 4, 7}) {
+    CAPTURE(divisor);
+    auto w = torch::zeros({1}, torch::kDouble).requires_grad_();
+    loom::LocalCommunicator comm;
+    loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
+    reducer.prepare_backward({.sync = true, .window_samples = 4, .loss_divisor = divisor});
+    (w * torch::tensor({1.0, 2.0, 3.0, 4.0}, torch::kDouble)).sum().div(static_cast<double>(divisor)).backward();
+    reducer.finish_window();
+    CHECK(w.grad().item<double>() == doctest::Approx(2.5).epsilon(1e-15));
+  }
+  auto w = torch::zeros({1}).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
+  for (const std::int64_t bad : {std::int64_t{0}, std::int64_t{-3}, loom::kMaxLossDivisor + 1})
+    CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = 1, .loss_divisor = bad}),
+                         doctest::Contains(fmt::format("loss_divisor = {}", bad).c_str()), loom::InvalidArgument);
+}
+
 TEST_CASE("Reducer: float16 gradients whose sum or norm exceeds 65504 are finite, and the norm is right") {
   // 4096 elements of 1100: every element is a finite float16, their sum (4.5e6) and L2 norm
   // (1100 * 64 = 70400) are not representable in float16.
@@ -139,7 +207,7 @@ TEST_CASE("Reducer: float16 gradients whose sum or norm exceeds 65504 are finite
   {
     loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.average = loom::Average::none});
     reducer.prepare_backward({.sync = true, .window_samples = 1});
-    w.mutable_grad().fill_(1100.0);
+    w.mutable_grad() = torch::full({4096}, 1100.0, torch::kHalf);
     reducer.mark_all_ready();
     auto r = reducer.finish_window();
     CHECK_FALSE(r.non_finite);
@@ -150,7 +218,7 @@ TEST_CASE("Reducer: float16 gradients whose sum or norm exceeds 65504 are finite
     loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}},
                           {.average = loom::Average::none, .max_grad_norm = 1.0});
     reducer.prepare_backward({.sync = true, .window_samples = 1});
-    w.mutable_grad().fill_(1100.0);
+    w.mutable_grad() = torch::full({4096}, 1100.0, torch::kHalf);
     reducer.mark_all_ready();
     auto r = reducer.finish_window();
     CHECK_FALSE(r.non_finite);

@@ -145,4 +145,29 @@ TEST_SUITE("dist") {
     });
   }
 
+  TEST_CASE("loss_divisor: the same on 2 ranks is multiplied back; different divisors are an error on every rank") {
+    run_ranks(2, [](loom::GlooCommunicator& comm) {
+      const int rank = comm.rank();
+      // Rank r: n_r = 1 + 2 r samples of gradient x = 3 + r each; global mean (1 * 3 + 3 * 4) / 4 = 3.75.
+      const std::int64_t n = 1 + 2 * rank;
+      const double x = 3.0 + rank;
+      auto w = torch::zeros({2}, torch::kDouble).requires_grad_();
+      loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
+      reducer.prepare_backward({.sync = true, .window_samples = n, .loss_divisor = 4});
+      (w * (x * static_cast<double>(n) / 4.0)).sum().backward();  // the summed loss divided by 4
+      const loom::Reduction r = reducer.finish_window();
+      REQUIRE(r.global_samples == 4);
+      REQUIRE(torch::equal(w.grad(), torch::full({2}, 3.75, torch::kDouble)));
+      // Rank 0 divides by 2, rank 1 by 3: every rank throws, naming its own divisor; nothing is applied.
+      w.mutable_grad().reset();
+      reducer.prepare_backward({.sync = true, .window_samples = n, .loss_divisor = 2 + rank});
+      (w * x).sum().backward();
+      REQUIRE_THROWS_WITH_AS(
+          reducer.finish_window(),
+          doctest::Contains(fmt::format("this rank: {}; mean over the 2 ranks: 2.5", 2 + rank).c_str()),
+          loom::InvalidArgument);
+      REQUIRE(torch::equal(w.grad(), torch::zeros({2}, torch::kDouble)));
+    });
+  }
+
 }  // TEST_SUITE

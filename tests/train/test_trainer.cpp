@@ -584,6 +584,15 @@ TEST_CASE("BatchLoader: a plan that pads gives batches a mask, as padded buckets
   CHECK_FALSE(exact.mask());
 }
 
+TEST_CASE("Trainer: float16 parameters: a legal mean gradient of 2048 over 48 samples is not an overflow") {
+  // The batch losses are divided by the step's planned samples, not multiplied by their own: each
+  // backward's gradient is its share of the step's mean (at most 2048), never 48 * 2048.
+  loom::LocalCommunicator comm;
+  const auto [w, skipped] = loom::test::train_float16(comm);
+  CHECK(skipped == 0);
+  CHECK(w == -1.0);  // two steps of -0.5
+}
+
 TEST_CASE("Trainer: the loss scaler's state resumes with the run") {
   // float32, a first scale of 2^200: losses times 2^200 and 2^150 overflow float32 (max ~2^128),
   // so the first two steps are skipped (backoff 2^-50 each); from 2^100 on every step is finite and

@@ -287,6 +287,20 @@ TEST_SUITE("dist") {
     }
   }
 
+  TEST_CASE("float16 parameters on 2 and 3 ranks, idle in a step: no overflow, every replica at the 1-rank value") {
+    for (const int nproc : {2, 3}) {
+      loom::run(
+          [](loom::ProcessGroup& pg) {
+            const auto [w, skipped] = loom::test::train_float16(pg);
+            expect(skipped == 0, fmt::format("{} steps skipped on rank {}", skipped, pg.rank()));
+            expect(w == -1.0, fmt::format("w = {} on rank {} (want -1)", w, pg.rank()));
+          },
+          {.nproc = nproc,
+           .group = {.timeout = std::chrono::seconds(30)},
+           .spawn = {.timeout = std::chrono::seconds(120)}});
+    }
+  }
+
   TEST_CASE("Metrics by name on 2 ranks: different orders, a name only one rank saw, one collective") {
     loom::test::run_ranks(2,
                           [](loom::GlooCommunicator& comm) {

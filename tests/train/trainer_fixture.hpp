@@ -7,6 +7,7 @@
 // reduction), so the trainer multiplies it by the batch's samples.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -63,6 +64,24 @@ std::vector<at::Tensor> train_short(Comm& comm, int epochs) {
   for (int64_t epoch = 0; epoch < epochs; ++epoch)
     for (Batch& b : trainer.epoch(loader, epoch)) trainer.backward(mean_loss(model, b), b);
   return model.params;
+}
+
+/// A float16 run whose step gradients are legal but whose summed losses are not: one parameter w
+/// (float16, 0), 64 samples x_i = 2048, loss (w * x).mean(), so every batch's mean gradient is 2048;
+/// batches of 16, 3 per step (steps of 48 and 16 samples: 48 * 2048 overflows float16). One epoch of
+/// SGD with lr 2^-12 moves w by -0.5 per step, exactly. Returns w and the Trainer's skipped steps.
+template <class Comm>
+std::pair<double, int64_t> train_float16(Comm& comm) {
+  auto w = torch::zeros({1}, torch::kHalf).requires_grad_();
+  torch::optim::SGD sgd(std::vector<at::Tensor>{w}, torch::optim::SGDOptions(std::ldexp(1.0, -12)));
+  const std::vector<std::vector<int64_t>> shapes(64, std::vector<int64_t>{1});
+  auto fetch = [](int64_t) {
+    return std::make_pair(torch::full({1}, 2048.0, torch::kHalf), torch::zeros({1}, torch::kHalf));
+  };
+  BatchLoader loader(comm, shapes, fetch, GlobalBatchOptions{.seed = 1, .max_samples = 16, .batches_per_step = 3});
+  Trainer trainer(comm, ParameterList{.names = {"w"}, .params = {w}}, sgd);
+  for (Batch& b : trainer.epoch(loader, 0)) trainer.backward((w * b.data).mean(), b);
+  return {w.item<double>(), trainer.skipped_steps()};
 }
 
 /// The same protocol by hand, over the low-level layer; returns the final parameters.

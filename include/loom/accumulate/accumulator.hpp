@@ -27,7 +27,10 @@
 //   the mean loss over every sample of the window on every rank (sum of losses / global count),
 //   whatever the micro-batch sizes; padding rows masked out of the loss and not counted change
 //   nothing. Batches a distributed sampler repeated only to even out ranks (Batch::weight == 0)
-//   count 0 samples: multiply their loss by the weight.
+//   count 0 samples: multiply their loss by the weight. A loss summed over many samples can
+//   overflow float16: divide every loss of a step by one number d, the same on every rank (the
+//   step's planned global samples), and pass it as micro_batch's / join_step's loss_divisor; the
+//   reduction multiplies it back (loom::Trainer does this for 16-bit parameters).
 // Boundaries: after every `micro_batches_per_step` micro-batches and/or once the window holds
 //   `samples_per_step` samples, whichever comes first (0 disables a rule), and after a micro-batch
 //   opened with closes_step (a batch with step_end: GlobalBatchSampler defines steps itself; set
@@ -167,11 +170,18 @@ class Accumulator {
   /// Opens a micro-batch of `num_samples` samples (0 allowed: a rank with nothing still takes part).
   /// With `closes_step`, this micro-batch's backward closes the window whatever K and S say (a
   /// sampler that defines the steps, e.g. GlobalBatchSampler, knows where they end).
-  /// Throws: loom::InvalidArgument (negative count), loom::Error (previous micro-batch still open).
-  [[nodiscard]] MicroBatch micro_batch(std::int64_t num_samples, bool closes_step = false) {
+  /// `loss_divisor` (>= 1): the summed loss was divided by it before backward; the reduction multiplies
+  /// it back (BackwardPlan::loss_divisor). Equal for every micro-batch of a window and on every rank —
+  /// the step's planned global sample count keeps a float16 gradient in range, where the loss summed
+  /// over many samples would overflow; join_step takes the same value for steps this rank only joins.
+  /// Throws: loom::InvalidArgument (negative count, a divisor < 1 or other than the window's earlier
+  ///         micro-batches'), loom::Error (previous micro-batch still open).
+  [[nodiscard]] MicroBatch micro_batch(std::int64_t num_samples, bool closes_step = false,
+                                       std::int64_t loss_divisor = 1) {
     check_usable("micro_batch");
     if (num_samples < 0)
       throw InvalidArgument(fmt::format("Accumulator::micro_batch: num_samples = {} (must be >= 0)", num_samples));
+    take_loss_divisor("micro_batch", loss_divisor);
     all_final_seen_ = false;
     ++window_micro_batches_;
     window_samples_ += num_samples;
@@ -181,7 +191,10 @@ class Accumulator {
         (options_.samples_per_step > 0 && window_samples_ >= options_.samples_per_step);
     open_ = true;
     try {
-      reducer_->prepare_backward({.sync = boundary, .window_samples = window_samples_, .grad_scale = grad_scale()});
+      reducer_->prepare_backward({.sync = boundary,
+                                  .window_samples = window_samples_,
+                                  .grad_scale = grad_scale(),
+                                  .loss_divisor = window_divisor_});
     } catch (const std::exception& e) {
       open_ = false;
       break_with(fmt::format("prepare_backward failed in micro_batch ({})", e.what()));
@@ -191,21 +204,27 @@ class Accumulator {
   }
 
   /// Opens a micro-batch for a collated batch: counts batch.num_samples, or 0 when batch.weight == 0;
-  /// closes the window after it when batch.step_end is set.
-  [[nodiscard]] MicroBatch micro_batch(const Batch& batch) {
-    return micro_batch(batch.weight == 0 ? 0 : batch.num_samples, batch.step_end);
+  /// closes the window after it when batch.step_end is set. `loss_divisor`: as above.
+  [[nodiscard]] MicroBatch micro_batch(const Batch& batch, std::int64_t loss_divisor = 1) {
+    return micro_batch(batch.weight == 0 ? 0 : batch.num_samples, batch.step_end, loss_divisor);
   }
 
   /// For a rank with no micro-batch in a step another rank runs (an idle item of
   /// GlobalBatchSampler): closes this rank's window now, without a backward, joining the others'
   /// synchronisation with its zero gradients (and whatever samples its window already holds). Apply
-  /// the returned SyncResult like any other.
-  /// Throws: loom::Error (a micro-batch still open), the reducer's errors.
-  SyncResult join_step() {
+  /// the returned SyncResult like any other. `loss_divisor`: the one the other ranks' micro-batches of
+  /// this step use (see micro_batch).
+  /// Throws: loom::InvalidArgument (a divisor < 1 or other than the window's), loom::Error (a
+  ///         micro-batch still open), the reducer's errors.
+  SyncResult join_step(std::int64_t loss_divisor = 1) {
     check_usable("join_step");
+    take_loss_divisor("join_step", loss_divisor);
     all_final_seen_ = false;
     try {
-      reducer_->prepare_backward({.sync = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
+      reducer_->prepare_backward({.sync = true,
+                                  .window_samples = window_samples_,
+                                  .grad_scale = grad_scale(),
+                                  .loss_divisor = window_divisor_});
       return close_window(reducer_->finish_window());
     } catch (const std::exception& e) {
       break_with(fmt::format("a collective failed in join_step ({})", e.what()));
@@ -221,8 +240,11 @@ class Accumulator {
   SyncResult leave_step() {
     check_usable("leave_step");
     try {
-      reducer_->prepare_backward(
-          {.sync = true, .leaving = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
+      reducer_->prepare_backward({.sync = true,
+                                  .leaving = true,
+                                  .window_samples = window_samples_,
+                                  .grad_scale = grad_scale(),
+                                  .loss_divisor = window_divisor_});
       SyncResult s = close_window(reducer_->finish_window());
       break_with("this rank left its loop in the middle of an epoch (leave_step)");
       return s;
@@ -256,8 +278,11 @@ class Accumulator {
     }
     Reduction r;
     try {
-      reducer_->prepare_backward(
-          {.sync = true, .final = true, .window_samples = window_samples_, .grad_scale = grad_scale()});
+      reducer_->prepare_backward({.sync = true,
+                                  .final = true,
+                                  .window_samples = window_samples_,
+                                  .grad_scale = grad_scale(),
+                                  .loss_divisor = window_divisor_});
       r = reducer_->finish_window();
     } catch (const std::exception& e) {
       break_with(fmt::format("a collective failed in end_epoch ({})", e.what()));
@@ -336,6 +361,17 @@ class Accumulator {
   void reset_window() noexcept {
     window_micro_batches_ = 0;
     window_samples_ = 0;
+    window_divisor_ = 1;
+  }
+
+  /// The window's loss divisor: the first micro-batch (or join) of a window sets it, later ones must match.
+  void take_loss_divisor(const char* where, std::int64_t d) {
+    if (d < 1) throw InvalidArgument(fmt::format("Accumulator::{}: loss_divisor = {} (must be >= 1)", where, d));
+    if (window_micro_batches_ > 0 && d != window_divisor_)
+      throw InvalidArgument(fmt::format(
+          "Accumulator::{}: loss_divisor = {}, but this step's earlier micro-batches used {} (one divisor per step)",
+          where, d, window_divisor_));
+    window_divisor_ = d;
   }
 
   void abandon() noexcept {
@@ -354,6 +390,7 @@ class Accumulator {
   std::optional<LossScaler> scaler_;
   std::int64_t window_micro_batches_ = 0;
   std::int64_t window_samples_ = 0;
+  std::int64_t window_divisor_ = 1;  // BackwardPlan::loss_divisor of the open window
   bool open_ = false;
   std::string broken_;  // why this accumulator refuses further use (empty: usable)
   bool all_final_seen_ = false;

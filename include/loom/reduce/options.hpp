@@ -45,6 +45,13 @@ struct ReducerOptions {
   bool rebuild_buckets = true;                    ///< once, after the first step, in rank 0's gradient-ready order
   Average average = Average::samples;             ///< divisor of the summed gradient
   std::optional<c10::ScalarType> wire_dtype{};    ///< at::kHalf / at::kBFloat16: compress float32 buckets on the wire
+  /// float16 / bfloat16 parameters: sum their micro-batch gradients, all-reduce and average them in
+  /// float32 buckets (Megatron's main_grad), so a small micro-batch's gradient is not rounded away
+  /// (bfloat16's spacing at 1.0 is 2^-7). Memory: 4 bytes per element instead of 2, plus the 16-bit
+  /// copy of the average a parameter's .grad() holds after the step boundary; the all-reduce moves
+  /// float32 unless wire_dtype compresses it. false: in the parameter's own dtype, each .grad() a view
+  /// into its bucket (half the memory and traffic; gradients rounded at every micro-batch).
+  bool float32_accumulation = true;
   bool overlap = true;                    ///< send full buckets from autograd hooks (false: all in finish_window)
   bool check_parameters = true;           ///< construction: same parameters on every rank (one all-gather)
   bool broadcast_parameters = true;       ///< construction: copy rank 0's parameters and buffers everywhere

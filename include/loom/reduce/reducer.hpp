@@ -2,7 +2,8 @@
 // over any loom Communicator.
 //
 // One sentence: the reducer packs every trainable parameter's gradient into flat per-dtype/device
-// buckets (each `p.grad()` is a view into its bucket), sends a bucket with one asynchronous
+// buckets (a float32 or float64 `p.grad()` is a view into its bucket; float16/bfloat16 gradients are
+// summed in float32 slots), sends a bucket with one asynchronous
 // all-reduce as soon as backward has produced all of its gradients, and at the step boundary
 // returns gradients that are the global average on every rank.
 //
@@ -92,9 +93,26 @@
 //     additions of (2^-11 x |value rounded| + 2^-25), i.e. relative 2^-11 per rounding while
 //     shares are normal, and an absolute 2^-25 x W / divisor per rounding below; a share below
 //     2^-25 (3e-8) is flushed to zero, and one above 65504 becomes inf (reported non_finite).
+//   16-bit parameters (float32_accumulation, default on): a float16/bfloat16 parameter's slot is
+//     float32. Its hook adds the backward's 16-bit gradient to the slot and resets p.grad() (undefined
+//     until the step boundary, which sets it to the 16-bit copy of the average; a gradient the
+//     parameter holds when a window starts is moved into the slot first), so micro-batch sums,
+//     the all-reduce, the division and the clipping norm are float32, and the result is rounded to
+//     the parameter's dtype once. An average outside that dtype's range (float16: 65504) is reported
+//     non_finite like an inf. Cost: 4 bytes per element instead of 2 and float32 on the wire (set
+//     wire_dtype to send 16 bits). Off: each 16-bit gradient is a view into a bucket of its dtype and
+//     every micro-batch's addition rounds (bfloat16's spacing at 1.0 is 2^-7: a small later
+//     micro-batch can vanish).
+//   Loss divisor (BackwardPlan::loss_divisor = d, default 1): the caller divided every loss of the
+//     window by d, the same on every rank; the average is sum x d / count. A float16 loop divides by
+//     the step's planned global samples instead of multiplying each micro-batch's mean loss by its
+//     own samples, so no backward produces more than its share of the step's mean (loom::Trainer
+//     does this for 16-bit parameters). Ranks whose d differ: every rank throws
+//     loom::InvalidArgument from finish_window after the collectives (gradients zeroed), found from
+//     the sum and the sum of squares of d in the window's count all-reduce.
 //   Sample count and join: each window's sync backward starts one small int64 all-reduce of
-//     [window samples, final flag, leaving flag] before backward runs; a final flush (end of epoch)
-//     that finds every rank final and no sample anywhere stops without touching the buckets.
+//     [window samples, final flag, leaving flag, d, d^2] before backward runs; a final flush (end
+//     of epoch) that finds every rank final and no sample anywhere stops without touching the buckets.
 //   Leaving (BackwardPlan::leaving): a rank that abandons its loop early (loom::Trainer, on a
 //     `break`) closes one last window with the flag set; every rank's Reduction then reports
 //     ranks_leaving > 0 with its gradients zeroed, so the ranks still in that step stop with an
@@ -103,13 +121,15 @@
 // Collectives per step: 1 + number of buckets all-reduces (+ one broadcast, once, for the rebuild;
 // + the buffer broadcast when the model has buffers).
 // Shape: gradients have their parameters' shapes and strides (dense layouts kept, e.g.
-//        channels-last), dtypes float32/float64/float16/bfloat16; frozen parameters are left out.
+//        channels-last), dtypes float32/float64/float16/bfloat16 (16-bit ones in float32 slots, see
+//        above); frozen parameters are left out.
 //        A bucket on the wire is [gradients | one used-flag per gradient], one dtype and device.
 // Units: caps in bytes, samples in samples.
 // Throws: loom::InvalidArgument (bad options, non-floating or non-leaf trainable parameter, a
 //         parameter another live Reducer already hooks,
 //         parameters that differ across ranks, a gradient produced twice after its bucket left,
-//         a parameter set changed after construction),
+//         a parameter set changed after construction, a loss_divisor outside [1, kMaxLossDivisor]
+//         or different across ranks),
 //         loom::Error (calls out of order), and the communicator's CommError / TimeoutError.
 // Source: PyTorch DistributedDataParallel's Reducer (bucketing, gradient_as_bucket_view, ready-order
 //         rebuild, find_unused_parameters' bitmap, fp16_compress_hook, join for uneven inputs).
@@ -167,7 +187,8 @@ class Reducer {
 
   /// Parameter indices of each bucket, in launch order.
   [[nodiscard]] std::vector<std::vector<std::size_t>> bucket_params() const { return state_->bucket_params(); }
-  /// The gradient part of each bucket (1-D, in launch order); gradients are views into these.
+  /// The gradient part of each bucket (1-D, in launch order); float32/float64 gradients are views into
+  /// these, float16/bfloat16 ones are summed in them as float32 (ReducerOptions::float32_accumulation).
   [[nodiscard]] std::vector<at::Tensor> bucket_tensors() const { return state_->bucket_tensors(); }
   /// Whether the one-time rebuild in gradient-ready order happened.
   [[nodiscard]] bool rebuilt() const noexcept { return state_->rebuilt(); }

@@ -29,7 +29,10 @@
 //   - the loss is the batch MEAN (PyTorch's default reduction; TrainerOptions::loss = sum for a
 //     summed loss); loom multiplies it by the batch's real samples, so the step's gradient is the
 //     mean over every sample of the step on every rank (ReducerOptions::average = samples), and a
-//     repeated batch (weight 0) adds nothing;
+//     repeated batch (weight 0) adds nothing; with float16/bfloat16 parameters it multiplies by the
+//     batch's samples / the step's planned global samples instead (BackwardPlan::loss_divisor), so a
+//     backward's gradient is its share of the step's mean and fits float16, and the reducer sums
+//     the micro-batches in float32 (ReducerOptions::float32_accumulation);
 //   - the step boundary comes from the plan (Batch::step_end): the optimizer's step() and
 //     zero_grad() run there, inside backward(); a step with inf/NaN is skipped on every rank;
 //   - a step in which this rank has no batch is joined without a backward (the loop never sees it);
@@ -77,6 +80,7 @@
 //         gather_for_metrics) and Lightning Fabric (backward, no_backward_sync).
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <exception>
@@ -175,8 +179,12 @@ class Trainer {
         accumulator_(reducer_,
                      {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {
     const auto& list = reducer_.parameters();
-    for (std::size_t i = 0; i < list.params.size(); ++i)
-      if (list.params[i].requires_grad()) trainable_.push_back(i);
+    for (std::size_t i = 0; i < list.params.size(); ++i) {
+      if (!list.params[i].requires_grad()) continue;
+      trainable_.push_back(i);
+      const auto dtype = list.params[i].scalar_type();
+      if (dtype == at::kHalf || dtype == at::kBFloat16) sixteen_bit_ = true;
+    }
     record_parameter_versions();
   }
 
@@ -208,6 +216,11 @@ class Trainer {
       failed = std::current_exception();
     }
     epoch_ = epoch;
+    step_divisors_.clear();
+    if constexpr (requires { loader.sampler().plan().steps; })
+      if (sixteen_bit_ && !failed)
+        for (const auto& step : loader.sampler().plan().steps)
+          step_divisors_.push_back(std::clamp<int64_t>(step.num_samples, 1, kMaxLossDivisor));
     if constexpr (requires { check_same_plan(*comm_, loader.sampler(), std::string_view{}, failed); })
       check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch), failed);
     else if (failed)
@@ -236,10 +249,12 @@ class Trainer {
     check_loss(loss);
     check_parameters_untouched("Trainer::backward");
     restore_gradients("Trainer::backward");
-    auto mb = accumulator_.micro_batch(batch);
+    const int64_t divisor = loss_divisor(current_step_);
+    auto mb = accumulator_.micro_batch(batch, divisor);
     at::Tensor total = loss.reshape({});
-    if (options_.loss == LossReduction::mean) total = total * static_cast<double>(batch.num_samples);
-    if (batch.weight != 1.0) total = total * batch.weight;
+    double factor = batch.weight / static_cast<double>(divisor);
+    if (options_.loss == LossReduction::mean) factor *= static_cast<double>(batch.num_samples);
+    if (factor != 1.0) total = total * factor;
     mb.scale(total).backward();
     arrivals_seen_ = reducer_.gradient_arrivals();
     backward_done_ = true;
@@ -509,12 +524,13 @@ class Trainer {
     backward_done_ = false;
   }
 
-  void join() {
+  void join(int64_t step) {
     check_no_stray_backward("Trainer::epoch");
     check_parameters_untouched("Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
     restore_gradients("Trainer::epoch");
-    last_ = accumulator_.join_step();
+    current_step_ = step;
+    last_ = accumulator_.join_step(loss_divisor(step));
     apply(last_);
   }
 
@@ -529,6 +545,16 @@ class Trainer {
       apply(last_);
     }
     batch_number_ = 0;
+  }
+
+  /// What the losses of `step` are divided by (BackwardPlan::loss_divisor): with float16/bfloat16
+  /// parameters the step's planned global sample count (capped at kMaxLossDivisor), the same on every
+  /// rank, so a backward's gradient is its share of the step's mean and stays in the 16-bit range;
+  /// otherwise 1 (the loss times its samples, divided once by the global count after the all-reduce).
+  int64_t loss_divisor(int64_t step) const {
+    return step >= 0 && step < static_cast<int64_t>(step_divisors_.size())
+               ? step_divisors_[static_cast<std::size_t>(step)]
+               : 1;
   }
 
   [[noreturn]] void forgotten() {
@@ -546,6 +572,8 @@ class Trainer {
   std::vector<std::size_t> trainable_;   // indices of the trainable parameters in reducer_.parameters()
   std::vector<int64_t> param_versions_;  // their version counters after the Trainer's last write
   std::vector<at::Tensor> hidden_;       // inside a step: their gradients between the Trainer's calls
+  std::vector<int64_t> step_divisors_;   // this epoch's loss divisor per step (empty: 1 for every step)
+  bool sixteen_bit_ = false;             // a trainable parameter is float16 or bfloat16
   std::string broken_;                   // why this Trainer refuses further use (empty: usable)
   std::optional<Batch> current_;
   SyncResult last_{};
@@ -651,7 +679,7 @@ class EpochRange {
         return;
       }
       if (item->idle) {
-        trainer_->join();
+        trainer_->join(item->step);
         continue;
       }
       trainer_->receive(loader_->load(*item), item->step);

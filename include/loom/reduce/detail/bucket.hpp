@@ -3,6 +3,7 @@
 //
 // Shape: a bucket's `flat` is [gradients | one used-flag per gradient], one
 //        dtype and device; each slot is a tensor sharing `flat`'s storage with its parameter's shape.
+//        A float32-accumulated bucket (`main`) holds float16/bfloat16 parameters' gradients in float32.
 #pragma once
 
 #include <algorithm>
@@ -52,7 +53,9 @@ struct GradSlot {
 };
 
 struct GradBucket {
-  at::Tensor flat;  // [head: the gradients | tail: one used-flag per gradient]
+  at::Tensor flat;    // [head: the gradients | tail: one used-flag per gradient]
+  bool main = false;  // float32 slots for 16-bit parameters: .grad() is moved into the slot, never a view of it
+  c10::ScalarType param_dtype = c10::ScalarType::Float;  // the dtype of the bucket's parameters
   at::Tensor head;
   at::Tensor tail;
   at::Tensor wire;  // compressed copy of flat (wire_dtype), or undefined

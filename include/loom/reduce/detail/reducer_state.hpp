@@ -155,6 +155,9 @@ class ReducerState {
     if (!std::isfinite(plan.grad_scale) || plan.grad_scale <= 0)
       throw InvalidArgument(
           fmt::format("Reducer::prepare_backward: grad_scale = {} (must be finite and > 0)", plan.grad_scale));
+    if (plan.loss_divisor < 1 || plan.loss_divisor > kMaxLossDivisor)
+      throw InvalidArgument(fmt::format("Reducer::prepare_backward: loss_divisor = {} (must be in [1, {}])",
+                                        plan.loss_divisor, kMaxLossDivisor));
     at::NoGradGuard no_grad;
     if (!window_open_) begin_window();
     for (auto& s : slots_) s.fired = false;
@@ -162,6 +165,7 @@ class ReducerState {
     sync_ = true;
     final_ = plan.final;
     grad_scale_ = plan.grad_scale;
+    loss_divisor_ = plan.loss_divisor;
     // Without a loss scale, divide: each rank's share is then exactly rounded (one rank: the mean is).
     divide_ = grad_scale_ == 1.0;
     factors_.clear();
@@ -172,8 +176,10 @@ class ReducerState {
     }
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
-    const std::int64_t values[kMetaLen] = {plan.window_samples, plan.final ? 1 : 0,
-                                           plan.leaving ? 1 : 0};  // [count, final, leaving]
+    // [count, final, leaving, divisor, divisor^2]: the divisor's sum and sum of squares tell every
+    // rank alike whether all ranks used the same one ((sum d)^2 == world * sum d^2 only then).
+    const std::int64_t values[kMetaLen] = {plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0,
+                                           plan.loss_divisor, plan.loss_divisor * plan.loss_divisor};
     if (meta_.is_cpu())
       std::copy(values, values + kMetaLen, meta_.data_ptr<std::int64_t>());
     else
@@ -219,6 +225,8 @@ class ReducerState {
     r.global_samples = count;
     r.all_final = static_cast<std::int64_t>(v[1]) == world;
     r.ranks_leaving = static_cast<std::int64_t>(v[2]);
+    // A rank leaving its loop may close an empty window with divisor 1: its report comes first.
+    const bool divisors_differ = r.ranks_leaving == 0 && loss_divisors_differ(world, v[3], v[4]);
     bool non_finite = false;
     global_used_.assign(slots_.size(), 0);
     std::size_t pos = kMetaLen;
@@ -238,22 +246,36 @@ class ReducerState {
           for (auto& b : buckets_) b.head.mul_(coef);
       }
     }
-    if (non_finite || no_samples || r.ranks_leaving > 0)
+    if (non_finite || no_samples || r.ranks_leaving > 0 || divisors_differ)
       for (auto& b : buckets_) b.head.zero_();
     r.non_finite = non_finite;
     r.no_samples = no_samples;
     r.reduced = true;
-    // Parameters unused on every rank get back the gradient they had before the window.
+    // Parameters unused on every rank get back the gradient they had before the window; a
+    // float32-accumulated parameter's .grad() becomes the 16-bit copy of its average.
     for (std::size_t k = 0; k < slots_.size(); ++k) {
-      if (global_used_[k]) continue;
       auto& s = slots_[k];
+      const bool main = buckets_[s.bucket].main;
+      auto& g = param(k).mutable_grad();
+      if (global_used_[k]) {
+        if (main) g = s.view.to(param(k).scalar_type());
+        continue;
+      }
       if (s.was_undefined)
-        param(k).mutable_grad().reset();
+        g.reset();
+      else if (main)
+        g = (s.saved.defined() ? s.saved : s.view).to(param(k).scalar_type());
       else if (s.saved.defined())
         s.view.copy_(s.saved);
     }
     close_window();
     if (recording_) rebuild_pending_ = true;
+    if (divisors_differ)
+      throw InvalidArgument(fmt::format(
+          "Reducer::finish_window: the ranks divided their losses by different loss_divisor values (this rank: {}; "
+          "mean over the {} ranks: {}); every rank must use the same divisor for a window (gradients zeroed, the "
+          "step not applied)",
+          loss_divisor_, world, v[3] / world));
     if (options_.broadcast_buffers && world > 1 && !list_.buffers.empty())
       broadcast_from_rank0(*comm_, ParameterList{.names = {}, .params = {}, .buffers = list_.buffers});
     return r;
@@ -312,7 +334,20 @@ class ReducerState {
 
  private:
   static constexpr std::size_t kNoSlot = static_cast<std::size_t>(-1);
-  static constexpr std::int64_t kMetaLen = 3;  // the window's [count, final, leaving], summed over ranks
+  static constexpr std::int64_t kMetaLen = 5;  // the window's [count, final, leaving, divisor, divisor^2], summed
+  /// Whether the ranks' loss divisors d_r differ, from their sum and sum of squares (exact integers):
+  /// world * sum d^2 - (sum d)^2 = sum over pairs of (d_r - d_s)^2, zero only when all are equal.
+  static bool loss_divisors_differ(int world, double sum, double sum_squares) {
+    __extension__ typedef __int128 Wide;  // (sum d)^2 needs up to 66 bits
+    const auto s = static_cast<Wide>(static_cast<std::int64_t>(sum));
+    const auto q = static_cast<Wide>(static_cast<std::int64_t>(sum_squares));
+    return static_cast<Wide>(world) * q != s * s;
+  }
+
+  /// Whether `p`'s gradient is summed in a float32 slot (ReducerOptions::float32_accumulation).
+  bool accumulates_in_float32(const at::Tensor& p) const {
+    return options_.float32_accumulation && (p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16);
+  }
 
   const at::Tensor& param(std::size_t k) const { return list_.params[slots_[k].param]; }
 
@@ -354,7 +389,7 @@ class ReducerState {
     std::vector<double> out;
     if (on_host) {
       const auto* m = meta_.data_ptr<std::int64_t>();
-      out = {static_cast<double>(m[0]), static_cast<double>(m[1]), static_cast<double>(m[2])};
+      out.assign(m, m + kMetaLen);
       double sumsq = 0;
       for (const auto& b : buckets_) {
         const at::Tensor& tail = b.wire.defined() ? b.wire_tail : b.tail;
@@ -395,7 +430,7 @@ class ReducerState {
       auto it = std::find(kinds.begin(), kinds.end(), key);
       if (it == kinds.end()) it = kinds.insert(kinds.end(), key);
       specs.push_back({.numel = p.numel(),
-                       .element_size = static_cast<std::int64_t>(p.element_size()),
+                       .element_size = static_cast<std::int64_t>(accumulates_in_float32(p) ? 4 : p.element_size()),
                        .kind = static_cast<std::int64_t>(it - kinds.begin())});
     }
     return assign_buckets(
@@ -414,12 +449,14 @@ class ReducerState {
       std::int64_t total = 0;
       for (std::size_t k : b.slots) total += param(k).numel();
       const auto n = static_cast<std::int64_t>(b.slots.size());
-      const auto opts = at::TensorOptions().dtype(first.scalar_type()).device(first.device());
+      b.main = accumulates_in_float32(first);
+      b.param_dtype = first.scalar_type();
+      const auto opts = at::TensorOptions().dtype(b.main ? at::kFloat : first.scalar_type()).device(first.device());
       b.flat = at::zeros({total + n}, opts);
       b.head = b.flat.narrow(0, 0, total);
       b.tail = b.flat.narrow(0, total, n);
       b.bad = at::zeros({1}, opts.dtype(at::kFloat));
-      if (options_.wire_dtype && first.scalar_type() == at::kFloat) {
+      if (options_.wire_dtype && b.flat.scalar_type() == at::kFloat) {
         b.wire = at::empty({total + n}, opts.dtype(*options_.wire_dtype));
         b.wire_head = b.wire.narrow(0, 0, total);
         b.wire_tail = b.wire.narrow(0, total, n);
@@ -427,7 +464,7 @@ class ReducerState {
       }
       if (!first.is_cpu())
         b.flags_host = at::empty({n}, at::TensorOptions()
-                                          .dtype(b.wire.defined() ? *options_.wire_dtype : first.scalar_type())
+                                          .dtype(b.wire.defined() ? *options_.wire_dtype : b.flat.scalar_type())
                                           .pinned_memory(true));
       std::int64_t offset = 0;
       std::size_t flag = 0;
@@ -438,7 +475,7 @@ class ReducerState {
         s.flag = flag++;
         s.view = alias_into(b.flat, offset, param(k));
         auto& g = param(k).mutable_grad();
-        if (g.defined()) {
+        if (g.defined() && !b.main) {  // a float32 slot takes the gradient at the window's start
           s.view.copy_(g);
           g = s.view;
         }
@@ -468,12 +505,13 @@ class ReducerState {
       if (!p.requires_grad())
         throw InvalidArgument(fmt::format("Reducer: {} was trainable when the Reducer was built and is frozen now; {}",
                                           list_.describe(i), kAdvice));
-      if (p.scalar_type() != view.scalar_type() || p.device() != view.device() || p.sizes() != view.sizes())
-        throw InvalidArgument(fmt::format(
-            "Reducer: {} is {} [{}] on {} now but was {} [{}] on {} when the Reducer was built "
-            "(e.g. module->to(...) afterwards); {}",
-            list_.describe(i), c10::toString(p.scalar_type()), fmt::join(p.sizes(), ", "), p.device().str(),
-            c10::toString(view.scalar_type()), fmt::join(view.sizes(), ", "), view.device().str(), kAdvice));
+      const c10::ScalarType built_dtype = buckets_[slots_[k].bucket].param_dtype;
+      if (p.scalar_type() != built_dtype || p.device() != view.device() || p.sizes() != view.sizes())
+        throw InvalidArgument(
+            fmt::format("Reducer: {} is {} [{}] on {} now but was {} [{}] on {} when the Reducer was built "
+                        "(e.g. module->to(...) afterwards); {}",
+                        list_.describe(i), c10::toString(p.scalar_type()), fmt::join(p.sizes(), ", "), p.device().str(),
+                        c10::toString(built_dtype), fmt::join(view.sizes(), ", "), view.device().str(), kAdvice));
       if (torch::autograd::impl::try_get_grad_accumulator(p).get() != accumulators_[k].get())
         throw InvalidArgument(
             fmt::format("Reducer: {} got a new gradient accumulator after the Reducer was built (set_data or "
@@ -488,6 +526,21 @@ class ReducerState {
     if (rebuild_pending_) try_rebuild();
     rebuild_pending_ = false;
     for (auto& b : buckets_) {
+      if (b.main) {  // float32 slots: a gradient the parameter holds now (a stale one) starts the sum
+        for (std::size_t k : b.slots) {
+          auto& s = slots_[k];
+          auto& g = param(k).mutable_grad();
+          s.used = false;
+          s.saved = at::Tensor();
+          s.was_undefined = !g.defined();
+          if (g.defined())
+            s.view.copy_(g);
+          else
+            s.view.zero_();
+          g.reset();
+        }
+        continue;
+      }
       const bool all_undefined =
           std::none_of(b.slots.begin(), b.slots.end(), [&](std::size_t k) { return param(k).grad().defined(); });
       if (all_undefined) b.head.zero_();
@@ -512,7 +565,11 @@ class ReducerState {
   void mark_ready_locked(std::size_t k) {
     auto& s = slots_[k];
     auto& g = param(k).mutable_grad();
-    if (!aliases(g, s.view)) {  // replaced by the user or by a create_graph backward: move it into the slot
+    if (buckets_[s.bucket].main) {  // float32 accumulation: add this backward's 16-bit gradient, free it
+      at::NoGradGuard no_grad;
+      if (g.defined()) s.view.add_(g);
+      g.reset();
+    } else if (!aliases(g, s.view)) {  // replaced by the user or by a create_graph backward: move it into the slot
       at::NoGradGuard no_grad;
       if (g.defined())
         s.view.copy_(g);
@@ -581,6 +638,8 @@ class ReducerState {
       }
       if (has_fused_scan(b.flat)) {
         b.bad_host = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide, check);
+        if (check && b.main && !b.bad_host)
+          b.bad_host = !at::isfinite(b.head.to(b.param_dtype)).all().template item<bool>();
         return;
       }
       // float16 / bfloat16 on the CPU: a one-element float32 operand makes ATen compute in float32.
@@ -601,8 +660,8 @@ class ReducerState {
       else
         b.head.mul_(f);
     }
-    if (check)
-      b.bad.copy_(non_finite_flag(b.head, at::kFloat));
+    if (check)  // a float32 average outside the parameters' 16-bit range would step with inf: non-finite too
+      b.bad.copy_(non_finite_flag(b.main ? b.head.to(b.param_dtype) : b.head, at::kFloat));
     else
       b.bad.zero_();
   }
@@ -613,10 +672,11 @@ class ReducerState {
   /// communicator); device_factor computes it with device ops as a one-element tensor (no host read).
   double host_factor(bool post_wire) {
     wait_meta();
-    const double divisor = options_.average == Average::samples
-                               ? static_cast<double>(std::max<std::int64_t>(meta_.data_ptr<std::int64_t>()[0], 1))
-                           : options_.average == Average::world_size ? static_cast<double>(comm_->world_size())
-                                                                     : 1.0;
+    const double base = options_.average == Average::samples
+                            ? static_cast<double>(std::max<std::int64_t>(meta_.data_ptr<std::int64_t>()[0], 1))
+                        : options_.average == Average::world_size ? static_cast<double>(comm_->world_size())
+                                                                  : 1.0;
+    const double divisor = base / static_cast<double>(loss_divisor_);  // the losses were divided by loss_divisor_
     if (post_wire) return comm_->world_size() * grad_scale_ / divisor;
     return divide_ ? divisor : grad_scale_ / divisor;
   }
@@ -630,6 +690,7 @@ class ReducerState {
     at::Tensor divisor = options_.average == Average::samples
                              ? meta_.narrow(0, 0, 1).clamp_min(1).to(at::kDouble)
                              : at::full({1}, options_.average == Average::world_size ? comm_->world_size() : 1.0, opts);
+    if (loss_divisor_ != 1) divisor = divisor.div(static_cast<double>(loss_divisor_));
     at::Tensor value = post_wire ? divisor.reciprocal().mul(comm_->world_size() * grad_scale_)
                        : divide_ ? divisor
                                  : divisor.reciprocal().mul(grad_scale_);
@@ -677,6 +738,8 @@ class ReducerState {
         s.view.zero_();
       else if (s.was_undefined)
         param(k).mutable_grad().reset();
+      else if (buckets_[s.bucket].main)
+        param(k).mutable_grad() = s.view.to(param(k).scalar_type());  // the gradient it held before the window
     }
     meta_work_.reset();
     close_window();
@@ -736,16 +799,17 @@ class ReducerState {
   std::vector<std::optional<Work>> works_;
   std::optional<Work> meta_work_;
   std::vector<char> global_used_;
-  at::Tensor meta_;              // int64 [window samples, final flag, leaving flag] on device_
+  at::Tensor meta_;              // int64 [window samples, final, leaving, loss divisor, its square] on device_
   std::vector<Factor> factors_;  // this window's factors, per dtype / device
   std::vector<GradAccumulatorPtr> accumulators_;
   std::vector<std::uintptr_t> keys_;
   std::mutex mutex_;
   std::size_t next_launch_ = 0;
   HostReads reads_;
-  std::int64_t arrivals_ = 0;  // gradients delivered by autograd hooks since construction
-  double grad_scale_ = 1.0;    // of the current sync window
-  bool divide_ = true;         // divide by the divisor (exact) rather than multiply by grad_scale / divisor
+  std::int64_t arrivals_ = 0;      // gradients delivered by autograd hooks since construction
+  double grad_scale_ = 1.0;        // of the current sync window
+  std::int64_t loss_divisor_ = 1;  // of the current sync window (BackwardPlan::loss_divisor)
+  bool divide_ = true;             // divide by the divisor (exact) rather than multiply by grad_scale / divisor
   std::int64_t next_ready_pos_ = 0;
   bool in_hook_ = false;
   bool window_open_ = false;
