@@ -19,13 +19,13 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 #include <string_view>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <loom/detail/text_fields.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -59,16 +59,18 @@ inline std::string to_string(const LossScalerState& s) {
   return fmt::format("loom-loss-scaler v1 scale={:a} good_steps={}", s.scale, s.good_steps);
 }
 
-/// Parses the text of to_string(LossScalerState). Throws loom::InvalidArgument quoting the text.
+/// Parses the text of to_string(LossScalerState) (a trailing newline allowed; the grammar is
+/// detail::TextFields'). Throws loom::InvalidArgument quoting the text: malformed, a scale that is
+/// not finite and > 0, or a negative good_steps.
 inline LossScalerState parse_loss_scaler_state(std::string_view text) {
-  const std::string s(text);
-  double scale = 0;
-  long long good = 0;
-  char tail = 0;
-  if (std::sscanf(s.c_str(), "loom-loss-scaler v1 scale=%la good_steps=%lld %c", &scale, &good, &tail) != 2)
-    throw InvalidArgument(
-        fmt::format("loss scaler state '{}' is malformed (expected 'loom-loss-scaler v1 scale=S good_steps=N')", text));
-  return {.scale = scale, .good_steps = good};
+  detail::TextFields f(text, "loom-loss-scaler v1", "loss scaler state");
+  LossScalerState s;
+  s.scale = f.hex_double("scale");
+  s.good_steps = f.integer<std::int64_t>("good_steps");
+  f.finish();
+  if (!std::isfinite(s.scale) || !(s.scale > 0)) throw f.fail(fmt::format("scale {} must be finite and > 0", s.scale));
+  if (s.good_steps < 0) throw f.fail(fmt::format("good_steps {} must be >= 0", s.good_steps));
+  return s;
 }
 
 /// Dynamic loss scale. See the file comment.

@@ -18,7 +18,6 @@
 // Models: DistributedSampler (distributed.hpp), DistributedBucketBatchSampler (bucket_batch.hpp).
 #pragma once
 
-#include <charconv>
 #include <concepts>
 #include <cstdint>
 #include <optional>
@@ -28,6 +27,7 @@
 #include <fmt/format.h>
 
 #include <loom/detail/hash.hpp>
+#include <loom/detail/text_fields.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -98,33 +98,26 @@ inline std::string to_string(const SamplerState& s) {
       s.epoch, s.position, s.dataset_size, s.num_replicas, s.rank, s.fingerprint);
 }
 
-/// Parses the text of to_string(). Throws loom::InvalidArgument naming the text when malformed.
+/// Parses the text of to_string() (a trailing newline allowed; the grammar is detail::TextFields').
+/// Throws loom::InvalidArgument quoting the text: malformed, or values no sampler has (a negative
+/// epoch, position or dataset size; num_replicas < 1; rank outside [0, num_replicas)).
 inline SamplerState parse_sampler_state(std::string_view text) {
+  detail::TextFields f(text, "loom-sampler v1", "sampler state");
   SamplerState s;
-  const std::string_view prefix = "loom-sampler v1 ";
-  auto fail = [&](std::string_view why) {
-    return InvalidArgument(fmt::format("sampler state '{}' is malformed: {}", text, why));
-  };
-  if (text.substr(0, prefix.size()) != prefix) throw fail("it must start with 'loom-sampler v1'");
-  std::string_view rest = text.substr(prefix.size());
-  auto field = [&](std::string_view name, auto& out) {
-    while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
-    if (rest.substr(0, name.size()) != name || rest.size() <= name.size() || rest[name.size()] != '=')
-      throw fail(fmt::format("expected field '{}'", name));
-    rest.remove_prefix(name.size() + 1);
-    auto [ptr, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), out);
-    if (ec != std::errc()) throw fail(fmt::format("field '{}' is not a number", name));
-    rest.remove_prefix(static_cast<std::size_t>(ptr - rest.data()));
-  };
-  field("seed", s.seed);
-  field("epoch", s.epoch);
-  field("position", s.position);
-  field("dataset_size", s.dataset_size);
-  field("num_replicas", s.num_replicas);
-  field("rank", s.rank);
-  field("fingerprint", s.fingerprint);
-  if (!rest.empty() && rest.find_first_not_of(" \n") != std::string_view::npos)
-    throw fail("unexpected text at the end");
+  s.seed = f.integer<uint64_t>("seed");
+  s.epoch = f.integer<int64_t>("epoch");
+  s.position = f.integer<int64_t>("position");
+  s.dataset_size = f.integer<int64_t>("dataset_size");
+  s.num_replicas = f.integer<int>("num_replicas");
+  s.rank = f.integer<int>("rank");
+  s.fingerprint = f.integer<uint64_t>("fingerprint");
+  f.finish();
+  if (s.epoch < 0 || s.position < 0 || s.dataset_size < 0)
+    throw f.fail(
+        fmt::format("epoch {}, position {} and dataset_size {} must be >= 0", s.epoch, s.position, s.dataset_size));
+  if (s.num_replicas < 1 || s.rank < 0 || s.rank >= s.num_replicas)
+    throw f.fail(fmt::format("rank {} of num_replicas {} (need num_replicas >= 1 and 0 <= rank < num_replicas)", s.rank,
+                             s.num_replicas));
   return s;
 }
 

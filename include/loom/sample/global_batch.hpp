@@ -59,7 +59,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <exception>
 #include <numeric>
 #include <optional>
@@ -77,6 +76,7 @@
 #include <loom/collate/options.hpp>
 #include <loom/collate/planner.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/detail/text_fields.hpp>
 #include <loom/error.hpp>
 #include <loom/sample/bucket_batch.hpp>
 #include <loom/sample/concepts.hpp>
@@ -151,25 +151,18 @@ inline std::string to_string(const GlobalCursor& c) {
                      c.fingerprint);
 }
 
-/// Parses the text of to_string(GlobalCursor). Throws loom::InvalidArgument naming the text.
+/// Parses the text of to_string(GlobalCursor) (a trailing newline allowed; the grammar is
+/// detail::TextFields'). Throws loom::InvalidArgument quoting the text: malformed, or a negative
+/// epoch or step.
 inline GlobalCursor parse_global_cursor(std::string_view text) {
+  detail::TextFields f(text, "loom-global-cursor v1", "global cursor");
   GlobalCursor c;
-  unsigned long long seed = 0, fingerprint = 0;
-  long long epoch = 0, step = 0;
-  const std::string s(text);
-  char tail = 0;
-  if (std::sscanf(s.c_str(), "loom-global-cursor v1 seed=%llu epoch=%lld step=%lld fingerprint=%llu %c", &seed, &epoch,
-                  &step, &fingerprint, &tail) != 4)
-    throw InvalidArgument(
-        fmt::format("global cursor '{}' is malformed (expected 'loom-global-cursor v1 seed=S epoch=E "
-                    "step=K fingerprint=F')",
-                    text));
-  if (epoch < 0 || step < 0)
-    throw InvalidArgument(fmt::format("global cursor '{}' has a negative epoch or step", text));
-  c.seed = seed;
-  c.epoch = epoch;
-  c.step = step;
-  c.fingerprint = fingerprint;
+  c.seed = f.integer<uint64_t>("seed");
+  c.epoch = f.integer<int64_t>("epoch");
+  c.step = f.integer<int64_t>("step");
+  c.fingerprint = f.integer<uint64_t>("fingerprint");
+  f.finish();
+  if (c.epoch < 0 || c.step < 0) throw f.fail(fmt::format("epoch {} and step {} must be >= 0", c.epoch, c.step));
   return c;
 }
 
