@@ -52,6 +52,13 @@ TEST_CASE("state text: text after a NUL byte is not ignored (fuzz)") {
   CHECK_THROWS_AS(loom::parse_sampler_state(kSampler + "\0 7"s), loom::InvalidArgument);
 }
 
+TEST_CASE("state text: a scale without its binary exponent is not {:a}'s form (fuzz)") {
+  // fuzz: build-fuzz/findings/crash-84388c58... ("scale=0x1 good_steps=371", read as 1).
+  CHECK_THROWS_WITH_AS(loom::parse_loss_scaler_state("loom-loss-scaler v1 scale=0x1 good_steps=371"),
+                       doctest::Contains("field 'scale' has no binary exponent"), loom::InvalidArgument);
+  CHECK(loom::parse_loss_scaler_state("loom-loss-scaler v1 scale=0x1p+0 good_steps=371").scale == 1.0);
+}
+
 TEST_CASE("state text: a sign on an unsigned field, a space after '=', or fields run together are errors") {
   // sscanf's %llu read "-1" as 2^64 - 1; its %lld skips spaces; a space in its format matches none.
   CHECK_THROWS_WITH_AS(loom::parse_global_cursor("loom-global-cursor v1 seed=-1 epoch=2 step=13 fingerprint=1"),

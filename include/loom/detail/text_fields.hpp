@@ -12,7 +12,8 @@
 //   each; then only spaces and newlines (a checkpoint line read with its '\n'). Integers are what
 //   std::from_chars reads in base 10: an optional '-' (signed types only; an unsigned field refuses
 //   "-1" instead of wrapping it to 2^64 - 1), digits, no '+', no spaces, in range of the type.
-//   Doubles: hexadecimal floating point as {:a} prints it ("0x1.8p+3", "-0x1p-2"; exact).
+//   Doubles: hexadecimal floating point as {:a} prints it ("0x1.8p+3", "-0x1p-2"; exact), the
+//   binary exponent required.
 // Throws: loom::InvalidArgument "<what> '<text>' is malformed: <why>" — the text quoted, cut at 120
 //   characters, bytes outside printable ASCII written as \xNN.
 // Source: the strict field reading of std::from_chars (no locale, no whitespace skipping), unlike
@@ -60,14 +61,14 @@ class TextFields {
 
   /// The next field, `name=<integer>`. Throws: loom::InvalidArgument (missing, not a number, out of range).
   template <class T>
-    requires std::is_integral_v<T>
-  T integer(std::string_view name) {
+  requires std::is_integral_v<T> T integer(std::string_view name) {
     take_name(name);
     T value{};
     const auto [ptr, ec] = std::from_chars(rest_.data(), rest_.data() + rest_.size(), value);
     if (ec == std::errc::result_out_of_range) throw fail(fmt::format("field '{}' is out of range", name));
     if (ec != std::errc())
-      throw fail(fmt::format("field '{}' is not a number{}", name, std::is_signed_v<T> ? "" : " (digits only, no sign)"));
+      throw fail(
+          fmt::format("field '{}' is not a number{}", name, std::is_signed_v<T> ? "" : " (digits only, no sign)"));
     rest_.remove_prefix(static_cast<std::size_t>(ptr - rest_.data()));
     return value;
   }
@@ -80,12 +81,19 @@ class TextFields {
     std::string_view digits = rest_.substr(negative ? 1 : 0);
     if (digits.substr(0, 2) != "0x") throw fail(fmt::format("field '{}' is not a hexadecimal float (0x...)", name));
     digits.remove_prefix(2);
-    const auto hex_digit = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); };
+    const auto hex_digit = [](char c) {
+      return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+    };
     if (digits.empty() || !hex_digit(digits.front()))  // from_chars alone would take "inf", "nan" or a second sign
       throw fail(fmt::format("field '{}' is not a hexadecimal float", name));
     double value = 0;
     const auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value, std::chars_format::hex);
     if (ec != std::errc()) throw fail(fmt::format("field '{}' is not a hexadecimal float", name));
+    const std::string_view read(digits.data(), static_cast<std::size_t>(ptr - digits.data()));
+    if (read.find('p') == std::string_view::npos)
+      throw fail(fmt::format("field '{}' has no binary exponent (p...), which {{:a}} always writes", name));
+    if (read.find(".p") != std::string_view::npos)
+      throw fail(fmt::format("field '{}' has a '.' without digits after it", name));
     rest_.remove_prefix(static_cast<std::size_t>(ptr - rest_.data()));
     return negative ? -value : value;
   }
