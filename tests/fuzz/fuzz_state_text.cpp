@@ -91,53 +91,54 @@ bool well_formed(std::string_view text, std::string_view prefix, std::initialize
   return text.find_first_not_of(" \n") == std::string_view::npos;
 }
 
-void cursor(std::string_view text) {
-  loom::GlobalCursor c;
+/// The contract for one state reader: `parse` returns or throws InvalidArgument; a result passes
+/// `valid`, round-trips through to_string, and came from a well-formed text.
+template <class Parse, class Valid>
+void state(std::string_view text, Parse parse, Valid valid, std::string_view prefix,
+           std::initializer_list<Field> fields) {
+  decltype(parse(text)) value;
   try {
-    c = loom::parse_global_cursor(text);
+    value = parse(text);
   } catch (const loom::InvalidArgument&) {
     return;
   }
-  require(c.epoch >= 0 && c.step >= 0);
-  require(loom::parse_global_cursor(loom::to_string(c)) == c);
-  require(well_formed(text, "loom-global-cursor v1",
-                      {{"seed", Field::unsigned_integer},
-                       {"epoch", Field::signed_integer},
-                       {"step", Field::signed_integer},
-                       {"fingerprint", Field::unsigned_integer}}));
+  require(valid(value));
+  require(parse(loom::to_string(value)) == value);
+  require(well_formed(text, prefix, fields));
+}
+
+void cursor(std::string_view text) {
+  state(
+      text, [](std::string_view t) { return loom::parse_global_cursor(t); },
+      [](const loom::GlobalCursor& c) { return c.epoch >= 0 && c.step >= 0; }, "loom-global-cursor v1",
+      {{"seed", Field::unsigned_integer},
+       {"epoch", Field::signed_integer},
+       {"step", Field::signed_integer},
+       {"fingerprint", Field::unsigned_integer}});
 }
 
 void sampler(std::string_view text) {
-  loom::SamplerState s;
-  try {
-    s = loom::parse_sampler_state(text);
-  } catch (const loom::InvalidArgument&) {
-    return;
-  }
-  require(s.epoch >= 0 && s.position >= 0 && s.dataset_size >= 0);
-  require(s.num_replicas >= 1 && s.rank >= 0 && s.rank < s.num_replicas);
-  require(loom::parse_sampler_state(loom::to_string(s)) == s);
-  require(well_formed(text, "loom-sampler v1",
-                      {{"seed", Field::unsigned_integer},
-                       {"epoch", Field::signed_integer},
-                       {"position", Field::signed_integer},
-                       {"dataset_size", Field::signed_integer},
-                       {"num_replicas", Field::signed_integer},
-                       {"rank", Field::signed_integer},
-                       {"fingerprint", Field::unsigned_integer}}));
+  state(
+      text, [](std::string_view t) { return loom::parse_sampler_state(t); },
+      [](const loom::SamplerState& s) {
+        return s.epoch >= 0 && s.position >= 0 && s.dataset_size >= 0 && s.num_replicas >= 1 && s.rank >= 0 &&
+               s.rank < s.num_replicas;
+      },
+      "loom-sampler v1",
+      {{"seed", Field::unsigned_integer},
+       {"epoch", Field::signed_integer},
+       {"position", Field::signed_integer},
+       {"dataset_size", Field::signed_integer},
+       {"num_replicas", Field::signed_integer},
+       {"rank", Field::signed_integer},
+       {"fingerprint", Field::unsigned_integer}});
 }
 
 void scaler(std::string_view text) {
-  loom::LossScalerState s;
-  try {
-    s = loom::parse_loss_scaler_state(text);
-  } catch (const loom::InvalidArgument&) {
-    return;
-  }
-  require(std::isfinite(s.scale) && s.scale > 0 && s.good_steps >= 0);
-  require(loom::parse_loss_scaler_state(loom::to_string(s)) == s);
-  require(
-      well_formed(text, "loom-loss-scaler v1", {{"scale", Field::hex_float}, {"good_steps", Field::signed_integer}}));
+  state(
+      text, [](std::string_view t) { return loom::parse_loss_scaler_state(t); },
+      [](const loom::LossScalerState& s) { return std::isfinite(s.scale) && s.scale > 0 && s.good_steps >= 0; },
+      "loom-loss-scaler v1", {{"scale", Field::hex_float}, {"good_steps", Field::signed_integer}});
 }
 
 void environment(std::string_view text) {

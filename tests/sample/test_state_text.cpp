@@ -55,8 +55,13 @@ TEST_CASE("state text: text after a NUL byte is not ignored (fuzz)") {
 TEST_CASE("state text: a scale without its binary exponent is not {:a}'s form (fuzz)") {
   // fuzz: build-fuzz/findings/crash-84388c58... ("scale=0x1 good_steps=371", read as 1).
   CHECK_THROWS_WITH_AS(loom::parse_loss_scaler_state("loom-loss-scaler v1 scale=0x1 good_steps=371"),
-                       doctest::Contains("field 'scale' has no binary exponent"), loom::InvalidArgument);
+                       doctest::Contains("field 'scale' is not a hexadecimal float"), loom::InvalidArgument);
   CHECK(loom::parse_loss_scaler_state("loom-loss-scaler v1 scale=0x1p+0 good_steps=371").scale == 1.0);
+  // fuzz: build-fuzz/findings/crash-4665f9de... (libstdc++'s from_chars reads "1p+-9" as 2^-9).
+  for (const char* scale : {"0x1p+-9", "0x1.p+0", "0x1p", "0x1p+", "0x.8p+0", "0x1p+9x"})
+    CHECK_THROWS_WITH_AS(loom::parse_loss_scaler_state("loom-loss-scaler v1 scale="s + scale + " good_steps=371"),
+                         doctest::Contains("field 'scale' is not a hexadecimal float"), loom::InvalidArgument);
+  CHECK(loom::parse_loss_scaler_state("loom-loss-scaler v1 scale=0x1.8p-3 good_steps=371").scale == 0.1875);
 }
 
 TEST_CASE("state text: a sign on an unsigned field, a space after '=', or fields run together are errors") {

@@ -20,6 +20,7 @@
 //   sscanf, whose %llu accepts "-1" and whose overflow is undefined.
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cstddef>
 #include <cstdint>
@@ -73,28 +74,22 @@ class TextFields {
     return value;
   }
 
-  /// The next field, `name=<hexadecimal floating point>` ({:a}'s form, "0x" required).
-  /// Throws: loom::InvalidArgument (missing, not such a number, out of range).
+  /// The next field, `name=<hexadecimal floating point>`: [-]0x<hex digits>[.<hex digits>]p[+|-]<digits>,
+  /// {:a}'s form. Checked before std::from_chars reads it: libstdc++'s accepts "0x1p+-9" as 2^-9,
+  /// and "0x1" without an exponent.
+  /// Throws: loom::InvalidArgument (missing, not of that form, out of range).
   double hex_double(std::string_view name) {
     take_name(name);
-    const bool negative = !rest_.empty() && rest_.front() == '-';
-    std::string_view digits = rest_.substr(negative ? 1 : 0);
-    if (digits.substr(0, 2) != "0x") throw fail(fmt::format("field '{}' is not a hexadecimal float (0x...)", name));
-    digits.remove_prefix(2);
-    const auto hex_digit = [](char c) {
-      return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
-    };
-    if (digits.empty() || !hex_digit(digits.front()))  // from_chars alone would take "inf", "nan" or a second sign
-      throw fail(fmt::format("field '{}' is not a hexadecimal float", name));
+    const std::string_view token = rest_.substr(0, std::min(rest_.find_first_of(" \n"), rest_.size()));
+    if (!hex_float_form(token))
+      throw fail(fmt::format("field '{}' is not a hexadecimal float as {{:a}} writes it ([-]0x1.8p+3)", name));
+    const bool negative = token.front() == '-';
+    const std::string_view digits = token.substr(negative ? 3 : 2);
     double value = 0;
     const auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value, std::chars_format::hex);
-    if (ec != std::errc()) throw fail(fmt::format("field '{}' is not a hexadecimal float", name));
-    const std::string_view read(digits.data(), static_cast<std::size_t>(ptr - digits.data()));
-    if (read.find('p') == std::string_view::npos)
-      throw fail(fmt::format("field '{}' has no binary exponent (p...), which {{:a}} always writes", name));
-    if (read.find(".p") != std::string_view::npos)
-      throw fail(fmt::format("field '{}' has a '.' without digits after it", name));
-    rest_.remove_prefix(static_cast<std::size_t>(ptr - rest_.data()));
+    if (ec != std::errc() || ptr != digits.data() + digits.size())
+      throw fail(fmt::format("field '{}' is out of range", name));
+    rest_.remove_prefix(token.size());
     return negative ? -value : value;
   }
 
@@ -116,6 +111,27 @@ class TextFields {
     if (rest_.substr(0, name.size()) != name || rest_.size() <= name.size() || rest_[name.size()] != '=')
       throw fail(fmt::format("expected field '{}'", name));
     rest_.remove_prefix(name.size() + 1);
+  }
+
+  static bool hex_float_form(std::string_view t) {
+    const auto run = [&t](std::string_view allowed) {  // length of the leading run of `allowed` in t
+      const std::size_t n = std::min(t.find_first_not_of(allowed), t.size());
+      t.remove_prefix(n);
+      return n;
+    };
+    constexpr std::string_view kHex = "0123456789abcdefABCDEF", kDigits = "0123456789";
+    if (!t.empty() && t.front() == '-') t.remove_prefix(1);
+    if (t.substr(0, 2) != "0x") return false;
+    t.remove_prefix(2);
+    if (run(kHex) == 0) return false;
+    if (!t.empty() && t.front() == '.') {
+      t.remove_prefix(1);
+      if (run(kHex) == 0) return false;
+    }
+    if (t.empty() || t.front() != 'p') return false;
+    t.remove_prefix(1);
+    if (!t.empty() && (t.front() == '+' || t.front() == '-')) t.remove_prefix(1);
+    return run(kDigits) > 0 && t.empty();
   }
 
   std::string_view text_;

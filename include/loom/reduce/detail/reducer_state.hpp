@@ -526,21 +526,6 @@ class ReducerState {
     if (rebuild_pending_) try_rebuild();
     rebuild_pending_ = false;
     for (auto& b : buckets_) {
-      if (b.main) {  // float32 slots: a gradient the parameter holds now (a stale one) starts the sum
-        for (std::size_t k : b.slots) {
-          auto& s = slots_[k];
-          auto& g = param(k).mutable_grad();
-          s.used = false;
-          s.saved = at::Tensor();
-          s.was_undefined = !g.defined();
-          if (g.defined())
-            s.view.copy_(g);
-          else
-            s.view.zero_();
-          g.reset();
-        }
-        continue;
-      }
       const bool all_undefined =
           std::none_of(b.slots.begin(), b.slots.end(), [&](std::size_t k) { return param(k).grad().defined(); });
       if (all_undefined) b.head.zero_();
@@ -550,7 +535,13 @@ class ReducerState {
         s.used = false;
         s.saved = at::Tensor();
         s.was_undefined = !g.defined();
-        if (!g.defined()) {
+        if (b.main) {  // a float32 slot: the gradient the parameter holds (a stale one) starts the sum
+          if (g.defined())
+            s.view.copy_(g);
+          else if (!all_undefined)
+            s.view.zero_();
+          g.reset();
+        } else if (!g.defined()) {
           if (!all_undefined) s.view.zero_();
           g = s.view;
         } else if (!aliases(g, s.view)) {
