@@ -4,7 +4,10 @@
 // planned identically on every rank, 2 batches per optimizer step dealt to the ranks, gradients
 // reduced across ranks weighted by samples, and rank 0 logging the loss averaged over all ranks.
 //
-// Run: build/examples/readme_loop [--nproc N]   Output (rank 0): "epoch E loss L" lines, then "result: ..."
+// Run: build/examples/readme_loop [--nproc N]   Output (rank 0): "epoch E loss L" lines, then
+// "result: first_loss=F last_loss=L ranks=N" (the dataset's mean loss before and after training).
+// The lines between the two "----" markers are the README's loop: tests/examples/check_readme_loop.py
+// fails when they and the README's block differ.
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -30,12 +33,21 @@ int main(int argc, char** argv) try {
         }
         torch::nn::Linear model(1, 2);
         torch::optim::SGD opt(model->parameters(), /*lr=*/0.5);
-        loom::Logger log(loom::StreamSink{stdout}, pg);  // rank 0 prints
-        double first = 0, last = 0;
+        // The mean loss over the whole dataset (the same on every rank: same seed, same data, and the
+        // Trainer keeps the replicas equal), before and after training.
+        auto dataset_loss = [&] {
+          torch::NoGradGuard no_grad;
+          double sum = 0;
+          for (const auto& [x, label] : data)
+            sum += F::cross_entropy(model->forward(x.unsqueeze(0).mean(-1)), torch::tensor({label})).item<double>();
+          return sum / static_cast<double>(data.size());
+        };
+        const double first = dataset_loss();
         // ---- the loop (README) ----
         loom::BatchLoader loader(pg, shapes, [&](int64_t i) { return data[i]; },
                                  {.max_samples = 8, .batches_per_step = 2});
-        loom::Trainer trainer(pg, *model, opt);  // rank 0's weights everywhere; reduces during backward
+        loom::Trainer trainer(pg, *model, opt);          // rank 0's weights everywhere; reduces during backward
+        loom::Logger log(loom::StreamSink{stdout}, pg);  // rank 0 prints
         for (int64_t epoch = 0; epoch < 4; ++epoch) {
           loom::Metrics metrics(pg);
           for (loom::Batch& b : trainer.epoch(loader, epoch)) {  // this rank's share of every step
@@ -43,11 +55,10 @@ int main(int argc, char** argv) try {
             trainer.backward(loss, b);  // weighted by samples; opt.step() + zero_grad() at step ends
             metrics.add("loss", loss, b);
           }
-          last = metrics.mean("loss");  // over every rank's samples
-          log.info("epoch {} loss {:.4f}", epoch, last);
-          // ---- end of the loop ----
-          if (epoch == 0) first = last;
+          log.info("epoch {} loss {:.4f}", epoch, metrics.mean("loss"));  // over every rank's samples
         }
+        // ---- end of the loop ----
+        const double last = dataset_loss();
         log.info("result: first_loss={:.4f} last_loss={:.4f} ranks={}", first, last, pg.world_size());
         if (!(last < first)) throw loom::Error(fmt::format("the loss did not fall: {} -> {}", first, last));
       },

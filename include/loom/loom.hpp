@@ -5,7 +5,7 @@
 // and the short training path (BatchLoader, Trainer); each component's umbrella
 // `<loom/<component>/all.hpp>` (or one header of it) is the narrower choice when compile time matters.
 //
-// Example (the README's loop, examples/readme_loop.cpp):
+// Example (a sketch; the whole loop is the README's, examples/readme_loop.cpp):
 //   loom::run([](loom::ProcessGroup& pg) {
 //     loom::BatchLoader loader(pg, shapes, fetch, {.max_samples = 8, .batches_per_step = 2});
 //     loom::Trainer trainer(pg, *model, opt);

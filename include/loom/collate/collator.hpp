@@ -9,9 +9,8 @@
 // boundaries, multiples) the sample's bytes go straight into the bucket's open batch buffer (one
 // copy). For buckets padded to the batch's largest size the padded shape is known only when the
 // batch closes, so the bytes are first copied into the bucket's staging buffer (a byte buffer
-// reused from batch to batch), then into the batch when it closes (two copies; on bench_collate's
-// collate_padded, 4096 float32 sequences of L x 32 in batches of 64, about 1.15x the time of a
-// single copy from the caller's tensors at close time). Rows are written by the one collate
+// reused from batch to batch), then into the batch when it closes (two copies; the cost against one
+// copy at close time is in docs/benchmarks.md, "Collation"). Rows are written by the one collate
 // kernel (detail/batch_writer.hpp) that loom::collate uses too; there is no per-group vector of
 // tensors and no torch::stack. With a BufferPool (pool.hpp) the batch buffers are reused across
 // batches, which removes the page faults that dominate collation cost.

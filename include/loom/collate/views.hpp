@@ -66,10 +66,9 @@ class BucketView : public ranges::view_base {
     // For in-memory inputs (a forward range of lvalues, e.g. a std::vector of samples) the tensors'
     // metadata (TensorImpl: dtype, sizes, storage pointer) is usually cold in cache, and touching
     // it costs a memory round trip per sample. Prefetching the next sample's TensorImpl (its first
-    // four cache lines) while this one is copied hides that (bench_collate's collate_mixed, 4096
-    // shuffled float32 samples of 3 x h x w: 0.70-0.75x of a bare memcpy loop without it,
-    // 0.98-1.02x with it). Never used for ranges that compute their elements (that would compute
-    // them twice).
+    // four cache lines) while this one is copied hides that (bench_collate's collate_mixed; the
+    // figures with and without it are in docs/benchmarks.md, "Collation"). Never used for ranges
+    // that compute their elements (that would compute them twice).
     static constexpr bool kPrefetch = ranges::forward_range<V> &&
                                       std::is_lvalue_reference_v<ranges::range_reference_t<V>> &&
                                       std::is_reference_v<decltype(std::declval<const Projection&>().data(

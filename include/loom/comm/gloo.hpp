@@ -24,7 +24,7 @@
 //      blocking collective the ranks all-gather a 13-integer record (collective, dtype, reduce op or
 //      root, numel, shape), so a dtype/shape/op/root mismatch or two ranks calling different
 //      collectives is a loom::CommError naming each rank's tensor, not garbage or a hang. Cost: one
-//      extra small collective per call (about one all-reduce latency, ~0.1-2 ms on loopback). The
+//      extra small collective per call (one small all-reduce's latency: docs/benchmarks.md). The
 //      async call skips it unless check_async_metadata is set (a gradient reducer's hot path).
 //      Every rank must use the same settings.
 // Timeouts: a collective not finished within `timeout()` (a peer never called it) throws

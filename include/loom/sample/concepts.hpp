@@ -15,7 +15,8 @@
 //   Sampler            value_type, set_epoch(e), size(), next() -> optional<value_type>
 //   ResumableSampler   + state() / load_state(state): resume mid-epoch to the same sequence
 //
-// Models: DistributedSampler (distributed.hpp), DistributedBucketBatchSampler (bucket_batch.hpp).
+// Models (each checked by a static_assert next to it): DistributedSampler (distributed.hpp),
+// DistributedBucketBatchSampler (bucket_batch.hpp), GlobalBatchSampler (global_batch.hpp).
 #pragma once
 
 #include <concepts>

@@ -8,22 +8,10 @@
 // at each step boundary, joins steps in which this rank has no batch, and closes the epoch when
 // the loop ends.
 //
-// Example (the README's loop, examples/readme_loop.cpp):
-//   loom::run([](loom::ProcessGroup& pg) {
-//     ...  // data, shapes, model, optimizer `opt`
-//     loom::BatchLoader loader(pg, shapes, [&](int64_t i) { return data[i]; }, {.max_samples = 8, .batches_per_step = 2});
-//     loom::Trainer trainer(pg, *model, opt);
-//     loom::Logger log(loom::StreamSink{stdout}, pg);
-//     for (int64_t epoch = 0; epoch < 4; ++epoch) {
-//       loom::Metrics metrics(pg);
-//       for (loom::Batch& b : trainer.epoch(loader, epoch)) {
-//         auto loss = F::cross_entropy(model->forward(b.data), b.targets);  // mean over the batch
-//         trainer.backward(loss, b);
-//         metrics.add("loss", loss, b);
-//       }
-//       log.info("epoch {} loss {:.4f}", epoch, metrics.mean("loss"));
-//     }
-//   }, {.nproc = 2});
+// Example: the README's loop — examples/readme_loop.cpp between its "----" markers, the one copy
+// (README.md and docs/loop.md show it; tests/examples/check_readme_loop.py keeps them equal). Its
+// core: a BatchLoader and a Trainer built from the process group, the model and the optimizer, then
+//   for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
 //
 // What loom does, so the loop cannot forget it:
 //   - the loss is the batch MEAN (PyTorch's default reduction; TrainerOptions::loss = sum for a
