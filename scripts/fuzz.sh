@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# libFuzzer run over everything loom reads from text a user hands in (tests/fuzz/fuzz_state_text.cpp:
-# checkpoint state lines and the launcher's environment).
+# libFuzzer runs over everything loom reads from what a user hands in: tests/fuzz/fuzz_state_text.cpp
+# (checkpoint state lines, the launcher's environment) and tests/fuzz/fuzz_data_files.cpp (the
+# examples' dataset readers: IDX, PNG, CSV files).
 #
-# Usage: bash scripts/fuzz.sh [SECONDS]        (default 300; run as root, or with sudo available)
+# Usage: bash scripts/fuzz.sh [SECONDS]        (per target; default 300; as root, or with sudo available)
 # 1. Installs Debian's clang when it is missing (Debian 12: clang 14, whose libclang-common-14-dev
 #    carries libFuzzer; Debian 13: clang 19 and libclang-rt-19-dev).
-# 2. Builds build-fuzz/fuzz_state_text with clang++ -fsanitize=fuzzer,address,undefined against the
-#    LibTorch headers of .venv's pip torch (made by scripts/setup.sh; the target links none of
-#    LibTorch's code, it only includes headers that include ATen).
-# 3. Runs it for SECONDS with the seeds of tests/fuzz/seeds/ (valid lines of every kind), keeping
-#    the corpus it grows in build-fuzz/corpus/ and any crashing input in build-fuzz/findings/.
+# 2. Builds build-fuzz/fuzz_state_text and build-fuzz/fuzz_data_files with clang++
+#    -fsanitize=fuzzer,address,undefined against .venv's pip torch (made by scripts/setup.sh; the
+#    data target links its libtorch_cpu, libpng and zlib).
+# 3. Runs each for SECONDS with its seeds (tests/fuzz/seeds/: valid lines of every kind;
+#    tests/fuzz/seeds-data/: a small IDX, gzip'd IDX, PNG and CSV), keeping the corpus it grows in
+#    build-fuzz/corpus/<target>/ and any crashing input in build-fuzz/findings/<target>-*; an
+#    input that makes a reader allocate over 1 GiB at once (-malloc_limit_mb) or hold 2 GiB is a
+#    finding too.
 # Exit code: 0 when no input broke the contract; libFuzzer's (non-zero) otherwise. A finding is a
-# file in build-fuzz/findings/: replay it with `build-fuzz/fuzz_state_text FILE`, then make it a
-# case of tests/sample/test_state_text.cpp before fixing it.
+# file in build-fuzz/findings/: replay it with `build-fuzz/<target> FILE`, then make it a failing
+# case (tests/sample/test_state_text.cpp, tests/examples/test_data.cpp) before fixing it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-300}
@@ -24,7 +28,7 @@ probe() {  # whether clang++ links a libFuzzer program
   printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' >"$out/probe.cpp"
   clang++ -fsanitize=fuzzer "$out/probe.cpp" -o "$out/probe" >/dev/null 2>&1
 }
-mkdir -p "$out/corpus" "$out/findings"
+mkdir -p "$out/findings"
 if ! command -v clang++ >/dev/null || ! probe; then
   echo "fuzz: installing clang (and its libFuzzer runtime)"
   "${sudo_cmd[@]}" apt-get update -q
@@ -43,14 +47,24 @@ if [ -z "$torch_include" ]; then
   echo "fuzz: no .venv/lib/python3*/site-packages/torch/include; run scripts/setup.sh first" >&2
   exit 2
 fi
+torch_lib=$torch_include/../lib
+flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFMT_HEADER_ONLY=1
+       -Iinclude -Iexamples -isystem "$torch_include" -isystem "$torch_include/torch/csrc/api/include")
 start=$(date +%s)
-echo "fuzz: building $out/fuzz_state_text ($(clang++ --version | head -1); headers of $torch_include)"
-clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -DFMT_HEADER_ONLY=1 -Iinclude -isystem "$torch_include" -isystem "$torch_include/torch/csrc/api/include" \
-  tests/fuzz/fuzz_state_text.cpp -o "$out/fuzz_state_text"
-echo "fuzz: built in $(($(date +%s) - start)) s; running for $seconds s"
+echo "fuzz: building $out/fuzz_state_text and $out/fuzz_data_files ($(clang++ --version | head -1); headers of $torch_include)"
+clang++ "${flags[@]}" tests/fuzz/fuzz_state_text.cpp -o "$out/fuzz_state_text"
+clang++ "${flags[@]}" tests/fuzz/fuzz_data_files.cpp -o "$out/fuzz_data_files" \
+  -L"$torch_lib" -Wl,-rpath,"$(cd "$torch_lib" && pwd)" -ltorch_cpu -lc10 -lpng -lz
+echo "fuzz: built in $(($(date +%s) - start)) s; running each target for $seconds s"
 rc=0
-ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0} "$out/fuzz_state_text" -max_total_time="$seconds" -max_len=512 \
-  -artifact_prefix="$out/findings/" -print_final_stats=1 "$out/corpus" tests/fuzz/seeds || rc=$?
-echo "fuzz: exit code $rc; corpus $(ls "$out/corpus" | wc -l) inputs; findings: $(ls "$out/findings" | wc -l)"
+for target in fuzz_state_text:tests/fuzz/seeds fuzz_data_files:tests/fuzz/seeds-data; do
+  name=${target%%:*}
+  mkdir -p "$out/corpus/$name"
+  # -rss_limit_mb: a reader that allocates what a short file's header claims is a finding.
+  ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:allocator_may_return_null=1} OMP_NUM_THREADS=1 \
+    "$out/$name" -max_total_time="$seconds" -max_len=4096 -rss_limit_mb=2048 -malloc_limit_mb=1024 \
+    -artifact_prefix="$out/findings/$name-" -print_final_stats=1 "$out/corpus/$name" "${target#*:}" || rc=$?
+  echo "fuzz: $name: exit code $rc; corpus $(ls "$out/corpus/$name" | wc -l) inputs"
+done
+echo "fuzz: findings: $(ls "$out/findings" | wc -l) (in $out/findings/)"
 exit "$rc"

@@ -104,6 +104,26 @@ TEST_SUITE("data") {
     const std::string whole = read_bytes(file);
     write_bytes(tmp.path / "cut.png", whole.substr(0, whole.size() / 2));
     CHECK_THROWS_WITH_AS(data::read_png(tmp.path / "cut.png"), doctest::Contains("cut.png"), loom::DataError);
+    // A 57-byte PNG whose header claims 1000000 x 1000000 pixels (libpng's own limit): decoding it
+    // would allocate 4e12 bytes before finding the data missing. The claim is checked against what
+    // the file can hold.
+    auto chunk = [](const std::string& type, const std::string& body) {
+      std::string out;
+      for (int k = 3; k >= 0; --k) out += static_cast<char>((body.size() >> (8 * k)) & 0xff);
+      const std::string typed = type + body;
+      const auto crc = crc32(0, reinterpret_cast<const Bytef*>(typed.data()), static_cast<uInt>(typed.size()));
+      out += typed;
+      for (int k = 3; k >= 0; --k) out += static_cast<char>((crc >> (8 * k)) & 0xff);
+      return out;
+    };
+    const std::string million("\x00\x0f\x42\x40", 4);  // 1000000, big-endian
+    write_bytes(tmp.path / "claims.png", std::string("\x89PNG\r\n\x1a\n", 8) +
+                                             chunk("IHDR", million + million + std::string("\x08\x06\x00\x00\x00", 5)) +
+                                             chunk("IDAT", std::string("\x78\x9c\x03\x00\x00\x00\x00\x01", 8)) +
+                                             chunk("IEND", ""));
+    CHECK_THROWS_WITH_AS(data::read_png(tmp.path / "claims.png"),
+                         doctest::Contains("claims.png: the PNG header claims 1000000 x 1000000 pixels"),
+                         loom::DataError);
   }
 
   TEST_CASE("IconFolder: labels by context, own sizes, corrupt files throw or are skipped and counted") {
@@ -229,6 +249,21 @@ TEST_SUITE("data") {
                          loom::DataError);
     CHECK_THROWS_WITH_AS(data::read_fashion_mnist(tmp.path / "nowhere", data::MnistSplit::test),
                          doctest::Contains("nowhere: Fashion-MNIST folder does not exist"), loom::DataError);
+    // fuzz (build-fuzz/findings/fuzz_data_files-crash-fbee82b3...): a 19-byte file whose header claims
+    // 140566624 x 33554432 bytes made the reader allocate 4.7e15 bytes (a c10::Error, not a
+    // DataError). The data is read as it comes, so the file's end is what stops it.
+    const std::string claims("\x00\x00\x08\x02\x08\x60\xe0\x60\x02\x00\x00\x00\x00\x00\x00", 15);
+    write_bytes(tmp.path / "claims.idx", claims);
+    CHECK_THROWS_WITH_AS(data::read_idx(tmp.path / "claims.idx"),
+                         doctest::Contains("claims.idx: truncated: the data needs 4716633226477568 bytes, the file "
+                                           "ends after 3"),
+                         loom::DataError);
+    // Four dimensions of 2^32 - 1: a size no int64 holds.
+    write_bytes(tmp.path / "huge.idx", std::string("\x00\x00\x08\x04", 4) + std::string(16, '\xff'));
+    CHECK_THROWS_WITH_AS(data::read_idx(tmp.path / "huge.idx"),
+                         doctest::Contains("huge.idx: IDX dimensions 4294967295 x 4294967295 x 4294967295 x "
+                                           "4294967295 exceed 2^63 bytes"),
+                         loom::DataError);
     // A folder with images but no labels names the labels file.
     write_gz(tmp.path / "t10k-images-idx3-ubyte.gz", idx);
     CHECK_THROWS_WITH_AS(data::read_fashion_mnist(tmp.path, data::MnistSplit::test),

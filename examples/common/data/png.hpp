@@ -61,6 +61,13 @@ inline at::Tensor read_png(const std::filesystem::path& path, int channels = 4) 
   const auto width = static_cast<int64_t>(image.width);
   if (height <= 0 || width <= 0)
     throw loom::DataError(fmt::format("{}: PNG has an empty size {}x{}", path.string(), width, height));
+  // The header's size is a claim: decoding allocates it before finding the pixel data missing. A
+  // PNG's zlib stream expands at most 1032-fold and a pixel takes at least 1/8 byte in the file
+  // (1-bit), 4 bytes here, so a file cannot hold more than 4 * 8 * 1032 output bytes per byte.
+  const auto file_bytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));
+  if (!ec && 4 * width * height > int64_t{4 * 8 * 1032} * file_bytes + (int64_t{1} << 20))
+    throw loom::DataError(fmt::format("{}: the PNG header claims {} x {} pixels, more than its {} bytes can hold",
+                                      path.string(), width, height, file_bytes));
   std::vector<std::uint8_t> rgba(PNG_IMAGE_SIZE(image));
   if (png_image_finish_read(&image, nullptr, rgba.data(), 0, nullptr) == 0)
     throw loom::DataError(fmt::format("{}: corrupt PNG: {}", path.string(), image.message));
