@@ -7,6 +7,9 @@
 // Inputs are small integers, exactly representable in every dtype, so results are compared with
 // tolerance 0 against closed forms computed here in float64 (nccl-tests' "verifiable" idea).
 #include <cmath>
+#include <cstdint>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -330,33 +333,80 @@ TEST_CASE("GlooCommunicator: two communicators on one store, constructed from a 
 }
 
 TEST_CASE("GlooCommunicator under torchrun's agent store: every rank is a client under /worker/attempt_<n>") {
-  // The parent plays torchrun's agent: it hosts the TCPStore; the ranks must not try to host it.
-  c10d::TCPStoreOptions opts;
-  opts.port = 0;  // any free port
-  opts.isServer = true;
-  opts.waitWorkers = false;
-  opts.timeout = std::chrono::seconds(30);
-  auto agent = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
-  const auto port = agent->getPort();
-  REQUIRE(port != 0);
-  loom::spawn(2,
-              [](const loom::Environment& env) {
-                expect(env.use_agent_store && env.restart_count == 2, "agent store variables read");
-                loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
-                auto t = torch::full({3}, env.rank + 1.0);
-                comm.all_reduce(t, loom::ReduceOp::sum);
-                expect(torch::equal(t, torch::full({3}, 3.0)), "all_reduce through the agent store");
-              },
-              {.timeout = std::chrono::seconds(60),
-               .env = {{"TORCHELASTIC_USE_AGENT_STORE", "True"},
-                       {"TORCHELASTIC_RESTART_COUNT", "2"},
-                       {"MASTER_PORT", std::to_string(port)},
-                       {"LOOM_RENDEZVOUS_SECRET", "0123abcd"}}});
-  // Both ranks checked in under torchrun's prefix and the job's secret (generation 0: the first
-  // rendezvous of each child), and nowhere else.
-  CHECK(agent->add("/worker/attempt_2/loom/job/0123abcd/loom/rdzv/0/arrived", 0) == 2);
-  CHECK(agent->add("/worker/attempt_2/loom/rdzv/0/arrived", 0) == 0);
-  CHECK(agent->add("loom/rdzv/0/arrived", 0) == 0);
+  // torchrun's agent is a process of its own that hosts the TCPStore; the ranks must not try to
+  // host it. Here a forked child plays it: a store served by a thread of this test process would be
+  // copied into every rank loom::spawn forks, in whatever state that thread was (under
+  // AddressSanitizer the ranks then hung at the rendezvous about 1 run in 5).
+  int port_pipe[2], stop_pipe[2];
+  REQUIRE(::pipe(port_pipe) == 0);
+  REQUIRE(::pipe(stop_pipe) == 0);
+  const pid_t agent_pid = ::fork();
+  REQUIRE(agent_pid >= 0);
+  if (agent_pid == 0) {
+    ::close(port_pipe[0]);
+    ::close(stop_pipe[1]);  // else the read below never sees the end of file
+    int code = 0;
+    try {
+      c10d::TCPStoreOptions opts;
+      opts.port = 0;  // any free port
+      opts.isServer = true;
+      opts.waitWorkers = false;
+      opts.timeout = std::chrono::seconds(60);
+      auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+      const std::uint16_t port = store->getPort();
+      code = ::write(port_pipe[1], &port, sizeof port) == sizeof port ? 0 : 3;
+      char c = 0;
+      (void)::read(stop_pipe[0], &c, 1);  // serve until the test is done (or gone: end of file)
+    } catch (...) {
+      code = 2;
+    }
+    ::_exit(code);
+  }
+  ::close(port_pipe[1]);
+  ::close(stop_pipe[0]);
+  std::uint16_t port = 0;
+  const bool got_port = ::read(port_pipe[0], &port, sizeof port) == sizeof port;
+  ::close(port_pipe[0]);
+  auto stop_agent = [&] {
+    ::close(stop_pipe[1]);
+    int status = 0;
+    ::waitpid(agent_pid, &status, 0);
+    return status;
+  };
+  if (!got_port || port == 0) {
+    stop_agent();
+    FAIL("the agent process could not host a store");
+  }
+  try {
+    loom::spawn(2,
+                [](const loom::Environment& env) {
+                  expect(env.use_agent_store && env.restart_count == 2, "agent store variables read");
+                  loom::GlooCommunicator comm(env, {.timeout = kTestTimeout});
+                  auto t = torch::full({3}, env.rank + 1.0);
+                  comm.all_reduce(t, loom::ReduceOp::sum);
+                  expect(torch::equal(t, torch::full({3}, 3.0)), "all_reduce through the agent store");
+                },
+                {.timeout = std::chrono::seconds(60),
+                 .env = {{"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                         {"TORCHELASTIC_RESTART_COUNT", "2"},
+                         {"MASTER_PORT", std::to_string(port)},
+                         {"LOOM_RENDEZVOUS_SECRET", "0123abcd"}}});
+    // Both ranks checked in under torchrun's prefix and the job's secret (generation 0: the first
+    // rendezvous of each child), and nowhere else. Read through a client, as a rank would.
+    c10d::TCPStoreOptions opts;
+    opts.port = port;
+    opts.isServer = false;
+    opts.timeout = std::chrono::seconds(30);
+    auto agent = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+    CHECK(agent->add("/worker/attempt_2/loom/job/0123abcd/loom/rdzv/0/arrived", 0) == 2);
+    CHECK(agent->add("/worker/attempt_2/loom/rdzv/0/arrived", 0) == 0);
+    CHECK(agent->add("loom/rdzv/0/arrived", 0) == 0);
+  } catch (...) {
+    stop_agent();
+    throw;
+  }
+  const int status = stop_agent();
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
 }
 
 TEST_CASE("GlooCommunicator for one process: no port is opened, collectives are the identity") {

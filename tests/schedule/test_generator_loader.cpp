@@ -556,14 +556,17 @@ struct KeepCollate {
     return {s.begin(), s.end()};
   }
 };
-// A generator of fresh tensors that records where each sample's memory is.
+// A generator of fresh tensors that records where each sample's memory is. `where` has a slot per
+// sample, sized before the loader starts: the generator runs on a worker thread, and a push_back
+// there could reallocate the vector while the test thread reads an earlier slot (AddressSanitizer:
+// heap-use-after-free). Slot k is written before sample k is handed over, and read after.
 struct RecordingStream {
   std::shared_ptr<std::vector<const void*>> where;
   int64_t k = 0;
   std::optional<at::Tensor> operator()() {
-    if (k == 5) return std::nullopt;
-    at::Tensor t = torch::full({3}, k++, torch::kLong);
-    where->push_back(t.data_ptr());
+    if (k == static_cast<int64_t>(where->size())) return std::nullopt;
+    at::Tensor t = torch::full({3}, k, torch::kLong);
+    (*where)[static_cast<std::size_t>(k++)] = t.data_ptr();
     return t;
   }
 };
@@ -571,7 +574,7 @@ struct RecordingStream {
 
 TEST_CASE("GeneratorLoader: fresh samples reach the batch without a copy; a reused buffer is copied once") {
   SUBCASE("fresh tensors: the batch holds the generator's own memory") {
-    auto where = std::make_shared<std::vector<const void*>>();
+    auto where = std::make_shared<std::vector<const void*>>(5);
     std::vector<RecordingStream> gens{RecordingStream{where}};
     loom::GeneratorLoader<RecordingStream, KeepCollate> loader(std::move(gens),
                                                                {.num_devices = 1, .prefetch_depth = 3});
