@@ -165,6 +165,23 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("Reducer: mark_all_ready with float32 slots: a gradient assigned by hand adds; no gradient is unused") {
+  auto a = torch::zeros({2}, torch::kBFloat16).requires_grad_();
+  auto b = torch::zeros({2}, torch::kBFloat16).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"a", "b"}, .params = {a, b}}, {.average = loom::Average::none});
+  reducer.prepare_backward({.sync = false});
+  a.mutable_grad() = torch::full({2}, 1.0, torch::kBFloat16);
+  reducer.mark_all_ready();  // moves a's gradient into its slot; b has none: not an error
+  CHECK_FALSE(a.grad().defined());
+  reducer.prepare_backward({.sync = true, .window_samples = 1});
+  a.mutable_grad() = torch::full({2}, 0.5, torch::kBFloat16);
+  reducer.mark_all_ready();
+  reducer.finish_window();
+  CHECK(torch::equal(a.grad(), torch::full({2}, 1.5, torch::kBFloat16)));
+  CHECK_FALSE(b.grad().defined());  // unused everywhere: it keeps the gradient it had (none)
+}
+
 TEST_CASE("Reducer: a float32-accumulated average outside float16's range is non-finite, not inf in the step") {
   // Two micro-batches of 40000 each: a finite float32 sum (80000) that float16 cannot hold.
   auto w = torch::zeros({2}, torch::kHalf).requires_grad_();
@@ -194,7 +211,7 @@ TEST_CASE("Reducer: loss_divisor is multiplied back; out of range is named") {
   auto w = torch::zeros({1}).requires_grad_();
   loom::LocalCommunicator comm;
   loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
-  for (const std::int64_t bad : {std::int64_t{0}, std::int64_t{-3}, loom::kMaxLossDivisor + 1})
+  for (const std::int64_t bad : {std::int64_t{-1}, std::int64_t{-3}, loom::kMaxLossDivisor + 1})
     CHECK_THROWS_WITH_AS(reducer.prepare_backward({.sync = true, .window_samples = 1, .loss_divisor = bad}),
                          doctest::Contains(fmt::format("loss_divisor = {}", bad).c_str()), loom::InvalidArgument);
 }

@@ -1,5 +1,9 @@
 // The reducer's rules on real ranks (Gloo on loopback): buffers broadcast at every step, a
-// gradient arriving twice, the parameter set changed by module->to(dtype), the float16 wire.
+// gradient arriving twice, the parameter set changed by module->to(dtype), the float16 wire, the
+// loss divisor (equal, different, and taken by a rank whose window is empty).
+#include <cstdint>
+#include <vector>
+
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -164,9 +168,42 @@ TEST_SUITE("dist") {
       (w * x).sum().backward();
       REQUIRE_THROWS_WITH_AS(
           reducer.finish_window(),
-          doctest::Contains(fmt::format("this rank: {}; mean over the 2 ranks: 2.5", 2 + rank).c_str()),
+          doctest::Contains(fmt::format("this rank: {}; mean over the 2 ranks that gave one: 2.5", 2 + rank).c_str()),
           loom::InvalidArgument);
       REQUIRE(torch::equal(w.grad(), torch::zeros({2}, torch::kDouble)));
+    });
+  }
+
+  TEST_CASE("loss_divisor with uneven ranks: a rank whose window is empty takes each step's divisor") {
+    run_ranks(2, [](loom::GlooCommunicator& comm) {
+      const int rank = comm.rank();
+      // One micro-batch per step (K = 1). Step 1: rank 0 has 2 samples of gradient 1, rank 1 has 3
+      // of gradient 2, both divide by 5 (mean 8 / 5). Step 2: only rank 0, 2 samples of gradient 1
+      // divided by 2 (mean 1); rank 1 is in its end_epoch flush with an empty window.
+      auto w = torch::zeros({1}, torch::kDouble).requires_grad_();
+      loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
+      loom::Accumulator acc(reducer);
+      std::vector<double> steps;
+      auto micro_batch = [&](std::int64_t n, double x, std::int64_t d) {
+        auto mb = acc.micro_batch(n, false, d);
+        (w * (x * static_cast<double>(n) / static_cast<double>(d))).sum().backward();
+        const loom::SyncResult s = mb.finish();
+        if (s.boundary) steps.push_back(w.grad().item<double>());
+        w.mutable_grad().reset();
+      };
+      if (rank == 0) {
+        micro_batch(2, 1.0, 5);
+        micro_batch(2, 1.0, 2);
+      } else {
+        micro_batch(3, 2.0, 5);
+      }
+      while (auto s = acc.end_epoch()) {
+        steps.push_back(w.grad().item<double>());
+        w.mutable_grad().reset();
+      }
+      REQUIRE(steps.size() == 2);
+      REQUIRE(steps[0] == doctest::Approx(1.6).epsilon(1e-15));
+      REQUIRE(steps[1] == doctest::Approx(1.0).epsilon(1e-15));
     });
   }
 

@@ -212,13 +212,14 @@ class Accumulator {
   /// For a rank with no micro-batch in a step another rank runs (an idle item of
   /// GlobalBatchSampler): closes this rank's window now, without a backward, joining the others'
   /// synchronisation with its zero gradients (and whatever samples its window already holds). Apply
-  /// the returned SyncResult like any other. `loss_divisor`: the one the other ranks' micro-batches of
-  /// this step use (see micro_batch).
-  /// Throws: loom::InvalidArgument (a divisor < 1 or other than the window's), loom::Error (a
-  ///         micro-batch still open), the reducer's errors.
-  SyncResult join_step(std::int64_t loss_divisor = 1) {
+  /// the returned SyncResult like any other. `loss_divisor`: 0 (default) takes the divisor of the
+  /// ranks that have losses in this step (or this window's own, when it has micro-batches); a value
+  /// >= 1 must be theirs (see micro_batch).
+  /// Throws: loom::InvalidArgument (a negative divisor, or one other than the window's), loom::Error
+  ///         (a micro-batch still open), the reducer's errors.
+  SyncResult join_step(std::int64_t loss_divisor = 0) {
     check_usable("join_step");
-    take_loss_divisor("join_step", loss_divisor);
+    take_loss_divisor("join_step", loss_divisor, /*required=*/false);
     all_final_seen_ = false;
     try {
       reducer_->prepare_backward({.sync = true,
@@ -361,13 +362,18 @@ class Accumulator {
   void reset_window() noexcept {
     window_micro_batches_ = 0;
     window_samples_ = 0;
-    window_divisor_ = 1;
+    window_divisor_ = 0;
   }
 
-  /// The window's loss divisor: the first micro-batch (or join) of a window sets it, later ones must match.
-  void take_loss_divisor(const char* where, std::int64_t d) {
-    if (d < 1) throw InvalidArgument(fmt::format("Accumulator::{}: loss_divisor = {} (must be >= 1)", where, d));
-    if (window_micro_batches_ > 0 && d != window_divisor_)
+  /// The window's loss divisor: the first micro-batch (or join with d >= 1) of a window sets it,
+  /// later ones must match; 0 (join_step's default) says nothing. A window without one sends 0: the
+  /// reducer then uses the other ranks' (BackwardPlan::loss_divisor).
+  void take_loss_divisor(const char* where, std::int64_t d, bool required = true) {
+    if (d < (required ? 1 : 0))
+      throw InvalidArgument(
+          fmt::format("Accumulator::{}: loss_divisor = {} (must be >= {})", where, d, required ? 1 : 0));
+    if (d == 0) return;
+    if (window_divisor_ != 0 && d != window_divisor_)
       throw InvalidArgument(fmt::format(
           "Accumulator::{}: loss_divisor = {}, but this step's earlier micro-batches used {} (one divisor per step)",
           where, d, window_divisor_));
@@ -390,7 +396,7 @@ class Accumulator {
   std::optional<LossScaler> scaler_;
   std::int64_t window_micro_batches_ = 0;
   std::int64_t window_samples_ = 0;
-  std::int64_t window_divisor_ = 1;  // BackwardPlan::loss_divisor of the open window
+  std::int64_t window_divisor_ = 0;  // BackwardPlan::loss_divisor of the open window (0: none given yet)
   bool open_ = false;
   std::string broken_;  // why this accumulator refuses further use (empty: usable)
   bool all_final_seen_ = false;

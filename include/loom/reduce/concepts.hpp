@@ -24,7 +24,8 @@
 namespace loom {
 
 /// The largest BackwardPlan::loss_divisor (2^20): the per-window check that every rank used the same
-/// divisor sums the divisors and their squares, exactly, in the float64 summary of up to 8192 ranks.
+/// divisor sums the divisors and their squares, exactly, in the float64 summary of up to 8192 ranks
+/// (beyond, world size x divisor^2 must stay below 2^53).
 inline constexpr std::int64_t kMaxLossDivisor = std::int64_t{1} << 20;
 
 /// What the accumulator tells a reducer before a micro-batch's backward.
@@ -41,11 +42,12 @@ struct BackwardPlan {
                                     ///< Reduction reports it (ranks_leaving) and skips the step
   std::int64_t window_samples = 0;  ///< samples of this rank's window (sync only)
   double grad_scale = 1.0;          ///< sync only: multiply the averaged gradient by this (1 / loss scale)
-  std::int64_t loss_divisor =
-      1;  ///< sync only, in [1, kMaxLossDivisor]: the caller divided every loss of the window by this
-          ///< (the same on every rank: e.g. the step's planned global sample count,
-          ///< which keeps float16 gradients in range); the reduction multiplies it
-          ///< back. Ranks that disagree get loom::InvalidArgument from finish_window
+  /// Sync only, in [0, kMaxLossDivisor]: the caller divided every loss of the window by this (the
+  /// same on every rank that has one: e.g. the step's planned global sample count, which keeps
+  /// float16 gradients in range); the reduction multiplies it back. 0: this rank's window holds no
+  /// loss (it joins with zeros) and takes the others' divisor. Ranks that disagree get
+  /// loom::InvalidArgument from finish_window.
+  std::int64_t loss_divisor = 1;
 };
 
 /// What a reducer reports when a window is closed. Every field is equal on every rank.

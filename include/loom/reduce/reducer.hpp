@@ -54,7 +54,10 @@
 //     finish_window). A parameter unused on EVERY rank keeps the gradient it had before the window
 //     (an undefined gradient stays undefined, so optimizers skip it; a stale value stays).
 //   Gradients accumulate across the window's backward passes as in plain LibTorch; zero them after
-//     each optimizer step (optimizer.zero_grad(), with or without set_to_none) as usual.
+//     each optimizer step (optimizer.zero_grad(), with or without set_to_none) as usual. Except
+//     float16/bfloat16 parameters with float32_accumulation: inside a window their p.grad() holds
+//     only what the next hook (or mark_ready) moves into the float32 slot, so a gradient written by
+//     hand is assigned (`p.mutable_grad() = g`) and adds to the window's sum when marked ready.
 //   The parameter set is fixed at construction: at the first prepare_backward of every window the
 //     reducer checks that no frozen parameter became trainable (or the reverse), that dtypes,
 //     devices and shapes are unchanged, and that every parameter still has the gradient
@@ -107,12 +110,15 @@
 //     window by d, the same on every rank; the average is sum x d / count. A float16 loop divides by
 //     the step's planned global samples instead of multiplying each micro-batch's mean loss by its
 //     own samples, so no backward produces more than its share of the step's mean (loom::Trainer
-//     does this for 16-bit parameters). Ranks whose d differ: every rank throws
-//     loom::InvalidArgument from finish_window after the collectives (gradients zeroed), found from
-//     the sum and the sum of squares of d in the window's count all-reduce.
+//     does this for 16-bit parameters; float16 without loss scaling trades overflow for underflow:
+//     use loss scaling). A rank whose window holds no loss (a join, an end-of-epoch flush with
+//     nothing left) passes d = 0 and takes the others' d. Ranks whose d >= 1 differ: every rank
+//     throws loom::InvalidArgument from finish_window after the collectives (gradients zeroed),
+//     found from the voters' number, sum and sum of squares of d in the window's count all-reduce.
 //   Sample count and join: each window's sync backward starts one small int64 all-reduce of
-//     [window samples, final flag, leaving flag, d, d^2] before backward runs; a final flush (end
-//     of epoch) that finds every rank final and no sample anywhere stops without touching the buckets.
+//     [window samples, final flag, leaving flag, d, d^2, d >= 1] before backward runs; a final flush
+//     (end of epoch) that finds every rank final and no sample anywhere stops without touching the
+//     buckets.
 //   Leaving (BackwardPlan::leaving): a rank that abandons its loop early (loom::Trainer, on a
 //     `break`) closes one last window with the flag set; every rank's Reduction then reports
 //     ranks_leaving > 0 with its gradients zeroed, so the ranks still in that step stop with an
@@ -179,10 +185,13 @@ class Reducer {
   /// this backward, as its hook would. Throws: loom::InvalidArgument for a frozen or unknown index.
   void mark_ready(std::size_t param_index) { state_->mark_ready(param_index); }
 
-  /// Calls mark_ready for every trainable parameter with a gradient, in launch order.
+  /// Calls mark_ready for every trainable parameter with a gradient, in launch order (a parameter
+  /// without one counts as unused, as when its hook does not fire).
   void mark_all_ready() {
+    const auto& params = state_->parameters().params;
     for (const auto& bucket : state_->bucket_params())
-      for (std::size_t i : bucket) state_->mark_ready(i);
+      for (std::size_t i : bucket)
+        if (params[i].grad().defined()) state_->mark_ready(i);
   }
 
   /// Parameter indices of each bucket, in launch order.

@@ -17,10 +17,12 @@
 //   - the loss is the batch MEAN (PyTorch's default reduction; TrainerOptions::loss = sum for a
 //     summed loss); loom multiplies it by the batch's real samples, so the step's gradient is the
 //     mean over every sample of the step on every rank (ReducerOptions::average = samples), and a
-//     repeated batch (weight 0) adds nothing; with float16/bfloat16 parameters it multiplies by the
-//     batch's samples / the step's planned global samples instead (BackwardPlan::loss_divisor), so a
-//     backward's gradient is its share of the step's mean and fits float16, and the reducer sums
-//     the micro-batches in float32 (ReducerOptions::float32_accumulation);
+//     repeated batch (weight 0) adds nothing; with float16/bfloat16 parameters and a loader whose
+//     sampler exposes plan() (BatchLoader) it multiplies by the batch's samples / the step's planned
+//     global samples instead (BackwardPlan::loss_divisor), so a backward's gradient is its share of
+//     the step's mean and does not overflow float16 (small ones can underflow without loss
+//     scaling: set TrainerOptions::loss_scaling for float16), and the reducer sums the
+//     micro-batches in float32 (ReducerOptions::float32_accumulation);
 //   - the step boundary comes from the plan (Batch::step_end): the optimizer's step() and
 //     zero_grad() run there, inside backward(); a step with inf/NaN is skipped on every rank;
 //   - a step in which this rank has no batch is joined without a backward (the loop never sees it);

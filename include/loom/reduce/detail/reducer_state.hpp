@@ -155,9 +155,17 @@ class ReducerState {
     if (!std::isfinite(plan.grad_scale) || plan.grad_scale <= 0)
       throw InvalidArgument(
           fmt::format("Reducer::prepare_backward: grad_scale = {} (must be finite and > 0)", plan.grad_scale));
-    if (plan.loss_divisor < 1 || plan.loss_divisor > kMaxLossDivisor)
-      throw InvalidArgument(fmt::format("Reducer::prepare_backward: loss_divisor = {} (must be in [1, {}])",
+    if (plan.loss_divisor < 0 || plan.loss_divisor > kMaxLossDivisor)
+      throw InvalidArgument(fmt::format("Reducer::prepare_backward: loss_divisor = {} (must be in [0, {}])",
                                         plan.loss_divisor, kMaxLossDivisor));
+    if (static_cast<double>(comm_->world_size()) * static_cast<double>(plan.loss_divisor) *
+            static_cast<double>(plan.loss_divisor) >
+        kExactInDouble)
+      throw InvalidArgument(fmt::format(
+          "Reducer::prepare_backward: loss_divisor = {} on {} ranks: the check that every rank uses the same divisor "
+          "sums their squares, which must stay below 2^53 (use a divisor <= {})",
+          plan.loss_divisor, comm_->world_size(),
+          static_cast<std::int64_t>(std::sqrt(kExactInDouble / comm_->world_size()))));
     at::NoGradGuard no_grad;
     if (!window_open_) begin_window();
     for (auto& s : slots_) s.fired = false;
@@ -166,7 +174,8 @@ class ReducerState {
     final_ = plan.final;
     grad_scale_ = plan.grad_scale;
     loss_divisor_ = plan.loss_divisor;
-    // Without a loss scale, divide: each rank's share is then exactly rounded (one rank: the mean is).
+    // Without a loss scale, divide: each rank's share is then exactly rounded (one rank: the mean is)
+    // when the divisor is an integer (loss divisor 1, or one that divides the count).
     divide_ = grad_scale_ == 1.0;
     factors_.clear();
     for (auto& b : buckets_) {
@@ -176,10 +185,12 @@ class ReducerState {
     }
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
-    // [count, final, leaving, divisor, divisor^2]: the divisor's sum and sum of squares tell every
-    // rank alike whether all ranks used the same one ((sum d)^2 == world * sum d^2 only then).
-    const std::int64_t values[kMetaLen] = {plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0,
-                                           plan.loss_divisor, plan.loss_divisor * plan.loss_divisor};
+    // [count, final, leaving, d, d^2, votes]: a rank with a loss divisor d >= 1 votes; the sums of d
+    // and d^2 over the n voters tell every rank alike whether they all used the same d ((sum d)^2 ==
+    // n * sum d^2 only then), and that d (sum d / n) is every rank's, voters or not.
+    const std::int64_t d = plan.loss_divisor;
+    const std::int64_t values[kMetaLen] = {plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d,
+                                           d > 0 ? 1 : 0};
     if (meta_.is_cpu())
       std::copy(values, values + kMetaLen, meta_.data_ptr<std::int64_t>());
     else
@@ -225,8 +236,8 @@ class ReducerState {
     r.global_samples = count;
     r.all_final = static_cast<std::int64_t>(v[1]) == world;
     r.ranks_leaving = static_cast<std::int64_t>(v[2]);
-    // A rank leaving its loop may close an empty window with divisor 1: its report comes first.
-    const bool divisors_differ = r.ranks_leaving == 0 && loss_divisors_differ(world, v[3], v[4]);
+    // A rank leaving its loop closes its window as it is: its report comes first.
+    const bool divisors_differ = r.ranks_leaving == 0 && loss_divisors_differ(v[5], v[3], v[4]);
     bool non_finite = false;
     global_used_.assign(slots_.size(), 0);
     std::size_t pos = kMetaLen;
@@ -273,9 +284,9 @@ class ReducerState {
     if (divisors_differ)
       throw InvalidArgument(fmt::format(
           "Reducer::finish_window: the ranks divided their losses by different loss_divisor values (this rank: {}; "
-          "mean over the {} ranks: {}); every rank must use the same divisor for a window (gradients zeroed, the "
-          "step not applied)",
-          loss_divisor_, world, v[3] / world));
+          "mean over the {} ranks that gave one: {}); every rank must use the same divisor for a window (gradients "
+          "zeroed, the step not applied)",
+          loss_divisor_, static_cast<std::int64_t>(v[5]), v[3] / v[5]));
     if (options_.broadcast_buffers && world > 1 && !list_.buffers.empty())
       broadcast_from_rank0(*comm_, ParameterList{.names = {}, .params = {}, .buffers = list_.buffers});
     return r;
@@ -334,14 +345,15 @@ class ReducerState {
 
  private:
   static constexpr std::size_t kNoSlot = static_cast<std::size_t>(-1);
-  static constexpr std::int64_t kMetaLen = 5;  // the window's [count, final, leaving, divisor, divisor^2], summed
-  /// Whether the ranks' loss divisors d_r differ, from their sum and sum of squares (exact integers):
-  /// world * sum d^2 - (sum d)^2 = sum over pairs of (d_r - d_s)^2, zero only when all are equal.
-  static bool loss_divisors_differ(int world, double sum, double sum_squares) {
+  static constexpr std::int64_t kMetaLen = 6;  // the window's [count, final, leaving, d, d^2, votes], summed
+  static constexpr double kExactInDouble = 9007199254740992.0;  // 2^53
+  /// Whether the voters' loss divisors d_r differ, from their number, sum and sum of squares (exact
+  /// integers): n * sum d^2 - (sum d)^2 = sum over pairs of (d_r - d_s)^2, zero only when all are equal.
+  static bool loss_divisors_differ(double voters, double sum, double sum_squares) {
     __extension__ typedef __int128 Wide;  // (sum d)^2 needs up to 66 bits
     const auto s = static_cast<Wide>(static_cast<std::int64_t>(sum));
     const auto q = static_cast<Wide>(static_cast<std::int64_t>(sum_squares));
-    return static_cast<Wide>(world) * q != s * s;
+    return static_cast<Wide>(static_cast<std::int64_t>(voters)) * q != s * s;
   }
 
   /// Whether `p`'s gradient is summed in a float32 slot (ReducerOptions::float32_accumulation).
@@ -667,7 +679,9 @@ class ReducerState {
                             ? static_cast<double>(std::max<std::int64_t>(meta_.data_ptr<std::int64_t>()[0], 1))
                         : options_.average == Average::world_size ? static_cast<double>(comm_->world_size())
                                                                   : 1.0;
-    const double divisor = base / static_cast<double>(loss_divisor_);  // the losses were divided by loss_divisor_
+    // The losses were divided by the voters' d (sum d / n; 1 when nobody voted).
+    const auto* m = meta_.data_ptr<std::int64_t>();
+    const double divisor = m[5] > 0 ? base * static_cast<double>(m[5]) / static_cast<double>(m[3]) : base;
     if (post_wire) return comm_->world_size() * grad_scale_ / divisor;
     return divide_ ? divisor : grad_scale_ / divisor;
   }
@@ -681,7 +695,9 @@ class ReducerState {
     at::Tensor divisor = options_.average == Average::samples
                              ? meta_.narrow(0, 0, 1).clamp_min(1).to(at::kDouble)
                              : at::full({1}, options_.average == Average::world_size ? comm_->world_size() : 1.0, opts);
-    if (loss_divisor_ != 1) divisor = divisor.div(static_cast<double>(loss_divisor_));
+    // The losses were divided by the voters' d: times n / sum d (both clamped to 1: nobody voted).
+    divisor = divisor.mul(meta_.narrow(0, 5, 1).clamp_min(1).to(at::kDouble))
+                  .div(meta_.narrow(0, 3, 1).clamp_min(1).to(at::kDouble));
     at::Tensor value = post_wire ? divisor.reciprocal().mul(comm_->world_size() * grad_scale_)
                        : divide_ ? divisor
                                  : divisor.reciprocal().mul(grad_scale_);
@@ -729,8 +745,8 @@ class ReducerState {
         s.view.zero_();
       else if (s.was_undefined)
         param(k).mutable_grad().reset();
-      else if (buckets_[s.bucket].main)
-        param(k).mutable_grad() = s.view.to(param(k).scalar_type());  // the gradient it held before the window
+      else if (buckets_[s.bucket].main)  // the gradient it held before the window
+        param(k).mutable_grad() = (s.saved.defined() ? s.saved : s.view).to(param(k).scalar_type());
     }
     meta_work_.reset();
     close_window();
@@ -799,7 +815,7 @@ class ReducerState {
   HostReads reads_;
   std::int64_t arrivals_ = 0;      // gradients delivered by autograd hooks since construction
   double grad_scale_ = 1.0;        // of the current sync window
-  std::int64_t loss_divisor_ = 1;  // of the current sync window (BackwardPlan::loss_divisor)
+  std::int64_t loss_divisor_ = 1;  // this rank's BackwardPlan::loss_divisor of the current sync window (0: none)
   bool divide_ = true;             // divide by the divisor (exact) rather than multiply by grad_scale / divisor
   std::int64_t next_ready_pos_ = 0;
   bool in_hook_ = false;
