@@ -22,6 +22,19 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDI
 jobs=${LOOM_BUILD_JOBS:-2}  # two compiles at a time: one LibTorch translation unit takes ~1 GiB and 30 s
 stamp() { echo "test.sh: $* ($(( $(date +%s) - start )) s)"; }
 
+# Disk: a full build folder takes about 2.4 GB (one 0.9 GB precompiled header of LibTorch for all
+# test executables, objects with debug information), the multi-rank build about 2.2 GB, ccache up
+# to 1 GB more. Say so before a compiler fails with "No space left on device".
+need_mb=6000
+for d in "$torch2_build_dir" "$build_dir"; do
+  [ -d "$d" ] && need_mb=$(( need_mb - $(du -sm "$d" | cut -f1) ))
+done
+avail_mb=$(df -Pm . | awk 'NR == 2 { print $4 }')
+stamp "disk: ${avail_mb} MB free; the builds need about $(( need_mb > 0 ? need_mb : 0 )) MB more"
+if [ "$avail_mb" -lt "$need_mb" ]; then
+  echo "test.sh: warning: ${avail_mb} MB free on $(df -P . | awk 'NR == 2 { print $6 }') is less than the builds need" >&2
+fi
+
 # 1. LibTorch 2.13 (pip, CPU): build everything, run every test. One test at a time: most tests
 #    start 2-3 rank processes of their own on this 2-core machine.
 if [ -f "$torch2_build_dir/build.ninja" ]; then
