@@ -21,7 +21,7 @@
 #include <torch/version.h>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/spawn.hpp>
 
 namespace {
 

@@ -57,7 +57,7 @@
 
 #include <loom/comm/nccl.hpp>
 #endif
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/spawn.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/global_batch.hpp>

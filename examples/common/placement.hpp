@@ -17,8 +17,8 @@
 #include <torch/types.h>
 
 #include <loom/dist/process_group.hpp>
-#include <loom/dist/rank_device.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/rank_device.hpp>
 
 namespace examples {
 

@@ -1,4 +1,5 @@
-// loom/error.hpp — the exception family every loom component throws.
+// loom/error.hpp — the exception family every loom component throws, and kDefaultTimeout, the bound
+// after which collectives and rendezvous give up with TimeoutError.
 //
 // One sentence: every user-visible failure in loom is a `loom::Error` (a `std::runtime_error`),
 // and the message names the bad value, variable, rank or collective.
@@ -54,6 +55,10 @@ class CommError : public Error {
  public:
   using Error::Error;
 };
+
+/// Default timeout of every blocking collective and of rendezvous: 300 s (c10d's default is 30 min;
+/// loom prefers a failure a person sees within minutes).
+inline constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::seconds(300)};
 
 /// A collective or rendezvous did not complete within its timeout.
 ///

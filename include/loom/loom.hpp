@@ -13,9 +13,9 @@
 //   }, {.nproc = 2});
 //
 // Included: error.hpp, config.hpp and the umbrellas comm/all.hpp (GlooCommunicator when
-// LOOM_HAS_GLOO; NcclCommunicator when the build has NCCL and a CUDA LibTorch), dist/all.hpp,
-// collate/all.hpp, sample/all.hpp, schedule/all.hpp, accumulate/all.hpp, reduce/all.hpp,
-// log/all.hpp, train/all.hpp.
+// LOOM_HAS_GLOO; NcclCommunicator when the build has NCCL and a CUDA LibTorch), launch/all.hpp,
+// dist/all.hpp, collate/all.hpp, sample/all.hpp, schedule/all.hpp, accumulate/all.hpp,
+// reduce/all.hpp, log/all.hpp, train/all.hpp.
 // Not included (opt in): comm/nccl.hpp in a build with NCCL but a CPU LibTorch, and cuda/ (cuda/all.hpp)
 // (they need the CUDA runtime, and NCCL, at link time); reduce/jit.hpp (TorchScript modules).
 #pragma once
@@ -27,6 +27,7 @@
 #include <loom/config.hpp>
 #include <loom/dist/all.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/all.hpp>
 #include <loom/log/all.hpp>
 #include <loom/reduce/all.hpp>
 #include <loom/sample/all.hpp>

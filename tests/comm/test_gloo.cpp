@@ -15,8 +15,8 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/rendezvous.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/rendezvous.hpp>
+#include <loom/launch/spawn.hpp>
 
 namespace {
 

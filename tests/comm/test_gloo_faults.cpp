@@ -12,7 +12,7 @@
 #include <thread>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/spawn.hpp>
 
 #include "support/temp_dir.hpp"
 

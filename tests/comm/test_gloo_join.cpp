@@ -5,7 +5,7 @@
 #include <cstdlib>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/spawn.hpp>
 
 namespace {
 

@@ -18,7 +18,7 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/spawn.hpp>
 
 namespace {
 

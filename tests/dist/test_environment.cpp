@@ -2,7 +2,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <loom/dist/environment.hpp>
+#include <loom/launch/environment.hpp>
 
 using loom::Environment;
 using Vars = std::map<std::string, std::string, std::less<>>;

@@ -10,8 +10,8 @@
 #include <thread>
 #include <unistd.h>
 
-#include <loom/dist/rendezvous.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/rendezvous.hpp>
+#include <loom/launch/spawn.hpp>
 
 namespace fs = std::filesystem;
 

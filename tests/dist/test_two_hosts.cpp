@@ -46,7 +46,7 @@
 #include <netdb.h>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/environment.hpp>
+#include <loom/launch/environment.hpp>
 
 namespace fs = std::filesystem;
 

@@ -30,9 +30,9 @@
 #include <string_view>
 
 #include <loom/accumulate/loss_scaler.hpp>
-#include <loom/dist/environment.hpp>
-#include <loom/dist/rank_device.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/environment.hpp>
+#include <loom/launch/rank_device.hpp>
 #include <loom/sample/concepts.hpp>
 #include <loom/sample/global_batch.hpp>
 

@@ -33,7 +33,7 @@
 #include <loom/cuda/pinned.hpp>
 #include <loom/cuda/stream.hpp>
 #include <loom/cuda/transfer.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/spawn.hpp>
 #if LOOM_TORCH_HAS_CUDA
 #include <loom/schedule/generator_loader.hpp>
 #endif

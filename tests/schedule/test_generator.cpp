@@ -9,12 +9,12 @@
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
+#include <loom/collate/transfer.hpp>
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/detail/cursor.hpp>
 #include <loom/schedule/detail/own_sample.hpp>
 #include <loom/schedule/generator.hpp>
-#include <loom/schedule/transfer.hpp>
 
 #include "helpers.hpp"
 

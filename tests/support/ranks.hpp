@@ -20,8 +20,8 @@
 #include <utility>
 
 #include <loom/comm/gloo.hpp>
-#include <loom/dist/environment.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/environment.hpp>
+#include <loom/launch/spawn.hpp>
 
 namespace loom::test {
 

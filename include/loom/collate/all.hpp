@@ -8,7 +8,7 @@
 // BatchAllocator (pool.hpp), ShapeBucketOptions / PaddedBucketOptions / DimPadding / CollateStats
 // (options.hpp), BucketPlanner / PlannedBatch (planner.hpp), BucketCollator (collator.hpp),
 // collate() / CollateOptions (collate_list.hpp), auto_boundaries (boundaries.hpp),
-// views::bucket_by_shape / bucket_padded (views.hpp).
+// views::bucket_by_shape / bucket_padded (views.hpp), BatchTransfer / HostTransfer (transfer.hpp).
 // Guide: docs/collate.md.
 #pragma once
 
@@ -20,4 +20,5 @@
 #include <loom/collate/planner.hpp>
 #include <loom/collate/pool.hpp>
 #include <loom/collate/sample.hpp>
+#include <loom/collate/transfer.hpp>
 #include <loom/collate/views.hpp>

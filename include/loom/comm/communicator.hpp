@@ -52,10 +52,6 @@ constexpr std::string_view to_string(ReduceOp op) noexcept {
   return "?";
 }
 
-/// Default timeout of every blocking collective and of rendezvous: 300 s (c10d's default is 30 min;
-/// loom prefers a failure a person sees within minutes).
-inline constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::seconds(300)};
-
 /// A handle to an asynchronous collective.
 ///
 /// Requirements:

@@ -75,18 +75,12 @@
 #else
 
 #include <algorithm>
-#include <array>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <unistd.h>
 #include <utility>
 #include <vector>
 
@@ -94,20 +88,17 @@
 #include <c10/util/intrusive_ptr.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/version.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/comm/detail/gloo_device.hpp>
-#include <loom/comm/detail/gloo_join.hpp>
+#include <loom/comm/detail/gloo_connect.hpp>
+#include <loom/comm/detail/gloo_metadata.hpp>
 #include <loom/comm/detail/gloo_peers.hpp>
 #include <loom/detail/exception_text.hpp>
-#include <loom/detail/process_counter.hpp>
-#include <loom/dist/environment.hpp>
-#include <loom/dist/rendezvous.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/environment.hpp>
+#include <loom/launch/rendezvous.hpp>
 
 namespace loom {
 
@@ -147,20 +138,6 @@ inline c10d::ReduceOp::RedOpType to_c10d(ReduceOp op) {
     case ReduceOp::max: return c10d::ReduceOp::MAX;
   }
   return c10d::ReduceOp::SUM;
-}
-
-/// "host:pid", for error messages that must say which process failed.
-inline std::string host_and_pid() {
-  std::array<char, 256> host{};
-  if (gethostname(host.data(), host.size() - 1) != 0) host[0] = '?';
-  return fmt::format("{}:{}", host.data(), static_cast<long>(getpid()));
-}
-
-/// True when a Gloo message says a peer's socket went away.
-inline bool mentions_peer_gone(const std::string& text) {
-  for (const char* s : {"closed by peer", "reset by peer", "Broken pipe", "Connection refused", "EOF"})
-    if (text.find(s) != std::string::npos) return true;
-  return false;
 }
 
 }  // namespace detail
@@ -287,120 +264,11 @@ class GlooCommunicator {
     if (options_.threads < 1)
       throw InvalidArgument(fmt::format("GlooCommunicator: threads = {} (need >= 1)", options_.threads));
     detail::ignore_sigpipe_if_default();  // before Gloo opens a socket; see the header comment
-    const auto start = std::chrono::steady_clock::now();
-    const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
-        fmt::format("loom/gloo/{}", detail::next_in_process(detail::Counted::gloo_communicator)), std::move(store));
-    c10::intrusive_ptr<c10d::Store> side = prefixed;
-    if (world_size > 1) {
-      try {
-        side = detail::JoinWatch::side_channel(prefixed, options_.timeout);
-      } catch (const std::exception&) {
-        side = prefixed;  // no second connection: failures are still seen, once Gloo's waits end
-      }
-    }
-    detail::JoinWatch watch(prefixed, side, world_size);
-    const auto report_wait = std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(2));
-    const std::string me = fmt::format("rank {} ({})", rank, detail::host_and_pid());
-
-    // The device: which address this rank listens on and advertises (loom/comm/detail/gloo_device.hpp).
-    // The sockets this process has before Gloo makes its own: the peer table is the difference.
-    auto sockets_before =
-        std::make_shared<const std::vector<detail::GlooProcessSocket>>(detail::GlooPeerTable::snapshot());
-    auto pg_options = c10d::ProcessGroupGloo::Options::create(options_.timeout);
-    pg_options->threads = options_.threads;
-    try {
-      const auto choice =
-          detail::choose_gloo_device(options_.interface, std::getenv("GLOO_SOCKET_IFNAME"), master_addr);
-      device_ = choice.describe();
-      try {
-        pg_options->devices = detail::make_gloo_devices(choice);
-      } catch (const std::exception& e) {
-        throw CommError(fmt::format("GlooCommunicator: rank {}/{} could not create its Gloo device on {} ({}): {}",
-                                    rank, world_size, device_, detail::host_and_pid(), detail::exception_text(e)));
-      }
-    } catch (const Error& e) {
-      watch.report_failure(fmt::format("{} failed to join: {}", me, e.what()), report_wait);
-      throw;
-    }
-
-    // Connect. Other ranks connect on a helper thread while this one looks for a peer's failure report.
-    struct Job {
-      std::mutex m;
-      std::condition_variable cv;
-      bool done = false;
-      std::exception_ptr error;
-      c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
-      std::shared_ptr<const detail::GlooPeerTable> peers;
-    };
-    auto job = std::make_shared<Job>();
-    auto connect = [job, prefixed, rank, world_size, pg_options, sockets_before, timeout = options_.timeout]() {
-      c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
-      std::shared_ptr<const detail::GlooPeerTable> peers;
-      std::exception_ptr error;
-      try {
-        pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, pg_options);
-        peers = std::make_shared<const detail::GlooPeerTable>(detail::GlooPeerTable::build(
-            *pg, *prefixed, static_cast<int>(pg_options->devices.size()), *sockets_before, rank, world_size, timeout));
-      } catch (...) {
-        error = std::current_exception();
-      }
-      {
-        std::lock_guard<std::mutex> lock(job->m);
-        job->pg = std::move(pg);
-        job->peers = std::move(peers);
-        job->error = error;
-        job->done = true;
-      }
-      job->cv.notify_all();
-    };
-    auto peer_failed = [&](const std::string& line, const std::string& own) {
-      return CommError(fmt::format(
-          "GlooCommunicator: rank {}/{} stopped waiting for its peers after {:.3f} s because "
-          "{}{}{}",
-          rank, world_size, detail::seconds_since(start), line, own.empty() ? "" : "; this rank's own error: ", own));
-    };
-    if (world_size == 1) {
-      connect();
-    } else {
-      std::thread helper(connect);
-      for (;;) {
-        {
-          std::unique_lock<std::mutex> lock(job->m);
-          if (job->cv.wait_for(lock, detail::JoinWatch::kPollInterval, [&] { return job->done; })) break;
-        }
-        if (auto line = watch.failure()) {
-          // The helper may wait in Gloo until its own timeout; it owns what it uses and ends by itself.
-          helper.detach();
-          watch.linger(report_wait);
-          throw peer_failed(*line, "");
-        }
-      }
-      helper.join();
-    }
-    if (job->error) {
-      const std::string text = detail::exception_text(job->error);
-      // A peer that failed first explains this rank's failure better than the symptom seen here.
-      if (auto line = watch.failure()) {
-        watch.linger(report_wait);
-        throw peer_failed(*line, text);
-      }
-      const double waited = detail::seconds_since(start);
-      const std::string advertised = fmt::format("this rank's Gloo address: {}", device_);
-      if (detail::mentions_timeout(text) || detail::mentions_peer_gone(text)) {
-        TimeoutError error("connect", rank, waited,
-                           fmt::format("Gloo could not connect all {} ranks (rank {} on {}; {}): {}", world_size, rank,
-                                       detail::host_and_pid(), advertised, text));
-        watch.report_failure(fmt::format("{} failed to join: {}", me, error.what()), report_wait);
-        throw error;
-      }
-      CommError error(fmt::format(
-          "GlooCommunicator: creating the Gloo process group failed on rank {}/{} ({}, LibTorch {}; {}): {}", rank,
-          world_size, detail::host_and_pid(), TORCH_VERSION, advertised, text));
-      watch.report_failure(fmt::format("{} failed to join: {}", me, error.what()), report_wait);
-      throw error;
-    }
-    pg_ = job->pg;
-    peers_ = job->peers;
+    auto connection = detail::connect_gloo(std::move(store), rank, world_size, options_.interface, options_.threads,
+                                           options_.timeout, master_addr);
+    pg_ = std::move(connection.pg);
+    peers_ = std::move(connection.peers);
+    device_ = std::move(connection.device);
   }
 
   GlooCommunicator(GlooCommunicator&&) noexcept = default;
@@ -439,7 +307,7 @@ class GlooCommunicator {
   /// Shape: same shape and dtype on every rank. Throws: see header.
   void all_reduce(at::Tensor& t, ReduceOp op) {
     detail::check_collective_tensor(t, "all_reduce");
-    if (options_.check_metadata) check_metadata(t, kAllReduce, static_cast<std::int64_t>(op));
+    if (options_.check_metadata) check_metadata(t, detail::GlooCollective::all_reduce, static_cast<std::int64_t>(op));
     start_all_reduce(t, op).wait();
   }
 
@@ -447,7 +315,8 @@ class GlooCommunicator {
   /// Throws (here): loom::InvalidArgument; (in wait) loom::TimeoutError / CommError.
   [[nodiscard]] GlooWork all_reduce_async(at::Tensor& t, ReduceOp op) {
     detail::check_collective_tensor(t, "all_reduce");
-    if (options_.check_async_metadata) check_metadata(t, kAllReduce, static_cast<std::int64_t>(op));
+    if (options_.check_async_metadata)
+      check_metadata(t, detail::GlooCollective::all_reduce, static_cast<std::int64_t>(op));
     return start_all_reduce(t, op);
   }
 
@@ -455,7 +324,7 @@ class GlooCommunicator {
   void broadcast(at::Tensor& t, int root) {
     detail::check_collective_tensor(t, "broadcast");
     detail::check_root(root, world_size_, "broadcast");
-    if (options_.check_metadata) check_metadata(t, kBroadcast, root);
+    if (options_.check_metadata) check_metadata(t, detail::GlooCollective::broadcast, root);
     // Broadcast moves bytes: a bfloat16 tensor Gloo does not know travels as float16 of the same size.
     std::vector<at::Tensor> tensors{detail::gloo_supports_dtype(t.scalar_type()) ? t : t.view(at::kHalf)};
     c10d::BroadcastOptions opts;
@@ -467,7 +336,7 @@ class GlooCommunicator {
   /// Returns world_size() tensors; entry r is rank r's `t`. Shape: each like `t`.
   [[nodiscard]] std::vector<at::Tensor> all_gather(const at::Tensor& t) {
     detail::check_collective_tensor(t, "all_gather");
-    if (options_.check_metadata) check_metadata(t, kAllGather, 0);
+    if (options_.check_metadata) check_metadata(t, detail::GlooCollective::all_gather, 0);
     return gather_unchecked(t, "all_gather");
   }
 
@@ -479,9 +348,6 @@ class GlooCommunicator {
   }
 
  private:
-  static constexpr std::int64_t kAllReduce = 1, kBroadcast = 2, kAllGather = 3;
-  static constexpr std::size_t kMaxDims = 8;
-
   template <class F>
   c10::intrusive_ptr<c10d::Work> issue(F&& f, const char* collective) {
     if (!pg_) throw CommError(fmt::format("{}: the communicator was moved from", collective));
@@ -539,47 +405,20 @@ class GlooCommunicator {
     return std::move(outputs[0]);
   }
 
-  /// All-gathers (collective, dtype, op/root, numel, ndim, sizes[8]) and throws CommError on any
+  /// All-gathers this rank's call (detail::encode_collective_meta) and throws CommError on any
   /// difference, naming every rank's view.
-  void check_metadata(const at::Tensor& t, std::int64_t collective, std::int64_t arg) {
-    constexpr std::size_t kLen = 5 + kMaxDims;
-    auto meta = at::zeros({static_cast<std::int64_t>(kLen)}, at::kLong);
-    auto* m = meta.data_ptr<std::int64_t>();
-    m[0] = collective;
-    m[1] = static_cast<std::int64_t>(t.scalar_type());
-    m[2] = arg;
-    m[3] = t.numel();
-    m[4] = t.dim();
-    std::int64_t tail_hash = 0;
-    for (std::int64_t d = 0; d < t.dim(); ++d) {
-      if (static_cast<std::size_t>(d) < kMaxDims - 1)
-        m[5 + d] = t.size(d);
-      else
-        tail_hash = tail_hash * 1000003 + t.size(d) + 1;
-    }
-    m[5 + kMaxDims - 1] = tail_hash;
-    const char* name = collective == kAllReduce ? "all_reduce" : collective == kBroadcast ? "broadcast" : "all_gather";
+  void check_metadata(const at::Tensor& t, detail::GlooCollective collective, std::int64_t arg) {
+    const auto meta = detail::encode_collective_meta(t, collective, arg);
+    const char* name = detail::collective_name(collective);
     auto all = gather_unchecked(meta, name);  // a timeout here names the user's collective
     bool same = true;
     for (const auto& other : all) same = same && at::equal(other, meta);
     if (same) return;
     std::vector<std::string> views;
-    for (int r = 0; r < world_size_; ++r) views.push_back(fmt::format("rank {}: {}", r, describe_meta(all[r])));
+    for (int r = 0; r < world_size_; ++r)
+      views.push_back(fmt::format("rank {}: {}", r, detail::describe_collective_meta(all[r])));
     throw CommError(fmt::format("{}: the ranks disagree on the collective or its tensor (seen from rank {}): {}", name,
                                 rank_, fmt::join(views, "; ")));
-  }
-
-  static std::string describe_meta(const at::Tensor& meta) {
-    const auto* m = meta.data_ptr<std::int64_t>();
-    static constexpr const char* kNames[] = {"?", "all_reduce", "broadcast", "all_gather"};
-    const char* name = (m[0] >= 1 && m[0] <= 3) ? kNames[m[0]] : "?";
-    std::vector<std::int64_t> sizes;
-    for (std::int64_t d = 0; d < std::min<std::int64_t>(m[4], kMaxDims - 1); ++d) sizes.push_back(m[5 + d]);
-    std::string arg = m[0] == kAllReduce   ? fmt::format(" op={}", to_string(static_cast<ReduceOp>(m[2])))
-                      : m[0] == kBroadcast ? fmt::format(" root={}", m[2])
-                                           : std::string();
-    return fmt::format("{}{} {} [{}{}]", name, arg, c10::toString(static_cast<c10::ScalarType>(m[1])),
-                       fmt::join(sizes, "x"), m[4] >= static_cast<std::int64_t>(kMaxDims) ? "x..." : "");
   }
 
   int rank_ = 0;

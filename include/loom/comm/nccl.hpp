@@ -44,18 +44,14 @@
     "loom/comm/nccl.hpp needs NCCL and the CUDA runtime, but this build has LOOM_HAS_NCCL=0: install NCCL (nccl.h and libnccl under the CUDA toolkit, or pass -Dnccl_dir=<root>) and reconfigure; for CPU training use loom/comm/gloo.hpp or loom/comm/local.hpp."
 #endif
 
-#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -75,8 +71,8 @@
 #include <loom/cuda/error.hpp>
 #include <loom/cuda/stream.hpp>
 #include <loom/detail/process_counter.hpp>
-#include <loom/dist/environment.hpp>
-#include <loom/dist/rendezvous.hpp>
+#include <loom/launch/environment.hpp>
+#include <loom/launch/rendezvous.hpp>
 
 #if LOOM_TORCH_HAS_CUDA
 #include <c10/cuda/CUDAStream.h>

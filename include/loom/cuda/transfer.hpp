@@ -9,7 +9,7 @@
 //    wait for the copy on the GPU (the host does not block) and tells LibTorch's caching
 //    allocator that the consumer stream uses the memory.
 //  * CudaTransfer (LOOM_TORCH_HAS_CUDA): the same protocol as a model of the scheduler's
-//    loom::BatchTransfer seam (loom/schedule/transfer.hpp): start() on the device's worker thread
+//    loom::BatchTransfer seam (loom/collate/transfer.hpp): start() on the device's worker thread
 //    stages pageable tensors into pinned memory and queues the copies on that worker's own
 //    stream; finish() on the consumer's thread makes LibTorch's current stream wait on the event.
 //
@@ -53,8 +53,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <loom/collate/batch.hpp>
+#include <loom/collate/transfer.hpp>
 #include <loom/cuda/pinned.hpp>
-#include <loom/schedule/transfer.hpp>
 #endif
 
 namespace loom::cuda {

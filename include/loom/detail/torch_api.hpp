@@ -8,7 +8,7 @@
 //   try_get_grad_accumulator() to see whether a parameter was replaced.
 // - kStoreTakesListenFd / set_master_listen_fd: whether c10d's TCPStore server can take over a
 //   socket that is already bound and listening (TCPStoreOptions::masterListenFd, LibTorch 2.x; not
-//   in 1.13). loom::spawn hands its reserved MASTER_PORT socket to rank 0 that way (loom/dist/spawn.hpp).
+//   in 1.13). loom::spawn hands its reserved MASTER_PORT socket to rank 0 that way (loom/launch/spawn.hpp).
 // The optimizer's zero_grad() difference is handled in loom/compat.hpp (loom::zero_grad).
 #pragma once
 

@@ -1,4 +1,5 @@
-// loom/dist/all.hpp — launcher environments, rendezvous, spawn, the process group and run() in one include.
+// loom/dist/all.hpp — the process group and run() in one include, with what they are built on
+// (loom/launch/: environment, rendezvous, rank device, spawn).
 //
 // Example:
 //   #include <loom/dist/all.hpp>
@@ -7,9 +8,6 @@
 // See docs/launching.md.
 #pragma once
 
-#include <loom/dist/environment.hpp>
 #include <loom/dist/process_group.hpp>
-#include <loom/dist/rank_device.hpp>
-#include <loom/dist/rendezvous.hpp>
 #include <loom/dist/run.hpp>
-#include <loom/dist/spawn.hpp>
+#include <loom/launch/all.hpp>

@@ -41,9 +41,9 @@
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/config.hpp>
-#include <loom/dist/environment.hpp>
-#include <loom/dist/rank_device.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/environment.hpp>
+#include <loom/launch/rank_device.hpp>
 
 #if LOOM_HAS_GLOO
 #include <loom/comm/gloo.hpp>

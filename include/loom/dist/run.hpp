@@ -18,7 +18,7 @@
 //
 // Rules: nproc == 1 without a launcher runs fn in this process (rank 0 of 1, no fork, no port).
 //   With a launcher, nproc is ignored (the launcher decided). Children of spawn follow spawn's
-//   fork rule (one intra-op thread each by default; see loom/dist/spawn.hpp).
+//   fork rule (one intra-op thread each by default; see loom/launch/spawn.hpp).
 // Throws: loom::InvalidArgument (nproc < 1); loom::ConfigError (bad launcher variables); the
 //         ProcessGroup's errors; loom::SpawnError naming the rank that failed when spawning.
 // Source: torch.multiprocessing.spawn for the standalone case and torch.distributed.run's
@@ -31,10 +31,10 @@
 
 #include <fmt/format.h>
 
-#include <loom/dist/environment.hpp>
 #include <loom/dist/process_group.hpp>
-#include <loom/dist/spawn.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/environment.hpp>
+#include <loom/launch/spawn.hpp>
 
 namespace loom {
 

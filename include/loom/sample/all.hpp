@@ -6,8 +6,8 @@
 //
 // Contents: Sampler / ResumableSampler concepts and SamplerState (concepts.hpp), DistributedSampler
 // (distributed.hpp), DistributedBucketBatchSampler / SampledBatch / collate_sampled (bucket_batch.hpp),
-// GlobalBatchSampler / plan_epoch / deal (global_batch.hpp), sample_seed (sample_seed.hpp),
-// gather_results (eval.hpp). Guide: docs/sample.md.
+// GlobalBatchSampler / GlobalCursor (global_batch.hpp), plan_epoch / deal (global_plan.hpp),
+// sample_seed (sample_seed.hpp), gather_results (eval.hpp). Guide: docs/sample.md.
 #pragma once
 
 #include <loom/sample/bucket_batch.hpp>
@@ -15,4 +15,5 @@
 #include <loom/sample/distributed.hpp>
 #include <loom/sample/eval.hpp>
 #include <loom/sample/global_batch.hpp>
+#include <loom/sample/global_plan.hpp>
 #include <loom/sample/sample_seed.hpp>

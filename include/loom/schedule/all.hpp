@@ -8,11 +8,12 @@
 // Contents: SampleGenerator concepts (generator.hpp), Assignment / assign (assign.hpp),
 // GeneratorLoaderOptions / EndPolicy / GeneratorLoaderState (options.hpp), DeviceBatch /
 // GeneratorLoaderStep / reports / GeneratorError (results.hpp), CollateFunction / DefaultCollate
-// (collate_fn.hpp), BatchTransfer / HostTransfer (transfer.hpp), GeneratorLoader
-// (generator_loader.hpp), RankGeneratorLoader (rank_generator_loader.hpp).
+// (collate_fn.hpp), BatchTransfer / HostTransfer (loom/collate/transfer.hpp, the seam both loaders
+// take), GeneratorLoader (generator_loader.hpp), RankGeneratorLoader (rank_generator_loader.hpp).
 // Guide: docs/schedule.md.
 #pragma once
 
+#include <loom/collate/transfer.hpp>
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/generator.hpp>
@@ -20,4 +21,3 @@
 #include <loom/schedule/options.hpp>
 #include <loom/schedule/rank_generator_loader.hpp>
 #include <loom/schedule/results.hpp>
-#include <loom/schedule/transfer.hpp>

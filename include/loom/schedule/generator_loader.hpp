@@ -24,7 +24,7 @@
 // finishes at most the sample it is pulling.
 // Determinism: batches depend only on the generators' streams, never on thread timing.
 // Transfer: HostTransfer (default) keeps batches on the host; a CUDA transfer plugs in as the
-// third template parameter (see transfer.hpp).
+// third template parameter (see loom/collate/transfer.hpp).
 //
 // Source: the k-th-sample alignment is zip() over streams; the bounded prefetch queue follows
 // torch.utils.data.DataLoader's prefetch_factor.
@@ -41,6 +41,7 @@
 
 #include <fmt/format.h>
 
+#include <loom/collate/transfer.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/assign.hpp>
 #include <loom/schedule/collate_fn.hpp>
@@ -50,7 +51,6 @@
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/options.hpp>
 #include <loom/schedule/results.hpp>
-#include <loom/schedule/transfer.hpp>
 
 namespace loom {
 

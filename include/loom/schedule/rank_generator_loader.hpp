@@ -42,6 +42,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <loom/collate/transfer.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/exception_text.hpp>
 #include <loom/error.hpp>
@@ -53,7 +54,6 @@
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/options.hpp>
 #include <loom/schedule/results.hpp>
-#include <loom/schedule/transfer.hpp>
 
 namespace loom {
 

@@ -6,8 +6,11 @@
 //   loom::Trainer trainer(pg, *model, opt);
 //   for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
 //
-// Contents: BatchLoader / LoaderOptions (loader.hpp), Trainer (trainer.hpp). Guide: docs/loop.md.
+// Contents: BatchLoader / LoaderOptions (loader.hpp), Trainer (trainer.hpp), TrainerOptions /
+// StepOptimizer / StepFunctions (options.hpp), EpochRange (epoch_range.hpp). Guide: docs/loop.md.
 #pragma once
 
+#include <loom/train/epoch_range.hpp>
 #include <loom/train/loader.hpp>
+#include <loom/train/options.hpp>
 #include <loom/train/trainer.hpp>

@@ -78,7 +78,6 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -94,56 +93,11 @@
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/bucket_batch.hpp>
 #include <loom/sample/global_batch.hpp>
+#include <loom/train/detail/trainer_checks.hpp>
+#include <loom/train/epoch_range.hpp>
+#include <loom/train/options.hpp>
 
 namespace loom {
-
-/// What the loss handed to Trainer::backward is over the batch's samples.
-enum class LossReduction {
-  mean,  ///< the mean over the batch's samples (PyTorch's default `reduction = mean`)
-  sum,   ///< the sum over the batch's samples
-};
-
-/// Options of Trainer; use with designated initializers.
-///
-/// Example: `loom::TrainerOptions{.reducer = {.max_grad_norm = 1.0}, .loss = loom::LossReduction::sum}`.
-struct TrainerOptions {
-  ReducerOptions reducer{};                         ///< bucketing, clipping, wire dtype, buffers
-  std::optional<LossScalerOptions> loss_scaling{};  ///< dynamic loss scaling (float16 training)
-  LossReduction loss = LossReduction::mean;         ///< what backward()'s loss is over the batch
-};
-
-/// What Trainer needs of an optimizer: step() and zero_grad() (every torch::optim optimizer).
-///
-/// Requirements:
-///  1. `o.step()` applies the gradients. Reason: loom calls it at each step boundary.
-///  2. `o.zero_grad()` clears them. Reason: loom calls it after each step (applied or skipped).
-/// Not required: parameter groups, a learning-rate scheduler, state (the user keeps those).
-/// For a custom update, pass a loom::StepFunctions.
-template <class O>
-concept StepOptimizer = requires(O& o) {
-  o.step();
-  o.zero_grad();
-};
-
-/// An optimizer made of two callables, for users with their own update rule.
-///
-/// Example: `loom::StepFunctions opt{[&] { my_update(); }, [&] { my_zero(); }};`
-struct StepFunctions {
-  std::function<void()> on_step;
-  std::function<void()> on_zero_grad;
-  void step() const { on_step(); }
-  void zero_grad() const { on_zero_grad(); }
-};
-
-/// An optimizer whose parameters loom can list: `o.param_groups()`, each group with `params()`
-/// (torch::optim::Optimizer). Trainer compares them with the model's parameters when it is built.
-template <class O>
-concept HasParamGroups = requires(O& o) {
-  o.param_groups().begin()->params().begin()->unsafeGetTensorImpl();
-};
-
-template <class T, class L>
-class EpochRange;
 
 /// The short training path. See the file comment. Not copyable or movable (the epoch range and
 /// the reducer's hooks point at it).
@@ -169,13 +123,11 @@ class Trainer {
         accumulator_(reducer_,
                      {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {
     const auto& list = reducer_.parameters();
-    for (std::size_t i = 0; i < list.params.size(); ++i) {
-      if (!list.params[i].requires_grad()) continue;
-      trainable_.push_back(i);
+    guard_ = detail::TrainableGuard(list);
+    for (std::size_t i : guard_.trainable()) {
       const auto dtype = list.params[i].scalar_type();
       if (dtype == at::kHalf || dtype == at::kBFloat16) sixteen_bit_ = true;
     }
-    record_parameter_versions();
   }
 
   /// The same, for a torch::nn::Module (its parameters and buffers, see loom::parameters_of).
@@ -215,7 +167,7 @@ class Trainer {
       check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch), failed);
     else if (failed)
       std::rethrow_exception(failed);
-    record_parameter_versions();
+    guard_.record_versions(reducer_.parameters());
     return EpochRange<Trainer, Loader>(this, &loader);
   }
 
@@ -236,9 +188,9 @@ class Trainer {
           fmt::format("Trainer::backward: called twice for batch {} of step {} (one backward per batch; sum "
                       "several losses first)",
                       batch_number_, current_step_));
-    check_loss(loss);
-    check_parameters_untouched("Trainer::backward");
-    restore_gradients("Trainer::backward");
+    detail::check_trainer_loss(loss);
+    guard_.check_untouched(reducer_.parameters(), "Trainer::backward");
+    guard_.restore(reducer_.parameters(), "Trainer::backward");
     const int64_t divisor = loss_divisor(current_step_);
     auto mb = accumulator_.micro_batch(batch, divisor);
     at::Tensor total = loss.reshape({});
@@ -250,7 +202,7 @@ class Trainer {
     backward_done_ = true;
     last_ = mb.finish();
     apply(last_);
-    if (!last_.boundary) hide_gradients(/*keep=*/true);
+    if (!last_.boundary) guard_.hide(reducer_.parameters(), /*keep=*/true);
     return last_;
   }
 
@@ -313,21 +265,6 @@ class Trainer {
     return a.num_samples == b.num_samples && a.data.unsafeGetTensorImpl() == b.data.unsafeGetTensorImpl();
   }
 
-  static void check_loss(const at::Tensor& loss) {
-    if (!loss.defined()) throw InvalidArgument("Trainer::backward: the loss is undefined");
-    if (loss.numel() != 1)
-      throw InvalidArgument(
-          fmt::format("Trainer::backward: the loss has shape [{}] ({} elements); pass one number per batch "
-                      "(reduction mean or sum, not none)",
-                      fmt::join(loss.sizes(), ", "), loss.numel()));
-    if (!at::isFloatingType(loss.scalar_type()))
-      throw InvalidArgument(fmt::format("Trainer::backward: the loss has dtype {} (need a floating dtype)",
-                                        c10::toString(loss.scalar_type())));
-    if (!loss.requires_grad())
-      throw InvalidArgument(
-          "Trainer::backward: the loss does not require grad (computed under NoGradGuard, or detached?)");
-  }
-
   // Every gradient an autograd hook delivers is counted by the reducer; between two calls of the
   // trainer the count must not move.
   void check_no_stray_backward(const char* where) {
@@ -350,7 +287,7 @@ class Trainer {
           "early, call trainer.stop() from on_step(), which every rank runs at the same step",
           epoch_, s.ranks_leaving, current_step_));
     }
-    check_parameters_untouched("Trainer: at a step boundary");
+    guard_.check_untouched(reducer_.parameters(), "Trainer: at a step boundary");
     if (s.apply) {
       optimizer_->step();
       ++steps_;
@@ -358,7 +295,7 @@ class Trainer {
       ++skipped_;
     }
     optimizer_->zero_grad();
-    hide_gradients(/*keep=*/false);
+    guard_.hide(reducer_.parameters(), /*keep=*/false);
     if (on_step_) {
       in_on_step_ = true;
       try {
@@ -369,20 +306,14 @@ class Trainer {
       }
       in_on_step_ = false;
     }
-    record_parameter_versions();
+    guard_.record_versions(reducer_.parameters());
   }
 
   /// Validates the options and the optimizer against `params` and clears existing gradients
   /// (constructor, before the reducer exists: no collective has run yet).
   static ParameterList prepared(ParameterList params, Opt& optimizer, const TrainerOptions& options) {
-    if (options.reducer.average != Average::samples)
-      throw InvalidArgument(fmt::format(
-          "Trainer: TrainerOptions::reducer.average = {} contradicts the Trainer's weighting (each batch's loss "
-          "is multiplied by its samples and the step's sum divided by the global sample count: Average::samples), "
-          "so the gradient would depend on batch sizes and the world size; leave it at samples (for another rule, "
-          "use loom::Reducer and loom::Accumulator directly)",
-          to_string(options.reducer.average)));
-    if constexpr (HasParamGroups<Opt>) check_optimizer_parameters(params, optimizer);
+    detail::check_trainer_options(options);
+    if constexpr (HasParamGroups<Opt>) detail::check_optimizer_parameters(params, optimizer);
     detail::check_not_hooked(params, "Trainer");  // before the gradients below are touched
     at::NoGradGuard no_grad;
     for (auto& p : params.params)
@@ -390,89 +321,10 @@ class Trainer {
     return params;
   }
 
-  /// The optimizer updates exactly the model's trainable parameters (frozen ones may be in it too).
-  static void check_optimizer_parameters(const ParameterList& list, Opt& optimizer) {
-    std::unordered_set<const c10::TensorImpl*> model, held;
-    for (const auto& p : list.params)
-      if (p.defined()) model.insert(p.unsafeGetTensorImpl());
-    std::size_t group = 0;
-    for (auto& g : optimizer.param_groups()) {
-      std::size_t index = 0;
-      for (const auto& t : g.params()) {
-        if (!model.contains(t.unsafeGetTensorImpl()))
-          throw InvalidArgument(fmt::format(
-              "Trainer: tensor {} of the optimizer's parameter group {} ({} [{}]) is not a parameter of the model "
-              "given to the Trainer, so its gradient would never be reduced across ranks or divided by the step's "
-              "samples and the replicas would drift apart; give the Trainer every tensor the optimizer updates "
-              "(a loom::ParameterList), or leave it out of the optimizer",
-              index, group, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
-        held.insert(t.unsafeGetTensorImpl());
-        ++index;
-      }
-      ++group;
-    }
-    for (std::size_t i = 0; i < list.params.size(); ++i)
-      if (list.params[i].defined() && list.params[i].requires_grad() &&
-          !held.contains(list.params[i].unsafeGetTensorImpl()))
-        throw InvalidArgument(fmt::format(
-            "Trainer: {} is trainable but not in the optimizer, so its gradient would be reduced every step and "
-            "never applied; add it to the optimizer, or freeze it (requires_grad_(false)) before building the "
-            "Trainer",
-            list.describe(i)));
-  }
-
-  void record_parameter_versions() {
-    const auto& params = reducer_.parameters().params;
-    param_versions_.clear();
-    for (std::size_t i : trainable_) param_versions_.push_back(params[i]._version());
-  }
-
-  // A parameter's version counter moves with every in-place write (an optimizer step included);
-  // between the Trainer's own steps nothing may write them.
-  void check_parameters_untouched(const char* where) const {
-    const auto& list = reducer_.parameters();
-    for (std::size_t k = 0; k < trainable_.size(); ++k)
-      if (list.params[trainable_[k]]._version() != param_versions_[k])
-        throw Error(fmt::format(
-            "{}: {} was written in place outside the Trainer's optimizer step and on_step() (in the loop body, "
-            "which ranks run different numbers of times per step), so the replicas would differ; per-step changes "
-            "to parameters (clipping weights, loading values) belong in on_step() or between epochs",
-            where, list.describe(trainable_[k])));
-  }
-
-  // Between the Trainer's calls the parameters hold no gradient (see the file comment): inside a
-  // step (`keep`) the partial sums are kept in hidden_; after a step they were zeroed and are dropped.
-  void hide_gradients(bool keep) {
-    const auto& params = reducer_.parameters().params;
-    hidden_.clear();
-    for (std::size_t i : trainable_) {
-      at::Tensor& g = params[i].mutable_grad();
-      if (keep) hidden_.push_back(g);
-      g.reset();
-    }
-  }
-
-  // Before the reducer runs again: the kept partial sums go back to the parameters. A gradient that
-  // appeared in between was set by hand (a backward by hand is caught by check_no_stray_backward).
-  void restore_gradients(const char* where) {
-    const auto& list = reducer_.parameters();
-    for (std::size_t k = 0; k < trainable_.size(); ++k) {
-      at::Tensor& g = list.params[trainable_[k]].mutable_grad();
-      if (g.defined())
-        throw Error(fmt::format(
-            "{}: the gradient of {} was set between two calls of the Trainer (the Trainer holds the step's "
-            "gradients between its calls and applies them at the step boundary itself); leave .grad() alone in "
-            "the loop body",
-            where, list.describe(trainable_[k])));
-      if (k < hidden_.size()) g = hidden_[k];
-    }
-    hidden_.clear();
-  }
-
   /// An exception left the loop (EpochRange's destructor while unwinding): with a step open on this
   /// rank the Trainer refuses further use (no collective is attempted).
   void abandon_loop() noexcept {
-    if (accumulator_.window_micro_batches() == 0 && hidden_.empty()) return;
+    if (accumulator_.window_micro_batches() == 0 && !guard_.holds_gradients()) return;
     if (broken_.empty())
       broken_ = fmt::format(
           "an exception left the loop over epoch {} inside step {}, whose micro-batches were never reduced (the "
@@ -489,10 +341,7 @@ class Trainer {
     if (broken_.empty()) {
       broken_ = fmt::format("its loop over epoch {} was left before the epoch's end (step {})", epoch_, step);
       // No check may throw here: the other ranks wait for this window.
-      const auto& params = reducer_.parameters().params;
-      for (std::size_t k = 0; k < trainable_.size(); ++k)
-        params[trainable_[k]].mutable_grad() = k < hidden_.size() ? hidden_[k] : at::Tensor();
-      hidden_.clear();
+      guard_.put_back(reducer_.parameters());
       (void)accumulator_.leave_step();
     }
     throw Error(fmt::format(
@@ -506,7 +355,7 @@ class Trainer {
   // Called by EpochRange.
   void receive(Batch batch, int64_t step) {
     check_no_stray_backward("Trainer::epoch");
-    check_parameters_untouched("Trainer::epoch");
+    guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
     current_ = std::move(batch);
     current_step_ = step;
@@ -516,9 +365,9 @@ class Trainer {
 
   void join(int64_t step) {
     check_no_stray_backward("Trainer::epoch");
-    check_parameters_untouched("Trainer::epoch");
+    guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
-    restore_gradients("Trainer::epoch");
+    guard_.restore(reducer_.parameters(), "Trainer::epoch");
     current_step_ = step;
     last_ = accumulator_.join_step(loss_divisor(step));
     apply(last_);
@@ -526,9 +375,9 @@ class Trainer {
 
   void end_epoch() {
     check_no_stray_backward("Trainer::epoch");
-    check_parameters_untouched("Trainer::epoch");
+    guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
-    restore_gradients("Trainer::epoch");
+    guard_.restore(reducer_.parameters(), "Trainer::epoch");
     current_.reset();
     while (auto s = accumulator_.end_epoch()) {
       last_ = *s;
@@ -559,12 +408,10 @@ class Trainer {
   TrainerOptions options_;
   ReducerType reducer_;
   Accumulator<ReducerType> accumulator_;
-  std::vector<std::size_t> trainable_;   // indices of the trainable parameters in reducer_.parameters()
-  std::vector<int64_t> param_versions_;  // their version counters after the Trainer's last write
-  std::vector<at::Tensor> hidden_;       // inside a step: their gradients between the Trainer's calls
-  std::vector<int64_t> step_divisors_;   // this epoch's loss divisor per step (empty: 1 for every step)
-  bool sixteen_bit_ = false;             // a trainable parameter is float16 or bfloat16
-  std::string broken_;                   // why this Trainer refuses further use (empty: usable)
+  detail::TrainableGuard guard_;        // the trainable parameters' versions and held gradients
+  std::vector<int64_t> step_divisors_;  // this epoch's loss divisor per step (empty: 1 for every step)
+  bool sixteen_bit_ = false;            // a trainable parameter is float16 or bfloat16
+  std::string broken_;                  // why this Trainer refuses further use (empty: usable)
   std::optional<Batch> current_;
   SyncResult last_{};
   std::function<void(const SyncResult&)> on_step_;
@@ -578,110 +425,6 @@ class Trainer {
   bool stop_ = false;        // stop() was called
   bool stopped_ = false;     // the last epoch loop ended by stop()
   bool in_on_step_ = false;  // on_step's callback is running
-};
-
-/// The loop over this rank's batches of one epoch, made by Trainer::epoch. Iterating it yields
-/// `loom::Batch&`; advancing joins steps without a batch here; reaching the end closes the epoch
-/// (remainder and join). Single pass.
-///
-/// Example: `for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);`
-/// Throws (while advancing): the checks of Trainer (a batch without backward, a stray backward),
-/// the loader's errors, the reducer's errors. Its destructor throws loom::Error when a started loop
-/// ends before the epoch's end other than by stop() or an exception (a break or return: see the
-/// Trainer's file comment); it is noexcept(false) for that reason.
-template <class T, class L>
-class EpochRange {
- public:
-  struct End {};
-  class Iterator {
-   public:
-    using value_type = Batch;
-    using difference_type = std::ptrdiff_t;
-    Batch& operator*() const { return *range_->trainer_->current_; }
-    Iterator& operator++() {
-      range_->advance();
-      return *this;
-    }
-    void operator++(int) { ++*this; }
-    friend bool operator==(const Iterator& it, End) { return it.range_->finished(); }
-
-   private:
-    friend class EpochRange;
-    explicit Iterator(EpochRange* r) : range_(r) {}
-    EpochRange* range_;
-  };
-
-  EpochRange(T* trainer, L* loader) : trainer_(trainer), loader_(loader), exceptions_(std::uncaught_exceptions()) {}
-  EpochRange(const EpochRange&) = delete;
-  EpochRange& operator=(const EpochRange&) = delete;
-  EpochRange& operator=(EpochRange&&) = delete;
-  EpochRange(EpochRange&& other) noexcept
-      : trainer_(std::exchange(other.trainer_, nullptr)),
-        loader_(other.loader_),
-        started_(other.started_),
-        done_(other.done_),
-        exceptions_(other.exceptions_) {}
-
-  /// A loop that started and did not reach the epoch's end:
-  ///  - left by an exception: nothing is sent (the error is on its way); when a step was open, the
-  ///    Trainer refuses further use (its gradients and counts belong to a step that never closed);
-  ///  - left by a break or return right after stop() took effect at a boundary: as if the loop
-  ///    had ended by stop() (the other ranks stop there too);
-  ///  - otherwise (a break or return): the Trainer tells every rank and throws (see its file comment).
-  ~EpochRange() noexcept(false) {
-    if (trainer_ == nullptr || !started_ || done_) return;
-    if (std::uncaught_exceptions() > exceptions_) {
-      trainer_->abandon_loop();
-      return;
-    }
-    if (trainer_->stop_ && trainer_->accumulator_.window_micro_batches() == 0) {
-      trainer_->stopped_ = true;
-      return;
-    }
-    trainer_->leave_loop();
-  }
-
-  friend class Iterator;
-
-  /// Whether the loop reached the end of the epoch (and closed it).
-  [[nodiscard]] bool finished() const noexcept { return done_; }
-
-  Iterator begin() {
-    if (started_) throw Error("Trainer::epoch: an epoch range is single-pass; call trainer.epoch(loader, e) again");
-    started_ = true;
-    advance();
-    return Iterator(this);
-  }
-  End end() const noexcept { return {}; }
-
- private:
-  void advance() {
-    for (;;) {
-      if (trainer_->stop_ && trainer_->accumulator_.window_micro_batches() == 0) {  // stop() at a step boundary
-        trainer_->stopped_ = true;
-        done_ = true;
-        return;
-      }
-      auto item = loader_->sampler().next();
-      if (!item) {
-        trainer_->end_epoch();
-        done_ = true;
-        return;
-      }
-      if (item->idle) {
-        trainer_->join(item->step);
-        continue;
-      }
-      trainer_->receive(loader_->load(*item), item->step);
-      return;
-    }
-  }
-
-  T* trainer_;
-  L* loader_;
-  bool started_ = false;
-  bool done_ = false;
-  int exceptions_ = 0;  // std::uncaught_exceptions() when the range was made
 };
 
 }  // namespace loom

@@ -23,6 +23,7 @@
 
 #include <fmt/format.h>
 
+#include <loom/collate/transfer.hpp>
 #include <loom/detail/exception_text.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/collate_fn.hpp>
@@ -31,7 +32,6 @@
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/options.hpp>
 #include <loom/schedule/results.hpp>
-#include <loom/schedule/transfer.hpp>
 
 namespace loom::detail {
 

@@ -1,4 +1,4 @@
-// loom/dist/environment.hpp — who am I in the job: rank, world size, local rank, node, master address,
+// loom/launch/environment.hpp — who am I in the job: rank, world size, local rank, node, master address,
 // read from the variables a launcher sets (torchrun, Open MPI's mpirun, Slurm's srun).
 //
 // One sentence: `loom::Environment::from_env()` turns the launcher's environment variables into one
@@ -21,7 +21,7 @@
 //      must be exported by the batch script.
 //   4. None of them: a single process (rank 0 of 1, master 127.0.0.1:29500).
 // Whatever the launcher: LOOM_RENDEZVOUS_SECRET, the job's secret for the rendezvous store (see
-// loom/dist/rendezvous.hpp; loom::spawn sets a fresh one for its ranks).
+// loom/launch/rendezvous.hpp; loom::spawn sets a fresh one for its ranks).
 //
 // Throws: loom::ConfigError for a non-integer or negative number, RANK >= WORLD_SIZE, WORLD_SIZE < 1,
 //         LOCAL_RANK >= LOCAL_WORLD_SIZE, a port outside [1, 65535], MASTER_ADDR missing or empty

@@ -1,4 +1,4 @@
-// loom/dist/rank_device.hpp — which GPU a rank uses: one per rank, chosen by LOCAL_RANK among the
+// loom/launch/rank_device.hpp — which GPU a rank uses: one per rank, chosen by LOCAL_RANK among the
 // devices CUDA_VISIBLE_DEVICES lets the process see.
 //
 // One sentence: `loom::rank_cuda_device(env, visible_count, cuda_visible_devices)` is a pure
@@ -26,8 +26,8 @@
 
 #include <fmt/format.h>
 
-#include <loom/dist/environment.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/environment.hpp>
 
 namespace loom {
 

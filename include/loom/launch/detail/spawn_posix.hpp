@@ -1,49 +1,7 @@
-// loom/dist/spawn.hpp — run a function as N ranks on this machine, in N forked processes, the way
-// torchrun would start them (tests, examples, single-node jobs).
-//
-// One sentence: `loom::spawn(nprocs, fn)` forks nprocs children with torchrun's variables set, runs
-// `fn(rank)` (or `fn(env)`) in each, waits for all, and if one fails terminates the others and throws
-// loom::SpawnError saying which rank failed and how.
-//
-// Example:
-//   loom::spawn(2, [](const loom::Environment& env) {
-//     loom::GlooCommunicator comm(env);
-//     auto t = torch::full({4}, float(env.rank));
-//     comm.all_reduce(t, loom::ReduceOp::sum);          // [1, 1, 1, 1] on both ranks
-//   });
-//
-// What each child gets (torchrun's names, so Environment::from_env() reads them):
-//   RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, LOCAL_WORLD_SIZE=n, GROUP_RANK=0, GROUP_WORLD_SIZE=1,
-//   MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port spawn picked>, OMP_NUM_THREADS=<threads_per_rank>,
-//   LOOM_RENDEZVOUS_SECRET=<128 random bits, new for every spawn call> (see loom/dist/rendezvous.hpp),
-//   LOOM_MASTER_LISTEN_FD=<fd> in rank 0 with LibTorch 2.x (the listening MASTER_PORT socket spawn
-//   reserved, which rank 0's rendezvous hosts its store on: the port is never free in between),
-//   then SpawnOptions::env on top (it may override any of these). TORCHELASTIC_* variables inherited
-//   from the parent are removed (a spawned job is not a torchrun job) unless SpawnOptions::env sets them.
-//   Signals as after execve(2): the parent's handlers are reset to SIG_DFL, signals the parent
-//   ignores stay ignored; the signal mask is emptied.
-//
-// Failure handling: a rank fails when fn throws (the exception's type and what() travel to the parent
-// through a pipe), when it exits with a non-zero code (std::exit, abort), or when a signal kills it.
-// The first failure starts a grace period (SpawnOptions::grace) in which the other ranks may finish on
-// their own (typically they see the dead peer and throw loom::TimeoutError, which is reported too);
-// ranks still running after it get SIGTERM, then SIGKILL. spawn then throws loom::SpawnError whose
-// failures() lists every failed rank, the first one first. A child dies with its parent (PR_SET_PDEATHSIG).
-//
-// The fork rule (read this): fork() copies only the calling thread. LibTorch's intra-op pool is
-// OpenMP (libgomp) in Debian's build, and libgomp is not fork-safe: a child that starts a parallel
-// region after the parent has used the pool can hang forever. spawn therefore sets, in every child,
-// at::set_num_threads(threads_per_rank) with threads_per_rank = 1 by default (torchrun also sets
-// OMP_NUM_THREADS=1 for multi-process jobs), which keeps at::parallel_for on the calling thread.
-// Asking for more than one thread per rank is safe only if the parent has not run a parallel ATen op
-// yet (spawn before any tensor work, as examples do); otherwise keep 1. Also: do not call spawn while
-// other threads of the parent hold locks the child needs (a running GlooCommunicator, a logger thread).
-//
-// Throws: loom::InvalidArgument (nprocs < 1), loom::SpawnError (a RemoteError: which rank failed, how),
-//         loom::TimeoutError("spawn", ...) when SpawnOptions::timeout elapsed (all ranks terminated),
-//         loom::Error when fork/pipe/socket fail.
-// Source: torch.multiprocessing.spawn (fork start method; join raises ProcessRaisedException /
-//         ProcessExitedException naming the rank) and torchrun's environment variables.
+// loom/launch/detail/spawn_posix.hpp — spawn's machinery on POSIX: the reserved MASTER_PORT, the
+// job secret, forking and preparing each child (torchrun's variables, signals, the parent-death
+// signal), running the rank function in it, and supervising the children (grace, SIGTERM, SIGKILL,
+// the whole-job timeout). Not a public header: loom/launch/spawn.hpp is.
 #pragma once
 
 #include <algorithm>
@@ -80,86 +38,11 @@
 #include <fmt/ranges.h>
 
 #include <loom/detail/torch_api.hpp>
-#include <loom/dist/environment.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/environment.hpp>
+#include <loom/launch/spawn_options.hpp>
 
 namespace loom {
-
-/// Options of spawn(); use with designated initializers.
-///
-/// Example: `loom::spawn(3, fn, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(5)})`.
-/// Units: durations are wall-clock; threads_per_rank counts intra-op threads.
-struct SpawnOptions {
-  std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 = none
-  std::chrono::milliseconds grace{5000};       ///< after the first failure: how long the others may run before SIGTERM
-  std::chrono::milliseconds kill_after{2000};  ///< after SIGTERM: how long before SIGKILL
-  int threads_per_rank = 1;                  ///< at::set_num_threads in each child; 0 = leave unchanged (see fork rule)
-  std::string master_addr = "127.0.0.1";     ///< MASTER_ADDR given to the children
-  std::uint16_t master_port = 0;             ///< MASTER_PORT; 0 = a free port spawn picks (held while forking)
-  std::map<std::string, std::string> env{};  ///< extra variables for every child, set last (may override loom's)
-};
-
-/// How one spawned rank failed.
-struct RankFailure {
-  /// What went wrong.
-  enum class Kind {
-    exception,   ///< fn threw; `message` holds "<type>: <what()>"
-    exit_code,   ///< the process exited with a non-zero `code`
-    signal,      ///< the process was killed by signal `code`
-    terminated,  ///< spawn terminated it because another rank failed or the timeout elapsed
-  };
-  int rank = 0;
-  Kind kind = Kind::exception;
-  int code = 0;           ///< exit code or signal number
-  std::string message{};  ///< exception text (Kind::exception)
-
-  /// One line, e.g. "rank 1 threw loom::TimeoutError: all_reduce timed out ..." or
-  /// "rank 2 was killed by signal SIGSEGV (11)".
-  [[nodiscard]] std::string describe() const {
-    switch (kind) {
-      case Kind::exception: return fmt::format("rank {} threw {}", rank, message);
-      case Kind::exit_code: return fmt::format("rank {} exited with code {}", rank, code);
-      case Kind::signal: {
-        const char* name = sigabbrev_np(code);
-        return fmt::format("rank {} was killed by signal SIG{} ({})", rank, name ? name : "?", code);
-      }
-      case Kind::terminated: return fmt::format("rank {} was terminated by spawn", rank);
-    }
-    return "?";
-  }
-};
-
-/// A spawned rank failed. what() names the first failed rank and how; failures() has the details of
-/// every rank that did not succeed (first failure first, then by rank).
-class SpawnError : public RemoteError {
- public:
-  SpawnError(int nprocs, std::vector<RankFailure> failures)
-      : RemoteError(make_message(nprocs, failures)), failures_(std::move(failures)) {}
-
-  [[nodiscard]] const std::vector<RankFailure>& failures() const noexcept { return failures_; }
-  /// The rank that failed first (the likely cause).
-  [[nodiscard]] int failed_rank() const noexcept { return failures_.empty() ? -1 : failures_.front().rank; }
-
- private:
-  static std::string make_message(int nprocs, const std::vector<RankFailure>& f) {
-    if (f.empty()) return fmt::format("spawn: a rank of {} failed", nprocs);
-    std::vector<std::string> rest;
-    for (std::size_t i = 1; i < f.size(); ++i) rest.push_back(f[i].describe());
-    return fmt::format("spawn: {} (of {} ranks){}{}", f.front().describe(), nprocs,
-                       rest.empty() ? "" : "; then: ", fmt::join(rest, "; "));
-  }
-  std::vector<RankFailure> failures_;
-};
-
-/// What spawn can run: a callable taking the rank (int) or the rank's Environment.
-///
-/// Requirements:
-///  1. Invocable as `f(int rank)` or as `f(const Environment& env)`. Reason: simple tests want the
-///     rank; real programs want the full environment (the same one from_env() gives under torchrun).
-///  2. Copy-free use: spawn calls it in the child only, on the forked copy. Reason: fork copies memory.
-/// Not required: a return value (ignored), thread safety, copyability.
-template <class F>
-concept RankFunction = std::invocable<F&, int> || std::invocable<F&, const Environment&>;
 
 namespace detail {
 
@@ -234,7 +117,7 @@ inline std::string random_job_secret() {
 }
 
 /// The variable that tells rank 0's rendezvous which inherited descriptor is the listening MASTER_PORT
-/// socket spawn reserved (loom/dist/rendezvous.hpp takes it over once; other processes never see it).
+/// socket spawn reserved (loom/launch/rendezvous.hpp takes it over once; other processes never see it).
 inline constexpr const char* kMasterListenFdVariable = "LOOM_MASTER_LISTEN_FD";
 
 /// Sets torchrun's variables (and SpawnOptions::env) in a freshly forked child, and its thread count.
@@ -484,45 +367,5 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
 }
 
 }  // namespace detail
-
-/// Runs `fn` as ranks 0..nprocs-1 in nprocs forked processes and waits for all of them.
-///
-/// Example: `loom::spawn(2, [](int rank) { ... });`  (see the header comment)
-/// Units: options' durations are wall-clock.
-/// Throws: loom::InvalidArgument (nprocs < 1); loom::SpawnError naming the failed rank(s) and how;
-///         loom::TimeoutError("spawn", ...) when options.timeout elapsed; loom::Error when fork fails.
-/// Source: torch.multiprocessing.spawn (fork start method).
-template <class F>
-void spawn(int nprocs, F&& fn, const SpawnOptions& options = {}) {
-  static_assert(RankFunction<std::remove_cvref_t<F>>,
-                "loom::spawn needs a callable taking (int rank) or (const loom::Environment&)");
-  detail::run_ranks(nprocs, options,
-                    [&](int rank, int message_fd) { detail::run_function_child(fn, rank, options, message_fd); });
-}
-
-/// Runs a program as ranks 0..nprocs-1 (fork + exec, like `torchrun --standalone --nproc-per-node`),
-/// with the same variables, supervision and errors as spawn(). The exec-based mode: each rank is a
-/// fresh process image, so none of the fork rule applies (any thread count is safe). The program
-/// reads its place with Environment::from_env().
-///
-/// Example: `loom::spawn_command(2, {"./train", "--epochs", "3"});`
-///          `loom::spawn_command(2, {"/proc/self/exe", "--worker"});`   // re-run this program as ranks
-/// Units: options' durations are wall-clock.
-/// Throws: loom::InvalidArgument (nprocs < 1, empty argv); loom::SpawnError (a rank exited non-zero or
-///         was killed; a program that cannot be executed is reported as an exception text);
-///         loom::TimeoutError("spawn", ...).
-/// Source: torchrun's standalone mode (one node, rendezvous on localhost).
-inline void spawn_command(int nprocs, const std::vector<std::string>& argv, const SpawnOptions& options = {}) {
-  if (argv.empty()) throw InvalidArgument("spawn_command: argv is empty");
-  detail::run_ranks(nprocs, options, [&](int /*rank*/, int message_fd) {
-    std::vector<char*> args;
-    args.reserve(argv.size() + 1);
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execvp(args[0], args.data());
-    detail::write_all(message_fd, fmt::format("exec of '{}' failed: {}", argv[0], std::strerror(errno)));
-    detail::finish_child(message_fd, 127);
-  });
-}
 
 }  // namespace loom

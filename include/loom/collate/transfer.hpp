@@ -1,5 +1,6 @@
-// loom/schedule/transfer.hpp — the transfer step of the loader: a collated host batch on its
-// way to its device. The seam where CUDA staging plugs in.
+// loom/collate/transfer.hpp — the transfer step of a loader: a collated host batch on its way to
+// its device. The seam where CUDA staging plugs in; the generator loaders (loom/schedule/) take it,
+// and loom::cuda::CudaTransfer (loom/cuda/transfer.hpp) models it, so it lives below both.
 //
 // For every batch the loader calls `t.start(batch, device)` on a worker thread right after
 // the collate step (for one device: one call at a time, in step order, on whichever worker collated that

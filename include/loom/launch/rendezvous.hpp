@@ -1,4 +1,4 @@
-// loom/dist/rendezvous.hpp — meet the other ranks at a c10d TCPStore (the key-value store every
+// loom/launch/rendezvous.hpp — meet the other ranks at a c10d TCPStore (the key-value store every
 // communicator uses to exchange addresses).
 //
 // One sentence: `loom::rendezvous(env)` returns a store shared by all ranks of the job once every
@@ -64,12 +64,11 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <loom/comm/communicator.hpp>
 #include <loom/detail/exception_text.hpp>
 #include <loom/detail/process_counter.hpp>
 #include <loom/detail/torch_api.hpp>
-#include <loom/dist/environment.hpp>
 #include <loom/error.hpp>
+#include <loom/launch/environment.hpp>
 
 namespace loom {
 

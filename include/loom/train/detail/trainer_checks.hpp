@@ -1,0 +1,168 @@
+// loom/train/detail/trainer_checks.hpp — the Trainer's misuse checks that need no Trainer state
+// (the loss, the options, the optimizer's parameters) and TrainableGuard, which holds what the
+// Trainer compares between its calls: the trainable parameters' version counters and, inside a
+// step, their gradients. Not a public header: loom/train/trainer.hpp is; its file comment states
+// the rules these enforce and docs/loop.md lists the messages.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_set>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <loom/error.hpp>
+#include <loom/reduce/options.hpp>
+#include <loom/reduce/parameters.hpp>
+#include <loom/train/options.hpp>
+
+namespace loom::detail {
+
+/// The loss handed to Trainer::backward: one element, floating, requiring grad.
+/// Throws: loom::InvalidArgument naming the shape, the dtype, or the missing grad.
+inline void check_trainer_loss(const at::Tensor& loss) {
+  if (!loss.defined()) throw InvalidArgument("Trainer::backward: the loss is undefined");
+  if (loss.numel() != 1)
+    throw InvalidArgument(
+        fmt::format("Trainer::backward: the loss has shape [{}] ({} elements); pass one number per batch "
+                    "(reduction mean or sum, not none)",
+                    fmt::join(loss.sizes(), ", "), loss.numel()));
+  if (!at::isFloatingType(loss.scalar_type()))
+    throw InvalidArgument(fmt::format("Trainer::backward: the loss has dtype {} (need a floating dtype)",
+                                      c10::toString(loss.scalar_type())));
+  if (!loss.requires_grad())
+    throw InvalidArgument(
+        "Trainer::backward: the loss does not require grad (computed under NoGradGuard, or detached?)");
+}
+
+/// The Trainer weights each batch by its samples and divides by the step's global count: reducer
+/// options with another average contradict it.
+/// Throws: loom::InvalidArgument naming the average.
+inline void check_trainer_options(const TrainerOptions& options) {
+  if (options.reducer.average != Average::samples)
+    throw InvalidArgument(fmt::format(
+        "Trainer: TrainerOptions::reducer.average = {} contradicts the Trainer's weighting (each batch's loss "
+        "is multiplied by its samples and the step's sum divided by the global sample count: Average::samples), "
+        "so the gradient would depend on batch sizes and the world size; leave it at samples (for another rule, "
+        "use loom::Reducer and loom::Accumulator directly)",
+        to_string(options.reducer.average)));
+}
+
+/// The optimizer updates exactly the model's trainable parameters (frozen ones may be in it too).
+/// Throws: loom::InvalidArgument naming a tensor of the optimizer that is not the model's, or a
+///         trainable parameter missing from the optimizer.
+template <class Opt>
+void check_optimizer_parameters(const ParameterList& list, Opt& optimizer) {
+  std::unordered_set<const c10::TensorImpl*> model, held;
+  for (const auto& p : list.params)
+    if (p.defined()) model.insert(p.unsafeGetTensorImpl());
+  std::size_t group = 0;
+  for (auto& g : optimizer.param_groups()) {
+    std::size_t index = 0;
+    for (const auto& t : g.params()) {
+      if (!model.contains(t.unsafeGetTensorImpl()))
+        throw InvalidArgument(fmt::format(
+            "Trainer: tensor {} of the optimizer's parameter group {} ({} [{}]) is not a parameter of the model "
+            "given to the Trainer, so its gradient would never be reduced across ranks or divided by the step's "
+            "samples and the replicas would drift apart; give the Trainer every tensor the optimizer updates "
+            "(a loom::ParameterList), or leave it out of the optimizer",
+            index, group, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", ")));
+      held.insert(t.unsafeGetTensorImpl());
+      ++index;
+    }
+    ++group;
+  }
+  for (std::size_t i = 0; i < list.params.size(); ++i)
+    if (list.params[i].defined() && list.params[i].requires_grad() &&
+        !held.contains(list.params[i].unsafeGetTensorImpl()))
+      throw InvalidArgument(fmt::format(
+          "Trainer: {} is trainable but not in the optimizer, so its gradient would be reduced every step and "
+          "never applied; add it to the optimizer, or freeze it (requires_grad_(false)) before building the "
+          "Trainer",
+          list.describe(i)));
+}
+
+/// What the Trainer keeps of its trainable parameters between its calls. Every call passes the
+/// same ParameterList (the reducer's), whose trainable entries were fixed at construction.
+///  - Version counters: a parameter's moves with every in-place write (an optimizer step included);
+///    between the Trainer's own writes nothing may write them.
+///  - Gradients: between the Trainer's calls the parameters hold none. Inside a step (hide with
+///    `keep`) the partial sums are held here and handed back before the reducer runs again; after a
+///    step they were zeroed and are dropped.
+class TrainableGuard {
+ public:
+  TrainableGuard() = default;
+  /// Takes the trainable (requires_grad) entries of `list` and records their versions.
+  explicit TrainableGuard(const ParameterList& list) {
+    for (std::size_t i = 0; i < list.params.size(); ++i)
+      if (list.params[i].requires_grad()) trainable_.push_back(i);
+    record_versions(list);
+  }
+
+  /// Indices of the trainable parameters in the list.
+  [[nodiscard]] const std::vector<std::size_t>& trainable() const noexcept { return trainable_; }
+  /// Whether gradients of an open step are held here.
+  [[nodiscard]] bool holds_gradients() const noexcept { return !hidden_.empty(); }
+
+  /// After a write of the Trainer's own (its step, on_step, a new epoch): the versions to compare with.
+  void record_versions(const ParameterList& list) {
+    versions_.clear();
+    for (std::size_t i : trainable_) versions_.push_back(list.params[i]._version());
+  }
+
+  /// Throws: loom::Error naming the first parameter written in place since record_versions.
+  void check_untouched(const ParameterList& list, const char* where) const {
+    for (std::size_t k = 0; k < trainable_.size(); ++k)
+      if (list.params[trainable_[k]]._version() != versions_[k])
+        throw Error(fmt::format(
+            "{}: {} was written in place outside the Trainer's optimizer step and on_step() (in the loop body, "
+            "which ranks run different numbers of times per step), so the replicas would differ; per-step changes "
+            "to parameters (clipping weights, loading values) belong in on_step() or between epochs",
+            where, list.describe(trainable_[k])));
+  }
+
+  /// Takes the gradients off the parameters; keeps them when `keep` (inside a step).
+  void hide(const ParameterList& list, bool keep) {
+    hidden_.clear();
+    for (std::size_t i : trainable_) {
+      at::Tensor& g = list.params[i].mutable_grad();
+      if (keep) hidden_.push_back(g);
+      g.reset();
+    }
+  }
+
+  /// Before the reducer runs again: the held partial sums go back to the parameters. A gradient that
+  /// appeared in between was set by hand (a backward by hand is caught by the reducer's count).
+  /// Throws: loom::Error naming the parameter whose gradient was set.
+  void restore(const ParameterList& list, const char* where) {
+    for (std::size_t k = 0; k < trainable_.size(); ++k) {
+      at::Tensor& g = list.params[trainable_[k]].mutable_grad();
+      if (g.defined())
+        throw Error(fmt::format(
+            "{}: the gradient of {} was set between two calls of the Trainer (the Trainer holds the step's "
+            "gradients between its calls and applies them at the step boundary itself); leave .grad() alone in "
+            "the loop body",
+            where, list.describe(trainable_[k])));
+      if (k < hidden_.size()) g = hidden_[k];
+    }
+    hidden_.clear();
+  }
+
+  /// The held gradients back on the parameters without any check (a loop left early: the last
+  /// window must be sent, and nothing may throw before it is).
+  void put_back(const ParameterList& list) {
+    for (std::size_t k = 0; k < trainable_.size(); ++k)
+      list.params[trainable_[k]].mutable_grad() = k < hidden_.size() ? hidden_[k] : at::Tensor();
+    hidden_.clear();
+  }
+
+ private:
+  std::vector<std::size_t> trainable_;  // indices of the trainable parameters in the list
+  std::vector<int64_t> versions_;       // their version counters after the Trainer's last write
+  std::vector<at::Tensor> hidden_;      // inside a step: their gradients between the Trainer's calls
+};
+
+}  // namespace loom::detail

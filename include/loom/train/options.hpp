@@ -1,0 +1,66 @@
+// loom/train/options.hpp — what a Trainer is built with: TrainerOptions (the reducer's options, loss
+// scaling, what the loss is over the batch) and what it needs of an optimizer (StepOptimizer;
+// StepFunctions for an update rule of one's own; HasParamGroups, the optimizers whose parameters the
+// Trainer compares with the model's).
+//
+// Example:
+//   torch::optim::AdamW opt(model->parameters(), 1e-3);               // a StepOptimizer with param_groups()
+//   loom::Trainer trainer(pg, *model, opt, {.reducer = {.max_grad_norm = 1.0}});
+//
+// See loom/train/trainer.hpp and docs/loop.md.
+#pragma once
+
+#include <functional>
+#include <optional>
+
+#include <loom/accumulate/loss_scaler.hpp>
+#include <loom/reduce/options.hpp>
+
+namespace loom {
+
+/// What the loss handed to Trainer::backward is over the batch's samples.
+enum class LossReduction {
+  mean,  ///< the mean over the batch's samples (PyTorch's default `reduction = mean`)
+  sum,   ///< the sum over the batch's samples
+};
+
+/// Options of Trainer; use with designated initializers.
+///
+/// Example: `loom::TrainerOptions{.reducer = {.max_grad_norm = 1.0}, .loss = loom::LossReduction::sum}`.
+struct TrainerOptions {
+  ReducerOptions reducer{};                         ///< bucketing, clipping, wire dtype, buffers
+  std::optional<LossScalerOptions> loss_scaling{};  ///< dynamic loss scaling (float16 training)
+  LossReduction loss = LossReduction::mean;         ///< what backward()'s loss is over the batch
+};
+
+/// What Trainer needs of an optimizer: step() and zero_grad() (every torch::optim optimizer).
+///
+/// Requirements:
+///  1. `o.step()` applies the gradients. Reason: loom calls it at each step boundary.
+///  2. `o.zero_grad()` clears them. Reason: loom calls it after each step (applied or skipped).
+/// Not required: parameter groups, a learning-rate scheduler, state (the user keeps those).
+/// For a custom update, pass a loom::StepFunctions.
+template <class O>
+concept StepOptimizer = requires(O& o) {
+  o.step();
+  o.zero_grad();
+};
+
+/// An optimizer made of two callables, for users with their own update rule.
+///
+/// Example: `loom::StepFunctions opt{[&] { my_update(); }, [&] { my_zero(); }};`
+struct StepFunctions {
+  std::function<void()> on_step;
+  std::function<void()> on_zero_grad;
+  void step() const { on_step(); }
+  void zero_grad() const { on_zero_grad(); }
+};
+
+/// An optimizer whose parameters loom can list: `o.param_groups()`, each group with `params()`
+/// (torch::optim::Optimizer). Trainer compares them with the model's parameters when it is built.
+template <class O>
+concept HasParamGroups = requires(O& o) {
+  o.param_groups().begin()->params().begin()->unsafeGetTensorImpl();
+};
+
+}  // namespace loom
