@@ -83,23 +83,20 @@ struct AccumulatorOptions {
 };
 
 /// What a micro-batch (MicroBatch::finish), a join (join_step) or an end-of-epoch flush
-/// (end_epoch) reports: whether it synchronised the gradients across ranks (`boundary`: the window
-/// was reduced) and whether the caller should apply them. Converts to true when the optimizer
-/// should step.
+/// (end_epoch) reports: the window's Reduction (its fields: global samples, norm, clipping, ranks
+/// leaving; default values when the call closed no window), whether the call synchronised the
+/// gradients across ranks (`boundary`) and whether the caller should apply them. Converts to true
+/// when the optimizer should step.
 ///
 /// Example: `if (loom::SyncResult s = mb.finish()) optimizer.step();`
 /// Units: samples; grad_norm in gradient units (after averaging and unscaling, before clipping).
-struct SyncResult {
-  bool boundary = false;            ///< this call closed a window: gradients were reduced
+struct SyncResult : Reduction {
+  bool boundary = false;            ///< this call closed a window: gradients were reduced (Reduction::reduced)
   bool apply = false;               ///< the gradients are the global average: call optimizer.step()
-  bool skipped_non_finite = false;  ///< inf/NaN on some rank: every rank skipped (gradients zeroed)
+  bool skipped_non_finite = false;  ///< inf/NaN on some rank: every rank skipped, gradients zeroed (non_finite)
   std::int64_t micro_batches = 0;   ///< this rank's micro-batches in the window so far
   std::int64_t local_samples = 0;   ///< this rank's samples in the window so far
-  std::int64_t global_samples = 0;  ///< all ranks' samples in the window (boundaries only)
   double loss_scale = 1.0;          ///< the scale the window's losses were multiplied by
-  double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global norm, when clipping computed it
-  double clip_coef = 1.0;                                       ///< clipping factor applied (1 = none)
-  std::int64_t ranks_leaving = 0;  ///< ranks that left their loop in this window (leave_step): nobody applies it
 
   explicit operator bool() const noexcept { return apply; }
 };
@@ -342,16 +339,13 @@ class Accumulator {
 
   SyncResult close_window(const Reduction& r) {
     SyncResult s;
+    static_cast<Reduction&>(s) = r;
     s.boundary = r.reduced;
     s.skipped_non_finite = r.non_finite;
     s.apply = r.reduced && !r.non_finite && !r.no_samples && r.ranks_leaving == 0;
     s.micro_batches = window_micro_batches_;
     s.local_samples = window_samples_;
-    s.global_samples = r.global_samples;
     s.loss_scale = loss_scale();
-    s.grad_norm = r.grad_norm;
-    s.clip_coef = r.clip_coef;
-    s.ranks_leaving = r.ranks_leaving;
     if (r.ranks_leaving > 0)
       break_with(fmt::format("{} rank(s) left their loop in the middle of an epoch", r.ranks_leaving));
     if (scaler_ && r.reduced && !r.no_samples && r.ranks_leaving == 0) scaler_->update(r.non_finite);

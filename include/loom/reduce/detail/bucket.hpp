@@ -1,5 +1,5 @@
 // loom/reduce/detail/bucket.hpp — a reducer's memory: flat buckets whose slots are the
-// parameters' gradients, and per-gradient bookkeeping.
+// parameters' gradients, per-gradient bookkeeping, and the allocation of buckets for an order.
 //
 // Shape: a bucket's `flat` is [gradients | one used-flag per gradient], one
 //        dtype and device; each slot is a tensor sharing `flat`'s storage with its parameter's shape.
@@ -9,9 +9,17 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/grad_mode.h>
+
+#include <loom/reduce/buckets.hpp>
+#include <loom/reduce/options.hpp>
+#include <loom/reduce/parameters.hpp>
 
 namespace loom::detail {
 
@@ -39,6 +47,10 @@ inline bool aliases(const at::Tensor& g, const at::Tensor& view) {
          g.sizes() == view.sizes() && g.strides() == view.strides();
 }
 
+/// A parameter index's slot when the parameter has none (frozen: never reduced).
+inline constexpr std::size_t kNoSlot = static_cast<std::size_t>(-1);
+
+/// One trainable parameter's gradient in a bucket, and what the current window knows of it.
 struct GradSlot {
   std::size_t param = 0;        // index into ParameterList::params
   std::size_t bucket = 0;       // bucket holding the gradient
@@ -52,6 +64,7 @@ struct GradSlot {
   bool was_undefined = false;   // its .grad() was undefined when the window began
 };
 
+/// One flat bucket: the unit of an all-reduce.
 struct GradBucket {
   at::Tensor flat;    // [head: the gradients | tail: one used-flag per gradient]
   bool main = false;  // float32 slots for 16-bit parameters: .grad() is moved into the slot, never a view of it
@@ -70,5 +83,99 @@ struct GradBucket {
   bool ready = false;
   bool launched = false;
 };
+
+/// Writes bucket `b`'s tail: one used-flag per gradient (1: a gradient arrived in this window). A
+/// bucket on a GPU stages them in pinned memory and copies them without waiting.
+inline void write_used_flags(GradBucket& b, const std::vector<GradSlot>& slots) {
+  const auto n = b.slots.size();
+  auto fill = [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    for (std::size_t j = 0; j < n; ++j) p[j] = slots[b.slots[j]].used ? T(1) : T(0);
+  };
+  at::Tensor tail = b.wire.defined() ? b.wire_tail : b.tail;
+  at::Tensor dst = tail.is_cpu() ? tail : b.flags_host;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst.scalar_type(), "loom_write_flags",
+                                  [&] { fill(dst.data_ptr<scalar_t>()); });
+  if (!tail.is_cpu()) tail.copy_(b.flags_host, /*non_blocking=*/true);
+}
+
+/// Whether `p`'s gradient is summed in a float32 slot (ReducerOptions::float32_accumulation).
+inline bool accumulates_in_float32(const ReducerOptions& options, const at::Tensor& p) {
+  return options.float32_accumulation && (p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16);
+}
+
+/// The slots' bucket assignment (lists of slot indices) for launch order `order`: assign_buckets
+/// over each slot's size, element size (4 in a float32 slot) and (dtype, device) kind.
+inline std::vector<std::vector<std::size_t>> assign_slots(const ParameterList& list, const std::vector<GradSlot>& slots,
+                                                          const std::vector<std::size_t>& order,
+                                                          const ReducerOptions& options) {
+  std::vector<GradSpec> specs;
+  std::vector<std::pair<c10::ScalarType, c10::Device>> kinds;
+  for (const auto& slot : slots) {
+    const auto& p = list.params[slot.param];
+    const std::pair<c10::ScalarType, c10::Device> key{p.scalar_type(), p.device()};
+    auto it = std::find(kinds.begin(), kinds.end(), key);
+    if (it == kinds.end()) it = kinds.insert(kinds.end(), key);
+    specs.push_back(
+        {.numel = p.numel(),
+         .element_size = static_cast<std::int64_t>(accumulates_in_float32(options, p) ? 4 : p.element_size()),
+         .kind = static_cast<std::int64_t>(it - kinds.begin())});
+  }
+  return assign_buckets(
+      specs, order,
+      {.first_bucket_cap_bytes = options.first_bucket_cap_bytes, .bucket_cap_bytes = options.bucket_cap_bytes});
+}
+
+/// Allocates buckets for `assignment` (slot indices), points each slot of `slots` at its memory and
+/// moves every defined gradient of a non-float32 slot into it (a float32 slot takes its gradient at
+/// the window's start). `world_size`: the pre-division of a compressed bucket.
+inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<std::size_t>>& assignment,
+                                                std::vector<GradSlot>& slots, const ParameterList& list,
+                                                const ReducerOptions& options, int world_size) {
+  auto param = [&](std::size_t k) -> const at::Tensor& { return list.params[slots[k].param]; };
+  at::NoGradGuard no_grad;
+  std::vector<GradBucket> fresh(assignment.size());
+  for (std::size_t bi = 0; bi < assignment.size(); ++bi) {
+    auto& b = fresh[bi];
+    b.slots = assignment[bi];
+    const auto& first = param(b.slots.front());
+    std::int64_t total = 0;
+    for (std::size_t k : b.slots) total += param(k).numel();
+    const auto n = static_cast<std::int64_t>(b.slots.size());
+    b.main = accumulates_in_float32(options, first);
+    b.param_dtype = first.scalar_type();
+    const auto opts = at::TensorOptions().dtype(b.main ? at::kFloat : first.scalar_type()).device(first.device());
+    b.flat = at::zeros({total + n}, opts);
+    b.head = b.flat.narrow(0, 0, total);
+    b.tail = b.flat.narrow(0, total, n);
+    b.bad = at::zeros({1}, opts.dtype(at::kFloat));
+    if (options.wire_dtype && b.flat.scalar_type() == at::kFloat) {
+      b.wire = at::empty({total + n}, opts.dtype(*options.wire_dtype));
+      b.wire_head = b.wire.narrow(0, 0, total);
+      b.wire_tail = b.wire.narrow(0, total, n);
+      b.wire_div = at::full({1}, static_cast<double>(world_size), opts);
+    }
+    if (!first.is_cpu())
+      b.flags_host = at::empty(
+          {n},
+          at::TensorOptions().dtype(b.wire.defined() ? *options.wire_dtype : b.flat.scalar_type()).pinned_memory(true));
+    std::int64_t offset = 0;
+    std::size_t flag = 0;
+    for (std::size_t k : b.slots) {
+      auto& s = slots[k];
+      s.bucket = bi;
+      s.offset = offset;
+      s.flag = flag++;
+      s.view = alias_into(b.flat, offset, param(k));
+      auto& g = param(k).mutable_grad();
+      if (g.defined() && !b.main) {  // a float32 slot takes the gradient at the window's start
+        s.view.copy_(g);
+        g = s.view;
+      }
+      offset += param(k).numel();
+    }
+  }
+  return fresh;
+}
 
 }  // namespace loom::detail

@@ -1,0 +1,134 @@
+// loom/reduce/detail/averaging.hpp — how a reduced bucket becomes the average: the window's factor
+// (divisor by ReducerOptions::average, the voters' loss divisor multiplied back, the loss scale) and
+// its one pass over a bucket, which also scans the result for inf/NaN.
+//
+// Units: the divisor is a sample count, the world size or 1, times n / sum d over the loss-divisor
+//        voters (see window_summary.hpp); grad_scale is 1 / loss scale.
+// Source: DDP divides each bucket by the world size before its all-reduce; loom divides after it,
+//         by a count only known once the window meta is summed, so a hook never waits for it.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <loom/reduce/detail/bucket.hpp>
+#include <loom/reduce/detail/scale.hpp>
+#include <loom/reduce/detail/window_summary.hpp>
+#include <loom/reduce/options.hpp>
+
+namespace loom::detail {
+
+/// The averaging of one synchronising window. begin() at prepare_backward, apply() per bucket in
+/// finish_window once the bucket's all-reduce and the window meta's are complete.
+class WindowAverage {
+ public:
+  /// Starts a window: the sum over `world_size` ranks becomes the mean by `average`, times
+  /// `grad_scale`. Without a loss scale (grad_scale == 1) the sum is divided, so each rank's share
+  /// is exactly rounded (one rank: the mean is) when the divisor is an integer; otherwise it is
+  /// multiplied by grad_scale / divisor.
+  void begin(Average average, int world_size, double grad_scale) {
+    average_ = average;
+    world_size_ = world_size;
+    grad_scale_ = grad_scale;
+    divide_ = grad_scale == 1.0;
+    factors_.clear();
+  }
+
+  /// Turns bucket `b`'s all-reduced sum into the average and scans the result for inf/NaN (`check`)
+  /// in the same pass. A compressed bucket (b.wire) is first cast back from the wire, times its
+  /// remaining factor. CPU float32/float64 with a CPU `meta`: one fused pass, the verdict on the
+  /// host (b.bad_host); elsewhere ATen ops on the device, the verdict in b.bad (no host read).
+  /// `meta`: the summed window meta (int64 [WindowMeta::kLength]), its all-reduce complete.
+  void apply(GradBucket& b, const at::Tensor& meta, bool check) {
+    if (meta.is_cpu() && b.flat.is_cpu()) {
+      double value = host_factor(meta, /*post_wire=*/b.wire.defined());
+      bool divide = divide_ && !b.wire.defined();
+      if (b.wire.defined()) {
+        at::mul_out(b.head, b.wire_head, at::full({1}, value, b.head.options()));
+        value = 1.0;
+        divide = false;
+      }
+      if (has_fused_scan(b.flat)) {
+        b.bad_host = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide, check);
+        if (check && b.main && !b.bad_host)
+          b.bad_host = !at::isfinite(b.head.to(b.param_dtype)).all().template item<bool>();
+        return;
+      }
+      // float16 / bfloat16 on the CPU: a one-element float32 operand makes ATen compute in float32.
+      const at::Tensor f = at::full({1}, value, b.head.options().dtype(compute_dtype(b.head.scalar_type())));
+      if (divide)
+        b.head.div_(f);
+      else if (value != 1.0)
+        b.head.mul_(f);
+      b.bad_host = check && !at::isfinite(b.head).all().template item<bool>();
+      return;
+    }
+    if (b.wire.defined()) {
+      at::mul_out(b.head, b.wire_head, device_factor(meta, b.head, /*post_wire=*/true));
+    } else {
+      const at::Tensor& f = device_factor(meta, b.head, /*post_wire=*/false);
+      if (divide_)
+        b.head.div_(f);
+      else
+        b.head.mul_(f);
+    }
+    if (check)  // a float32 average outside the parameters' 16-bit range would step with inf: non-finite too
+      b.bad.copy_(non_finite_flag(b.main ? b.head.to(b.param_dtype) : b.head, at::kFloat));
+    else
+      b.bad.zero_();
+  }
+
+ private:
+  struct Factor {
+    c10::ScalarType dtype;
+    c10::Device device;
+    bool post_wire;
+    at::Tensor value;
+  };
+
+  /// The window's factor, read from host memory: the divisor when dividing, else grad_scale /
+  /// divisor; with post_wire, world size x grad_scale / divisor (what a compressed bucket still
+  /// needs after its world-size pre-division).
+  [[nodiscard]] double host_factor(const at::Tensor& meta, bool post_wire) const {
+    const WindowCounts c = WindowCounts::decode(meta.data_ptr<std::int64_t>());
+    const double base = average_ == Average::samples      ? static_cast<double>(std::max<std::int64_t>(c.samples, 1))
+                        : average_ == Average::world_size ? static_cast<double>(world_size_)
+                                                          : 1.0;
+    // The losses were divided by the voters' d (sum d / n; 1 when nobody voted).
+    const double divisor =
+        c.voters > 0 ? base * static_cast<double>(c.voters) / static_cast<double>(c.divisor_sum) : base;
+    if (post_wire) return world_size_ * grad_scale_ / divisor;
+    return divide_ ? divisor : grad_scale_ / divisor;
+  }
+
+  /// The same factor computed with device ops as a one-element tensor of `like`'s compute dtype on
+  /// its device (no host read), cached per dtype, device and post_wire for the window.
+  const at::Tensor& device_factor(const at::Tensor& meta, const at::Tensor& like, bool post_wire) {
+    const auto dtype = compute_dtype(like.scalar_type());
+    for (const auto& f : factors_)
+      if (f.dtype == dtype && f.device == like.device() && f.post_wire == post_wire) return f.value;
+    const auto opts = at::TensorOptions().dtype(at::kDouble).device(meta.device());
+    at::Tensor divisor = average_ == Average::samples
+                             ? WindowMeta::slice(meta, WindowMeta::samples).clamp_min(1).to(at::kDouble)
+                             : at::full({1}, average_ == Average::world_size ? world_size_ : 1.0, opts);
+    // The losses were divided by the voters' d: times n / sum d (both clamped to 1: nobody voted).
+    divisor = divisor.mul(WindowMeta::slice(meta, WindowMeta::voters).clamp_min(1).to(at::kDouble))
+                  .div(WindowMeta::slice(meta, WindowMeta::divisor_sum).clamp_min(1).to(at::kDouble));
+    at::Tensor value = post_wire ? divisor.reciprocal().mul(world_size_ * grad_scale_)
+                       : divide_ ? divisor
+                                 : divisor.reciprocal().mul(grad_scale_);
+    factors_.push_back({dtype, like.device(), post_wire, value.to(like.device()).to(dtype)});
+    return factors_.back().value;
+  }
+
+  Average average_ = Average::samples;
+  int world_size_ = 1;
+  double grad_scale_ = 1.0;
+  bool divide_ = true;           // divide by the divisor (exact) rather than multiply by grad_scale / divisor
+  std::vector<Factor> factors_;  // this window's device factors
+};
+
+}  // namespace loom::detail

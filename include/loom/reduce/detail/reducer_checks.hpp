@@ -1,0 +1,107 @@
+// loom/reduce/detail/reducer_checks.hpp — what a reducer refuses: options out of range, parameters
+// it cannot reduce, and a parameter set that changed under it after construction.
+//
+// Errors: loom::InvalidArgument naming the option and value, or the parameter and what changed.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <loom/detail/torch_api.hpp>
+#include <loom/error.hpp>
+#include <loom/reduce/detail/bucket.hpp>
+#include <loom/reduce/options.hpp>
+#include <loom/reduce/parameters.hpp>
+
+namespace loom::detail {
+
+/// Throws loom::InvalidArgument for a bucket cap of 0 bytes, a wire dtype other than float16 or
+/// bfloat16, or a max_grad_norm that is not > 0.
+inline void check_reducer_options(const ReducerOptions& options) {
+  if (options.bucket_cap_bytes == 0 || options.first_bucket_cap_bytes == 0)
+    throw InvalidArgument(
+        fmt::format("Reducer: bucket caps must be > 0 bytes (bucket_cap_bytes = {}, first_bucket_cap_bytes = {})",
+                    options.bucket_cap_bytes, options.first_bucket_cap_bytes));
+  if (options.wire_dtype && *options.wire_dtype != at::kHalf && *options.wire_dtype != at::kBFloat16)
+    throw InvalidArgument(
+        fmt::format("Reducer: wire_dtype {} is not float16 or bfloat16", c10::toString(*options.wire_dtype)));
+  if (options.max_grad_norm && !(*options.max_grad_norm > 0))
+    throw InvalidArgument(fmt::format("Reducer: max_grad_norm = {} (must be > 0)", *options.max_grad_norm));
+}
+
+/// Throws loom::InvalidArgument when `list` has names, but not one per parameter.
+inline void check_names(const ParameterList& list) {
+  if (!list.names.empty() && list.names.size() != list.params.size())
+    throw InvalidArgument(fmt::format("Reducer: {} names for {} parameters", list.names.size(), list.params.size()));
+}
+
+/// Each parameter's slot: trainable parameters numbered in list order, kNoSlot for frozen ones.
+/// Throws loom::InvalidArgument for an undefined parameter, and for a trainable one that is not a
+/// leaf, has no floating dtype, or is listed twice.
+inline std::vector<std::size_t> trainable_slots(const ParameterList& list) {
+  std::vector<std::size_t> slot_of_param(list.params.size(), kNoSlot);
+  std::size_t slots = 0;
+  for (std::size_t i = 0; i < list.params.size(); ++i) {
+    const auto& p = list.params[i];
+    if (!p.defined()) throw InvalidArgument(fmt::format("Reducer: {} is undefined", list.describe(i)));
+    if (!p.requires_grad()) continue;  // frozen: never reduced
+    if (!p.is_leaf())
+      throw InvalidArgument(fmt::format(
+          "Reducer: {} is not a leaf tensor (it has a grad_fn); pass the model's parameters", list.describe(i)));
+    if (!at::isFloatingType(p.scalar_type()))
+      throw InvalidArgument(
+          fmt::format("Reducer: {} has dtype {}; gradients are reduced for float32, float64, float16 and bfloat16",
+                      list.describe(i), c10::toString(p.scalar_type())));
+    for (std::size_t j = 0; j < i; ++j)
+      if (list.params[j].unsafeGetTensorImpl() == p.unsafeGetTensorImpl())
+        throw InvalidArgument(fmt::format("Reducer: {} and {} are the same tensor; list shared parameters once",
+                                          list.describe(j), list.describe(i)));
+    slot_of_param[i] = slots++;
+  }
+  return slot_of_param;
+}
+
+/// Throws loom::InvalidArgument when a parameter's trainability, dtype, device or shape, or the
+/// gradient accumulator the hooks hang on, changed since construction (e.g. module->to(dtype),
+/// which replaces the accumulators, or requires_grad_ toggled). Cost: a few reads per parameter.
+/// The vectors are the reducer's: slot_of_param maps a parameter index to its slot (kNoSlot: frozen).
+inline void check_parameter_set(const ParameterList& list, const std::vector<std::size_t>& slot_of_param,
+                                const std::vector<GradSlot>& slots, const std::vector<GradBucket>& buckets,
+                                const std::vector<GradAccumulatorPtr>& accumulators) {
+  constexpr const char* kAdvice = "build the Reducer after moving, casting, freezing or unfreezing the model";
+  for (std::size_t i = 0; i < list.params.size(); ++i) {
+    const auto& p = list.params[i];
+    const std::size_t k = slot_of_param[i];
+    if (k == kNoSlot) {
+      if (p.requires_grad())
+        throw InvalidArgument(
+            fmt::format("Reducer: {} was frozen (requires_grad = false) when the Reducer was built and is "
+                        "trainable now, so its gradient would never be reduced; {}",
+                        list.describe(i), kAdvice));
+      continue;
+    }
+    const auto& view = slots[k].view;
+    if (!p.requires_grad())
+      throw InvalidArgument(fmt::format("Reducer: {} was trainable when the Reducer was built and is frozen now; {}",
+                                        list.describe(i), kAdvice));
+    const c10::ScalarType built_dtype = buckets[slots[k].bucket].param_dtype;
+    if (p.scalar_type() != built_dtype || p.device() != view.device() || p.sizes() != view.sizes())
+      throw InvalidArgument(
+          fmt::format("Reducer: {} is {} [{}] on {} now but was {} [{}] on {} when the Reducer was built "
+                      "(e.g. module->to(...) afterwards); {}",
+                      list.describe(i), c10::toString(p.scalar_type()), fmt::join(p.sizes(), ", "), p.device().str(),
+                      c10::toString(built_dtype), fmt::join(view.sizes(), ", "), view.device().str(), kAdvice));
+    if (torch::autograd::impl::try_get_grad_accumulator(p).get() != accumulators[k].get())
+      throw InvalidArgument(
+          fmt::format("Reducer: {} got a new gradient accumulator after the Reducer was built (set_data or "
+                      "module->to(...) replaced it), so its gradient would bypass the reducer; {}",
+                      list.describe(i), kAdvice));
+  }
+}
+
+}  // namespace loom::detail
