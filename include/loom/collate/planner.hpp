@@ -39,12 +39,14 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <c10/util/ArrayRef.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <loom/collate/batch_rules.hpp>
 #include <loom/collate/options.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
@@ -66,53 +68,6 @@ struct PlannedBatch {
 };
 
 namespace detail {
-
-/// The batching part of ShapeBucketOptions / PaddedBucketOptions, validated.
-struct PlannerConfig {
-  std::vector<DimPadding> pad;
-  std::optional<int64_t> max_samples;
-  std::optional<int64_t> max_elements;
-  int64_t multiple_of = 1;
-  bool drop_incomplete = false;
-  OversizePolicy on_oversize = OversizePolicy::raise;
-
-  static PlannerConfig from(const ShapeBucketOptions& o) {
-    return {{}, o.max_samples, o.max_elements, o.multiple_of, o.drop_incomplete, o.on_oversize};
-  }
-  static PlannerConfig from(const PaddedBucketOptions& o) {
-    if (o.pad.empty())
-      throw InvalidArgument(
-          "PaddedBucketOptions::pad is empty: list at least one padded dimension "
-          "(or use ShapeBucketOptions for exact-shape buckets)");
-    return {o.pad, o.max_samples, o.max_elements, o.multiple_of, o.drop_incomplete, o.on_oversize};
-  }
-
-  void validate() const {
-    if (max_samples && *max_samples <= 0)
-      throw InvalidArgument(fmt::format("max_samples = {}: a batch must hold at least one sample", *max_samples));
-    if (max_elements && *max_elements <= 0)
-      throw InvalidArgument(fmt::format("max_elements = {}: the element budget must be positive", *max_elements));
-    if (!max_samples && !max_elements)
-      throw InvalidArgument("neither max_samples nor max_elements is set: a batch needs a limit");
-    if (multiple_of < 1) throw InvalidArgument(fmt::format("multiple_of = {}: must be >= 1", multiple_of));
-    if (max_samples && *max_samples % multiple_of != 0)
-      throw InvalidArgument(
-          fmt::format("max_samples = {} is not a multiple of multiple_of = {}", *max_samples, multiple_of));
-    for (std::size_t i = 0; i < pad.size(); ++i) {
-      const DimPadding& p = pad[i];
-      if (p.multiple < 0)
-        throw InvalidArgument(fmt::format("pad[{}] (dim {}): multiple = {} is negative", i, p.dim, p.multiple));
-      if (p.multiple > 0 && !p.boundaries.empty())
-        throw InvalidArgument(fmt::format("pad[{}] (dim {}): give boundaries or a multiple, not both", i, p.dim));
-      for (std::size_t b = 0; b < p.boundaries.size(); ++b) {
-        if (p.boundaries[b] <= 0 || (b > 0 && p.boundaries[b] <= p.boundaries[b - 1]))
-          throw InvalidArgument(
-              fmt::format("pad[{}] (dim {}): boundaries [{}] must be positive and strictly increasing", i, p.dim,
-                          fmt::join(p.boundaries, ", ")));
-      }
-    }
-  }
-};
 
 struct VectorHash {
   std::size_t operator()(const std::vector<int64_t>& v) const noexcept {
@@ -166,8 +121,11 @@ class BucketPlanner {
     int64_t slot = 0;
   };
 
-  explicit BucketPlanner(const ShapeBucketOptions& o) : config_(detail::PlannerConfig::from(o)) { config_.validate(); }
-  explicit BucketPlanner(const PaddedBucketOptions& o) : config_(detail::PlannerConfig::from(o)) { config_.validate(); }
+  /// Plans with `rules` (empty pad: exact-shape buckets). Throws: loom::InvalidArgument (BatchRules::check).
+  explicit BucketPlanner(BatchRules rules) : config_(std::move(rules)) { config_.check(); }
+  explicit BucketPlanner(const ShapeBucketOptions& o) : BucketPlanner(batch_rules(o)) {}
+  /// Throws: loom::InvalidArgument also for an empty `pad`.
+  explicit BucketPlanner(const PaddedBucketOptions& o) : BucketPlanner(padded_rules(o)) {}
 
   /// Adds one sample and appends the batches it closes to `out`.
   void add(int64_t index, c10::IntArrayRef shape, std::vector<PlannedBatch>& out) {
@@ -300,6 +258,14 @@ class BucketPlanner {
   [[nodiscard]] int64_t sample_dim() const noexcept { return ndim_; }
 
  private:
+  static BatchRules padded_rules(const PaddedBucketOptions& o) {
+    if (o.pad.empty())
+      throw InvalidArgument(
+          "PaddedBucketOptions::pad is empty: list at least one padded dimension "
+          "(or use ShapeBucketOptions for exact-shape buckets)");
+    return batch_rules(o);
+  }
+
   static PlannedBatch make_planned(const Bucket& b, int64_t count, c10::IntArrayRef padded) {
     PlannedBatch pb;
     pb.indices.assign(b.indices.begin(), b.indices.begin() + count);
@@ -413,7 +379,7 @@ class BucketPlanner {
     }
   }
 
-  detail::PlannerConfig config_;
+  BatchRules config_;
   int64_t ndim_ = -1;
   int64_t first_index_ = 0;
   std::vector<int64_t> first_shape_;

@@ -50,11 +50,13 @@
 #include <utility>
 #include <vector>
 
+#include <loom/collate/batch_rules.hpp>
 #include <loom/collate/collator.hpp>
 #include <loom/collate/planner.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/error.hpp>
 #include <loom/sample/concepts.hpp>
+#include <loom/sample/detail/seeded_plan.hpp>
 #include <loom/sample/distributed.hpp>
 
 namespace loom {
@@ -196,50 +198,16 @@ class DistributedBucketBatchSampler {
     return s;
   }
 
-  BucketPlanner make_planner() const {
-    if (o_.pad.empty())
-      return BucketPlanner(ShapeBucketOptions{.max_samples = o_.max_samples,
-                                              .max_elements = o_.max_elements,
-                                              .multiple_of = o_.multiple_of,
-                                              .drop_incomplete = o_.drop_incomplete,
-                                              .on_oversize = o_.on_oversize});
-    return BucketPlanner(PaddedBucketOptions{.pad = o_.pad,
-                                             .max_samples = o_.max_samples,
-                                             .max_elements = o_.max_elements,
-                                             .multiple_of = o_.multiple_of,
-                                             .drop_incomplete = o_.drop_incomplete,
-                                             .on_oversize = o_.on_oversize});
-  }
+  BucketPlanner make_planner() const { return BucketPlanner(batch_rules(o_)); }
 
   void build_plan(int64_t epoch) {
-    const auto n = static_cast<int64_t>(shapes_.size());
-    std::vector<int64_t> order;
-    std::vector<int64_t> batch_order;
-    at::Generator gen;
-    if (o_.shuffle) {
-      gen = at::make_generator<at::CPUGeneratorImpl>(o_.seed + static_cast<uint64_t>(epoch));
-      const at::Tensor p = at::randperm(n, gen, at::TensorOptions(at::kLong));
-      const auto* ptr = static_cast<const int64_t*>(p.data_ptr());
-      order.assign(ptr, ptr + n);
-    } else {
-      order.resize(static_cast<std::size_t>(n));
-      std::iota(order.begin(), order.end(), int64_t{0});
-    }
-    BucketPlanner planner = make_planner();
-    std::vector<PlannedBatch> planned;
-    for (int64_t i : order) planner.add(i, shapes_[static_cast<std::size_t>(i)], planned);
-    planner.flush(planned);
-    plan_stats_ = planner.stats();
-    const auto b = static_cast<int64_t>(planned.size());
-    if (o_.shuffle && b > 0) {
-      const at::Tensor p = at::randperm(b, gen, at::TensorOptions(at::kLong));  // same generator, continued
-      const auto* ptr = static_cast<const int64_t*>(p.data_ptr());
-      plan_.clear();
-      plan_.reserve(planned.size());
-      for (int64_t j = 0; j < b; ++j) plan_.push_back(std::move(planned[static_cast<std::size_t>(ptr[j])]));
-    } else {
-      plan_ = std::move(planned);
-    }
+    detail::SeededPlan planned = detail::plan_batches(
+        shapes_, batch_rules(o_),
+        o_.shuffle ? std::optional(at::make_generator<at::CPUGeneratorImpl>(o_.seed + static_cast<uint64_t>(epoch)))
+                   : std::nullopt);
+    plan_stats_ = planned.stats;
+    plan_ = std::move(planned.batches);
+    const auto b = static_cast<int64_t>(plan_.size());
     const int64_t r = o_.num_replicas;
     surplus_dropped_ = 0;
     if (o_.surplus == SurplusPolicy::drop) {
@@ -282,21 +250,10 @@ class DistributedBucketBatchSampler {
     detail::Fingerprint f;
     f.add(o_.shuffle ? 1 : 0);
     f.add(static_cast<uint64_t>(o_.surplus));
-    f.add(static_cast<uint64_t>(o_.max_samples.value_or(-1)));
-    f.add(static_cast<uint64_t>(o_.max_elements.value_or(-1)));
-    f.add(static_cast<uint64_t>(o_.multiple_of));
-    f.add(o_.drop_incomplete ? 1 : 0);
-    f.add(static_cast<uint64_t>(o_.on_oversize));
-    for (const DimPadding& p : o_.pad) {
-      f.add(static_cast<uint64_t>(p.dim));
-      f.add(static_cast<uint64_t>(p.multiple));
-      for (int64_t x : p.boundaries) f.add(static_cast<uint64_t>(x));
-      f.add(~uint64_t{0});
-    }
-    for (const auto& s : shapes_) {
-      for (int64_t x : s) f.add(static_cast<uint64_t>(x));
-      f.add(~uint64_t{0});
-    }
+    const BatchRules rules = batch_rules(o_);
+    rules.add_limits_to(f);
+    rules.add_padding_to(f);
+    add_shapes_to(f, shapes_);
     SamplerState s;
     s.seed = o_.seed;
     s.dataset_size = static_cast<int64_t>(shapes_.size());

@@ -127,7 +127,7 @@ class GlobalBatchSampler {
     if (o_.rank < 0 || o_.rank >= o_.world_size)
       throw InvalidArgument(fmt::format("GlobalBatchSampler: rank {} is outside [0, {})", o_.rank, o_.world_size));
     detail::check_step_rules(o_);
-    (void)detail::global_planner(o_);  // validates the batching options now
+    (void)BucketPlanner(batch_rules(o_));  // validates the batching options now
     fingerprint_ = detail::plan_fingerprint(shapes_, o_);
     set_epoch(0);
   }

@@ -45,10 +45,12 @@
 #include <ATen/ops/randperm.h>
 #include <fmt/format.h>
 
+#include <loom/collate/batch_rules.hpp>
 #include <loom/collate/options.hpp>
 #include <loom/collate/planner.hpp>
 #include <loom/error.hpp>
 #include <loom/sample/concepts.hpp>
+#include <loom/sample/detail/seeded_plan.hpp>
 #include <loom/sample/sample_seed.hpp>
 
 namespace loom {
@@ -103,21 +105,6 @@ struct EpochPlan {
 
 namespace detail {
 
-inline BucketPlanner global_planner(const GlobalBatchOptions& o) {
-  if (o.pad.empty())
-    return BucketPlanner(ShapeBucketOptions{.max_samples = o.max_samples,
-                                            .max_elements = o.max_elements,
-                                            .multiple_of = o.multiple_of,
-                                            .drop_incomplete = o.drop_incomplete,
-                                            .on_oversize = o.on_oversize});
-  return BucketPlanner(PaddedBucketOptions{.pad = o.pad,
-                                           .max_samples = o.max_samples,
-                                           .max_elements = o.max_elements,
-                                           .multiple_of = o.multiple_of,
-                                           .drop_incomplete = o.drop_incomplete,
-                                           .on_oversize = o.on_oversize});
-}
-
 inline void check_step_rules(const GlobalBatchOptions& o) {
   if (o.batches_per_step < 0 || o.samples_per_step < 0 || o.elements_per_step < 0)
     throw InvalidArgument(
@@ -140,24 +127,13 @@ inline uint64_t plan_fingerprint(const std::vector<std::vector<int64_t>>& shapes
   Fingerprint f;
   f.add(kPlanScheme);
   f.add(o.shuffle ? 1 : 0);
-  f.add(static_cast<uint64_t>(o.max_samples.value_or(-1)));
-  f.add(static_cast<uint64_t>(o.max_elements.value_or(-1)));
-  f.add(static_cast<uint64_t>(o.multiple_of));
-  f.add(o.drop_incomplete ? 1 : 0);
-  f.add(static_cast<uint64_t>(o.on_oversize));
+  const BatchRules rules = batch_rules(o);
+  rules.add_limits_to(f);
   f.add(static_cast<uint64_t>(o.batches_per_step));
   f.add(static_cast<uint64_t>(o.samples_per_step));
   f.add(static_cast<uint64_t>(o.elements_per_step));
-  for (const DimPadding& p : o.pad) {
-    f.add(static_cast<uint64_t>(p.dim));
-    f.add(static_cast<uint64_t>(p.multiple));
-    for (int64_t x : p.boundaries) f.add(static_cast<uint64_t>(x));
-    f.add(~uint64_t{0});
-  }
-  for (const auto& s : shapes) {
-    for (int64_t x : s) f.add(static_cast<uint64_t>(x));
-    f.add(~uint64_t{0});
-  }
+  rules.add_padding_to(f);
+  add_shapes_to(f, shapes);
   return f.h;
 }
 
@@ -173,33 +149,14 @@ inline EpochPlan plan_epoch(const std::vector<std::vector<int64_t>>& shapes, con
   if (shapes.empty()) throw InvalidArgument("plan_epoch: no shapes (the dataset is empty)");
   if (epoch < 0) throw InvalidArgument(fmt::format("plan_epoch: epoch {} is negative", epoch));
   detail::check_step_rules(o);
-  const auto n = static_cast<int64_t>(shapes.size());
-  std::vector<int64_t> order(static_cast<std::size_t>(n));
-  at::Generator gen;
-  if (o.shuffle) {
-    gen = generator64(o.seed + static_cast<uint64_t>(epoch));
-    const at::Tensor p = at::randperm(n, gen, at::TensorOptions(at::kLong));
-    const auto* ptr = p.data_ptr<int64_t>();
-    order.assign(ptr, ptr + n);
-  } else {
-    std::iota(order.begin(), order.end(), int64_t{0});
-  }
-  BucketPlanner planner = detail::global_planner(o);
-  std::vector<PlannedBatch> planned;
-  for (int64_t i : order) planner.add(i, shapes[static_cast<std::size_t>(i)], planned);
-  planner.flush(planned);
+  detail::SeededPlan planned = detail::plan_batches(
+      shapes, batch_rules(o),
+      o.shuffle ? std::optional(generator64(o.seed + static_cast<uint64_t>(epoch))) : std::nullopt);
   EpochPlan plan;
   plan.epoch = epoch;
-  plan.stats = planner.stats();
-  const auto b = static_cast<int64_t>(planned.size());
-  if (o.shuffle && b > 0) {
-    const at::Tensor p = at::randperm(b, gen, at::TensorOptions(at::kLong));  // the same generator, continued
-    const auto* ptr = p.data_ptr<int64_t>();
-    plan.batches.reserve(planned.size());
-    for (int64_t j = 0; j < b; ++j) plan.batches.push_back(std::move(planned[static_cast<std::size_t>(ptr[j])]));
-  } else {
-    plan.batches = std::move(planned);
-  }
+  plan.stats = planned.stats;
+  plan.batches = std::move(planned.batches);
+  const auto b = static_cast<int64_t>(plan.batches.size());
   GlobalStep open;
   for (int64_t j = 0; j < b; ++j) {
     const PlannedBatch& pb = plan.batches[static_cast<std::size_t>(j)];

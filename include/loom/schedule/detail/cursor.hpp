@@ -1,15 +1,22 @@
 // loom/schedule/detail/cursor.hpp — GeneratorCursor: one interface over both kinds of
-// SampleGenerator (callables and input ranges), remembering the end.
+// SampleGenerator (callables and input ranges), remembering the end; samples taken as their own,
+// resume skips, and the count of unread samples after an end.
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <ranges>
 #include <utility>
 
+#include <loom/schedule/detail/own_sample.hpp>
 #include <loom/schedule/generator.hpp>
 
 namespace loom::detail {
+
+/// Why GeneratorCursor::count_to_end stopped: the stream ended (the count is exact), the limit was
+/// reached, the caller said stop, or the generator threw.
+enum class CountEnd { ended, limit, stopped, failed };
 
 /// Pulls samples from one generator of either kind through one interface: `next()` returns the
 /// next sample or std::nullopt at the end; after the end it is never called again (the cursor
@@ -30,6 +37,19 @@ class GeneratorCursor {
     return out;
   }
 
+  /// next(), with the sample's tensors made its own (own_sample.hpp) before the generator runs
+  /// again. A throw of either is stored in `error` (the generator's failure); then std::nullopt.
+  std::optional<Sample> next_owned(std::exception_ptr& error) {
+    try {
+      std::optional<Sample> s = next();
+      if (s) own_sample(*s);
+      return s;
+    } catch (...) {
+      error = std::current_exception();
+      return std::nullopt;
+    }
+  }
+
   /// Jumps over n samples (g.skip(n) when G has it, else pulls and drops them). Returns how many
   /// were skipped when that is known (< n means the stream ended first); a skip() of a
   /// SkippableSampleGenerator reports n.
@@ -45,6 +65,24 @@ class GeneratorCursor {
   }
 
   [[nodiscard]] bool ended() const noexcept { return ended_; }
+
+  /// Reads on and drops samples until the end of the stream, at most `limit` of them, while
+  /// `go_on()` (asked before each sample) returns true. Returns how many it read and why it stopped;
+  /// a throw of the generator stops it (CountEnd::failed) and is not rethrown.
+  template <class F>
+  std::pair<std::int64_t, CountEnd> count_to_end(std::int64_t limit, F go_on) {
+    std::int64_t read = 0;
+    while (!ended_) {
+      if (read == limit) return {read, CountEnd::limit};
+      if (!go_on()) return {read, CountEnd::stopped};
+      try {
+        if (next()) ++read;
+      } catch (...) {
+        return {read, CountEnd::failed};
+      }
+    }
+    return {read, CountEnd::ended};
+  }
 
  private:
   std::optional<Sample> pull() {

@@ -2,16 +2,16 @@
 // batches per device, and the ordered stop event behind both generator loaders.
 //
 // GeneratorLoader runs one engine with M device slots; RankGeneratorLoader runs one with a single
-// slot (its rank) and agrees with the other ranks on top of it.
+// slot (its rank) and agrees with the other ranks on top of it. Its parts live beside it:
+// engine_config.hpp (what it is told, and the option checks), device_window.hpp (a device's
+// window of steps), stop_event.hpp (events and their order), cursor.hpp (one generator).
 #pragma once
 
 #include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <exception>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -21,45 +21,18 @@
 #include <utility>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include <loom/collate/transfer.hpp>
-#include <loom/detail/exception_text.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/detail/cursor.hpp>
-#include <loom/schedule/detail/own_sample.hpp>
+#include <loom/schedule/detail/device_window.hpp>
+#include <loom/schedule/detail/engine_config.hpp>
+#include <loom/schedule/detail/stop_event.hpp>
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/options.hpp>
 #include <loom/schedule/results.hpp>
 
 namespace loom::detail {
-
-/// The first event that stops production, ordered by (step, device, position of the generator
-/// in its device): a stop_at_shortest end, a failure, or an external stop (device -1) requested
-/// by the per-rank agreement.
-struct StopEvent {
-  std::int64_t step = 0;
-  int device = 0;    ///< core device slot; -1 = external stop (before every device)
-  int position = 0;  ///< generator's position in its device; the device's size for a collate failure
-  bool failure = false;
-  int generator = -1;          ///< failing / ending generator; -1 for collate/transfer failures and external stops
-  std::int64_t sample = -1;    ///< failure: index of the sample the generator was asked for
-  std::exception_ptr error{};  ///< failure: what the consumer throws
-};
-
-/// Everything the core needs besides the generators.
-struct EngineConfig {
-  std::vector<std::vector<int>> device_generators{};  ///< per core device slot, global generator ids
-  std::vector<int> device_labels{};                   ///< per slot, the device index shown to users
-  int depth = 2;                                      ///< batches per device inside the core
-  int workers = 0;                                    ///< threads; 0 = one per generator
-  EndPolicy end = EndPolicy::stop_at_shortest;
-  bool count_unread = false;
-  std::int64_t count_limit = kDefaultCountUnreadLimit;  ///< count_unread: samples read per generator at most
-  std::int64_t start_step = 0;
-  std::vector<std::int64_t> skip{};  ///< per global generator id: samples to skip first
-};
 
 /// Worker threads, a bounded window of batches per device, and the ordered stop event.
 ///
@@ -110,10 +83,8 @@ class LoaderEngine {
         position_in_device_[g] = static_cast<int>(p);
         active.push_back(gens[p]);
       }
-      auto dev = std::make_unique<Device>(collate_fn, transfer);
-      dev->consumed = dev->next_collate = config_.start_step;
-      for (int i = 0; i < config_.depth; ++i) dev->window.emplace_back(gens.size());
-      devices_.push_back(std::move(dev));
+      devices_.push_back(
+          std::make_unique<Device>(collate_fn, transfer, config_.depth, gens.size(), config_.start_step));
     }
     std::sort(active.begin(), active.end());
     const int w = config_.workers <= 0 ? static_cast<int>(active.size())
@@ -158,12 +129,7 @@ class LoaderEngine {
   /// Collated batches ready for device slot d (consecutive steps from the one the consumer is at).
   std::size_t ready(int d) {
     std::lock_guard lk(mutex_);
-    std::size_t n = 0;
-    for (const Slot& s : devices_[static_cast<std::size_t>(d)]->window) {
-      if (!s.item) break;
-      ++n;
-    }
-    return n;
+    return devices_[static_cast<std::size_t>(d)]->ready();
   }
 
   /// Takes the front batch of device slot d (wait() returned batch) and finishes its transfer.
@@ -173,11 +139,7 @@ class LoaderEngine {
     std::optional<Item> item;
     {
       std::lock_guard lk(mutex_);
-      LOOM_ASSERT(dev.window.front().item.has_value(), "pop() after wait() returned batch");
-      item.emplace(std::move(*dev.window.front().item));
-      dev.window.pop_front();
-      dev.window.emplace_back(generators(d).size());
-      ++dev.consumed;
+      item.emplace(dev.take_front());
     }
     dev.transfer.finish(item->batch, label(d), item->ticket);
     return std::move(*item);
@@ -195,19 +157,8 @@ class LoaderEngine {
 
   /// The batch a dry device gets under drain: collate function.empty(ctx) if it has one, else B{}.
   B empty_batch(int d, std::int64_t k) {
-    Device& dev = *devices_[static_cast<std::size_t>(d)];
-    CollateContext ctx{.device = label(d), .step = k, .generators = {}};
-    if constexpr (requires {
-                    { dev.collate_fn.empty(ctx) } -> std::convertible_to<B>;
-                  }) {
-      return dev.collate_fn.empty(ctx);
-    } else if constexpr (std::default_initializable<B>) {
-      return B{};
-    } else {
-      throw InvalidArgument(
-          "schedule: EndPolicy::drain needs a batch type with a default constructor or a collate function with "
-          "empty(ctx)");
-    }
+    return devices_[static_cast<std::size_t>(d)]->template empty_batch<B>(
+        CollateContext{.device = label(d), .step = k, .generators = {}});
   }
 
   /// Records an external stop at step k (nothing at or after step k is pulled any more).
@@ -250,38 +201,21 @@ class LoaderEngine {
   }
 
  private:
-  struct Slot {
-    explicit Slot(std::size_t n) : samples(n) {}
-    std::vector<std::optional<Sample>> samples;  // by position in the device
-    std::optional<Item> item;                    // the collated batch
-  };
-  struct Device {
-    Device(const Collate& m, const Transfer& t) : collate_fn(m), transfer(t) {}
-    Collate collate_fn;  // used by one collating worker at a time (collating flag)
-    Transfer transfer;
-    std::deque<Slot> window;    // guarded by mutex_: steps [consumed, consumed + depth)
-    std::int64_t consumed = 0;  // guarded by mutex_
-    std::int64_t next_collate = 0;
-    bool collating = false;
-  };
+  using Device = DeviceWindow<Sample, Item, Collate, Transfer>;
+  using Slot = typename Device::Slot;
 
-  static bool before(std::int64_t k, int d, int p, const StopEvent& e) {
-    if (k != e.step) return k < e.step;
-    if (d != e.device) return d < e.device;
-    return p < e.position;
-  }
   // Generator at (device d, position p) may still pull step k.
-  bool may_pull(std::int64_t k, int d, int p) const { return !event_ || before(k, d, p, *event_); }
-  void record(StopEvent e) {
-    if (!event_ || before(e.step, e.device, e.position, *event_)) event_ = std::move(e);
+  bool may_pull(std::int64_t k, int d, int p) const { return !event_ || comes_before(k, d, p, *event_); }
+  void record(StopEvent e) { keep_first(event_, std::move(e)); }
+  // Records generator gi's failure at step k (its sample position_[gi]); mutex_ held.
+  void record_failure(std::size_t gi, std::int64_t k, std::exception_ptr error) {
+    failed_[gi] = 1;
+    const int d = device_of_[gi];
+    record(generator_failure(k, d, label(d), position_in_device_[gi], static_cast<int>(gi), position_[gi],
+                             std::move(error)));
   }
 
-  Slot* slot(int d, std::int64_t k) {
-    Device& dev = *devices_[static_cast<std::size_t>(d)];
-    const std::int64_t i = k - dev.consumed;
-    if (i < 0 || i >= static_cast<std::int64_t>(dev.window.size())) return nullptr;
-    return &dev.window[static_cast<std::size_t>(i)];
-  }
+  Slot* slot(int d, std::int64_t k) { return devices_[static_cast<std::size_t>(d)]->slot(k); }
   bool collated(int d, std::int64_t k) {
     Slot* s = slot(d, k);
     return s != nullptr && s->item.has_value();
@@ -349,22 +283,14 @@ class LoaderEngine {
       const int d = device_of_[gi];
       const int p = position_in_device_[gi];
       std::exception_ptr error;
-      std::optional<Sample> s = try_next(gi, error);
+      std::optional<Sample> s = cursors_[gi]->next_owned(error);
       bool stop_others = false;
       bool tell_consumer = false;  // only what the consumer waits on: an end, a failure, an event's finality
       {
         std::lock_guard lk(mutex_);
         tell_consumer = event_.has_value() || !s;
         if (error) {
-          failed_[gi] = 1;
-          record(StopEvent{.step = k,
-                           .device = d,
-                           .position = p,
-                           .failure = true,
-                           .generator = g,
-                           .sample = position_[gi],
-                           .error = std::make_exception_ptr(
-                               GeneratorError(g, label(d), position_[gi], exception_text(error), error))});
+          record_failure(gi, k, error);
           stop_others = true;
         } else if (!s) {
           ended_at_[gi] = k;
@@ -457,19 +383,6 @@ class LoaderEngine {
     }
   }
 
-  // The generator's next sample, its tensors made its own before the generator runs again
-  // (own_sample.hpp); a throw of either is the generator's failure.
-  std::optional<Sample> try_next(std::size_t gi, std::exception_ptr& error) {
-    try {
-      std::optional<Sample> s = cursors_[gi]->next();
-      if (s) own_sample(*s);
-      return s;
-    } catch (...) {
-      error = std::current_exception();
-      return std::nullopt;
-    }
-  }
-
   // Skips the resumed samples of this worker's generators; false if a generator threw (recorded).
   bool skip_to_resume(const std::vector<int>& mine) {
     for (int g : mine) {
@@ -485,16 +398,7 @@ class LoaderEngine {
       }
       std::lock_guard lk(mutex_);
       if (error) {
-        failed_[gi] = 1;
-        const int d = device_of_[gi];
-        record(StopEvent{.step = config_.start_step,
-                         .device = d,
-                         .position = position_in_device_[gi],
-                         .failure = true,
-                         .generator = g,
-                         .sample = position_[gi],
-                         .error = std::make_exception_ptr(
-                             GeneratorError(g, label(d), position_[gi], exception_text(error), error))});
+        record_failure(gi, config_.start_step, error);
         consumer_cv_.notify_all();
         worker_cv_.notify_all();
         return false;
@@ -510,30 +414,14 @@ class LoaderEngine {
   void count_unread(const std::vector<int>& mine) {
     for (int g : mine) {
       const auto gi = static_cast<std::size_t>(g);
-      std::int64_t counted = 0;
-      while (!cursors_[gi]->ended()) {
-        if (counted == config_.count_limit) {  // not ended within the limit: a lower bound
-          counted_[gi] = 0;
-          break;
-        }
-        {
-          std::lock_guard lk(mutex_);
-          if (aborted_ || !event_ || event_->failure) {
-            counted_[gi] = 0;
-            return;
-          }
-        }
-        try {
-          if (cursors_[gi]->next()) {
-            ++position_[gi];
-            ++read_[gi];
-            ++counted;
-          }
-        } catch (...) {
-          counted_[gi] = 0;
-          break;
-        }
-      }
+      const auto [read, end] = cursors_[gi]->count_to_end(config_.count_limit, [&] {
+        std::lock_guard lk(mutex_);
+        return !aborted_ && event_ && !event_->failure;
+      });
+      position_[gi] += read;
+      read_[gi] += read;
+      if (end != CountEnd::ended) counted_[gi] = 0;
+      if (end == CountEnd::stopped) return;
     }
   }
 
@@ -556,48 +444,5 @@ class LoaderEngine {
   bool aborted_ = false;            // guarded by mutex_
   std::vector<std::thread> threads_;
 };
-
-/// Validates the options both loaders share; throws loom::InvalidArgument naming `who` and the
-/// bad value. `num_devices` is the device count of the loading (per-rank mode: the world size),
-/// which a resume state must have been taken with.
-inline void check_options(const GeneratorLoaderOptions& o, int num_generators, int num_devices, const char* who) {
-  if (o.prefetch_depth < 1)
-    throw InvalidArgument(
-        fmt::format("{}: prefetch_depth is {}, must be >= 1 (batches per device)", who, o.prefetch_depth));
-  if (o.num_workers < 0)
-    throw InvalidArgument(
-        fmt::format("{}: num_workers is {}, must be >= 0 (0 = one per generator)", who, o.num_workers));
-  if (o.count_unread_limit < 1)
-    throw InvalidArgument(
-        fmt::format("{}: count_unread_limit is {}, must be >= 1 (samples per generator)", who, o.count_unread_limit));
-  const GeneratorLoaderState& resume = o.resume;
-  if (resume.num_devices == 0 && resume.steps == 0 && resume.samples.empty()) return;
-  if (resume.num_devices != num_devices)
-    throw InvalidArgument(fmt::format("{}: the resume state was taken with {} devices, this loader has {}", who,
-                                      resume.num_devices, num_devices));
-  if (static_cast<int>(resume.samples.size()) != num_generators)
-    throw InvalidArgument(fmt::format("{}: the resume state has {} generators, this loader has {}", who,
-                                      resume.samples.size(), num_generators));
-  if (resume.steps < 0) throw InvalidArgument(fmt::format("{}: the resume state has steps = {}", who, resume.steps));
-  for (std::size_t g = 0; g < resume.samples.size(); ++g)
-    if (resume.samples[g] < 0)
-      throw InvalidArgument(fmt::format("{}: the resume state has samples[{}] = {}", who, g, resume.samples[g]));
-}
-
-/// The engine's configuration for devices (slots) `device_generators`, shown to users as `labels`.
-inline EngineConfig engine_config(const GeneratorLoaderOptions& o, std::vector<std::vector<int>> device_generators,
-                                  std::vector<int> labels) {
-  EngineConfig cfg;
-  cfg.device_generators = std::move(device_generators);
-  cfg.device_labels = std::move(labels);
-  cfg.depth = o.prefetch_depth;
-  cfg.workers = o.num_workers;
-  cfg.end = o.end;
-  cfg.count_unread = o.count_unread;
-  cfg.count_limit = o.count_unread_limit;
-  cfg.start_step = o.resume.steps;
-  cfg.skip = o.resume.samples;
-  return cfg;
-}
 
 }  // namespace loom::detail
