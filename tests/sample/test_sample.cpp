@@ -461,3 +461,87 @@ TEST_CASE("gather_results: bad input on one rank makes every rank throw the same
   CHECK(torch::equal(g.values, torch::tensor({0.f, 1.f, 2.f})));
   CHECK(g.duplicates_dropped == 1);
 }
+
+// ---- the batching rules, read from every options aggregate -----------------------------------
+TEST_CASE("BatchRules: every options aggregate hands over the same rules; the planner and the samplers read them") {
+  const loom::PaddedBucketOptions padded{.pad = {{.dim = 0, .multiple = 8}},
+                                         .max_samples = 4,
+                                         .max_elements = 96,
+                                         .multiple_of = 2,
+                                         .drop_incomplete = true,
+                                         .on_oversize = loom::OversizePolicy::skip};
+  const loom::BatchRules r = loom::batch_rules(padded);
+  REQUIRE(r.pad.size() == 1);
+  CHECK(r.pad[0].dim == 0);
+  CHECK(r.pad[0].multiple == 8);
+  CHECK(r.max_samples == std::optional<int64_t>(4));
+  CHECK(r.max_elements == std::optional<int64_t>(96));
+  CHECK(r.multiple_of == 2);
+  CHECK(r.drop_incomplete);
+  CHECK(r.on_oversize == loom::OversizePolicy::skip);
+  CHECK(loom::batch_rules(loom::ShapeBucketOptions{.max_samples = 3}).pad.empty());
+  const loom::GlobalBatchOptions global{.pad = padded.pad, .max_samples = 4, .max_elements = 96, .multiple_of = 2};
+  CHECK(loom::batch_rules(global).max_elements == std::optional<int64_t>(96));
+  CHECK(loom::batch_rules(global).pad.size() == 1);
+
+  // The planner from the rules plans what the planner from the options plans. By hand: lengths 5,
+  // 7, 20, 3, 30, 6 pad to multiples of 8 (8, 8, 24, 8, 32, 8); bucket 8 holds min(4, 96 / 8) = 4
+  // samples and is emitted when sample 5 fills it ({0, 1, 3, 5}); samples 2 and 4 wait alone in
+  // buckets 24 and 32, and the flush drops them (drop_incomplete): 2 samples dropped.
+  const std::vector<int64_t> len{5, 7, 20, 3, 30, 6};
+  auto plan = [&](loom::BucketPlanner p) {
+    std::vector<loom::PlannedBatch> out;
+    for (std::size_t i = 0; i < len.size(); ++i) p.add(static_cast<int64_t>(i), {len[i]}, out);
+    p.flush(out);
+    return std::make_pair(out, p.stats());
+  };
+  const auto [from_rules, rules_stats] = plan(loom::BucketPlanner(r));
+  const auto [from_options, options_stats] = plan(loom::BucketPlanner(padded));
+  CHECK((from_rules == from_options));
+  REQUIRE(from_rules.size() == 1);
+  CHECK(from_rules[0].indices == std::vector<int64_t>{0, 1, 3, 5});
+  CHECK(from_rules[0].padded_shape == std::vector<int64_t>{8});
+  CHECK(rules_stats.dropped_incomplete == 2);
+  CHECK(options_stats.dropped_incomplete == 2);
+
+  // One check, one message, whichever part is given the rules.
+  loom::BatchRules bad = r;
+  bad.max_samples = 3;  // not a multiple of multiple_of = 2
+  CHECK_THROWS_WITH_AS(bad.check(), doctest::Contains("max_samples = 3 is not a multiple of multiple_of = 2"),
+                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::BucketPlanner{bad}, doctest::Contains("max_samples = 3 is not a multiple"),
+                       loom::InvalidArgument);
+  const std::vector<std::vector<int64_t>> two{{1}, {2}};
+  CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(two, {.max_samples = 3, .multiple_of = 2}),
+                       doctest::Contains("max_samples = 3 is not a multiple"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::DistributedBucketBatchSampler(two, {.max_samples = 3, .multiple_of = 2}),
+                       doctest::Contains("max_samples = 3 is not a multiple"), loom::InvalidArgument);
+}
+
+TEST_CASE("BatchRules: the bucket sampler's fingerprint folds the fields in a fixed order (saved states stay valid)") {
+  // Reference, written out field by field with the hash alone: shuffle, surplus, max_samples,
+  // max_elements (unset: -1), multiple_of, drop_incomplete, on_oversize, each padded dimension
+  // (dim, multiple, boundaries, all-ones), each shape (sizes, all-ones).
+  const std::vector<std::vector<int64_t>> shapes{{4}, {9}, {2}};
+  const loom::BucketBatchSamplerOptions o{
+      .seed = 5, .pad = {{.dim = 0, .boundaries = {4, 16}}}, .max_samples = 2, .surplus = loom::SurplusPolicy::idle};
+  loom::detail::Fnv1a f;
+  f.add(uint64_t{1});                                                   // shuffle
+  f.add(static_cast<uint64_t>(loom::SurplusPolicy::idle));              // surplus
+  f.add(uint64_t{2});                                                   // max_samples
+  f.add(static_cast<uint64_t>(int64_t{-1}));                            // max_elements unset
+  f.add(uint64_t{1});                                                   // multiple_of
+  f.add(uint64_t{0});                                                   // drop_incomplete
+  f.add(static_cast<uint64_t>(loom::OversizePolicy::raise));            // on_oversize
+  for (uint64_t x : {uint64_t{0}, uint64_t{0}, uint64_t{4}, uint64_t{16}}) f.add(x);  // dim, multiple, boundaries
+  f.add(~uint64_t{0});
+  for (int64_t s : {4, 9, 2}) {
+    f.add(static_cast<uint64_t>(s));
+    f.add(~uint64_t{0});
+  }
+  loom::DistributedBucketBatchSampler sampler(shapes, o);
+  CHECK(sampler.state().fingerprint == f.value());
+  auto other = o;
+  other.multiple_of = 2;
+  CHECK(loom::DistributedBucketBatchSampler(shapes, other).state().fingerprint != f.value());
+}

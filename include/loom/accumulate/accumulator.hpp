@@ -200,10 +200,10 @@ class Accumulator {
     return MicroBatch(this, boundary);
   }
 
-  /// Opens a micro-batch for a collated batch: counts batch.num_samples, or 0 when batch.weight == 0;
+  /// Opens a micro-batch for a collated batch: counts batch.counted_samples() (0 when weight == 0);
   /// closes the window after it when batch.step_end is set. `loss_divisor`: as above.
   [[nodiscard]] MicroBatch micro_batch(const Batch& batch, std::int64_t loss_divisor = 1) {
-    return micro_batch(batch.weight == 0 ? 0 : batch.num_samples, batch.step_end, loss_divisor);
+    return micro_batch(batch.counted_samples(), batch.step_end, loss_divisor);
   }
 
   /// For a rank with no micro-batch in a step another rank runs (an idle item of

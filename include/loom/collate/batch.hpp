@@ -38,6 +38,10 @@ struct Batch {
   double weight = 1.0;           ///< 1 = counts; 0 = a repeated (padding) batch that must not count
   bool step_end = false;         ///< this rank's last batch of its optimizer step (GlobalBatchSampler):
                                  ///< loom::Accumulator closes the window after it
+
+  /// The samples this batch counts for: num_samples, or 0 for a weight-0 (repeated) batch. The one
+  /// rule loom::Accumulator (window sample counts) and loom::Metrics (weights of means) both apply.
+  [[nodiscard]] int64_t counted_samples() const noexcept { return weight == 0 ? 0 : num_samples; }
 };
 
 }  // namespace loom

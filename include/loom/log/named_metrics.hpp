@@ -80,7 +80,7 @@ class Metrics {
       throw InvalidArgument(
           fmt::format("Metrics::add('{}'): the value must be a one-element tensor (the batch mean), got {}", name,
                       mean_value.defined() ? fmt::format("{} elements", mean_value.numel()) : "an undefined tensor"));
-    const double weight = batch.weight == 0 ? 0.0 : static_cast<double>(batch.num_samples);
+    const auto weight = static_cast<double>(batch.counted_samples());
     Entry& e = entry(name, weight);
     at::Tensor term = mean_value.detach().reshape({1}).to(at::kDouble) * weight;
     e.device_sum = e.device_sum.defined() ? e.device_sum + term : term;

@@ -64,10 +64,10 @@
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/text_fields.hpp>
 #include <loom/error.hpp>
-#include <loom/sample/bucket_batch.hpp>
 #include <loom/sample/concepts.hpp>
 #include <loom/sample/global_plan.hpp>
 #include <loom/sample/sample_seed.hpp>
+#include <loom/sample/sampled_batch.hpp>
 
 namespace loom {
 

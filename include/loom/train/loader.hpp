@@ -39,8 +39,8 @@
 #include <loom/collate/collator.hpp>
 #include <loom/collate/sample.hpp>
 #include <loom/comm/communicator.hpp>
-#include <loom/sample/bucket_batch.hpp>
 #include <loom/sample/global_batch.hpp>
+#include <loom/sample/sampled_batch.hpp>
 
 namespace loom {
 

@@ -91,8 +91,8 @@
 #include <loom/error.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
-#include <loom/sample/bucket_batch.hpp>
 #include <loom/sample/global_batch.hpp>
+#include <loom/sample/sampled_batch.hpp>
 #include <loom/train/detail/trainer_checks.hpp>
 #include <loom/train/epoch_range.hpp>
 #include <loom/train/options.hpp>
