@@ -4,6 +4,7 @@
 // parameters agree within 1e-5 relative. World size 1 (NCCL refuses two ranks on one GPU). Built
 // only with a LibTorch that has CUDA; gpu_main.cpp skips without a device.
 #include <cmath>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -13,6 +14,8 @@
 #include <loom/config.hpp>
 
 #if LOOM_TORCH_HAS_CUDA
+#include <loom/collate/pool.hpp>
+#include <loom/comm/local.hpp>
 #include <loom/dist/process_group.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
@@ -74,6 +77,40 @@ TEST_CASE("Trainer on one GPU: NCCL and Gloo give the same losses and parameters
         (nccl.params[k] - gloo.params[k]).abs().max().item<double>() / gloo.params[k].abs().max().item<double>();
     CHECK(rel <= 1e-5);
   }
+}
+
+TEST_CASE(
+    "BatchLoader with a pinned BufferPool of the user's: the next batch never overwrites a copy still in flight") {
+  // 32 samples of 2^20 float32 each, sample i filled with i; batches of 16 (64 MiB). A pool hands
+  // batch A's pinned buffer to batch B once A's host tensors are dropped (inside load()). The GPU is
+  // kept busy first, so an asynchronous copy of A would still be queued while B is collated into
+  // the same buffer: A on the device would then hold B's values.
+  loom::LocalCommunicator local;
+  const torch::Device device(torch::kCUDA, 0);
+  std::vector<std::vector<int64_t>> shapes(32, std::vector<int64_t>{1 << 20});
+  auto pinned = [](c10::IntArrayRef sizes, c10::ScalarType dtype) {
+    return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(true));
+  };
+  loom::LoaderOptions options{.device = device};
+  options.collate.pool = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = pinned});
+  loom::BatchLoader loader(
+      local, shapes, [](int64_t i) { return torch::full({1 << 20}, static_cast<double>(i)); },
+      {.shuffle = false, .max_samples = 16, .batches_per_step = 1}, options);
+  loader.begin_epoch(0);
+  const auto item_a = loader.sampler().next();
+  const auto item_b = loader.sampler().next();
+  REQUIRE(item_a.has_value());
+  REQUIRE(item_b.has_value());
+  auto busy = torch::randn({4096, 4096}, device);
+  for (int k = 0; k < 40; ++k) busy = busy.mm(busy).div_(4096);  // queued GPU work ahead of the copies
+  const loom::Batch a = loader.load(*item_a);
+  const loom::Batch b = loader.load(*item_b);
+  CHECK(options.collate.pool->reuses() >= 1);  // B was collated into a buffer the pool had handed out before
+  const auto expected_a = torch::tensor(item_a->indices, torch::kDouble);
+  const auto expected_b = torch::tensor(item_b->indices, torch::kDouble);
+  CHECK(torch::equal(a.data.select(1, 0).to(torch::kCPU, torch::kDouble), expected_a));
+  CHECK(torch::equal(a.data.select(1, (1 << 20) - 1).to(torch::kCPU, torch::kDouble), expected_a));
+  CHECK(torch::equal(b.data.select(1, 0).to(torch::kCPU, torch::kDouble), expected_b));
 }
 TEST_SUITE_END();
 #endif  // LOOM_TORCH_HAS_CUDA

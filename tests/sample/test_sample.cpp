@@ -526,13 +526,13 @@ TEST_CASE("BatchRules: the bucket sampler's fingerprint folds the fields in a fi
   const loom::BucketBatchSamplerOptions o{
       .seed = 5, .pad = {{.dim = 0, .boundaries = {4, 16}}}, .max_samples = 2, .surplus = loom::SurplusPolicy::idle};
   loom::detail::Fnv1a f;
-  f.add(uint64_t{1});                                                   // shuffle
-  f.add(static_cast<uint64_t>(loom::SurplusPolicy::idle));              // surplus
-  f.add(uint64_t{2});                                                   // max_samples
-  f.add(static_cast<uint64_t>(int64_t{-1}));                            // max_elements unset
-  f.add(uint64_t{1});                                                   // multiple_of
-  f.add(uint64_t{0});                                                   // drop_incomplete
-  f.add(static_cast<uint64_t>(loom::OversizePolicy::raise));            // on_oversize
+  f.add(uint64_t{1});                                                                 // shuffle
+  f.add(static_cast<uint64_t>(loom::SurplusPolicy::idle));                            // surplus
+  f.add(uint64_t{2});                                                                 // max_samples
+  f.add(static_cast<uint64_t>(int64_t{-1}));                                          // max_elements unset
+  f.add(uint64_t{1});                                                                 // multiple_of
+  f.add(uint64_t{0});                                                                 // drop_incomplete
+  f.add(static_cast<uint64_t>(loom::OversizePolicy::raise));                          // on_oversize
   for (uint64_t x : {uint64_t{0}, uint64_t{0}, uint64_t{4}, uint64_t{16}}) f.add(x);  // dim, multiple, boundaries
   f.add(~uint64_t{0});
   for (int64_t s : {4, 9, 2}) {

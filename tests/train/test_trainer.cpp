@@ -663,3 +663,78 @@ TEST_CASE("Trainer: the loss scaler's state resumes with the run") {
   CHECK_THROWS_WITH_AS(scaler.load_state({.scale = 1.0, .good_steps = 4}),
                        doctest::Contains("good_steps = 4 (must be in [0, 4))"), loom::InvalidArgument);
 }
+
+namespace {
+/// A BatchSource by hand (no sampler, no plan): the batches of one epoch, in order.
+struct VectorSource {
+  std::vector<loom::Batch> batches;
+  std::size_t position = 0;
+  int64_t epochs_begun = 0;
+  void begin_epoch(int64_t /*epoch*/) {
+    position = 0;
+    ++epochs_begun;
+  }
+  std::optional<loom::Batch> next() {
+    if (position == batches.size()) return std::nullopt;
+    return batches[position++];
+  }
+};
+
+loom::Batch hand_batch(std::vector<double> x, int64_t step, bool step_end) {
+  loom::Batch b;
+  b.num_samples = static_cast<int64_t>(x.size());
+  b.data = torch::tensor(x, torch::kDouble);
+  for (int64_t i = 0; i < b.num_samples; ++i) b.indices.push_back(i);
+  b.step = step;
+  b.step_end = step_end;
+  return b;
+}
+}  // namespace
+
+static_assert(loom::BatchSource<VectorSource>);
+static_assert(!loom::PlannedBatchSource<VectorSource>);
+static_assert(loom::PlannedBatchSource<loom::BatchLoader<decltype(loom::test::trainer_fetch())>>);
+
+TEST_CASE("Trainer::epoch takes any BatchSource: batches carry their step, idle steps are joined") {
+  // w = 0, loss (w * x).mean() per batch, SGD lr 1. The step's gradient is the mean of x over its
+  // samples (by hand): step 0 holds x = 1, 3 | 5 -> 3; step 1 holds x = 2, 4 -> 3; step 2 is idle
+  // here (no samples anywhere: nothing to apply). So w = 0 - 3 - 3 = -6 exactly, after 2 steps.
+  loom::LocalCommunicator local;
+  auto w = torch::zeros({1}, torch::kDouble).requires_grad_();
+  torch::optim::SGD sgd(std::vector<at::Tensor>{w}, torch::optim::SGDOptions(1.0));
+  loom::Trainer trainer(local, loom::ParameterList{.names = {"w"}, .params = {w}}, sgd);
+  VectorSource source;
+  source.batches = {hand_batch({1, 3}, 0, false), hand_batch({5}, 0, true), hand_batch({2, 4}, 1, true)};
+  loom::Batch idle;
+  idle.idle = true;
+  idle.weight = 0;
+  idle.step = 2;
+  idle.step_end = true;
+  source.batches.push_back(idle);
+  CHECK_THROWS_WITH_AS((void)trainer.next_batch(source), doctest::Contains("no epoch loop is running"), loom::Error);
+  std::vector<int64_t> steps_seen;
+  for (loom::Batch& b : trainer.epoch(source, 0)) {
+    steps_seen.push_back(b.step);
+    trainer.backward((w * b.data).mean(), b);
+  }
+  CHECK(source.epochs_begun == 1);
+  CHECK(steps_seen == std::vector<int64_t>{0, 0, 1});
+  CHECK(w.item<double>() == -6.0);
+  CHECK(trainer.steps() == 2);
+}
+
+TEST_CASE("collate_sampled carries the item's step, step end and idle flag into the Batch") {
+  auto fetch = [](int64_t i) { return std::make_pair(torch::full({2}, static_cast<double>(i)), int64_t{0}); };
+  const loom::Batch b = loom::collate_sampled(
+      loom::SampledBatch{.indices = {3, 1}, .padded_shape = {2}, .step = 4, .step_end = true}, fetch);
+  CHECK(b.step == 4);
+  CHECK(b.step_end);
+  CHECK_FALSE(b.idle);
+  CHECK(b.counted_samples() == 2);
+  const loom::Batch i = loom::collate_sampled(
+      loom::SampledBatch{.weight = 0.0, .idle = true, .step = 2, .batch_id = -1, .step_end = true}, fetch);
+  CHECK(i.idle);
+  CHECK(i.step == 2);
+  CHECK(i.weight == 0.0);
+  CHECK(i.counted_samples() == 0);
+}

@@ -17,8 +17,10 @@
 // Weight: `weight` is 1 for an ordinary batch and 0 for a batch a distributed batch sampler
 //        repeated only so every rank runs the same number of steps (its samples were already
 //        counted elsewhere; multiply the loss by it, or skip it in metrics).
-// Step end: `step_end` is set by samplers that define optimizer steps themselves
-//        (GlobalBatchSampler): the batch is this rank's last of its step.
+// Step: `step` is the optimizer step within the epoch the batch belongs to, and `step_end` marks
+//        this rank's last batch of it, when a sampler defines the steps (GlobalBatchSampler; -1 and
+//        false otherwise). `idle` marks an empty batch: this rank has no samples in step `step` and
+//        only joins the others' synchronisation (num_samples 0, weight 0, no tensors).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +40,8 @@ struct Batch {
   double weight = 1.0;           ///< 1 = counts; 0 = a repeated (padding) batch that must not count
   bool step_end = false;         ///< this rank's last batch of its optimizer step (GlobalBatchSampler):
                                  ///< loom::Accumulator closes the window after it
+  int64_t step = -1;             ///< optimizer step within the epoch (batch samplers); -1: not planned
+  bool idle = false;             ///< no samples: this rank only joins step `step` (weight 0)
 
   /// The samples this batch counts for: num_samples, or 0 for a weight-0 (repeated) batch. The one
   /// rule loom::Accumulator (window sample counts) and loom::Metrics (weights of means) both apply.

@@ -221,17 +221,19 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
     if (fd >= 0) detail::set_master_listen_fd(opts, fd);
   }
   c10::intrusive_ptr<c10d::Store> store;
-  // A client tries again until loom's own deadline. c10d's connect (LibTorch 1.13) counts its timeout
-  // in whole seconds and gives up as soon as its next 1 s back-off step would pass it: measured, a
-  // refused connect with a 1.5 s timeout gave up after 0.3 s, so a rank started a little before rank 0
-  // would not find the store. Each attempt gets the whole seconds left; in the last second a plain
-  // connect (timed to the millisecond) waits for the store to answer before c10d connects.
+  // A client first waits, with a plain connect timed to the millisecond, until the store's port
+  // answers, then lets c10d connect (an attempt gets the whole seconds left, at least 1 s), and tries
+  // again until loom's own deadline. c10d's connect does not keep to a deadline: LibTorch 1.13 counts
+  // its timeout in whole seconds and gives up as soon as its next 1 s back-off step would pass it
+  // (measured: a refused connect with a 1.5 s timeout gave up after 0.3 s, so a rank started a little
+  // before rank 0 would not find the store), and LibTorch 2.x's retries against an address nobody
+  // has overshot a 3 s timeout by 2 s on a loaded machine.
   const auto deadline = start + options.timeout;
   for (;;) {
     try {
       const auto left = deadline - std::chrono::steady_clock::now();
       const auto whole = std::chrono::floor<std::chrono::seconds>(left);
-      if (!host && whole < std::chrono::seconds(1) &&
+      if (!host &&
           !detail::port_answers(env.master_addr, env.master_port, std::chrono::ceil<std::chrono::milliseconds>(left)))
         throw TimeoutError(
             "rendezvous", env.rank, detail::seconds_since(start),

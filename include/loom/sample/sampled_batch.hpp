@@ -42,7 +42,8 @@ struct SampledBatch {
 };
 
 /// Collates the samples of a SampledBatch: fetches each index, pads to its padded_shape, and
-/// copies the batch's weight and step_end. Idle batches give an empty Batch (num_samples 0, weight 0).
+/// copies the batch's weight, step, step_end and idle flag. Idle batches give an empty Batch
+/// (num_samples 0, weight 0, idle, no tensors).
 /// Each sample's bytes are copied (to a staging buffer, then into the batch) before the next
 /// fetch, so a `fetch` that decodes into one reused output buffer gives correct rows.
 ///
@@ -54,7 +55,9 @@ Batch collate_sampled(const SampledBatch& sb, Fetch&& fetch, CollateOptions o = 
   if (sb.idle) {
     Batch b;
     b.weight = 0.0;
+    b.step = sb.step;
     b.step_end = sb.step_end;
+    b.idle = true;
     return b;
   }
   using Sample = std::remove_cvref_t<std::invoke_result_t<Fetch&, int64_t>>;
@@ -65,6 +68,7 @@ Batch collate_sampled(const SampledBatch& sb, Fetch&& fetch, CollateOptions o = 
   if (o.padded_shape.empty()) o.padded_shape = sb.padded_shape;
   Batch b = collate(samples, indices, o, proj);
   b.weight = sb.weight;
+  b.step = sb.step;
   b.step_end = sb.step_end;
   return b;
 }

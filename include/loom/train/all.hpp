@@ -7,9 +7,11 @@
 //   for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
 //
 // Contents: BatchLoader / LoaderOptions (loader.hpp), Trainer (trainer.hpp), TrainerOptions /
-// StepOptimizer / StepFunctions (options.hpp), EpochRange (epoch_range.hpp). Guide: docs/loop.md.
+// StepOptimizer / StepFunctions (options.hpp), EpochRange (epoch_range.hpp), BatchSource /
+// PlannedBatchSource (batch_source.hpp). Guide: docs/loop.md.
 #pragma once
 
+#include <loom/train/batch_source.hpp>
 #include <loom/train/epoch_range.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/options.hpp>

@@ -1,7 +1,8 @@
 // loom/train/epoch_range.hpp — EpochRange, the loop over this rank's batches of one epoch that
-// Trainer::epoch returns: advancing it takes the loader's next item, joins the steps in which this
-// rank has no batch, and closes the epoch at its end; its destructor handles a loop left early.
-// Made only by Trainer::epoch (loom/train/trainer.hpp), whose file comment states the protocol.
+// Trainer::epoch returns: an iterator over the trainer's next_batch(source), which joins the steps
+// in which this rank has no batch and closes the epoch at its end; its destructor tells the trainer
+// when a started loop ends early (end_loop_early). Made by Trainer::epoch (loom/train/trainer.hpp),
+// whose file comment states the protocol.
 //
 // Example: `for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);`
 #pragma once
@@ -24,6 +25,7 @@ namespace loom {
 /// the loader's errors, the reducer's errors. Its destructor throws loom::Error when a started loop
 /// ends before the epoch's end other than by stop() or an exception (a break or return: see the
 /// Trainer's file comment); it is noexcept(false) for that reason.
+/// T: the trainer (next_batch(L&) -> Batch*, end_loop_early(bool)); L: its BatchSource.
 template <class T, class L>
 class EpochRange {
  public:
@@ -32,17 +34,18 @@ class EpochRange {
    public:
     using value_type = Batch;
     using difference_type = std::ptrdiff_t;
-    Batch& operator*() const { return *range_->trainer_->current_; }
+    Batch& operator*() const { return *range_->current_; }
     Iterator& operator++() {
       range_->advance();
       return *this;
     }
     void operator++(int) { ++*this; }
-    friend bool operator==(const Iterator& it, End) { return it.range_->finished(); }
+    friend bool operator==(const Iterator& it, End) { return it.at_end(); }
 
    private:
     friend class EpochRange;
     explicit Iterator(EpochRange* r) : range_(r) {}
+    [[nodiscard]] bool at_end() const { return range_->current_ == nullptr; }
     EpochRange* range_;
   };
 
@@ -53,6 +56,7 @@ class EpochRange {
   EpochRange(EpochRange&& other) noexcept
       : trainer_(std::exchange(other.trainer_, nullptr)),
         loader_(other.loader_),
+        current_(other.current_),
         started_(other.started_),
         done_(other.done_),
         exceptions_(other.exceptions_) {}
@@ -65,18 +69,8 @@ class EpochRange {
   ///  - otherwise (a break or return): the Trainer tells every rank and throws (see its file comment).
   ~EpochRange() noexcept(false) {
     if (trainer_ == nullptr || !started_ || done_) return;
-    if (std::uncaught_exceptions() > exceptions_) {
-      trainer_->abandon_loop();
-      return;
-    }
-    if (trainer_->stop_ && trainer_->accumulator_.window_micro_batches() == 0) {
-      trainer_->stopped_ = true;
-      return;
-    }
-    trainer_->leave_loop();
+    trainer_->end_loop_early(/*by_exception=*/std::uncaught_exceptions() > exceptions_);
   }
-
-  friend class Iterator;
 
   /// Whether the loop reached the end of the epoch (and closed it).
   [[nodiscard]] bool finished() const noexcept { return done_; }
@@ -91,29 +85,13 @@ class EpochRange {
 
  private:
   void advance() {
-    for (;;) {
-      if (trainer_->stop_ && trainer_->accumulator_.window_micro_batches() == 0) {  // stop() at a step boundary
-        trainer_->stopped_ = true;
-        done_ = true;
-        return;
-      }
-      auto item = loader_->sampler().next();
-      if (!item) {
-        trainer_->end_epoch();
-        done_ = true;
-        return;
-      }
-      if (item->idle) {
-        trainer_->join(item->step);
-        continue;
-      }
-      trainer_->receive(loader_->load(*item), item->step);
-      return;
-    }
+    current_ = trainer_->next_batch(*loader_);
+    if (current_ == nullptr) done_ = true;
   }
 
   T* trainer_;
   L* loader_;
+  Batch* current_ = nullptr;  // the trainer's current batch; nullptr once the loop is over
   bool started_ = false;
   bool done_ = false;
   int exceptions_ = 0;  // std::uncaught_exceptions() when the range was made

@@ -15,7 +15,10 @@
 // Device: batches are collated on the CPU; when the process group's device is a GPU (or
 //   LoaderOptions::device says so), they are collated into pinned memory and copied with
 //   non_blocking = true (the copy overlaps with the host's next work; the pinned buffer lives
-//   until the copy finished: LibTorch's host allocator records the stream).
+//   until the copy finished: LibTorch's host allocator records the stream). With a BufferPool of
+//   your own (LoaderOptions::collate.pool) the copy is synchronous instead: a pool hands a buffer
+//   out again as soon as the last host tensor viewing it is gone, which is when load() returns,
+//   and an asynchronous copy could still be reading it.
 // Shape: as loom::collate_sampled (Batch::data N x planned padded shape, targets); Batch::mask
 //   (bool, true = real) whenever the plan pads (GlobalBatchOptions::pad), or when collate.mask asks.
 //   Each fetched sample must have its declared shape (shapes[i]) exactly.
@@ -24,9 +27,11 @@
 // Source: torch.utils.data.DataLoader with pin_memory=True and a batch_sampler.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -59,6 +64,15 @@ struct LoaderOptions {
 /// Throws: see the file comment.
 template <class Fetch, class Projection = DefaultProjection>
 class BatchLoader {
+  static_assert(std::invocable<Fetch&, int64_t>,
+                "loom::BatchLoader: the fetch function must be callable as fetch(int64_t index) and return one sample "
+                "(an at::Tensor, a (data, target) pair or 2-tuple, or a struct with .data and .target)");
+  static_assert(SampleProjection<Projection, std::remove_cvref_t<std::invoke_result_t<Fetch&, int64_t>>>,
+                "loom::BatchLoader: the projection cannot read the sample fetch(i) returns: projection.data(sample) "
+                "must give an at::Tensor and projection.target(sample) a tensor, an integer or loom::NoTarget (the "
+                "default projection reads a tensor, a (data, target) pair or 2-tuple, or a struct with .data and "
+                ".target)");
+
  public:
   /// Plans over `shapes` (shapes[i]: sample i's shape) for `comm`'s world size and rank.
   template <Communicator C>
@@ -87,11 +101,23 @@ class BatchLoader {
     };
     Batch b = collate_sampled(item, checked, options_.collate, projection_);
     if (!device_.is_cpu() && b.data.defined()) {
-      b.data = b.data.to(device_, /*non_blocking=*/true);
-      if (b.targets.defined()) b.targets = b.targets.to(device_, /*non_blocking=*/true);
-      if (b.mask.defined()) b.mask = b.mask.to(device_, /*non_blocking=*/true);
+      // A pool of the user's refills the buffer once the host tensors below are dropped: the copy
+      // must be complete by then (see the file comment).
+      const bool non_blocking = options_.collate.pool == nullptr;
+      b.data = b.data.to(device_, non_blocking);
+      if (b.targets.defined()) b.targets = b.targets.to(device_, non_blocking);
+      if (b.mask.defined()) b.mask = b.mask.to(device_, non_blocking);
     }
     return b;
+  }
+
+  /// This rank's next batch of the epoch begun by begin_epoch (BatchSource, loom/train/batch_source.hpp):
+  /// the sampler's next item, loaded; an idle item gives an idle Batch. std::nullopt at the epoch's end.
+  /// Throws: as load().
+  [[nodiscard]] std::optional<Batch> next() {
+    auto item = sampler_.next();
+    if (!item) return std::nullopt;
+    return load(*item);
   }
 
   [[nodiscard]] GlobalBatchSampler& sampler() noexcept { return sampler_; }

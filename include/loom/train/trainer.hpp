@@ -77,13 +77,11 @@
 #include <functional>
 #include <optional>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/collate/batch.hpp>
@@ -92,7 +90,7 @@
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/global_batch.hpp>
-#include <loom/sample/sampled_batch.hpp>
+#include <loom/train/batch_source.hpp>
 #include <loom/train/detail/trainer_checks.hpp>
 #include <loom/train/epoch_range.hpp>
 #include <loom/train/options.hpp>
@@ -119,7 +117,7 @@ class Trainer {
       : comm_(&comm),
         optimizer_(&optimizer),
         options_(std::move(options)),
-        reducer_(comm, prepared(std::move(params), optimizer, options_), options_.reducer),
+        reducer_(comm, detail::prepared_parameters(std::move(params), optimizer, options_), options_.reducer),
         accumulator_(reducer_,
                      {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {
     const auto& list = reducer_.parameters();
@@ -144,13 +142,14 @@ class Trainer {
   /// Throws: loom::Error when this Trainer refuses further use (a previous loop was left early);
   ///         loom::InvalidArgument when the ranks plan differently, or the loader was resumed into
   ///         another epoch (the loader's errors).
-  template <class Loader>
+  template <BatchSource Loader>
   [[nodiscard]] EpochRange<Trainer, Loader> epoch(Loader& loader, int64_t epoch) {
     if (!broken_.empty())
       throw Error(fmt::format("Trainer::epoch({}): this Trainer refuses further use: {}", epoch, broken_));
     current_.reset();
     stop_ = false;
     stopped_ = false;
+    loop_open_ = true;
     std::exception_ptr failed;  // a rank that cannot prepare the epoch still joins the plan check
     try {
       loader.begin_epoch(epoch);
@@ -159,16 +158,66 @@ class Trainer {
     }
     epoch_ = epoch;
     step_divisors_.clear();
-    if constexpr (requires { loader.sampler().plan().steps; })
+    if constexpr (PlannedBatchSource<Loader>) {
       if (sixteen_bit_ && !failed)
         for (const auto& step : loader.sampler().plan().steps)
           step_divisors_.push_back(std::clamp<int64_t>(step.num_samples, 1, kMaxLossDivisor));
-    if constexpr (requires { check_same_plan(*comm_, loader.sampler(), std::string_view{}, failed); })
       check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch), failed);
-    else if (failed)
+    } else if (failed) {
       std::rethrow_exception(failed);
+    }
     guard_.record_versions(reducer_.parameters());
     return EpochRange<Trainer, Loader>(this, &loader);
+  }
+
+  /// Advances the running epoch loop (what EpochRange's iterator does): joins the steps in which
+  /// this rank has no batch (idle batches), closes the epoch at the source's end, and ends the loop at
+  /// the step boundary after stop(). Returns this rank's next batch (valid until the next call), or
+  /// nullptr when the loop is over.
+  /// Throws: loom::Error without a running loop (epoch() first, once per loop) or when the previous
+  ///         batch was never passed to backward; the source's, the reducer's and on_step's errors.
+  template <BatchSource Loader>
+  Batch* next_batch(Loader& loader) {
+    if (!loop_open_) throw Error("Trainer::next_batch: no epoch loop is running (call trainer.epoch(loader, e) first)");
+    for (;;) {
+      if (stop_ && accumulator_.window_micro_batches() == 0) {  // stop() at a step boundary
+        stopped_ = true;
+        loop_open_ = false;
+        return nullptr;
+      }
+      std::optional<Batch> batch = loader.next();
+      if (!batch) {
+        loop_open_ = false;
+        end_epoch();
+        return nullptr;
+      }
+      if (batch->idle) {
+        join(batch->step);
+        continue;
+      }
+      receive(std::move(*batch));
+      return &*current_;
+    }
+  }
+
+  /// A started loop ended before next_batch returned nullptr (EpochRange's destructor):
+  ///  - by an exception (`by_exception`): nothing is sent (the error is on its way); when a step was
+  ///    open, this Trainer refuses further use (its gradients and counts belong to a step that never
+  ///    closed);
+  ///  - right after stop() took effect at a boundary: as if the loop had ended by stop() (the other
+  ///    ranks stop there too);
+  ///  - otherwise (a break or return): every rank is told, and this throws loom::Error (see the file comment).
+  void end_loop_early(bool by_exception) {
+    loop_open_ = false;
+    if (by_exception) {
+      abandon_loop();
+      return;
+    }
+    if (stop_ && accumulator_.window_micro_batches() == 0) {
+      stopped_ = true;
+      return;
+    }
+    leave_loop();
   }
 
   /// Backward of `loss` for `batch`, the batch the epoch loop just yielded; at the end of this rank's
@@ -258,9 +307,6 @@ class Trainer {
   [[nodiscard]] const TrainerOptions& options() const noexcept { return options_; }
 
  private:
-  template <class T, class L>
-  friend class EpochRange;
-
   static bool same_batch(const Batch& a, const Batch& b) {
     return a.num_samples == b.num_samples && a.data.unsafeGetTensorImpl() == b.data.unsafeGetTensorImpl();
   }
@@ -280,12 +326,7 @@ class Trainer {
     if (s.ranks_leaving > 0) {
       broken_ = fmt::format("{} rank(s) left the loop over trainer.epoch(...) during step {} of epoch {}",
                             s.ranks_leaving, current_step_, epoch_);
-      throw Error(fmt::format(
-          "Trainer::epoch({}): {} rank(s) left the loop over trainer.epoch(...) before the epoch's end (a break or "
-          "return in the loop body) while this rank was in step {}; ranks run the body different numbers of times "
-          "per step, so every rank stops here with this error instead of training on out of step. To end an epoch "
-          "early, call trainer.stop() from on_step(), which every rank runs at the same step",
-          epoch_, s.ranks_leaving, current_step_));
+      throw Error(detail::ranks_left_message(epoch_, s.ranks_leaving, current_step_));
     }
     guard_.check_untouched(reducer_.parameters(), "Trainer: at a step boundary");
     if (s.apply) {
@@ -307,18 +348,6 @@ class Trainer {
       in_on_step_ = false;
     }
     guard_.record_versions(reducer_.parameters());
-  }
-
-  /// Validates the options and the optimizer against `params` and clears existing gradients
-  /// (constructor, before the reducer exists: no collective has run yet).
-  static ParameterList prepared(ParameterList params, Opt& optimizer, const TrainerOptions& options) {
-    detail::check_trainer_options(options);
-    if constexpr (HasParamGroups<Opt>) detail::check_optimizer_parameters(params, optimizer);
-    detail::check_not_hooked(params, "Trainer");  // before the gradients below are touched
-    at::NoGradGuard no_grad;
-    for (auto& p : params.params)
-      if (p.defined() && p.grad().defined()) p.mutable_grad().reset();
-    return params;
   }
 
   /// An exception left the loop (EpochRange's destructor while unwinding): with a step open on this
@@ -344,21 +373,15 @@ class Trainer {
       guard_.put_back(reducer_.parameters());
       (void)accumulator_.leave_step();
     }
-    throw Error(fmt::format(
-        "Trainer::epoch({}): the loop over trainer.epoch(...) was left before the epoch's end (a break or return "
-        "after batch {} of step {}); ranks run the body different numbers of times per step, so no place in it is "
-        "the same step on every rank, and every rank stops with this error. To end an epoch early, call "
-        "trainer.stop() from on_step(), which every rank runs at the same step",
-        epoch_, batch, step));
+    throw Error(detail::loop_left_message(epoch_, batch, step));
   }
 
-  // Called by EpochRange.
-  void receive(Batch batch, int64_t step) {
+  void receive(Batch batch) {
     check_no_stray_backward("Trainer::epoch");
     guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
+    current_step_ = batch.step;
     current_ = std::move(batch);
-    current_step_ = step;
     ++batch_number_;
     backward_done_ = false;
   }
@@ -396,12 +419,7 @@ class Trainer {
                : 1;
   }
 
-  [[noreturn]] void forgotten() {
-    throw Error(
-        fmt::format("Trainer::epoch({}): batch {} of step {} was never passed to trainer.backward(loss, batch), "
-                    "so its samples would be missing from the step",
-                    epoch_, batch_number_, current_step_));
-  }
+  [[noreturn]] void forgotten() { throw Error(detail::forgotten_message(epoch_, batch_number_, current_step_)); }
 
   Comm* comm_;
   Opt* optimizer_;
@@ -422,6 +440,7 @@ class Trainer {
   int64_t skipped_ = 0;
   int64_t arrivals_seen_ = 0;
   bool backward_done_ = false;
+  bool loop_open_ = false;   // an epoch loop is running (epoch() until next_batch returns nullptr)
   bool stop_ = false;        // stop() was called
   bool stopped_ = false;     // the last epoch loop ended by stop()
   bool in_on_step_ = false;  // on_step's callback is running

@@ -7,19 +7,56 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <unordered_set>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <loom/error.hpp>
+#include <loom/reduce/detail/hooks.hpp>
 #include <loom/reduce/options.hpp>
 #include <loom/reduce/parameters.hpp>
 #include <loom/train/options.hpp>
 
 namespace loom::detail {
+
+/// Validates the options and the optimizer against `params` and clears the gradients they hold (the
+/// Trainer's constructor, before the reducer exists: no collective has run yet).
+/// Throws: loom::InvalidArgument (check_trainer_options, check_optimizer_parameters, check_not_hooked).
+template <class Opt>
+ParameterList prepared_parameters(ParameterList params, Opt& optimizer, const TrainerOptions& options);
+
+/// The error every rank throws when `ranks` rank(s) left the loop of epoch `epoch` during `step`.
+inline std::string ranks_left_message(int64_t epoch, int64_t ranks, int64_t step) {
+  return fmt::format(
+      "Trainer::epoch({}): {} rank(s) left the loop over trainer.epoch(...) before the epoch's end (a break or "
+      "return in the loop body) while this rank was in step {}; ranks run the body different numbers of times "
+      "per step, so every rank stops here with this error instead of training on out of step. To end an epoch "
+      "early, call trainer.stop() from on_step(), which every rank runs at the same step",
+      epoch, ranks, step);
+}
+
+/// The error of the rank whose loop of epoch `epoch` was left after batch `batch` of step `step`.
+inline std::string loop_left_message(int64_t epoch, int64_t batch, int64_t step) {
+  return fmt::format(
+      "Trainer::epoch({}): the loop over trainer.epoch(...) was left before the epoch's end (a break or return "
+      "after batch {} of step {}); ranks run the body different numbers of times per step, so no place in it is "
+      "the same step on every rank, and every rank stops with this error. To end an epoch early, call "
+      "trainer.stop() from on_step(), which every rank runs at the same step",
+      epoch, batch, step);
+}
+
+/// The error for batch `batch` of step `step` that never reached Trainer::backward.
+inline std::string forgotten_message(int64_t epoch, int64_t batch, int64_t step) {
+  return fmt::format(
+      "Trainer::epoch({}): batch {} of step {} was never passed to trainer.backward(loss, batch), so its samples "
+      "would be missing from the step",
+      epoch, batch, step);
+}
 
 /// The loss handed to Trainer::backward: one element, floating, requiring grad.
 /// Throws: loom::InvalidArgument naming the shape, the dtype, or the missing grad.
@@ -83,6 +120,17 @@ void check_optimizer_parameters(const ParameterList& list, Opt& optimizer) {
           "never applied; add it to the optimizer, or freeze it (requires_grad_(false)) before building the "
           "Trainer",
           list.describe(i)));
+}
+
+template <class Opt>
+ParameterList prepared_parameters(ParameterList params, Opt& optimizer, const TrainerOptions& options) {
+  check_trainer_options(options);
+  if constexpr (HasParamGroups<Opt>) check_optimizer_parameters(params, optimizer);
+  check_not_hooked(params, "Trainer");  // before the gradients below are touched
+  at::NoGradGuard no_grad;
+  for (auto& p : params.params)
+    if (p.defined() && p.grad().defined()) p.mutable_grad().reset();
+  return params;
 }
 
 /// What the Trainer keeps of its trainable parameters between its calls. Every call passes the
