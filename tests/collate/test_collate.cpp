@@ -695,3 +695,63 @@ TEST_CASE("pad-to-max buckets read each sample when it arrives: a decoder that r
     check_decoded_batch(b, ids, lengths, -1.f, 7);
   }
 }
+
+TEST_CASE("DeviceTransfer: labels map to devices; a batch moves with Tensor::to; bad labels are named") {
+  static_assert(loom::BatchTransfer<loom::DeviceTransfer, loom::Batch>);
+
+  // Labels: index d of the type, or devices[d]; the CPU has one device whatever the label.
+  const loom::DeviceTransfer cpu;
+  CHECK(cpu.device(0) == c10::Device(c10::kCPU));
+  CHECK(cpu.device(5) == c10::Device(c10::kCPU));
+  const loom::DeviceTransfer by_index({.type = c10::kCUDA});
+  CHECK(by_index.device(3) == c10::Device(c10::kCUDA, 3));
+  CHECK_THROWS_WITH_AS((void)by_index.device(-1), doctest::Contains("device label -1 is negative"),
+                       loom::InvalidArgument);
+  const loom::DeviceTransfer mapped({.type = c10::kCUDA, .devices = {3, 1}});
+  CHECK(mapped.device(0) == c10::Device(c10::kCUDA, 3));
+  CHECK(mapped.device(1) == c10::Device(c10::kCUDA, 1));
+  CHECK_THROWS_WITH_AS((void)mapped.device(2), doctest::Contains("device label 2 has no entry in devices [3, 1]"),
+                       loom::InvalidArgument);
+
+  auto host_batch = [] {
+    loom::Batch b;
+    b.data = torch::arange(6, torch::kFloat).reshape({2, 3});
+    b.targets = torch::tensor({int64_t{4}, int64_t{9}});
+    b.indices = {4, 9};
+    b.num_samples = 2;
+    b.weight = 0.5;
+    b.step = 7;
+    b.step_end = true;
+    return b;
+  };
+
+  // To the CPU: the same tensors (no copy), no event.
+  loom::Batch b = host_batch();
+  const void* before = b.data.data_ptr();
+  loom::DeviceTransfer to_cpu;
+  auto ticket = to_cpu.start(b, 0);
+  to_cpu.finish(b, 0, ticket);
+  CHECK(b.data.data_ptr() == before);
+  CHECK_FALSE(ticket.done.has_value());
+  CHECK_FALSE(b.mask.defined());
+
+  // To another device (meta: shapes and dtypes without storage, on any build): every defined
+  // tensor moves; the bookkeeping fields stay.
+  loom::Batch m = host_batch();
+  m.mask = torch::ones({2, 3}, torch::kBool);
+  loom::DeviceTransfer to_meta({.type = c10::kMeta});
+  auto t2 = to_meta.start(m, 0);
+  to_meta.finish(m, 0, t2);
+  CHECK(m.data.is_meta());
+  CHECK(m.targets.is_meta());
+  CHECK(m.mask.is_meta());
+  CHECK(m.data.sizes() == c10::IntArrayRef({2, 3}));
+  CHECK((m.data.scalar_type() == at::kFloat));
+  CHECK((m.targets.scalar_type() == at::kLong));
+  CHECK(m.indices == std::vector<int64_t>{4, 9});
+  CHECK(m.num_samples == 2);
+  CHECK(m.weight == 0.5);
+  CHECK(m.step == 7);
+  CHECK(m.step_end);
+  CHECK_FALSE(t2.done.has_value());  // meta has no streams: nothing to wait for
+}

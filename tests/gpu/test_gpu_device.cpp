@@ -35,6 +35,9 @@
 #include <loom/cuda/transfer.hpp>
 #include <loom/launch/spawn.hpp>
 #if LOOM_TORCH_HAS_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
 #include <loom/schedule/generator_loader.hpp>
 #endif
 
@@ -577,6 +580,40 @@ TEST_CASE("GeneratorLoader with CudaTransfer: batches arrive on the GPU, equal t
   }
   CHECK(steps == 6);
   CHECK(transfer.staging().stats().host_allocs > 0);  // pageable DefaultCollate output was staged
+}
+
+TEST_CASE("GeneratorLoader with DeviceTransfer: the consumer on a stream of its own waits for the workers' copies") {
+  // Workers copy on their current stream (the default stream); the consumer reads on a side stream
+  // after the GPU was kept busy there, so a read not ordered after the copy would see stale memory.
+  using Gen = std::function<std::optional<std::pair<at::Tensor, int64_t>>()>;
+  std::vector<Gen> gens;
+  for (int g = 0; g < 4; ++g)
+    gens.emplace_back([g, k = 0]() mutable -> std::optional<std::pair<at::Tensor, int64_t>> {
+      if (k == 6) return std::nullopt;
+      auto t = torch::full({1 << 18}, static_cast<float>(g * 100 + k));
+      return std::make_pair(t, static_cast<int64_t>(g * 10 + k++));
+    });
+  const loom::DeviceTransfer transfer({.type = c10::kCUDA, .devices = {0, 0}});
+  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::DeviceTransfer> sched(std::move(gens), {.num_devices = 2},
+                                                                                 {}, transfer);
+  const auto side = c10::cuda::getStreamFromPool(false, 0);
+  const c10::cuda::CUDAStreamGuard on_side(side);
+  int steps = 0;
+  for (auto& step : sched) {
+    auto busy = torch::randn({2048, 2048}, torch::Device(torch::kCUDA, 0));
+    for (int k = 0; k < 10; ++k) busy = busy.mm(busy).div_(2048);
+    for (auto& db : step.devices) {
+      REQUIRE(db.batch.data.is_cuda());
+      const auto sums = db.batch.data.sum(1).cpu();
+      for (std::size_t r = 0; r < db.generators.size(); ++r) {
+        const int g = db.generators[r];
+        CHECK(sums[static_cast<int64_t>(r)].item<double>() == static_cast<double>(g * 100 + step.index) * (1 << 18));
+        CHECK(db.batch.targets.cpu()[static_cast<int64_t>(r)].item<int64_t>() == g * 10 + step.index);
+      }
+    }
+    ++steps;
+  }
+  CHECK(steps == 6);
 }
 
 TEST_CASE("GeneratorLoader with DefaultCollate into pinned memory and CudaTransfer: no staging copy") {

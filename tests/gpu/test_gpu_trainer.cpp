@@ -16,6 +16,7 @@
 #if LOOM_TORCH_HAS_CUDA
 #include <loom/collate/pool.hpp>
 #include <loom/comm/local.hpp>
+#include <loom/cuda/transfer.hpp>
 #include <loom/dist/process_group.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
@@ -111,6 +112,32 @@ TEST_CASE(
   CHECK(torch::equal(a.data.select(1, 0).to(torch::kCPU, torch::kDouble), expected_a));
   CHECK(torch::equal(a.data.select(1, (1 << 20) - 1).to(torch::kCPU, torch::kDouble), expected_a));
   CHECK(torch::equal(b.data.select(1, 0).to(torch::kCPU, torch::kDouble), expected_b));
+}
+TEST_CASE("BatchLoader with CudaTransfer: the same batches on the GPU as the default transfer") {
+  loom::LocalCommunicator local;
+  const torch::Device device(torch::kCUDA, 0);
+  std::vector<std::vector<int64_t>> shapes;
+  for (int64_t i = 0; i < 24; ++i) shapes.push_back({1 + i % 3, 5});
+  auto fetch = [](int64_t i) {
+    return std::make_pair(torch::arange(5 * (1 + i % 3), torch::kFloat).reshape({1 + i % 3, 5}) + i, i % 2);
+  };
+  const loom::GlobalBatchOptions plan{.seed = 2, .max_samples = 4, .batches_per_step = 2};
+  loom::BatchLoader plain(local, shapes, fetch, plan, {.device = device});
+  loom::BatchLoader staged(local, shapes, fetch, plan, {.device = device}, loom::DefaultProjection{},
+                           loom::cuda::CudaTransfer{});
+  plain.begin_epoch(0);
+  staged.begin_epoch(0);
+  int64_t batches = 0;
+  while (auto a = plain.next()) {
+    auto b = staged.next();
+    REQUIRE(b.has_value());
+    REQUIRE(b->data.is_cuda());
+    CHECK(torch::equal(a->data.cpu(), b->data.cpu()));
+    CHECK(torch::equal(a->targets.cpu(), b->targets.cpu()));
+    CHECK(a->indices == b->indices);
+    ++batches;
+  }
+  CHECK(batches == static_cast<int64_t>(plain.sampler().plan().batches.size()));
 }
 TEST_SUITE_END();
 #endif  // LOOM_TORCH_HAS_CUDA

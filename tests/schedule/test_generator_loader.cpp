@@ -518,6 +518,32 @@ TEST_CASE("GeneratorLoader: the transfer seam — start on the worker thread, fi
   CHECK(bad->load() == 0);
 }
 
+TEST_CASE("GeneratorLoader with DeviceTransfer: batches arrive on the device; a label without a device is named") {
+  // The meta device keeps shapes and dtypes without storage, on any build. Samples: int64 [g, k].
+  loom::GeneratorLoader<Stream, loom::DefaultCollate<>, loom::DeviceTransfer> s(
+      streams(4, 3), {.num_devices = 2}, {}, loom::DeviceTransfer({.type = c10::kMeta}));
+  int64_t steps = 0;
+  for (auto& step : s) {
+    for (auto& db : step.devices) {
+      CHECK(db.batch.data.is_meta());
+      CHECK_FALSE(db.batch.targets.defined());  // Stream's samples have no target
+      CHECK(db.batch.num_samples == 2);
+      CHECK(db.batch.data.size(0) == 2);
+    }
+    ++steps;
+  }
+  CHECK(steps == 3);
+
+  // Two device slots, one device listed: slot 1's first batch fails on its worker, and the
+  // consumer gets the error naming the label.
+  loom::GeneratorLoader<Stream, loom::DefaultCollate<>, loom::DeviceTransfer> bad(
+      streams(4, 3), {.num_devices = 2}, {}, loom::DeviceTransfer({.type = c10::kMeta, .devices = {0}}));
+  auto run = [&] {
+    for (auto& step : bad) (void)step;
+  };
+  CHECK_THROWS_WITH_AS(run(), doctest::Contains("device label 1 has no entry in devices [0]"), loom::InvalidArgument);
+}
+
 namespace {
 struct FailingFinish {  // finish() throws at step 2: the consumer gets it, then the same error again
   struct Ticket {};

@@ -3,9 +3,11 @@
 // error naming it (or does not compile). Multi-rank twins: test_trainer_dist.cpp.
 #include <cmath>
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <ranges>
 #include <stdexcept>
+#include <string>
 
 #include <doctest/doctest.h>
 #include <torch/torch.h>
@@ -582,6 +584,70 @@ TEST_CASE("BatchLoader: a plan that pads gives batches a mask, as padded buckets
   CHECK(batches == static_cast<int64_t>(loader.sampler().plan().batches.size()));
   loom::BatchLoader exact(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
   CHECK_FALSE(exact.mask());
+}
+
+namespace {
+// A transfer that records its calls and doubles data, so a test sees that the loader's batches
+// went through it.
+struct RecordingTransfer {
+  struct Ticket {
+    int64_t call = 0;
+  };
+  std::shared_ptr<std::vector<std::string>> log = std::make_shared<std::vector<std::string>>();
+  Ticket start(loom::Batch& b, int label) {
+    log->push_back("start " + std::to_string(label));
+    if (b.data.defined()) b.data = b.data * 2;
+    return {static_cast<int64_t>(log->size())};
+  }
+  void finish(loom::Batch&, int label, Ticket& t) {
+    log->push_back("finish " + std::to_string(label) + " of " + std::to_string(t.call));
+  }
+};
+}  // namespace
+
+TEST_CASE("BatchLoader: every batch goes through its transfer (start, then finish, label 0 on the CPU)") {
+  loom::LocalCommunicator comm;
+  RecordingTransfer transfer;
+  loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan,
+                           {}, loom::DefaultProjection{}, transfer);
+  loom::BatchLoader plain(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+  loader.begin_epoch(0);
+  plain.begin_epoch(0);
+  int64_t batches = 0;
+  while (auto b = loader.next()) {
+    auto p = plain.next();
+    REQUIRE(p.has_value());
+    CHECK(b->data.equal(p->data * 2));
+    CHECK(b->targets.equal(p->targets));
+    ++batches;
+  }
+  CHECK_FALSE(plain.next().has_value());
+  REQUIRE(batches == static_cast<int64_t>(loader.sampler().plan().batches.size()));
+  REQUIRE(transfer.log->size() == static_cast<std::size_t>(2 * batches));
+  for (int64_t k = 0; k < batches; ++k) {
+    CHECK((*transfer.log)[static_cast<std::size_t>(2 * k)] == "start 0");
+    CHECK((*transfer.log)[static_cast<std::size_t>(2 * k + 1)] == "finish 0 of " + std::to_string(2 * k + 1));
+  }
+
+  // The default transfer goes to the loader's device: non-blocking, unless a user's pool owns the buffers.
+  CHECK((plain.transfer().options().type == c10::kCPU));
+  CHECK(plain.transfer().options().non_blocking);
+  auto pool = std::make_shared<loom::BufferPool>();
+  loom::BatchLoader pooled(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan,
+                           {.collate = {.pool = pool}});
+  CHECK_FALSE(pooled.transfer().options().non_blocking);
+  // Another device (meta: shapes and dtypes only): the batches arrive there.
+  loom::BatchLoader to_meta(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan,
+                            {.device = c10::Device(c10::kMeta)});
+  to_meta.begin_epoch(0);
+  plain.begin_epoch(0);
+  const auto first = to_meta.next();
+  const auto host = plain.next();
+  REQUIRE(first.has_value());
+  CHECK(first->data.is_meta());
+  CHECK(first->targets.is_meta());
+  CHECK(first->data.sizes() == host->data.sizes());
+  CHECK(first->indices == host->indices);
 }
 
 TEST_CASE("Trainer: float16 parameters: a legal mean gradient of 2048 over 48 samples is not an overflow") {

@@ -1,16 +1,25 @@
 // loom/collate/transfer.hpp — the transfer step of a loader: a collated host batch on its way to
-// its device. The seam where CUDA staging plugs in; the generator loaders (loom/schedule/) take it,
-// and loom::cuda::CudaTransfer (loom/cuda/transfer.hpp) models it, so it lives below both.
+// its device. The one way batches reach a device: the generator loaders (loom/schedule/) and
+// loom::BatchLoader (loom/train/loader.hpp) take it, and loom::cuda::CudaTransfer
+// (loom/cuda/transfer.hpp) models it, so it lives below all three.
 //
-// For every batch the loader calls `t.start(batch, device)` on a worker thread right after
-// the collate step (for one device: one call at a time, in step order, on whichever worker collated that
-// step) (a CUDA transfer copies into pinned staging memory and issues a
-// non-blocking copy on the device's own stream, then records an event), keeps the returned
-// Ticket next to the batch in the prefetch queue, and calls `t.finish(batch, device, ticket)` on
-// the consumer's thread just before handing the batch out (a CUDA transfer makes the
-// consumer's current stream wait on the event — not the whole device). HostTransfer, the
-// default, leaves the batch where it is and does nothing. loom::cuda::CudaTransfer
-// (loom/cuda/transfer.hpp) is the CUDA model of this seam.
+// A generator loader calls `t.start(batch, label)` on a worker thread right after the collate
+// step (for one device: one call at a time, in step order, on whichever worker collated that
+// step), keeps the returned Ticket next to the batch in the prefetch queue, and calls
+// `t.finish(batch, label, ticket)` on the consumer's thread just before handing the batch out.
+// BatchLoader calls both in load(), on the caller's thread. A CUDA transfer copies into pinned
+// staging memory and issues a non-blocking copy on the device's own stream in start(), then
+// records an event; finish() makes the consumer's current stream wait on the event (not the whole
+// device).
+//
+// Models: HostTransfer, the default of the generator loaders, leaves the batch where it is and
+// does nothing. DeviceTransfer, the default of loom::BatchLoader, copies the batch's tensors with
+// Tensor::to(device, non_blocking) to any LibTorch device. loom::cuda::CudaTransfer is the CUDA
+// model with its own copy stream and pinned staging.
+//
+// Device labels: the generator loaders pass their device slot (0 .. num_devices - 1);
+// loom::BatchLoader passes its device's index (0 for the CPU or a device without an index). Both
+// models map label d to device index d of their type, or to devices[d] when a list is given.
 //
 // Example:
 //   struct CountingTransfer {                  // a transfer that only counts what it saw
@@ -24,7 +33,24 @@
 // thread followed by `.to(device, non_blocking=True)`, done per device.
 #pragma once
 
+#include <array>
 #include <concepts>
+#include <cstddef>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <loom/collate/batch.hpp>
+#include <loom/error.hpp>
 
 namespace loom {
 
@@ -63,5 +89,94 @@ struct HostTransfer {
   template <class B>
   void finish(B& /*batch*/, int /*device*/, Ticket& /*ticket*/) const noexcept {}
 };
+
+/// Options of DeviceTransfer; an aggregate used with designated initializers.
+struct DeviceTransferOptions {
+  /// The device type batches go to. c10::kCPU: every label is the CPU (CPU tensors stay as they are).
+  c10::DeviceType type = c10::kCPU;
+  /// Device index of each label (label d -> devices[d]); empty: label d is index d.
+  std::vector<int> devices{};
+  /// Tensor::to(device, non_blocking): the copy may overlap the host's next work when the source is
+  /// pinned. false: every copy has completed when start() returns (needed when the host memory is
+  /// handed out again at once, as a loom::BufferPool of the user's does).
+  bool non_blocking = true;
+};
+
+/// The plain transfer on any LibTorch device: models loom::BatchTransfer<DeviceTransfer, Batch>.
+///
+/// start(b, d): data, targets and mask (those defined) become `t.to(device(d), non_blocking)`;
+/// indices, num_samples, weight, step_end, step and idle stay. On a device with streams (CUDA,
+/// HIP, XPU, MPS, a PrivateUse1 backend) a non-blocking copy runs on the calling thread's
+/// current stream of the target device, and an event is recorded after it. finish(b, d, ticket)
+/// on the consumer's thread: when the consumer's current stream is another one (a generator
+/// loader's worker thread copied, or the consumer set a stream of its own), that stream waits on
+/// the event on the device (the host does not block) and the batch's memory is recorded as used
+/// by it; on the same stream it does nothing. Pinned host memory stays alive until the copy
+/// finished (LibTorch's host allocator records the copy's stream).
+///
+/// Example: `loom::DeviceTransfer to_gpu({.type = c10::kCUDA, .devices = {local_rank}});`
+/// Throws: loom::InvalidArgument (a label below 0, or one with no entry in `devices`), naming it;
+///         LibTorch's errors of the copy.
+/// Source: `batch.to(device, non_blocking=True)` after a pin_memory DataLoader.
+class DeviceTransfer {
+ public:
+  /// The copy's stream and event (none for the CPU, a blocking copy, or a device without streams).
+  struct Ticket {
+    std::optional<c10::Stream> stream;
+    std::optional<c10::Event> done;
+  };
+
+  DeviceTransfer() = default;
+  explicit DeviceTransfer(DeviceTransferOptions options) : options_(std::move(options)) {}
+
+  /// The device of label `label`.
+  /// Throws: loom::InvalidArgument (a negative label, or one without an entry in `devices`).
+  [[nodiscard]] c10::Device device(int label) const {
+    if (options_.type == c10::kCPU) return c10::Device(c10::kCPU);
+    if (label < 0) throw InvalidArgument(fmt::format("DeviceTransfer: device label {} is negative", label));
+    if (options_.devices.empty()) return {options_.type, static_cast<c10::DeviceIndex>(label)};
+    if (static_cast<std::size_t>(label) >= options_.devices.size())
+      throw InvalidArgument(fmt::format("DeviceTransfer: device label {} has no entry in devices [{}]", label,
+                                        fmt::join(options_.devices, ", ")));
+    return {options_.type, static_cast<c10::DeviceIndex>(options_.devices[static_cast<std::size_t>(label)])};
+  }
+
+  Ticket start(Batch& b, int label) {
+    const c10::Device target = device(label);
+    for (at::Tensor* t : fields(b))
+      if (t->defined()) *t = t->to(target, options_.non_blocking);
+    Ticket ticket;
+    if (options_.non_blocking && has_streams(target.type())) {
+      const c10::impl::VirtualGuardImpl guard(target.type());
+      ticket.stream = guard.getStream(target);
+      ticket.done.emplace(target.type());
+      ticket.done->record(*ticket.stream);
+    }
+    return ticket;
+  }
+
+  void finish(Batch& b, int label, Ticket& ticket) const {
+    if (!ticket.done) return;
+    const c10::Device target = device(label);
+    const c10::Stream consumer = c10::impl::VirtualGuardImpl(target.type()).getStream(target);
+    if (consumer == *ticket.stream) return;
+    ticket.done->block(consumer);
+    for (at::Tensor* t : fields(b))
+      if (t->defined() && t->device() == target) t->record_stream(consumer);
+  }
+
+  [[nodiscard]] const DeviceTransferOptions& options() const noexcept { return options_; }
+
+ private:
+  static std::array<at::Tensor*, 3> fields(Batch& b) noexcept { return {&b.data, &b.targets, &b.mask}; }
+  static bool has_streams(c10::DeviceType type) noexcept {
+    return type == c10::kCUDA || type == c10::kHIP || type == c10::kXPU || type == c10::kMPS ||
+           type == c10::kPrivateUse1;
+  }
+
+  DeviceTransferOptions options_{};
+};
+
+static_assert(BatchTransfer<DeviceTransfer, Batch>, "DeviceTransfer must model loom::BatchTransfer");
 
 }  // namespace loom

@@ -8,10 +8,11 @@
 //    device batch with its completion event; InFlightBatch::wait() makes the consumer's stream
 //    wait for the copy on the GPU (the host does not block) and tells LibTorch's caching
 //    allocator that the consumer stream uses the memory.
-//  * CudaTransfer (LOOM_TORCH_HAS_CUDA): the same protocol as a model of the scheduler's
-//    loom::BatchTransfer seam (loom/collate/transfer.hpp): start() on the device's worker thread
-//    stages pageable tensors into pinned memory and queues the copies on that worker's own
-//    stream; finish() on the consumer's thread makes LibTorch's current stream wait on the event.
+//  * CudaTransfer (LOOM_TORCH_HAS_CUDA): the same protocol as a model of loom::BatchTransfer
+//    (loom/collate/transfer.hpp; the generator loaders and loom::BatchLoader take it): start()
+//    (on a generator loader's worker thread) stages pageable tensors into pinned memory and
+//    queues the copies on that thread's own stream; finish() on the consumer's thread makes
+//    LibTorch's current stream wait on the event.
 //
 // Example (a generator loader whose batches arrive on the GPUs):
 //   loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> loader(
@@ -261,7 +262,7 @@ class CudaTransfer {
   std::shared_ptr<Stream> stream_;  // this copy's (this worker's) copy stream, created on first start()
 };
 
-static_assert(loom::BatchTransfer<CudaTransfer, Batch>, "CudaTransfer must model the scheduler's BatchTransfer seam");
+static_assert(loom::BatchTransfer<CudaTransfer, Batch>, "CudaTransfer must model loom::BatchTransfer");
 #endif  // LOOM_TORCH_HAS_CUDA
 
 }  // namespace loom::cuda

@@ -12,11 +12,19 @@
 //                            {.seed = 1, .max_samples = 32, .batches_per_step = 2});
 //   for (loom::Batch& b : trainer.epoch(loader, epoch)) { ... }             // see loom/train/trainer.hpp
 //
-// Device: batches are collated on the CPU; when the process group's device is a GPU (or
-//   LoaderOptions::device says so), they are collated into pinned memory and copied with
-//   non_blocking = true (the copy overlaps with the host's next work; the pinned buffer lives
-//   until the copy finished: LibTorch's host allocator records the stream). With a BufferPool of
-//   your own (LoaderOptions::collate.pool) the copy is synchronous instead: a pool hands a buffer
+// Example (CUDA copies on a stream of their own):
+//   loom::BatchLoader loader(pg, shapes, fetch, plan, {}, loom::DefaultProjection{}, loom::cuda::CudaTransfer{});
+//
+// Device: batches are collated on the CPU, then handed to the transfer (loom::BatchTransfer,
+//   loom/collate/transfer.hpp): load() calls `transfer.start(b, label)` and then
+//   `transfer.finish(b, label, ticket)`, with label = the loader's device's index (0 for the CPU or
+//   a device without an index). The default, loom::DeviceTransfer, goes to the process group's
+//   device (or LoaderOptions::device) with Tensor::to; loom::cuda::CudaTransfer (its own copy
+//   stream and pinned staging) plugs in as the third template parameter. When the device is a GPU,
+//   batches are collated into pinned memory and the default copies with non_blocking = true (the
+//   copy overlaps with the host's next work; the pinned buffer lives until the copy finished:
+//   LibTorch's host allocator records the stream). With a BufferPool of your own
+//   (LoaderOptions::collate.pool) the default copies synchronously instead: a pool hands a buffer
 //   out again as soon as the last host tensor viewing it is gone, which is when load() returns,
 //   and an asynchronous copy could still be reading it.
 // Shape: as loom::collate_sampled (Batch::data N x planned padded shape, targets); Batch::mask
@@ -43,6 +51,7 @@
 #include <loom/collate/batch.hpp>
 #include <loom/collate/collator.hpp>
 #include <loom/collate/sample.hpp>
+#include <loom/collate/transfer.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/sample/global_batch.hpp>
 #include <loom/sample/sampled_batch.hpp>
@@ -62,7 +71,7 @@ struct LoaderOptions {
 ///
 /// Example: see the file comment.
 /// Throws: see the file comment.
-template <class Fetch, class Projection = DefaultProjection>
+template <class Fetch, class Projection = DefaultProjection, class Transfer = DeviceTransfer>
 class BatchLoader {
   static_assert(std::invocable<Fetch&, int64_t>,
                 "loom::BatchLoader: the fetch function must be callable as fetch(int64_t index) and return one sample "
@@ -72,9 +81,14 @@ class BatchLoader {
                 "must give an at::Tensor and projection.target(sample) a tensor, an integer or loom::NoTarget (the "
                 "default projection reads a tensor, a (data, target) pair or 2-tuple, or a struct with .data and "
                 ".target)");
+  static_assert(BatchTransfer<Transfer, Batch>,
+                "loom::BatchLoader: the transfer must model loom::BatchTransfer<Transfer, loom::Batch> "
+                "(loom/collate/transfer.hpp): a Ticket type, start(batch, label) and finish(batch, label, ticket)");
 
  public:
-  /// Plans over `shapes` (shapes[i]: sample i's shape) for `comm`'s world size and rank.
+  /// Plans over `shapes` (shapes[i]: sample i's shape) for `comm`'s world size and rank; batches
+  /// go to the loader's device with the default transfer (DeviceTransfer to that device, or a
+  /// default-constructed Transfer).
   template <Communicator C>
   BatchLoader(const C& comm, std::vector<std::vector<int64_t>> shapes, Fetch fetch, GlobalBatchOptions plan = {},
               LoaderOptions options = {}, Projection projection = {})
@@ -82,12 +96,22 @@ class BatchLoader {
         fetch_(std::move(fetch)),
         options_(std::move(options)),
         projection_(std::move(projection)),
-        device_(options_.device.value_or(comm.device())) {
-    if (!sampler_.options().pad.empty()) options_.collate.mask = true;  // padded plans: a mask, as padded buckets
-    if (device_.is_cuda() && !options_.collate.allocate && !options_.collate.pool)
-      options_.collate.allocate = [](c10::IntArrayRef sizes, c10::ScalarType dtype) {
-        return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(true));
-      };
+        device_(options_.device.value_or(comm.device())),
+        transfer_(default_transfer(device_, options_.collate.pool != nullptr)) {
+    prepare_collate();
+  }
+
+  /// As above, with a transfer of the user's (e.g. loom::cuda::CudaTransfer).
+  template <Communicator C>
+  BatchLoader(const C& comm, std::vector<std::vector<int64_t>> shapes, Fetch fetch, GlobalBatchOptions plan,
+              LoaderOptions options, Projection projection, Transfer transfer)
+      : sampler_(comm, std::move(shapes), std::move(plan)),
+        fetch_(std::move(fetch)),
+        options_(std::move(options)),
+        projection_(std::move(projection)),
+        device_(options_.device.value_or(comm.device())),
+        transfer_(std::move(transfer)) {
+    prepare_collate();
   }
 
   /// The collated batch of one sampler item (an idle item gives an empty Batch with weight 0).
@@ -100,14 +124,8 @@ class BatchLoader {
       return sample;
     };
     Batch b = collate_sampled(item, checked, options_.collate, projection_);
-    if (!device_.is_cpu() && b.data.defined()) {
-      // A pool of the user's refills the buffer once the host tensors below are dropped: the copy
-      // must be complete by then (see the file comment).
-      const bool non_blocking = options_.collate.pool == nullptr;
-      b.data = b.data.to(device_, non_blocking);
-      if (b.targets.defined()) b.targets = b.targets.to(device_, non_blocking);
-      if (b.mask.defined()) b.mask = b.mask.to(device_, non_blocking);
-    }
+    auto ticket = transfer_.start(b, label());
+    transfer_.finish(b, label(), ticket);
     return b;
   }
 
@@ -126,6 +144,8 @@ class BatchLoader {
   [[nodiscard]] const GlobalBatchSampler& sampler() const noexcept { return sampler_; }
   /// Where batches are delivered.
   [[nodiscard]] c10::Device device() const noexcept { return device_; }
+  /// The transfer every batch goes through.
+  [[nodiscard]] const Transfer& transfer() const noexcept { return transfer_; }
 
   /// Continues at a saved cursor: the next Trainer::epoch(loader, cursor.epoch) starts at its step
   /// instead of the epoch's first (the same as loader.sampler().resume(cursor)).
@@ -137,6 +157,29 @@ class BatchLoader {
   void begin_epoch(int64_t epoch) { sampler_.set_epoch(epoch); }
 
  private:
+  // The default transfer: to `device`, blocking when a user's pool owns the host buffers.
+  static Transfer default_transfer(c10::Device device, bool user_pool) {
+    if constexpr (std::same_as<Transfer, DeviceTransfer>) {
+      return DeviceTransfer({.type = device.type(), .devices = {}, .non_blocking = !user_pool});
+    } else {
+      static_assert(std::default_initializable<Transfer>,
+                    "loom::BatchLoader: pass the transfer to the constructor (it is not default-constructible)");
+      return Transfer{};
+    }
+  }
+
+  // Padded plans get a mask (as padded buckets); a GPU device gets pinned host batches.
+  void prepare_collate() {
+    if (!sampler_.options().pad.empty()) options_.collate.mask = true;
+    if (device_.is_cuda() && !options_.collate.allocate && !options_.collate.pool)
+      options_.collate.allocate = [](c10::IntArrayRef sizes, c10::ScalarType dtype) {
+        return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(true));
+      };
+  }
+
+  // The transfer's label of this loader's device (see the file comment).
+  [[nodiscard]] int label() const noexcept { return device_.has_index() ? device_.index() : 0; }
+
   // The plan batches and pads by the declared shapes: a sample of another shape would be padded
   // (or cut) silently.
   void check_declared_shape(int64_t i, const at::Tensor& data) const {
@@ -153,6 +196,7 @@ class BatchLoader {
   LoaderOptions options_;
   Projection projection_;
   c10::Device device_;
+  Transfer transfer_;
 };
 
 }  // namespace loom
