@@ -63,4 +63,11 @@ concept HasParamGroups = requires(O& o) {
   o.param_groups().begin()->params().begin()->unsafeGetTensorImpl();
 };
 
+/// What a checkpoint keeps of a Trainer (Trainer::state / load_state).
+struct TrainerState {
+  int64_t steps = 0;                                ///< optimizer steps applied
+  int64_t skipped_steps = 0;                        ///< steps skipped for inf/NaN gradients
+  std::optional<LossScalerState> loss_scaler = {};  ///< set when the Trainer scales the loss
+};
+
 }  // namespace loom

@@ -49,14 +49,8 @@
 // whose first one is still alive (loom::Reducer's rule). Gradients the parameters already hold (a
 // smoke-test backward) are cleared: the first step starts from zero, as the PyTorch habit of
 // zero_grad() at the top of the loop would have it.
-// Gradients between the Trainer's calls: the parameters hold none. Inside a step the Trainer keeps
-// the partial sums of the step's micro-batches itself and hands them back to the parameters at the
-// next backward(); after a step they are zeroed and dropped (as zero_grad(set_to_none = true), on
-// LibTorch 1.13 too). So the PyTorch habits left in a loop body do what the user meant: an
-// optimizer.zero_grad() at the top of the body finds nothing to clear (the step's earlier
-// micro-batches are kept), and a leftover optimizer.step() finds no gradient and changes nothing
-// (torch::optim optimizers skip parameters without one); the Trainer alone steps, once per step.
-// A parameter no rank used in a step has no gradient at that step (optimizers skip it).
+// Between the Trainer's calls the parameters hold no gradients, so a leftover zero_grad() or
+// optimizer.step() in the loop body changes nothing (docs/loop.md explains why).
 // One rule the loop keeps: no collective in the loop body. A step's batches are dealt to the ranks
 // by cost, so ranks run the body different numbers of times; per-step work that talks to the other
 // ranks (a progress count, a checkpoint) goes into on_step(), which every rank runs at every step.
@@ -289,6 +283,22 @@ class Trainer {
     const LossScaler* s = accumulator_.loss_scaler();
     return s ? std::optional<LossScalerState>(s->state()) : std::nullopt;
   }
+  /// What a checkpoint keeps of this Trainer (loom::save_checkpoint, loom/train/checkpoint.hpp).
+  [[nodiscard]] TrainerState state() const { return {steps_, skipped_, loss_scaler_state()}; }
+  /// Continues the step counts and the loss scaler from a checkpoint's state, between epoch loops.
+  /// Throws: loom::Error while an epoch loop runs; loom::InvalidArgument for negative counts, as
+  ///         load_loss_scaler_state, or when this Trainer scales the loss and `state` has no scaler state.
+  void load_state(const TrainerState& state) {
+    if (loop_open_) throw Error("Trainer::load_state: an epoch loop is running; load a checkpoint between epochs");
+    detail::check_trainer_state(state);
+    if (state.loss_scaler)
+      load_loss_scaler_state(*state.loss_scaler);
+    else if (accumulator_.loss_scaler() != nullptr)
+      throw InvalidArgument("Trainer::load_state: this Trainer scales the loss but the state has no loss scaler state");
+    steps_ = state.steps;
+    skipped_ = state.skipped_steps;
+  }
+  [[nodiscard]] Opt& optimizer() const noexcept { return *optimizer_; }  ///< the optimizer this Trainer steps
   /// Continues the loss scaler from a checkpoint's state (call before the first epoch loop).
   /// Throws: loom::InvalidArgument without TrainerOptions::loss_scaling, or for a bad state.
   void load_loss_scaler_state(const LossScalerState& state) {
@@ -314,11 +324,14 @@ class Trainer {
   // Every gradient an autograd hook delivers is counted by the reducer; between two calls of the
   // trainer the count must not move.
   void check_no_stray_backward(const char* where) {
-    if (reducer_.gradient_arrivals() != arrivals_seen_)
-      throw Error(
-          fmt::format("{}: a backward ran outside trainer.backward(loss, batch) (loss.backward() by hand?): its "
-                      "gradients would not be weighted or reduced across ranks",
-                      where));
+    if (reducer_.gradient_arrivals() != arrivals_seen_) throw Error(detail::stray_backward_message(where));
+  }
+
+  // Before the loop moves on: no stray backward, no parameter written, the last batch's backward done.
+  void check_between_calls() {
+    check_no_stray_backward("Trainer::epoch");
+    guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
+    if (current_ && !backward_done_) forgotten();
   }
 
   void apply(const SyncResult& s) {
@@ -338,14 +351,8 @@ class Trainer {
     optimizer_->zero_grad();
     guard_.hide(reducer_.parameters(), /*keep=*/false);
     if (on_step_) {
-      in_on_step_ = true;
-      try {
-        on_step_(s);
-      } catch (...) {
-        in_on_step_ = false;
-        throw;
-      }
-      in_on_step_ = false;
+      const detail::FlagScope running(in_on_step_);
+      on_step_(s);
     }
     guard_.record_versions(reducer_.parameters());
   }
@@ -377,9 +384,7 @@ class Trainer {
   }
 
   void receive(Batch batch) {
-    check_no_stray_backward("Trainer::epoch");
-    guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
-    if (current_ && !backward_done_) forgotten();
+    check_between_calls();
     current_step_ = batch.step;
     current_ = std::move(batch);
     ++batch_number_;
@@ -387,9 +392,7 @@ class Trainer {
   }
 
   void join(int64_t step) {
-    check_no_stray_backward("Trainer::epoch");
-    guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
-    if (current_ && !backward_done_) forgotten();
+    check_between_calls();
     guard_.restore(reducer_.parameters(), "Trainer::epoch");
     current_step_ = step;
     last_ = accumulator_.join_step(loss_divisor(step));
@@ -397,9 +400,7 @@ class Trainer {
   }
 
   void end_epoch() {
-    check_no_stray_backward("Trainer::epoch");
-    guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
-    if (current_ && !backward_done_) forgotten();
+    check_between_calls();
     guard_.restore(reducer_.parameters(), "Trainer::epoch");
     current_.reset();
     while (auto s = accumulator_.end_epoch()) {

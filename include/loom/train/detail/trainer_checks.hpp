@@ -51,6 +51,33 @@ inline std::string loop_left_message(int64_t epoch, int64_t batch, int64_t step)
 }
 
 /// The error for batch `batch` of step `step` that never reached Trainer::backward.
+/// Trainer::load_state's counts are never negative.
+inline void check_trainer_state(const TrainerState& s) {
+  if (s.steps < 0 || s.skipped_steps < 0)
+    throw InvalidArgument(
+        fmt::format("Trainer::load_state: steps {} and skipped_steps {} must be >= 0", s.steps, s.skipped_steps));
+}
+
+/// A backward ran outside trainer.backward (the reducer counted gradients the Trainer did not ask for).
+inline std::string stray_backward_message(const char* where) {
+  return fmt::format(
+      "{}: a backward ran outside trainer.backward(loss, batch) (loss.backward() by hand?): its gradients would "
+      "not be weighted or reduced across ranks",
+      where);
+}
+
+/// Sets a flag for its lifetime (the Trainer's "on_step is running", also when the callback throws).
+class FlagScope {
+ public:
+  explicit FlagScope(bool& flag) noexcept : flag_(flag) { flag_ = true; }
+  FlagScope(const FlagScope&) = delete;
+  FlagScope& operator=(const FlagScope&) = delete;
+  ~FlagScope() { flag_ = false; }
+
+ private:
+  bool& flag_;
+};
+
 inline std::string forgotten_message(int64_t epoch, int64_t batch, int64_t step) {
   return fmt::format(
       "Trainer::epoch({}): batch {} of step {} was never passed to trainer.backward(loss, batch), so its samples "

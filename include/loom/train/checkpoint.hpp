@@ -1,0 +1,155 @@
+// loom/train/checkpoint.hpp — one call saves, one call restores, everything a resumed run needs:
+// the model's parameters and buffers, the optimizer's state, the loader's world-size-free cursor,
+// the Trainer's step counts and loss scaler, values of the user's, and a format version.
+//
+// Example (every rank calls both, at the same point of the run):
+//   loom::Trainer trainer(pg, *model, opt);
+//   int64_t first_epoch = 0;
+//   if (fs::exists(file)) first_epoch = loom::load_checkpoint(file, trainer, loader).cursor.epoch;
+//   trainer.on_step([&](const loom::SyncResult&) {
+//     if (trainer.steps() % 100 == 0) loom::save_checkpoint(file, trainer, loader);
+//   });
+//   for (int64_t e = first_epoch; e < epochs; ++e)
+//     for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);
+//   loom::save_checkpoint(file, trainer, loader);  // after an epoch: resumes at the next one
+//
+// Saving: rank 0 writes `<file>.loom-tmp`, flushes it to disk (fsync), renames it over `file` and
+// flushes the folder: a crash or SIGKILL mid-save leaves the previous checkpoint whole. Then every
+// rank learns whether rank 0 succeeded (one all_gather of its error text): a failed save is a
+// loom::Error on every rank, so no rank goes on alone. Call it where every rank is at the same
+// step: in on_step(), or between epoch loops (never in the loop body, which ranks run different
+// numbers of times).
+// Loading: rank 0 reads the file and broadcasts its bytes (ranks need no shared file system); every
+// rank then restores the same values into the Trainer's parameters and buffers (copied in place,
+// on their device), its optimizer (`optimizer.load(archive)`, as every torch::optim optimizer),
+// its step counts and loss scaler (Trainer::load_state), and points the loader at the cursor
+// (`loader.resume`). Call it between epoch loops, then start the loop at `cursor.epoch`.
+// World size: nothing in the file depends on it (parameters are replicas, the cursor is global):
+// a checkpoint of 2 ranks resumes on 3.
+// Format: a LibTorch archive (torch::serialize, a zip file) with the keys loom_checkpoint
+// ("loom-checkpoint v1"),
+// param_count, buffer_count, param_<i> / param_name_<i> / buffer_<i> (CPU tensors; names checked on
+// load), optimizer (the optimizer's own archive), cursor and loss_scaler (their one-line texts),
+// trainer_steps, trainer_skipped_steps, user_count, user_key_<i> / user_value_<i>.
+// Throws: loom::DataError naming the file and what is wrong: it cannot be read, is truncated or is
+//   not a LibTorch archive, is an archive without the loom_checkpoint key, has another format
+//   version, or misses a key; loom::InvalidArgument when it does not fit this run: another number,
+//   name, shape or dtype of parameters (naming the parameter), a loss scaler state where the
+//   Trainer has none or the reverse, a cursor of another plan (the loader's resume errors);
+//   loom::Error on every rank when rank 0 could not write (naming the file and the reason).
+//   Everything is read and checked before the run changes; an error after that (the optimizer's
+//   own load) leaves the Trainer partly restored: build a new one.
+// Source: Accelerate's save_state / load_state and the torch.save dict of a DDP loop.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <loom/accumulate/loss_scaler.hpp>
+#include <loom/comm/communicator.hpp>
+#include <loom/error.hpp>
+#include <loom/sample/global_batch.hpp>
+#include <loom/train/batch_source.hpp>
+#include <loom/train/detail/checkpoint_file.hpp>
+#include <loom/train/trainer.hpp>
+
+namespace loom {
+
+/// The format version save_checkpoint writes and load_checkpoint accepts.
+inline constexpr const char* kCheckpointFormat = "loom-checkpoint v1";
+
+/// An optimizer whose state a checkpoint can hold: `save(OutputArchive&)` and `load(InputArchive&)`
+/// (every torch::optim optimizer).
+template <class O>
+concept SerializableOptimizer = requires(O& o, torch::serialize::OutputArchive& out,
+                                         torch::serialize::InputArchive& in) {
+  o.save(out);
+  o.load(in);
+};
+
+/// What load_checkpoint restored besides the tensors: where the run continues.
+struct CheckpointInfo {
+  GlobalCursor cursor{};                      ///< the next step to run: start the loop at cursor.epoch
+  TrainerState trainer{};                     ///< step counts and loss scaler, already loaded into the Trainer
+  std::map<std::string, std::string> user{};  ///< the values passed to save_checkpoint
+};
+
+/// Saves the run's state to `file` (see the file comment). Every rank calls it at the same step.
+/// `user`: values of the user's (e.g. the wall time spent), returned by load_checkpoint.
+/// Throws: loom::Error on every rank when rank 0 could not write, naming the file and the reason.
+template <Communicator C, StepOptimizer Opt, PlannedBatchSource Loader>
+void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer, const Loader& loader,
+                     const std::map<std::string, std::string>& user = {}) {
+  static_assert(SerializableOptimizer<Opt>,
+                "loom::save_checkpoint: the optimizer must have save(OutputArchive&) and load(InputArchive&), as "
+                "every torch::optim optimizer");
+  C& comm = trainer.communicator();
+  std::string failure;
+  if (comm.rank() == 0) {
+    try {
+      torch::serialize::OutputArchive archive;
+      archive.write("loom_checkpoint", c10::IValue(std::string(kCheckpointFormat)));
+      detail::write_parameters(archive, trainer.reducer().parameters());
+      torch::serialize::OutputArchive optimizer;
+      trainer.optimizer().save(optimizer);
+      archive.write("optimizer", optimizer);
+      archive.write("cursor", c10::IValue(to_string(loader.sampler().cursor())));
+      const TrainerState state = trainer.state();
+      archive.write("trainer_steps", c10::IValue(state.steps));
+      archive.write("trainer_skipped_steps", c10::IValue(state.skipped_steps));
+      if (state.loss_scaler) archive.write("loss_scaler", c10::IValue(to_string(*state.loss_scaler)));
+      detail::write_user_values(archive, user);
+      detail::write_atomically(file, archive);
+    } catch (const std::exception& e) {
+      failure = detail::first_line(e.what());
+      if (failure.empty()) failure = "unknown error";
+    }
+  }
+  detail::agree_on_save(comm, file, failure);
+}
+
+/// Restores the run's state from `file` into `trainer` and `loader` (see the file comment) and
+/// returns the cursor, the Trainer's state and the user's values. Every rank calls it, between
+/// epoch loops.
+/// Throws: see the file comment (the same error on every rank).
+template <Communicator C, StepOptimizer Opt, PlannedBatchSource Loader>
+CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer, Loader& loader) {
+  static_assert(SerializableOptimizer<Opt>,
+                "loom::load_checkpoint: the optimizer must have save(OutputArchive&) and load(InputArchive&), as "
+                "every torch::optim optimizer");
+  C& comm = trainer.communicator();
+  const std::string bytes = detail::broadcast_file(comm, file);
+  const ParameterList& list = trainer.reducer().parameters();
+  const at::Device device = list.params.empty() ? at::Device(at::kCPU) : list.params.front().device();
+  torch::serialize::InputArchive archive = detail::open_checkpoint(file, bytes, device, kCheckpointFormat);
+
+  // Everything is read and checked before anything of the run changes.
+  CheckpointInfo info;
+  detail::CheckpointReader read(file, archive);
+  info.cursor = parse_global_cursor(read.text("cursor"));
+  info.trainer.steps = read.integer("trainer_steps");
+  info.trainer.skipped_steps = read.integer("trainer_skipped_steps");
+  if (auto scaler = read.optional_text("loss_scaler")) info.trainer.loss_scaler = parse_loss_scaler_state(*scaler);
+  info.user = read.user_values();
+  const detail::StagedParameters staged(read, list);
+  torch::serialize::InputArchive optimizer;
+  read.archive("optimizer", optimizer);
+
+  loader.resume(info.cursor);        // throws naming the fingerprints when the plan differs
+  trainer.load_state(info.trainer);  // throws while an epoch loop runs, or for a loss scaler mismatch
+  staged.copy_into(list);
+  trainer.optimizer().load(optimizer);
+  return info;
+}
+
+}  // namespace loom

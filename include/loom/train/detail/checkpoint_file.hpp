@@ -1,0 +1,267 @@
+// loom/train/detail/checkpoint_file.hpp — the file side of loom::save_checkpoint / load_checkpoint:
+// the atomic write, rank 0's bytes broadcast to every rank, the archive's keys read with errors that
+// name the file, and the parameters written and read by position with their names checked.
+#pragma once
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unistd.h>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <loom/comm/communicator.hpp>
+#include <loom/error.hpp>
+#include <loom/log/exchange.hpp>
+#include <loom/reduce/parameters.hpp>
+
+namespace loom::detail {
+
+/// The first line of an error text (LibTorch's messages carry a backtrace after it), without the
+/// "loom: " prefix of loom's own errors.
+inline std::string first_line(std::string_view text) {
+  text = text.substr(0, text.find('\n'));
+  if (text.starts_with("loom: ")) text.remove_prefix(6);
+  return std::string(text);
+}
+
+/// Writes `archive` to `<file>.loom-tmp`, fsyncs it, renames it over `file`, fsyncs the folder.
+/// Throws: loom::DataError naming the path and the system's reason.
+inline void write_atomically(const std::filesystem::path& file, torch::serialize::OutputArchive& archive) {
+  const std::filesystem::path tmp = file.string() + ".loom-tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw DataError(fmt::format("cannot create {}: {}", tmp.string(), std::strerror(errno)));
+  int error = 0;
+  archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
+    const char* p = static_cast<const char*>(data);
+    std::size_t left = size;
+    while (left > 0 && error == 0) {
+      const ssize_t n = ::write(fd, p, left);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0)
+        error = errno;
+      else {
+        p += n;
+        left -= static_cast<std::size_t>(n);
+      }
+    }
+    return error == 0 ? size : 0;
+  });
+  if (error == 0 && ::fsync(fd) != 0) error = errno;
+  ::close(fd);
+  if (error != 0) {
+    std::filesystem::remove(tmp);
+    throw DataError(fmt::format("cannot write {}: {}", tmp.string(), std::strerror(error)));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, file, ec);
+  if (ec) throw DataError(fmt::format("cannot rename {} to {}: {}", tmp.string(), file.string(), ec.message()));
+  const std::filesystem::path folder = file.has_parent_path() ? file.parent_path() : std::filesystem::path(".");
+  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    (void)::fsync(dir);
+    ::close(dir);
+  }
+}
+
+/// Every rank learns rank 0's save failure (empty: none). Throws loom::Error on every rank when it failed.
+template <Communicator C>
+void agree_on_save(C& comm, const std::filesystem::path& file, const std::string& failure) {
+  const std::vector<std::string> all = all_gather_strings(comm, failure);
+  if (!all.front().empty())
+    throw Error(fmt::format("save_checkpoint: rank 0 could not save {}: {}", file.string(), all.front()));
+}
+
+/// Rank 0 reads `file`; every rank gets its bytes (two broadcasts: a header, then the bytes).
+/// Throws: loom::DataError on every rank when rank 0 cannot read it (naming the file and why).
+template <Communicator C>
+std::string broadcast_file(C& comm, const std::filesystem::path& file) {
+  std::string bytes, failure;
+  if (comm.rank() == 0) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) {
+      failure =
+          std::filesystem::exists(file) ? fmt::format("cannot open it: {}", std::strerror(errno)) : "no such file";
+    } else {
+      bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      if (in.bad()) failure = "a read error";
+    }
+  }
+  const std::string& payload = failure.empty() ? bytes : failure;
+  at::Tensor header = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  header[0] = failure.empty() ? 0 : 1;
+  header[1] = static_cast<int64_t>(payload.size());
+  header = header.to(comm.device());
+  comm.broadcast(header, 0);
+  const at::Tensor h = header.to(at::kCPU);
+  const bool failed = h[0].item<int64_t>() != 0;
+  const auto size = static_cast<std::size_t>(h[1].item<int64_t>());
+  const auto words = static_cast<int64_t>((size + 3) / 4);
+  at::Tensor data = at::zeros({std::max<int64_t>(words, 1)}, at::TensorOptions().dtype(at::kInt));
+  if (comm.rank() == 0 && size > 0) std::memcpy(data.data_ptr(), payload.data(), size);
+  data = data.to(comm.device());
+  comm.broadcast(data, 0);
+  data = data.to(at::kCPU);
+  std::string received(static_cast<const char*>(data.data_ptr()), size);
+  if (failed) throw DataError(fmt::format("load_checkpoint: {}: {}", file.string(), received));
+  return received;
+}
+
+/// Opens the bytes as a LibTorch archive with every tensor mapped to `device`.
+/// Throws: loom::DataError naming the file: empty, truncated or not an archive; not a loom checkpoint;
+///         another format version.
+inline torch::serialize::InputArchive open_checkpoint(const std::filesystem::path& file, const std::string& bytes,
+                                                      const at::Device& device, const char* format) {
+  if (bytes.empty()) throw DataError(fmt::format("load_checkpoint: {} is empty", file.string()));
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(bytes.data(), bytes.size(), device);
+  } catch (const std::exception& e) {
+    throw DataError(
+        fmt::format("load_checkpoint: {} ({} bytes) is truncated or not a LibTorch archive (a zip file written by "
+                    "save_checkpoint): {}",
+                    file.string(), bytes.size(), first_line(e.what())));
+  }
+  c10::IValue version;
+  if (!archive.try_read("loom_checkpoint", version) || !version.isString())
+    throw DataError(fmt::format(
+        "load_checkpoint: {} is a LibTorch archive but not a loom checkpoint (it has no loom_checkpoint key)",
+        file.string()));
+  if (version.toStringRef() != format)
+    throw DataError(fmt::format("load_checkpoint: {} has format '{}'; this loom reads '{}'", file.string(),
+                                version.toStringRef(), format));
+  return archive;
+}
+
+/// Reads keys of an open checkpoint; a missing or mistyped key is a loom::DataError naming the file and key.
+class CheckpointReader {
+ public:
+  CheckpointReader(std::filesystem::path file, torch::serialize::InputArchive& archive)
+      : file_(std::move(file)), archive_(&archive) {}
+
+  [[nodiscard]] std::optional<std::string> optional_text(const std::string& key) {
+    c10::IValue v;
+    if (!archive_->try_read(key, v)) return std::nullopt;
+    if (!v.isString()) throw bad(key, "is not a string");
+    return v.toStringRef();
+  }
+  [[nodiscard]] std::string text(const std::string& key) {
+    auto v = optional_text(key);
+    if (!v) throw bad(key, "is missing");
+    return *v;
+  }
+  [[nodiscard]] int64_t integer(const std::string& key) {
+    c10::IValue v;
+    if (!archive_->try_read(key, v)) throw bad(key, "is missing");
+    if (!v.isInt()) throw bad(key, "is not an integer");
+    return v.toInt();
+  }
+  [[nodiscard]] at::Tensor tensor(const std::string& key) {
+    at::Tensor t;
+    if (!archive_->try_read(key, t)) throw bad(key, "is missing");
+    return t;
+  }
+  void archive(const std::string& key, torch::serialize::InputArchive& out) {
+    if (!archive_->try_read(key, out)) throw bad(key, "is missing");
+  }
+  /// The user's values (user_count, user_key_<i>, user_value_<i>).
+  [[nodiscard]] std::map<std::string, std::string> user_values() {
+    std::map<std::string, std::string> out;
+    const int64_t n = integer("user_count");
+    for (int64_t i = 0; i < n; ++i) out[text(fmt::format("user_key_{}", i))] = text(fmt::format("user_value_{}", i));
+    return out;
+  }
+  [[nodiscard]] const std::filesystem::path& file() const noexcept { return file_; }
+
+ private:
+  [[nodiscard]] DataError bad(const std::string& key, const char* what) const {
+    return DataError(fmt::format("load_checkpoint: {}: key '{}' {}", file_.string(), key, what));
+  }
+
+  std::filesystem::path file_;
+  torch::serialize::InputArchive* archive_;
+};
+
+/// The user's values, in key order.
+inline void write_user_values(torch::serialize::OutputArchive& archive,
+                              const std::map<std::string, std::string>& user) {
+  archive.write("user_count", c10::IValue(static_cast<int64_t>(user.size())));
+  int64_t i = 0;
+  for (const auto& [key, value] : user) {
+    archive.write(fmt::format("user_key_{}", i), c10::IValue(key));
+    archive.write(fmt::format("user_value_{}", i++), c10::IValue(value));
+  }
+}
+
+/// Parameters and buffers by position (param_<i>, buffer_<i>, CPU copies), with the parameters' names.
+inline void write_parameters(torch::serialize::OutputArchive& archive, const ParameterList& list) {
+  archive.write("param_count", c10::IValue(static_cast<int64_t>(list.params.size())));
+  archive.write("buffer_count", c10::IValue(static_cast<int64_t>(list.buffers.size())));
+  for (std::size_t i = 0; i < list.params.size(); ++i) {
+    archive.write(fmt::format("param_{}", i), list.params[i].detach().to(at::kCPU));
+    archive.write(fmt::format("param_name_{}", i), c10::IValue(i < list.names.size() ? list.names[i] : std::string()));
+  }
+  for (std::size_t i = 0; i < list.buffers.size(); ++i)
+    archive.write(fmt::format("buffer_{}", i), list.buffers[i].detach().to(at::kCPU), /*is_buffer=*/true);
+}
+
+/// The checkpoint's parameters and buffers, checked against `list` (count, name, shape, dtype);
+/// copy_into() writes them in place.
+class StagedParameters {
+ public:
+  StagedParameters(CheckpointReader& read, const ParameterList& list) {
+    const int64_t params = read.integer("param_count"), buffers = read.integer("buffer_count");
+    if (params != static_cast<int64_t>(list.params.size()) || buffers != static_cast<int64_t>(list.buffers.size()))
+      throw InvalidArgument(
+          fmt::format("load_checkpoint: {} holds {} parameters and {} buffers, but the Trainer's model has {} and {}",
+                      read.file().string(), params, buffers, list.params.size(), list.buffers.size()));
+    for (std::size_t i = 0; i < list.params.size(); ++i) {
+      const std::string name = read.text(fmt::format("param_name_{}", i));
+      const std::string mine = i < list.names.size() ? list.names[i] : std::string();
+      if (name != mine)
+        throw InvalidArgument(fmt::format("load_checkpoint: {}: parameter {} is '{}' there but '{}' in this model",
+                                          read.file().string(), i, name, mine));
+      params_.push_back(checked(read, fmt::format("param_{}", i), list.params[i], list.describe(i)));
+    }
+    for (std::size_t i = 0; i < list.buffers.size(); ++i)
+      buffers_.push_back(checked(read, fmt::format("buffer_{}", i), list.buffers[i], fmt::format("buffer {}", i)));
+  }
+
+  void copy_into(const ParameterList& list) const {
+    const at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params_.size(); ++i) list.params[i].detach().copy_(params_[i]);
+    for (std::size_t i = 0; i < buffers_.size(); ++i) list.buffers[i].detach().copy_(buffers_[i]);
+  }
+
+ private:
+  static at::Tensor checked(CheckpointReader& read, const std::string& key, const at::Tensor& mine,
+                            const std::string& what) {
+    at::Tensor t = read.tensor(key);
+    if (t.sizes() != mine.sizes() || t.scalar_type() != mine.scalar_type())
+      throw InvalidArgument(fmt::format("load_checkpoint: {}: {} is {} [{}] there but {} [{}] in this model",
+                                        read.file().string(), what, c10::toString(t.scalar_type()),
+                                        fmt::join(t.sizes(), ", "), c10::toString(mine.scalar_type()),
+                                        fmt::join(mine.sizes(), ", ")));
+    return t;
+  }
+
+  std::vector<at::Tensor> params_, buffers_;
+};
+
+}  // namespace loom::detail

@@ -1,0 +1,122 @@
+// loom::save_checkpoint / load_checkpoint on real ranks: a run saved on 2 ranks mid-epoch and
+// resumed on 3 ends where the uninterrupted run does (relative 1e-12, the tolerance of the
+// world-size invariance tests); a save rank 0 cannot write is an error on every rank.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <loom/comm/gloo.hpp>
+#include <loom/comm/local.hpp>
+#include <loom/train/checkpoint.hpp>
+
+#include "support/ranks.hpp"
+#include "trainer_fixture.hpp"
+
+namespace fs = std::filesystem;
+
+TEST_SUITE("dist") {
+  TEST_CASE("checkpoint: saved on 2 ranks at step 3, resumed on 3 ranks, ends where the uninterrupted run does") {
+    const fs::path dir = fs::temp_directory_path() / fmt::format("loom-checkpoint-dist-{}", ::getpid());
+    fs::create_directories(dir);
+    const fs::path file = dir / "run.pt", result = dir / "params.txt";
+
+    loom::LocalCommunicator local;
+    const std::vector<at::Tensor> reference = loom::test::train_short(local, 2);
+
+    loom::test::run_ranks(2,
+                          [&](loom::GlooCommunicator& comm) {
+                            loom::test::Mlp model(at::kDouble);
+                            torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+                            loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                                     loom::test::kTrainerPlan);
+                            loom::Trainer trainer(comm, model.list(), sgd);
+                            trainer.on_step([&](const loom::SyncResult&) {
+                              if (trainer.steps() == 3) {
+                                loom::save_checkpoint(file, trainer, loader);
+                                trainer.stop();
+                              }
+                            });
+                            for (loom::Batch& b : trainer.epoch(loader, 0))
+                              trainer.backward(loom::test::mean_loss(model, b), b);
+                            if (!trainer.stopped()) throw std::runtime_error("the run did not stop at step 3");
+                          },
+                          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+
+    loom::test::run_ranks(
+        3,
+        [&](loom::GlooCommunicator& comm) {
+          loom::test::Mlp model(at::kDouble, /*seed=*/5.0);  // other values: the checkpoint must replace them
+          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                   loom::test::kTrainerPlan);
+          loom::Trainer trainer(comm, model.list(), sgd);
+          const auto info = loom::load_checkpoint(file, trainer, loader);
+          if (info.cursor.epoch != 0 || info.cursor.step != 3 || trainer.steps() != 3)
+            throw std::runtime_error(fmt::format("rank {}: resumed at epoch {} step {} with {} steps", comm.rank(),
+                                                 info.cursor.epoch, info.cursor.step, trainer.steps()));
+          for (int64_t e = info.cursor.epoch; e < 2; ++e)
+            for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loom::test::mean_loss(model, b), b);
+          if (comm.rank() == 0) {
+            std::string text;
+            for (const auto& p : model.params) {
+              auto c = p.detach().contiguous();
+              for (int64_t k = 0; k < c.numel(); ++k) text += fmt::format("{:.17g}\n", c.data_ptr<double>()[k]);
+            }
+            std::FILE* f = std::fopen(result.c_str(), "w");
+            std::fputs(text.c_str(), f);
+            std::fclose(f);
+          }
+        },
+        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+
+    std::vector<double> resumed, expected;
+    for (const auto& p : reference) {
+      auto c = p.detach().contiguous();
+      expected.insert(expected.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+    }
+    std::FILE* f = std::fopen(result.c_str(), "r");
+    REQUIRE(f != nullptr);
+    double x;
+    while (std::fscanf(f, "%lf", &x) == 1) resumed.push_back(x);
+    std::fclose(f);
+    REQUIRE(resumed.size() == expected.size());
+    double worst = 0, scale = 0;
+    for (std::size_t k = 0; k < expected.size(); ++k) {
+      worst = std::max(worst, std::abs(resumed[k] - expected[k]));
+      scale = std::max(scale, std::abs(expected[k]));
+    }
+    MESSAGE(fmt::format("2 -> 3 ranks resumed vs uninterrupted: max relative difference {:.3g}", worst / scale));
+    CHECK(worst / scale < 1e-12);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("checkpoint: a save rank 0 cannot write is a loom error on every rank") {
+    const fs::path nowhere = fs::temp_directory_path() / fmt::format("loom-no-such-{}", ::getpid()) / "c.pt";
+    loom::test::run_ranks(
+        2,
+        [&](loom::GlooCommunicator& comm) {
+          loom::test::Mlp model(at::kDouble);
+          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                   loom::test::kTrainerPlan);
+          loom::Trainer trainer(comm, model.list(), sgd);
+          std::string what = "(no error)";
+          try {
+            loom::save_checkpoint(nowhere, trainer, loader);
+          } catch (const loom::Error& e) {
+            what = e.what();
+          }
+          if (what.find("rank 0 could not save " + nowhere.string() + ": cannot create") == std::string::npos)
+            throw std::runtime_error(fmt::format("rank {}: {}", comm.rank(), what));
+        },
+        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+  }
+}
