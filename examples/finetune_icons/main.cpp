@@ -14,9 +14,10 @@
 //      overlapped with backward, the optimizer step at each step's end)
 //   -> loom::Logger (rank 0), loom::Progress and checkpoints through Trainer::on_step,
 //      loom::Metrics (training loss, validation accuracy and loss over every rank's samples).
-// Phases: pre-train briefly on the small sizes only (or --init a checkpoint / TorchScript file),
-// save it, fine-tune from it on every size. A checkpoint (model, optimizer, the world-size-free
-// cursor) is written at every epoch end and every --checkpoint-every optimizer steps; --resume
+// Phases: pre-train briefly on the small sizes only (or --init a model / TorchScript file), save
+// it, fine-tune from it on every size. A checkpoint (loom::save_checkpoint: model, optimizer, the
+// world-size-free cursor, the step count) is written at every epoch end and every
+// --checkpoint-every optimizer steps; --resume
 // continues at the next optimizer step on any number of ranks, every sample used exactly once;
 // under torchrun's elastic restarts (TORCHELASTIC_RESTART_COUNT > 0) it resumes from
 // <out>/checkpoint.pt on its own.
@@ -47,6 +48,7 @@
 #include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
 #include <loom/sample/global_batch.hpp>
+#include <loom/train/checkpoint.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
 
@@ -76,7 +78,7 @@ struct Options {
   int64_t max_batch = 64;               // samples per batch
   int64_t batches_per_step = 4;         // batches per optimizer step, for the whole job
   fs::path out = "finetune_icons_out";
-  std::string init;              // checkpoint or TorchScript file to start from (skips pre-training)
+  std::string init;              // model or TorchScript file to start from (skips pre-training)
   std::string resume;            // checkpoint to resume fine-tuning from
   int64_t checkpoint_every = 0;  // optimizer steps between mid-epoch checkpoints (0: epoch ends only)
   int64_t stop_after_steps = 0;  // stop fine-tuning after this many optimizer steps (simulates a crash; tests)
@@ -84,55 +86,20 @@ struct Options {
 };
 
 // ------------------------------------------------------------------------------------------------
-// Checkpoints: model, optimizer, and where the run stands: the cursor (seed, epoch, next optimizer
-// step of the epoch, fingerprint of the plan), the optimizer steps done and the time spent. No
-// world size: a checkpoint resumes on any number of ranks.
+// Files: the pre-trained model is a model archive (model->save, readable by init_from and by
+// torch::jit::load); fine-tuning checkpoints are loom's (loom::save_checkpoint: model, optimizer,
+// the world-size-free cursor, the Trainer's step counts, and the run's wall time as a user value).
 // ------------------------------------------------------------------------------------------------
-struct RunState {
-  loom::GlobalCursor cursor{};  // the next step to run
-  int64_t steps = 0;            // optimizer steps done in fine-tuning
-  double seconds = 0;           // wall time spent before this process
-};
-
-void save_checkpoint(const fs::path& file, IconNet& model, torch::optim::Optimizer* opt, const RunState& st) {
+void save_model(const fs::path& file, IconNet& model) {
   torch::serialize::OutputArchive archive;
-  torch::serialize::OutputArchive model_archive;
-  model->save(model_archive);
-  archive.write("model", model_archive);
-  if (opt != nullptr) {
-    torch::serialize::OutputArchive opt_archive;
-    opt->save(opt_archive);
-    archive.write("optimizer", opt_archive);
-  }
-  archive.write("cursor", c10::IValue(loom::to_string(st.cursor)));
-  archive.write("steps", torch::tensor({st.steps}, torch::kLong));
-  archive.write("run_seconds", torch::tensor({st.seconds}, torch::kDouble));
+  model->save(archive);
   const fs::path tmp = file.string() + ".tmp";
   archive.save_to(tmp.string());
-  fs::rename(tmp, file);  // atomic: a crash mid-write never leaves a torn checkpoint
-}
-
-RunState load_checkpoint(const fs::path& file, IconNet& model, torch::optim::Optimizer& opt) {
-  if (!fs::is_regular_file(file)) throw loom::DataError(fmt::format("{}: no such checkpoint", file.string()));
-  torch::serialize::InputArchive archive;
-  archive.load_from(file.string());
-  torch::serialize::InputArchive model_archive, opt_archive;
-  archive.read("model", model_archive);
-  model->load(model_archive);
-  if (!archive.try_read("optimizer", opt_archive))
-    throw loom::DataError(
-        fmt::format("{}: has no optimizer state (a pre-trained model: pass it with --init)", file.string()));
-  opt.load(opt_archive);
-  c10::IValue cursor;
-  torch::Tensor steps, secs;
-  archive.read("cursor", cursor);
-  archive.read("steps", steps);
-  archive.read("run_seconds", secs);
-  return {loom::parse_global_cursor(cursor.toStringRef()), steps[0].item<int64_t>(), secs[0].item<double>()};
+  fs::rename(tmp, file);  // a crash mid-write never leaves a torn file
 }
 
 /// Copies every parameter of `model` from a file that holds tensors of the same names and shapes:
-/// a checkpoint of this program, a torch::save(model) file, or a TorchScript module whose
+/// the pre-trained model of this program, a torch::save(model) file, or a TorchScript module whose
 /// parameters are named like IconNet's ("features.0.weight", ..., "head.bias").
 /// Returns the number of tensors copied; throws loom::DataError naming the file when none match.
 int64_t init_from(const fs::path& file, IconNet& model) {
@@ -234,7 +201,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
           "seconds={:.1f}",
           e + 1, o.pretrain_epochs, train_loss, ev.loss, ev.accuracy, task.majority_baseline(), seconds_since(t0));
     }
-    if (pg.rank() == 0) save_checkpoint(pretrained, model, nullptr, {});
+    if (pg.rank() == 0) save_model(pretrained, model);
     pg.barrier();
     log.info("saved the pre-trained model to {}", pretrained.string());
   }
@@ -246,21 +213,24 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
   loom::BatchLoader loader(pg, task.shapes_of(task.train()), [&](int64_t j) { return task.sample(task.train(), j); },
                            plan, {.device = device});
-  RunState st;
+  loom::Trainer trainer(pg, *model, opt);  // rank 0's weights everywhere
   double seconds_before = 0;
   int64_t first_epoch = 0;
   if (!resume.empty()) {
-    st = load_checkpoint(resume, model, opt);
-    seconds_before = st.seconds;
-    loader.resume(st.cursor);  // throws naming the fingerprints if the options or the data changed
-    first_epoch = st.cursor.epoch;
+    // Every rank loads (rank 0 reads the file); throws naming the fingerprints if the options or the data changed.
+    const loom::CheckpointInfo info = loom::load_checkpoint(resume, trainer, loader);
+    if (auto it = info.user.find("run_seconds"); it != info.user.end()) seconds_before = std::stod(it->second);
+    first_epoch = info.cursor.epoch;
     log.info(
         "resumed at fine-tune epoch {}, global step {} of {} (optimizer step {}), on {} rank(s): global_step={} "
         "ranks={}",
-        st.cursor.epoch + 1, st.cursor.step, loader.sampler().num_steps(), st.steps, pg.world_size(), st.cursor.step,
-        pg.world_size());
+        info.cursor.epoch + 1, info.cursor.step, loader.sampler().num_steps(), trainer.steps(), pg.world_size(),
+        info.cursor.step, pg.world_size());
   }
-  loom::Trainer trainer(pg, *model, opt);  // after loading: it broadcasts rank 0's weights
+  auto save = [&] {
+    loom::save_checkpoint(checkpoint, trainer, loader,
+                          {{"run_seconds", fmt::format("{}", seconds_before + seconds_since(start))}});
+  };
   log.info("fine-tune plan: batches_per_epoch={} optimizer_steps_per_epoch={} batches_per_step={} ranks={}",
            loader.sampler().plan().batches.size(), loader.sampler().num_steps(), o.batches_per_step, pg.world_size());
   const examples::EvalResult before = evaluate();
@@ -283,13 +253,9 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     // checkpoint and the stop decision are taken at the same step everywhere.
     trainer.on_step([&](const loom::SyncResult& r) {
       progress.add_global(r.global_samples);
-      ++st.steps;
-      const bool stop = o.stop_after_steps > 0 && st.steps >= o.stop_after_steps;
-      if (stop || (o.checkpoint_every > 0 && st.steps % o.checkpoint_every == 0)) {
-        st.cursor = loader.sampler().cursor();
-        st.seconds = seconds_before + seconds_since(start);
-        if (pg.rank() == 0) save_checkpoint(checkpoint, model, &opt, st);
-      }
+      const int64_t steps = trainer.steps();
+      const bool stop = o.stop_after_steps > 0 && steps >= o.stop_after_steps;
+      if (stop || (o.checkpoint_every > 0 && steps % o.checkpoint_every == 0)) save();
       if (stop) trainer.stop();
     });
     loom::Metrics metrics(pg);
@@ -300,7 +266,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     }
     if (trainer.stopped()) {
       stopped = true;
-      log.info("stopped after {} optimizer steps as asked (--stop-after-steps); checkpoint {}", st.steps,
+      log.info("stopped after {} optimizer steps as asked (--stop-after-steps); checkpoint {}", trainer.steps(),
                checkpoint.string());
       break;
     }
@@ -308,9 +274,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     train_loss = metrics.mean("loss");
     last = evaluate();
     epochs_done = e + 1;
-    st.cursor = loader.sampler().cursor();  // after epoch e's last step: epoch e + 1, step 0
-    st.seconds = seconds_before + seconds_since(start);
-    if (pg.rank() == 0) save_checkpoint(checkpoint, model, &opt, st);
+    save();  // after epoch e's last step: resumes at epoch e + 1, step 0
     log.info(
         "epoch {}/{}: train_loss={:.4f} val_loss={:.4f} val_accuracy={:.4f} majority_baseline={:.4f} seconds={:.1f}",
         e + 1, o.epochs, train_loss, last.loss, last.accuracy, task.majority_baseline(), seconds_since(t0));
@@ -320,7 +284,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   log.info(
       "result: val_accuracy={:.4f} val_loss={:.6f} train_loss={:.6f} majority_baseline={:.4f} epochs={} steps={} "
       "seconds={:.1f}",
-      last.accuracy, last.loss, train_loss, task.majority_baseline(), epochs_done, st.steps,
+      last.accuracy, last.loss, train_loss, task.majority_baseline(), epochs_done, trainer.steps(),
       seconds_before + seconds_since(start));
 }
 
@@ -358,7 +322,9 @@ int main(int argc, char** argv) {
          "batches per optimizer step, for the whole job (dealt to the ranks: the same steps on any number of ranks)")
       ->check(CLI::PositiveNumber);
   app.add_option("--out", o.out, "folder for pretrained.pt and checkpoint.pt");
-  app.add_option("--init", o.init, "start from this model file (a checkpoint or TorchScript) instead of pre-training");
+  app.add_option("--init", o.init,
+                 "start from this model file (the pre-trained model of a run, a torch::save(model) file, or "
+                 "TorchScript) instead of pre-training");
   app.add_option("--resume", o.resume, "resume fine-tuning from this checkpoint (any number of ranks)");
   app.add_option("--checkpoint-every", o.checkpoint_every,
                  "optimizer steps between mid-epoch checkpoints (0: epoch ends)");
