@@ -10,7 +10,11 @@
 // Throws: loom::ConfigError for `--device cuda` without a CUDA device, or a bad name.
 #pragma once
 
+#include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include <torch/cuda.h>
@@ -36,6 +40,14 @@ inline bool wants_cuda(const std::string& device) {
 inline loom::Backend group_backend(const std::string& backend, const std::string& device) {
   if (backend == "auto") return wants_cuda(device) ? loom::Backend::automatic : loom::Backend::gloo;
   return loom::parse_backend(backend);
+}
+
+/// The process group's timeout for `--timeout SECONDS`: unset (0) leaves it to LOOM_TIMEOUT or
+/// loom's default (300 s); a negative value is a loom::ConfigError.
+inline std::optional<std::chrono::milliseconds> group_timeout(double seconds) {
+  if (seconds < 0) throw loom::ConfigError("--timeout " + std::to_string(seconds) + " must be > 0 seconds");
+  if (seconds == 0) return std::nullopt;
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
 }
 
 /// The model's device: the process group's GPU under NCCL; with Gloo, this rank's GPU when asked.

@@ -66,7 +66,7 @@ struct Options {
   int nproc = 2;
   std::string device = "auto";   // auto | cpu | cuda
   std::string backend = "auto";  // auto | gloo | nccl
-  double timeout = 300;          // seconds: rendezvous and every collective
+  double timeout = 0;            // seconds: rendezvous and every collective (0: LOOM_TIMEOUT or 300)
   examples::IconTaskOptions task{};
   int pretrain_epochs = 1;
   int epochs = 8;
@@ -299,7 +299,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--backend", o.backend, "auto | gloo | nccl (auto: NCCL for a GPU model, Gloo for a CPU one)")
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
-  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous and in any collective")
+  app.add_option("--timeout", o.timeout,
+                 "seconds a rank waits at rendezvous and in any collective (default: LOOM_TIMEOUT, else 300)")
       ->check(CLI::PositiveNumber);
   app.add_option("--data", o.task.data, "icon theme root (<N>x<N>/<context>/*.png)");
   app.add_option("--sizes", o.task.sizes, "icon sizes to fine-tune on, px")->delimiter(',');
@@ -338,10 +339,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000));
     loom::run([&](loom::ProcessGroup& pg) { run_rank(pg, o, start); },
               {.nproc = o.nproc,
-               .group = {.backend = examples::group_backend(o.backend, o.device), .timeout = timeout},
+               .group = {.backend = examples::group_backend(o.backend, o.device),
+                         .timeout = examples::group_timeout(o.timeout)},
                .spawn = {.threads_per_rank = o.threads}});
   } catch (const loom::Error& e) {
     fmt::print(stderr, "finetune_icons: {}\n", e.what());

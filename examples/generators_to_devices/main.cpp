@@ -76,7 +76,7 @@ struct Options {
   uint64_t seed = 1;
   std::string backend = "auto";  // auto | gloo | nccl (examples/common/placement.hpp)
   std::string device = "auto";   // auto | cpu | cuda
-  double timeout = std::chrono::duration<double>(loom::kDefaultTimeout).count();  // seconds (--timeout)
+  double timeout = 0;            // seconds (--timeout; 0: LOOM_TIMEOUT, else loom::kDefaultTimeout)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -397,7 +397,8 @@ int main(int argc, char** argv) {
   app.add_option("--lr", o.lr, "Adam learning rate");
   app.add_option("--hidden", o.hidden, "hidden units of the forecaster");
   app.add_option("--seed", o.seed, "seed of the initial weights and window offsets");
-  app.add_option("--timeout", o.timeout, "seconds a rank waits at rendezvous, connect and in any collective")
+  app.add_option("--timeout", o.timeout,
+                 "seconds a rank waits at rendezvous, connect and in any collective (default: LOOM_TIMEOUT, else 300)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
@@ -413,7 +414,7 @@ int main(int argc, char** argv) {
         },
         {.nproc = in_process ? 1 : o.devices,
          .group = {.backend = examples::group_backend(o.backend, o.device),
-                   .timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000))}});
+                   .timeout = examples::group_timeout(o.timeout)}});
   } catch (const loom::Error& e) {
     fmt::print(stderr, "generators_to_devices: {}\n", e.what());
     return 1;

@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <loom/comm/local.hpp>
 #include <loom/sample/global_batch.hpp>
 #include <loom/sample/sample_seed.hpp>
 
@@ -305,6 +306,22 @@ TEST_CASE("GlobalBatchSampler: balanced dealing keeps the busiest rank near the 
                        loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(Shapes{}, {}), doctest::Contains("empty"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS(s.assignment(s.num_steps(), 0), doctest::Contains("outside"), loom::InvalidArgument);
+}
+
+TEST_CASE(
+    "GlobalBatchSampler with a communicator: a world size or rank in the options that contradicts it is refused") {
+  const Shapes shapes(12, std::vector<int64_t>{3});
+  loom::LocalCommunicator comm;  // world size 1, rank 0
+  CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(comm, shapes, {.world_size = 2}),
+                       doctest::Contains("the options say world_size = 2, rank = 0, but the communicator (process "
+                                         "group) has world size 1 and this is rank 0"),
+                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::GlobalBatchSampler(comm, shapes, {.rank = 3}),
+                       doctest::Contains("world_size = 1, rank = 3"), loom::InvalidArgument);
+  // Unset, or equal to the communicator's: accepted.
+  const loom::GlobalBatchSampler s(comm, shapes, {.world_size = 1, .rank = 0, .max_samples = 4});
+  CHECK(s.options().world_size == 1);
+  CHECK(s.num_steps() == 3);
 }
 
 TEST_CASE("sample_seed: a function of (seed, epoch, index) only") {

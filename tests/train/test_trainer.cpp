@@ -1,7 +1,9 @@
 // loom::Trainer, BatchLoader, Metrics and run() in one process: the short path equals the
 // hand-written low-level loop bit for bit, and each protocol step a loop could forget is a loom
 // error naming it (or does not compile). Multi-rank twins: test_trainer_dist.cpp.
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <iterator>
 #include <memory>
 #include <optional>
@@ -436,6 +438,31 @@ TEST_CASE("run: nproc 1 without a launcher runs in this process as rank 0 of 1")
   CHECK(calls == 1);
   CHECK_THROWS_WITH_AS(loom::run([](loom::ProcessGroup&) {}, {.nproc = 0}), doctest::Contains("nproc = 0"),
                        loom::InvalidArgument);
+}
+
+TEST_CASE("ProcessGroup timeout: the option, else LOOM_TIMEOUT in seconds, else 300 s; a bad LOOM_TIMEOUT is named") {
+  using std::chrono::milliseconds;
+  CHECK(loom::process_group_timeout({}, nullptr) == milliseconds(300'000));
+  CHECK(loom::process_group_timeout({}, "") == milliseconds(300'000));
+  CHECK(loom::process_group_timeout({}, "2.5") == milliseconds(2'500));
+  CHECK(loom::process_group_timeout({}, "600") == milliseconds(600'000));
+  CHECK(loom::process_group_timeout({.timeout = std::chrono::seconds(7)}, "600") == milliseconds(7'000));
+  for (const char* bad : {"abc", "0", "-3", "5s", "inf", "nan", "1e300"})
+    CHECK_THROWS_WITH_AS(
+        (void)loom::process_group_timeout({}, bad),
+        doctest::Contains(fmt::format("LOOM_TIMEOUT='{}' is not a number of seconds > 0", bad).c_str()),
+        loom::ConfigError);
+  // The variable reaches the process group's communicator.
+  ::setenv("LOOM_TIMEOUT", "42", 1);
+  int calls = 0;
+  loom::run([&](loom::ProcessGroup& pg) {
+    ++calls;
+    CHECK(pg.timeout() == milliseconds(42'000));
+  });
+  loom::run([&](loom::ProcessGroup& pg) { CHECK(pg.timeout() == milliseconds(9'000)); },
+            {.group = {.timeout = std::chrono::seconds(9)}});
+  ::unsetenv("LOOM_TIMEOUT");
+  CHECK(calls == 1);
 }
 
 TEST_CASE("rank_cuda_device: LOCAL_RANK among CUDA_VISIBLE_DEVICES; too few GPUs is an error on every rank") {

@@ -27,8 +27,12 @@
 //         mapping; torchrun's LOCAL_RANK device convention.
 #pragma once
 
+#include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -91,10 +95,31 @@ inline Backend parse_backend(std::string_view text) {
 /// Example: `loom::ProcessGroupOptions{.backend = loom::Backend::gloo, .timeout = std::chrono::seconds(30)}`.
 /// Units: timeout is wall-clock, per collective and for the rendezvous.
 struct ProcessGroupOptions {
-  Backend backend = Backend::automatic;                 ///< see the file comment
-  std::chrono::milliseconds timeout = kDefaultTimeout;  ///< bound on rendezvous and every collective
-  std::string interface {};                             ///< Gloo: network interface (GlooOptions::interface)
+  Backend backend = Backend::automatic;  ///< see the file comment
+  /// Bound on the rendezvous and every collective; unset: the environment variable LOOM_TIMEOUT
+  /// (seconds, e.g. 600 or 2.5), else loom::kDefaultTimeout (300 s). See process_group_timeout.
+  std::optional<std::chrono::milliseconds> timeout{};
+  std::string interface {};  ///< Gloo: network interface (GlooOptions::interface)
 };
+
+/// The timeout a ProcessGroup with `options` uses: options.timeout when set, else LOOM_TIMEOUT
+/// (seconds, a number > 0; `env_value` stands for the variable, null when unset), else
+/// loom::kDefaultTimeout.
+/// Throws: loom::ConfigError naming LOOM_TIMEOUT's value when it is not a number of seconds > 0.
+inline std::chrono::milliseconds process_group_timeout(const ProcessGroupOptions& options, const char* env_value) {
+  if (options.timeout) return *options.timeout;
+  if (env_value == nullptr || *env_value == '\0') return kDefaultTimeout;
+  char* end = nullptr;
+  errno = 0;
+  const double seconds = std::strtod(env_value, &end);
+  if (end == env_value || *end != '\0' || errno != 0 || !std::isfinite(seconds) || !(seconds > 0) ||
+      seconds * 1000 > 1e15)
+    throw ConfigError(
+        fmt::format("LOOM_TIMEOUT='{}' is not a number of seconds > 0 (e.g. 600 or 2.5); it bounds the "
+                    "rendezvous and every collective",
+                    env_value));
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
+}
 
 /// A pending collective of any backend; models WorkHandle.
 class ProcessGroupWork {
@@ -150,9 +175,10 @@ class ProcessGroup {
                                >;
 
   /// Joins the job `env` describes (rendezvous at MASTER_ADDR:MASTER_PORT unless world size 1).
+  /// Throws: see the file comment; loom::ConfigError for a bad LOOM_TIMEOUT (process_group_timeout).
   explicit ProcessGroup(const Environment& env, ProcessGroupOptions options = {})
       : env_(env),
-        options_(std::move(options)),
+        options_(with_timeout(std::move(options))),
         backend_(resolve(env_, options_)),
         comm_(make(env_, options_, backend_)) {}
 
@@ -247,13 +273,18 @@ class ProcessGroup {
 #endif
   }
 
+  static ProcessGroupOptions with_timeout(ProcessGroupOptions o) {
+    o.timeout = process_group_timeout(o, std::getenv("LOOM_TIMEOUT"));
+    return o;
+  }
+
   Variant make(const Environment& env, const ProcessGroupOptions& o, Backend b) {
     switch (b) {
 #if LOOM_HAS_GLOO
       case Backend::gloo:
         device_ = c10::Device(c10::kCPU);
         return Variant(std::in_place_type<GlooCommunicator>, env,
-                       GlooOptions{.timeout = o.timeout, .interface = o.interface});
+                       GlooOptions{.timeout = *o.timeout, .interface = o.interface});
 #endif
 #if LOOM_PROCESS_GROUP_HAS_NCCL
       case Backend::nccl: {
@@ -261,10 +292,10 @@ class ProcessGroup {
         const RankDevice d = rank_cuda_device(env, cuda_device_count(), visible ? visible : "");
         device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d.ordinal));
         return Variant(std::in_place_type<NcclCommunicator>, env,
-                       NcclOptions{.device = d.ordinal, .timeout = o.timeout});
+                       NcclOptions{.device = d.ordinal, .timeout = *o.timeout});
       }
 #endif
-      default: device_ = c10::Device(c10::kCPU); return Variant(std::in_place_type<LocalCommunicator>, o.timeout);
+      default: device_ = c10::Device(c10::kCPU); return Variant(std::in_place_type<LocalCommunicator>, *o.timeout);
     }
   }
 

@@ -132,7 +132,9 @@ class GlobalBatchSampler {
     set_epoch(0);
   }
 
-  /// Takes the world size and rank from a communicator (overriding those in `o`).
+  /// Takes the world size and rank from a communicator (`o`'s are left at their defaults, 1 and 0,
+  /// or equal the communicator's).
+  /// Throws: as above; loom::InvalidArgument when `o` sets another world size or rank than `comm`'s.
   template <Communicator C>
   GlobalBatchSampler(const C& comm, std::vector<std::vector<int64_t>> shapes, GlobalBatchOptions o)
       : GlobalBatchSampler(std::move(shapes), with_comm(comm, std::move(o))) {}
@@ -269,6 +271,11 @@ class GlobalBatchSampler {
 
  private:
   static GlobalBatchOptions with_comm(const auto& comm, GlobalBatchOptions o) {
+    if ((o.world_size != 1 && o.world_size != comm.world_size()) || (o.rank != 0 && o.rank != comm.rank()))
+      throw InvalidArgument(fmt::format(
+          "GlobalBatchSampler: the options say world_size = {}, rank = {}, but the communicator (process group) has "
+          "world size {} and this is rank {}; leave world_size and rank unset when a communicator is given",
+          o.world_size, o.rank, comm.world_size(), comm.rank()));
     o.world_size = comm.world_size();
     o.rank = comm.rank();
     return o;

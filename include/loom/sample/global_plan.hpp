@@ -67,7 +67,8 @@ enum class Dealing {
 /// Example: `loom::GlobalBatchOptions{.seed = 7, .max_samples = 16, .batches_per_step = 4}`.
 /// Units: batches, samples, padded elements per optimizer step.
 struct GlobalBatchOptions {
-  int world_size = 1;                     ///< ranks sharing each step (not part of the plan)
+  int world_size = 1;                     ///< ranks sharing each step (not part of the plan); leave unset
+                                          ///< with a communicator (it supplies them)
   int rank = 0;                           ///< this rank, in [0, world_size)
   bool shuffle = true;                    ///< seeded sample order and batch order per epoch
   uint64_t seed = 0;                      ///< shared by every rank
