@@ -64,37 +64,16 @@ TEST_SUITE("dist") {
                                                  info.cursor.epoch, info.cursor.step, trainer.steps()));
           for (int64_t e = info.cursor.epoch; e < 2; ++e)
             for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loom::test::mean_loss(model, b), b);
-          if (comm.rank() == 0) {
-            std::string text;
-            for (const auto& p : model.params) {
-              auto c = p.detach().contiguous();
-              for (int64_t k = 0; k < c.numel(); ++k) text += fmt::format("{:.17g}\n", c.data_ptr<double>()[k]);
-            }
-            std::FILE* f = std::fopen(result.c_str(), "w");
-            std::fputs(text.c_str(), f);
-            std::fclose(f);
-          }
+          if (comm.rank() == 0) loom::test::write_values(result.string(), model.params);
         },
         {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
 
-    std::vector<double> resumed, expected;
-    for (const auto& p : reference) {
-      auto c = p.detach().contiguous();
-      expected.insert(expected.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
-    }
-    std::FILE* f = std::fopen(result.c_str(), "r");
-    REQUIRE(f != nullptr);
-    double x;
-    while (std::fscanf(f, "%lf", &x) == 1) resumed.push_back(x);
-    std::fclose(f);
+    const std::vector<double> expected = loom::test::flat_values(reference);
+    const std::vector<double> resumed = loom::test::read_values(result.string());
     REQUIRE(resumed.size() == expected.size());
-    double worst = 0, scale = 0;
-    for (std::size_t k = 0; k < expected.size(); ++k) {
-      worst = std::max(worst, std::abs(resumed[k] - expected[k]));
-      scale = std::max(scale, std::abs(expected[k]));
-    }
-    MESSAGE(fmt::format("2 -> 3 ranks resumed vs uninterrupted: max relative difference {:.3g}", worst / scale));
-    CHECK(worst / scale < 1e-12);
+    const double relative = loom::test::max_relative_difference(expected, resumed);
+    MESSAGE(fmt::format("2 -> 3 ranks resumed vs uninterrupted: max relative difference {:.3g}", relative));
+    CHECK(relative < 1e-12);
     fs::remove_all(dir);
   }
 

@@ -53,43 +53,22 @@ TEST_SUITE("dist") {
   }
 
   TEST_CASE("run with nproc 1 and 2 train to the same parameters (world-size invariance through the short path)") {
-    std::vector<double> one, two;
-    loom::run([&](loom::ProcessGroup& pg) {
-      for (const auto& p : loom::test::train_short(pg, 2)) {
-        auto c = p.detach().contiguous();
-        one.insert(one.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
-      }
-    });
+    std::vector<double> one;
+    loom::run([&](loom::ProcessGroup& pg) { one = loom::test::flat_values(loom::test::train_short(pg, 2)); });
     // The 2-rank run writes rank 0's parameters through a pipe-free channel: a file.
     const std::string path = fmt::format("/tmp/loom-trainer-{}.txt", ::getpid());
     loom::run(
         [&](loom::ProcessGroup& pg) {
-          std::string text;
-          for (const auto& p : loom::test::train_short(pg, 2)) {
-            auto c = p.detach().contiguous();
-            for (int64_t k = 0; k < c.numel(); ++k) text += fmt::format("{:.17g}\n", c.data_ptr<double>()[k]);
-          }
-          if (pg.rank() == 0) {
-            std::FILE* f = std::fopen(path.c_str(), "w");
-            std::fputs(text.c_str(), f);
-            std::fclose(f);
-          }
+          const auto params = loom::test::train_short(pg, 2);
+          if (pg.rank() == 0) loom::test::write_values(path, params);
         },
         {.nproc = 2, .spawn = {.timeout = std::chrono::seconds(120)}});
-    std::FILE* f = std::fopen(path.c_str(), "r");
-    REQUIRE(f != nullptr);
-    double x;
-    while (std::fscanf(f, "%lf", &x) == 1) two.push_back(x);
-    std::fclose(f);
+    const std::vector<double> two = loom::test::read_values(path);
     std::remove(path.c_str());
     REQUIRE(one.size() == two.size());
-    double worst = 0, scale = 0;
-    for (std::size_t k = 0; k < one.size(); ++k) {
-      worst = std::max(worst, std::abs(one[k] - two[k]));
-      scale = std::max(scale, std::abs(one[k]));
-    }
-    MESSAGE(fmt::format("nproc 1 vs 2: max relative difference {:.3g}", worst / scale));
-    CHECK(worst / scale < 1e-12);
+    const double relative = loom::test::max_relative_difference(one, two);
+    MESSAGE(fmt::format("nproc 1 vs 2: max relative difference {:.3g}", relative));
+    CHECK(relative < 1e-12);
   }
 
   TEST_CASE(

@@ -7,11 +7,17 @@
 // reduction), so the trainer multiplies it by the batch's samples.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
@@ -114,6 +120,49 @@ std::vector<at::Tensor> train_by_hand(Comm& comm, int epochs) {
     }
   }
   return model.params;
+}
+
+/// float64 parameters as one list of values, in order.
+inline std::vector<double> flat_values(const std::vector<at::Tensor>& params) {
+  std::vector<double> out;
+  for (const auto& p : params) {
+    const at::Tensor c = p.detach().to(at::kDouble).contiguous();
+    out.insert(out.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+  }
+  return out;
+}
+
+/// Writes the parameters' values to `path`, one per line, exactly (17 digits): how a spawned
+/// rank hands its result to the test's process.
+inline void write_values(const std::string& path, const std::vector<at::Tensor>& params) {
+  std::string text;
+  for (double v : flat_values(params)) text += fmt::format("{:.17g}\n", v);
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) throw std::runtime_error("cannot write " + path);
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+}
+
+/// The values write_values wrote (empty when the file is missing).
+inline std::vector<double> read_values(const std::string& path) {
+  std::vector<double> out;
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return out;
+  double x;
+  while (std::fscanf(f, "%lf", &x) == 1) out.push_back(x);
+  std::fclose(f);
+  return out;
+}
+
+/// max |a - b| / max |a| over equally long lists (infinity when the lengths differ).
+inline double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double worst = 0, scale = 0;
+  for (std::size_t k = 0; k < a.size(); ++k) {
+    worst = std::max(worst, std::abs(a[k] - b[k]));
+    scale = std::max(scale, std::abs(a[k]));
+  }
+  return worst / scale;
 }
 
 }  // namespace loom::test
