@@ -103,6 +103,20 @@ TEST_CASE("checkpoint: saved mid-epoch, resumed in a new run, equals the uninter
   CHECK(at_end.cursor.step == 0);
   CHECK(at_end.user.empty());
   CHECK(equal_params(third.model.params, full.model.params));
+
+  // Inside an epoch loop: refused before anything changes; the epoch then runs in full.
+  Run fourth;
+  bool refused = false;
+  for (loom::Batch& b : fourth.trainer.epoch(fourth.loader, 0)) {
+    if (!refused) {
+      CHECK_THROWS_WITH_AS((void)loom::load_checkpoint(file, fourth.trainer, fourth.loader),
+                           doctest::Contains("an epoch loop is running"), loom::Error);
+      refused = true;
+    }
+    fourth.trainer.backward(loom::test::mean_loss(fourth.model, b), b);
+  }
+  CHECK(refused);
+  CHECK(fourth.trainer.steps() == static_cast<int64_t>(fourth.loader.sampler().plan().steps.size()));
   fs::remove_all(file.parent_path());
 }
 

@@ -128,6 +128,9 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
                 "loom::load_checkpoint: the optimizer must have save(OutputArchive&) and load(InputArchive&), as "
                 "every torch::optim optimizer");
   C& comm = trainer.communicator();
+  if (trainer.loop_running())  // the same on every rank: they all run the loop
+    throw Error(fmt::format("load_checkpoint({}): an epoch loop is running; load a checkpoint between epoch loops",
+                            file.string()));
   const std::string bytes = detail::broadcast_file(comm, file);
   const ParameterList& list = trainer.reducer().parameters();
   const at::Device device = list.params.empty() ? at::Device(at::kCPU) : list.params.front().device();

@@ -271,8 +271,8 @@ class Trainer {
           "would stop this rank alone (ranks run the body different numbers of times per step)");
     stop_ = true;
   }
-  /// Whether the last epoch loop ended by stop().
-  [[nodiscard]] bool stopped() const noexcept { return stopped_; }
+  [[nodiscard]] bool stopped() const noexcept { return stopped_; }         ///< the last epoch loop ended by stop()
+  [[nodiscard]] bool loop_running() const noexcept { return loop_open_; }  ///< an epoch loop is running
 
   /// Optimizer steps applied so far (skipped inf/NaN steps not counted).
   [[nodiscard]] int64_t steps() const noexcept { return steps_; }

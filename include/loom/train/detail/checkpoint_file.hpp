@@ -48,27 +48,38 @@ inline void write_atomically(const std::filesystem::path& file, torch::serialize
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw DataError(fmt::format("cannot create {}: {}", tmp.string(), std::strerror(errno)));
   int error = 0;
-  archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
-    const char* p = static_cast<const char*>(data);
-    std::size_t left = size;
-    while (left > 0 && error == 0) {
-      const ssize_t n = ::write(fd, p, left);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0)
-        error = errno;
-      else {
-        p += n;
-        left -= static_cast<std::size_t>(n);
+  auto discard = [&] {
+    ::close(fd);
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+  };
+  try {
+    archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
+      const char* p = static_cast<const char*>(data);
+      std::size_t left = size;
+      while (left > 0 && error == 0) {
+        const ssize_t n = ::write(fd, p, left);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0)
+          error = errno;
+        else {
+          p += n;
+          left -= static_cast<std::size_t>(n);
+        }
       }
-    }
-    return error == 0 ? size : 0;
-  });
+      return error == 0 ? size : 0;
+    });
+  } catch (const std::exception& e) {  // LibTorch's writer gave up (a short write above, or its own error)
+    discard();
+    throw DataError(fmt::format("cannot write {}: {}", tmp.string(),
+                                error != 0 ? std::string(std::strerror(error)) : first_line(e.what())));
+  }
   if (error == 0 && ::fsync(fd) != 0) error = errno;
-  ::close(fd);
   if (error != 0) {
-    std::filesystem::remove(tmp);
+    discard();
     throw DataError(fmt::format("cannot write {}: {}", tmp.string(), std::strerror(error)));
   }
+  ::close(fd);
   std::error_code ec;
   std::filesystem::rename(tmp, file, ec);
   if (ec) throw DataError(fmt::format("cannot rename {} to {}: {}", tmp.string(), file.string(), ec.message()));
