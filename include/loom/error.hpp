@@ -25,6 +25,7 @@
 #include <chrono>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -99,6 +100,14 @@ class DataError : public Error {
 };
 
 namespace detail {
+/// The first line of an error text (LibTorch's messages carry a backtrace after it), without the
+/// "loom: " prefix of loom's own errors.
+inline std::string first_line(std::string_view text) {
+  text = text.substr(0, text.find('\n'));
+  if (text.starts_with("loom: ")) text.remove_prefix(6);
+  return std::string(text);
+}
+
 [[noreturn]] inline void assert_fail(const char* expr, const char* file, int line, const std::string& msg) {
   throw Error(
       fmt::format("internal invariant violated: {} at {}:{}{}{}", expr, file, line, msg.empty() ? "" : ": ", msg));

@@ -413,6 +413,38 @@ TEST_CASE("gather_results: variable-length ranks (one with no rows), no dataset_
   }
 }
 
+TEST_CASE("gather_results: a rank with no rows may pass an undefined tensor and adopts the others' dtype and shape") {
+  loom::test::ThreadGroup group(3);
+  std::vector<loom::GatheredResults> results(3);
+  group.run([&](int rank) {
+    loom::test::ThreadCommunicator comm(group, rank);
+    std::vector<int64_t> idx;
+    at::Tensor values;  // rank 0: nothing evaluated, no tensor to take a shape from
+    if (rank == 1) {
+      idx = {2, 0};
+      values = torch::tensor({20., 21., 0., 1.}, torch::kDouble).reshape({2, 2});
+    } else if (rank == 2) {
+      idx = {1};
+      values = torch::tensor({10., 11.}, torch::kDouble).reshape({1, 2});
+    }
+    results[static_cast<std::size_t>(rank)] = loom::gather_results(comm, idx, values, {.dataset_size = 3});
+  });
+  for (const auto& g : results) {
+    CHECK(g.indices == std::vector<int64_t>{0, 1, 2});
+    CHECK((g.values.scalar_type() == at::kDouble));
+    CHECK(torch::equal(g.values, torch::tensor({0., 1., 10., 11., 20., 21.}, torch::kDouble).reshape({3, 2})));
+  }
+  // Every rank empty: an empty result, no error without dataset_size.
+  group.run([&](int rank) {
+    loom::test::ThreadCommunicator comm(group, rank);
+    results[static_cast<std::size_t>(rank)] = loom::gather_results(comm, {}, at::Tensor());
+  });
+  for (const auto& g : results) {
+    CHECK(g.indices.empty());
+    CHECK(g.values.size(0) == 0);
+  }
+}
+
 TEST_CASE("gather_results: bad input on one rank makes every rank throw the same error (nobody hangs)") {
   for (int bad_kind = 0; bad_kind < 4; ++bad_kind) {
     loom::test::ThreadGroup group(3);

@@ -13,7 +13,9 @@
 //   auto all = loom::gather_results(comm, seen, torch::cat(rows), {.dataset_size = n});
 //   // all.values: n x C, row i = sample i; all.duplicates_dropped == s.total_size() - n
 //
-// Protocol (every rank calls it, with any number of rows, 0 included):
+// Protocol (every rank calls it, with any number of rows, 0 included; a rank with no indices may
+// pass an undefined values tensor and adopts the dtype and trailing shape of the first rank that
+// passed one):
 //   1. all_gather a fixed-size int64 header: error code, row count, dtype, trailing shape. Every
 //      rank checks every header, so a bad input on one rank makes *all* ranks throw the same
 //      loom::InvalidArgument (no rank is left waiting in the next collective).
@@ -27,7 +29,8 @@
 //        float64, bfloat16, float16, int32, int64). Result: values m x (trailing shape) on the CPU,
 //        indices ascending (m distinct indices; m = dataset_size when given).
 // Throws: loom::InvalidArgument on every rank, naming the rank and the value, for: indices and
-//         values of different lengths, an undefined or 0-dimensional values tensor, an unsupported
+//         values of different lengths, an undefined values tensor with indices, a 0-dimensional
+//         values tensor, an unsupported
 //         dtype, more than 6 trailing dimensions, trailing shapes or dtypes that differ between
 //         ranks, an index outside [0, dataset_size), and (with dataset_size) an index that no rank
 //         evaluated. loom::CommError / loom::TimeoutError from the communicator.
@@ -92,7 +95,12 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
   // ---- 1. headers: validate locally, but throw only after everyone has seen every header ----
   std::array<int64_t, kGatherHeader> header{};
   int64_t bad_value = 0;
-  if (!values.defined() || values.dim() == 0) {
+  // A rank that evaluated nothing may pass an undefined tensor: it has no row to take a dtype or a
+  // trailing shape from, and adopts the first non-empty rank's.
+  const bool empty_rank = indices.empty() && !values.defined();
+  if (empty_rank) {
+    header[2] = -1;
+  } else if (!values.defined() || values.dim() == 0) {
     header[0] = kGatherUndefined;
   } else if (values.size(0) != static_cast<int64_t>(indices.size())) {
     header[0] = kGatherLength;
@@ -110,7 +118,7 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
     }
   }
   header[1] = values.defined() && values.dim() > 0 ? values.size(0) : 0;
-  header[2] = values.defined() ? static_cast<int64_t>(values.scalar_type()) : -1;
+  header[2] = values.defined() ? static_cast<int64_t>(values.scalar_type()) : -1;  // -1: an empty rank
   header[3] = values.defined() ? std::max<int64_t>(values.dim() - 1, 0) : 0;
   if (header[0] == kGatherOk)
     for (int64_t d = 1; d < values.dim(); ++d) header[static_cast<std::size_t>(3 + d)] = values.size(d);
@@ -153,20 +161,29 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
       default: throw CommError(fmt::format("gather_results: rank {} sent a corrupt header (code {})", r, a[0]));
     }
   }
-  for (int r = 1; r < world; ++r) {
+  // The reference dtype and trailing shape: the first rank that passed a tensor (empty ranks adopt it).
+  int ref = 0;
+  while (ref < world && all[static_cast<std::size_t>(ref)][2] < 0) ++ref;
+  for (int r = ref + 1; r < world; ++r) {
     const auto& a = all[static_cast<std::size_t>(r)];
-    const auto& z = all[0];
+    const auto& z = all[static_cast<std::size_t>(ref)];
+    if (a[2] < 0) continue;
     if (a[2] != z[2] || a[3] != z[3] || !std::equal(a.begin() + 4, a.end(), z.begin() + 4))
       throw InvalidArgument(fmt::format(
-          "gather_results: rank {} has values of dtype {} and trailing shape [{}], rank 0 has {} and [{}]", r,
-          c10::toString(static_cast<c10::ScalarType>(a[2])), fmt::join(a.begin() + 4, a.begin() + 4 + a[3], ", "),
+          "gather_results: rank {} has values of dtype {} and trailing shape [{}], rank {} has {} and [{}]", r,
+          c10::toString(static_cast<c10::ScalarType>(a[2])), fmt::join(a.begin() + 4, a.begin() + 4 + a[3], ", "), ref,
           c10::toString(static_cast<c10::ScalarType>(z[2])), fmt::join(z.begin() + 4, z.begin() + 4 + z[3], ", ")));
   }
   // ---- 2. padded all_gather of indices and rows ----
   int64_t max_n = 0;
   for (const auto& a : all) max_n = std::max(max_n, a[1]);
-  std::vector<int64_t> trailing(values.sizes().begin() + 1, values.sizes().end());
-  const c10::ScalarType dtype = values.scalar_type();
+  std::vector<int64_t> trailing;
+  c10::ScalarType dtype = at::kFloat;  // when no rank passed a tensor (and none has a row)
+  if (ref < world) {
+    const auto& z = all[static_cast<std::size_t>(ref)];
+    trailing.assign(z.begin() + 4, z.begin() + 4 + z[3]);
+    dtype = static_cast<c10::ScalarType>(z[2]);
+  }
   int64_t row_numel = 1;
   for (int64_t d : trailing) row_numel *= d;
   const std::size_t row_bytes = static_cast<std::size_t>(row_numel) * c10::elementSize(dtype);
@@ -187,7 +204,7 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
   std::vector<int64_t> padded_shape{max_n};
   padded_shape.insert(padded_shape.end(), trailing.begin(), trailing.end());
   at::Tensor rows = at::empty(padded_shape, at::TensorOptions(dtype));
-  const at::Tensor local = values.cpu().contiguous();
+  const at::Tensor local = n > 0 ? values.cpu().contiguous() : at::Tensor();
   // A rank with no rows has a null data pointer, and memcpy from null is undefined even for 0 bytes.
   if (n > 0) std::memcpy(rows.data_ptr(), local.data_ptr(), static_cast<std::size_t>(n) * row_bytes);
   std::memset(static_cast<std::byte*>(rows.data_ptr()) + static_cast<std::size_t>(n) * row_bytes, 0,

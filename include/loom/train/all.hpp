@@ -8,13 +8,15 @@
 //
 // Contents: BatchLoader / LoaderOptions (loader.hpp), Trainer (trainer.hpp), TrainerOptions /
 // StepOptimizer / StepFunctions (options.hpp), EpochRange (epoch_range.hpp), BatchSource /
-// PlannedBatchSource (batch_source.hpp), save_checkpoint / load_checkpoint (checkpoint.hpp). Guide:
+// PlannedBatchSource (batch_source.hpp), save_checkpoint / load_checkpoint (checkpoint.hpp), evaluate
+// (evaluate.hpp). Guide:
 // docs/loop.md.
 #pragma once
 
 #include <loom/train/batch_source.hpp>
 #include <loom/train/checkpoint.hpp>
 #include <loom/train/epoch_range.hpp>
+#include <loom/train/evaluate.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/options.hpp>
 #include <loom/train/trainer.hpp>

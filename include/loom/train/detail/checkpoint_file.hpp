@@ -33,14 +33,6 @@
 
 namespace loom::detail {
 
-/// The first line of an error text (LibTorch's messages carry a backtrace after it), without the
-/// "loom: " prefix of loom's own errors.
-inline std::string first_line(std::string_view text) {
-  text = text.substr(0, text.find('\n'));
-  if (text.starts_with("loom: ")) text.remove_prefix(6);
-  return std::string(text);
-}
-
 /// Writes `archive` to `<file>.loom-tmp`, fsyncs it, renames it over `file`, fsyncs the folder.
 /// Throws: loom::DataError naming the path and the system's reason.
 inline void write_atomically(const std::filesystem::path& file, torch::serialize::OutputArchive& archive) {
