@@ -23,8 +23,9 @@
 #include <torch/torch.h>
 
 #include <loom/error.hpp>
-#include <loom/log/named_metrics.hpp>
 #include <loom/sample/global_batch.hpp>
+#include <loom/train/evaluate.hpp>
+#include <loom/train/loader.hpp>
 
 #include "data/icons.hpp"
 
@@ -138,35 +139,27 @@ class IconTask {
     return {icons_.pixels(i).to(torch::kFloat).div_(255.0), icons_.label(i)};
   }
 
-  /// Accuracy and mean loss over the validation split, each sample once over all ranks.
+  /// Accuracy and mean loss over the validation split, each sample once over all ranks: a
+  /// BatchLoader over the split in order, loom::evaluate gathering each sample's (correct, loss).
   template <class Comm>
   EvalResult evaluate(Comm& comm, IconNet& model, torch::Device device, int64_t max_samples,
                       int64_t max_elements) const {
+    loom::BatchLoader val(
+        comm, shapes_of(val_), [this](int64_t j) { return sample(val_, j); },
+        {.shuffle = false, .max_samples = max_samples, .max_elements = max_elements,
+         .batches_per_step = comm.world_size()},
+        {.device = device});
     model->eval();
-    torch::NoGradGuard no_grad;
-    loom::GlobalBatchSampler sampler(comm, shapes_of(val_),
-                                     {.shuffle = false,
-                                      .max_samples = max_samples,
-                                      .max_elements = max_elements,
-                                      .batches_per_step = comm.world_size()});
-    loom::Metrics metrics(comm);
-    while (auto item = sampler.next()) {
-      if (item->idle) continue;
-      std::vector<torch::Tensor> xs;
-      std::vector<int64_t> ys;
-      for (int64_t j : item->indices) {
-        auto [x, y] = sample(val_, j);
-        xs.push_back(x);
-        ys.push_back(y);
-      }
-      const torch::Tensor logits = model->forward(torch::stack(xs).to(device));
-      const torch::Tensor y = torch::tensor(ys, torch::kLong).to(device);
-      const auto n = static_cast<double>(ys.size());
-      metrics.add("accuracy", logits.argmax(1).eq(y).to(torch::kDouble).mean().item<double>(), n);
-      metrics.add("loss", torch::nn::functional::cross_entropy(logits, y).item<double>(), n);
-    }
+    const loom::GatheredResults r = loom::evaluate(comm, val, [&](loom::Batch& b) {
+      const torch::Tensor logits = model->forward(b.data);
+      const torch::Tensor correct = logits.argmax(1).eq(b.targets).to(torch::kDouble);
+      const torch::Tensor loss = torch::nn::functional::cross_entropy(
+          logits, b.targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+      return torch::stack({correct, loss.to(torch::kDouble)}, 1);  // N x 2
+    });
     model->train();
-    return {metrics.mean("accuracy"), metrics.mean("loss")};
+    const torch::Tensor mean = r.values.mean(0);  // over every validation sample, once each
+    return {mean[0].item<double>(), mean[1].item<double>()};
   }
 
  private:
