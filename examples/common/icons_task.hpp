@@ -144,11 +144,12 @@ class IconTask {
   template <class Comm>
   EvalResult evaluate(Comm& comm, IconNet& model, torch::Device device, int64_t max_samples,
                       int64_t max_elements) const {
-    loom::BatchLoader val(
-        comm, shapes_of(val_), [this](int64_t j) { return sample(val_, j); },
-        {.shuffle = false, .max_samples = max_samples, .max_elements = max_elements,
-         .batches_per_step = comm.world_size()},
-        {.device = device});
+    loom::BatchLoader val(comm, shapes_of(val_), [this](int64_t j) { return sample(val_, j); },
+                          {.shuffle = false,
+                           .max_samples = max_samples,
+                           .max_elements = max_elements,
+                           .batches_per_step = comm.world_size()},
+                          {.device = device});
     model->eval();
     const loom::GatheredResults r = loom::evaluate(comm, val, [&](loom::Batch& b) {
       const torch::Tensor logits = model->forward(b.data);

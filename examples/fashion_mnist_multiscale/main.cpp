@@ -10,8 +10,8 @@
 // (loom::sample_seed of seed, epoch, index: the same on any world size) and a loom::BatchLoader
 // over those shapes (exact-shape buckets; --batches-per-step batches per optimizer step, dealt to
 // the ranks) -> loom::Trainer -> loom::Metrics, loom::Progress (through Trainer::on_step), loom::Logger.
-// Test: loom::DistributedSampler shards the test set, loom::gather_results brings every prediction
-// back once, in dataset order.
+// Test: a loom::BatchLoader over the test set and loom::evaluate bring every prediction back once,
+// in dataset order, from every rank.
 //
 // Run:   build/examples/fashion_mnist_multiscale                 (2 ranks, defaults)
 // Output (rank 0): one line per epoch with test accuracy at each size, then
@@ -32,6 +32,7 @@
 #include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
 #include <loom/sample/all.hpp>
+#include <loom/train/evaluate.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
 
@@ -110,30 +111,18 @@ void train(loom::ProcessGroup& pg, const Options& o, Clock::time_point start) {
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(1e-4));
   loom::Trainer trainer(pg, *model, opt);
 
+  // Test accuracy at size s: a BatchLoader over the test set in order (one shape, batches of 256)
+  // and loom::evaluate gathering each image's prediction from every rank, once, in dataset order.
   auto evaluate = [&](int64_t s) {
-    torch::NoGradGuard no_grad;
+    loom::BatchLoader test(pg, std::vector<std::vector<int64_t>>(static_cast<std::size_t>(n_test), {1, s, s}),
+                           [&](int64_t i) { return image_at(test_set.images, i, s); },
+                           {.shuffle = false, .max_samples = 256, .batches_per_step = pg.world_size()},
+                           {.device = device});
     model->eval();
-    loom::DistributedSampler sampler(
-        {.dataset_size = n_test, .num_replicas = pg.world_size(), .rank = pg.rank(), .shuffle = false});
-    std::vector<int64_t> seen;
-    std::vector<torch::Tensor> preds;
-    std::vector<torch::Tensor> xs;
-    auto flush = [&] {
-      if (xs.empty()) return;
-      preds.push_back(model->forward(torch::stack(xs).to(device)).argmax(1).cpu());
-      xs.clear();
-    };
-    while (auto i = sampler.next()) {
-      seen.push_back(*i);
-      xs.push_back(image_at(test_set.images, *i, s));
-      if (static_cast<int64_t>(xs.size()) == 256) flush();
-    }
-    flush();
-    const torch::Tensor mine = preds.empty() ? torch::empty({0}, torch::kLong) : torch::cat(preds);
-    const auto all = loom::gather_results(pg, seen, mine.unsqueeze(1), {.dataset_size = n_test});
+    const auto all =
+        loom::evaluate(pg, test, [&](loom::Batch& b) { return model->forward(b.data).argmax(1).unsqueeze(1); });
     model->train();
-    const torch::Tensor predicted = all.values.squeeze(1);
-    return predicted.eq(test_labels).to(torch::kDouble).mean().item<double>();
+    return all.values.squeeze(1).eq(test_labels).to(torch::kDouble).mean().item<double>();
   };
 
   double accuracy = 0;
