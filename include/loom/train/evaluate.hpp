@@ -49,6 +49,7 @@
 #include <concepts>
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
