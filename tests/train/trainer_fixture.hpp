@@ -60,12 +60,12 @@ inline auto trainer_fetch() {
   return [](int64_t i) { return trainer_sample(i); };
 }
 
-/// `epochs` epochs with loom::Trainer; returns the final parameters.
+/// `epochs` epochs with loom::Trainer (a loader with `loading`'s workers); returns the final parameters.
 template <class Comm>
-std::vector<at::Tensor> train_short(Comm& comm, int epochs) {
+std::vector<at::Tensor> train_short(Comm& comm, int epochs, LoaderOptions loading = {}) {
   Mlp model(at::kDouble);
   torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
-  BatchLoader loader(comm, trainer_shapes(), trainer_fetch(), kTrainerPlan);
+  BatchLoader loader(comm, trainer_shapes(), trainer_fetch(), kTrainerPlan, std::move(loading));
   Trainer trainer(comm, model.list(), sgd);
   for (int64_t epoch = 0; epoch < epochs; ++epoch)
     for (Batch& b : trainer.epoch(loader, epoch)) trainer.backward(mean_loss(model, b), b);

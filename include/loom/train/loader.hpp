@@ -30,15 +30,38 @@
 // Shape: as loom::collate_sampled (Batch::data N x planned padded shape, targets); Batch::mask
 //   (bool, true = real) whenever the plan pads (GlobalBatchOptions::pad), or when collate.mask asks.
 //   Each fetched sample must have its declared shape (shapes[i]) exactly.
+// Background loading (LoaderOptions::num_workers > 0): that many threads fetch and collate the
+//   batches ahead of the loop, at most num_workers * prefetch_factor batches ahead; next() hands
+//   them out in the sampler's order and starts and finishes their transfer on the calling thread.
+//   The order, the batches and every sample's single appearance are those of num_workers = 0: the
+//   workers follow a copy of the sampler, and the loader's own sampler advances only as next()
+//   hands a batch out, so sampler().cursor() (and a checkpoint) names exactly the batches the loop
+//   has received. begin_epoch(), resume() and the destructor wait for the running loads and drop
+//   the rest. A sampler moved by hand (sampler().resume(...)) is noticed at the next next(), which
+//   drops what the workers loaded and continues from the sampler's position.
+//   Thread safety: with workers, `fetch` and the projection are called from the worker threads,
+//   several at once: they must be safe to call concurrently (reading a const container or file is;
+//   a shared decoder, cursor or random generator is not), as must CollateOptions::allocate.
+//   Source: torch.utils.data.DataLoader(num_workers, prefetch_factor, persistent_workers=True),
+//   with threads instead of processes (a C++ fetch holds no interpreter lock).
 // Throws: the sampler's, the fetch function's and collation's errors (naming the sample index); a
-//   fetched sample whose shape is not its declared one (loom::InvalidArgument naming both).
+//   fetched sample whose shape is not its declared one (loom::InvalidArgument naming both). With
+//   workers, an error on a worker reaches the thread calling next() when that batch is due, as
+//   loom::Error naming the step, the batch's samples and the fetch(i) that threw (when it was the
+//   fetch), followed by the original text.
 // Source: torch.utils.data.DataLoader with pin_memory=True and a batch_sampler.
 #pragma once
 
+#include <atomic>
 #include <concepts>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <functional>
+#include <future>
+#include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -53,8 +76,11 @@
 #include <loom/collate/sample.hpp>
 #include <loom/collate/transfer.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/detail/exception_text.hpp>
+#include <loom/error.hpp>
 #include <loom/sample/global_batch.hpp>
 #include <loom/sample/sampled_batch.hpp>
+#include <loom/train/detail/worker_pool.hpp>
 
 namespace loom {
 
@@ -65,6 +91,13 @@ struct LoaderOptions {
                              ///< as padded buckets do by default
 
   std::optional<c10::Device> device{};  ///< where batches go; default: the process group's device
+
+  /// Threads that fetch and collate batches ahead of the loop (see the file comment); 0: next()
+  /// fetches and collates on the calling thread. PyTorch's DataLoader(num_workers).
+  int num_workers = 0;
+  /// Batches loaded ahead per worker when num_workers > 0 (at most num_workers * prefetch_factor
+  /// collated batches wait in host memory). PyTorch's DataLoader(prefetch_factor), default 2 as there.
+  int prefetch_factor = 2;
 };
 
 /// Sampler + fetch + collate. See the file comment.
@@ -114,28 +147,64 @@ class BatchLoader {
     prepare_collate();
   }
 
-  /// The collated batch of one sampler item (an idle item gives an empty Batch with weight 0).
+  /// Waits for the workers' running loads (LoaderOptions::num_workers) and stops them.
+  ~BatchLoader() { background_.stop(); }
+  /// A copy starts without workers (its own start at its first next()); moving or assigning a
+  /// loader first stops the workers of both sides.
+  BatchLoader(const BatchLoader&) = default;
+  BatchLoader(BatchLoader&&) = default;
+  BatchLoader& operator=(const BatchLoader&) = default;
+  BatchLoader& operator=(BatchLoader&&) = default;
+
+  /// The collated batch of one sampler item (an idle item gives an empty Batch with weight 0), on
+  /// the calling thread whatever num_workers says.
   /// Throws: loom::InvalidArgument when a fetched sample's shape is not its declared one
   ///         (shapes[i]), naming the index and both shapes; collation's errors.
   [[nodiscard]] Batch load(const SampledBatch& item) {
-    auto checked = [this](int64_t i) {
-      auto sample = fetch_(i);
-      check_declared_shape(i, projection_.data(sample));
-      return sample;
-    };
-    Batch b = collate_sampled(item, checked, options_.collate, projection_);
-    auto ticket = transfer_.start(b, label());
-    transfer_.finish(b, label(), ticket);
+    int64_t fetching = -1;
+    Batch b = collate_item(item, sampler_.shapes(), fetching);
+    deliver(b);
     return b;
   }
 
   /// This rank's next batch of the epoch begun by begin_epoch (BatchSource, loom/train/batch_source.hpp):
-  /// the sampler's next item, loaded; an idle item gives an idle Batch. std::nullopt at the epoch's end.
-  /// Throws: as load().
+  /// the sampler's next item, loaded (by a worker ahead of time when num_workers > 0); an idle item
+  /// gives an idle Batch. std::nullopt at the epoch's end.
+  /// Throws: as load(); with workers, loom::Error for a batch a worker failed to load (see the file comment).
   [[nodiscard]] std::optional<Batch> next() {
+    if (options_.num_workers == 0) {
+      auto item = sampler_.next();
+      if (!item) return std::nullopt;
+      return load(*item);
+    }
+    Background& bg = background_;
+    if (!bg.lookahead) bg.start(sampler_, options_.num_workers);
     auto item = sampler_.next();
-    if (!item) return std::nullopt;
-    return load(*item);
+    if (!item) {
+      bg.drain();
+      return std::nullopt;
+    }
+    refill();
+    if (bg.pending.empty() || bg.pending.front().first != *item) {
+      // The sampler was moved by hand since the workers started: continue from its position.
+      bg.drain();
+      Batch b = load(*item);
+      bg.start(sampler_, options_.num_workers);
+      refill();
+      return b;
+    }
+    std::future<Batch> loading = std::move(bg.pending.front().second);
+    bg.pending.pop_front();
+    refill();
+    Batch b;
+    try {
+      b = loading.get();
+    } catch (...) {
+      bg.drain();
+      throw;
+    }
+    deliver(b);
+    return b;
   }
 
   [[nodiscard]] GlobalBatchSampler& sampler() noexcept { return sampler_; }
@@ -150,13 +219,105 @@ class BatchLoader {
   /// Continues at a saved cursor: the next Trainer::epoch(loader, cursor.epoch) starts at its step
   /// instead of the epoch's first (the same as loader.sampler().resume(cursor)).
   /// Throws as GlobalBatchSampler::resume.
-  void resume(const GlobalCursor& cursor) { sampler_.resume(cursor); }
+  void resume(const GlobalCursor& cursor) {
+    background_.drain();
+    sampler_.resume(cursor);
+  }
 
   /// Prepares epoch `epoch` (rewinds, unless a resume pointed into it); used by Trainer::epoch.
   /// Throws: loom::InvalidArgument when a resume pointed into another epoch (GlobalBatchSampler::set_epoch).
-  void begin_epoch(int64_t epoch) { sampler_.set_epoch(epoch); }
+  void begin_epoch(int64_t epoch) {
+    background_.drain();
+    sampler_.set_epoch(epoch);
+  }
 
  private:
+  // The background workers' state (num_workers > 0). Declared first among the members, so a move
+  // stops the source's workers before the members their loads read (fetch_, projection_, options_)
+  // move away; ~BatchLoader stops them before any member is destroyed.
+  struct Background {
+    std::unique_ptr<detail::WorkerPool> pool;
+    std::optional<GlobalBatchSampler> lookahead;  // the sampler's copy the workers' items come from
+    std::deque<std::pair<SampledBatch, std::future<Batch>>> pending;  // in the sampler's order
+    std::shared_ptr<std::atomic<bool>> cancelled;                     // this round's loads: skip
+
+    Background() = default;
+    Background(const Background&) noexcept {}
+    Background(Background&& other) noexcept { other.stop(); }
+    Background& operator=(const Background& other) noexcept {
+      if (this != &other) stop();
+      return *this;
+    }
+    Background& operator=(Background&& other) noexcept {
+      stop();
+      other.stop();
+      return *this;
+    }
+    ~Background() { stop(); }
+
+    // Workers follow a copy of `sampler` from its position.
+    void start(const GlobalBatchSampler& sampler, int workers) {
+      if (!pool) pool = std::make_unique<detail::WorkerPool>(workers);
+      lookahead.emplace(sampler);
+      cancelled = std::make_shared<std::atomic<bool>>(false);
+    }
+    // Loads not started are skipped, running ones awaited; their results and errors are dropped.
+    void drain() noexcept {
+      if (cancelled) cancelled->store(true);
+      for (auto& p : pending) p.second.wait();
+      pending.clear();
+      lookahead.reset();
+      cancelled.reset();
+    }
+    void stop() noexcept {
+      drain();
+      pool.reset();
+    }
+  };
+
+  // Queues loads until num_workers * prefetch_factor batches are pending or the epoch is planned out.
+  void refill() {
+    Background& bg = background_;
+    const auto depth = static_cast<std::size_t>(options_.num_workers) * static_cast<std::size_t>(options_.prefetch_factor);
+    while (bg.pending.size() < depth) {
+      auto item = bg.lookahead->next();
+      if (!item) return;
+      const GlobalBatchSampler* plan = &*bg.lookahead;
+      auto job = [this, plan, item = *item, cancelled = bg.cancelled]() -> Batch {
+        if (cancelled->load()) return Batch{};
+        int64_t fetching = -1;
+        try {
+          return collate_item(item, plan->shapes(), fetching);
+        } catch (...) {
+          throw Error(fmt::format("BatchLoader: a worker thread failed to load step {} (samples [{}]){}: {}", item.step,
+                                  fmt::join(item.indices, ", "),
+                                  fetching >= 0 ? fmt::format(", in fetch({})", fetching) : std::string(),
+                                  detail::exception_text(std::current_exception())));
+        }
+      };
+      bg.pending.emplace_back(*item, bg.pool->submit(std::move(job)));
+    }
+  }
+
+  // Fetches (checking declared shapes) and collates `item` on the calling thread; `fetching` holds
+  // the index while fetch(index) runs, -1 otherwise.
+  Batch collate_item(const SampledBatch& item, const std::vector<std::vector<int64_t>>& shapes, int64_t& fetching) {
+    auto checked = [&](int64_t i) {
+      fetching = i;
+      auto sample = fetch_(i);
+      fetching = -1;
+      check_declared_shape(shapes, i, projection_.data(sample));
+      return sample;
+    };
+    return collate_sampled(item, checked, options_.collate, projection_);
+  }
+
+  // Hands a collated batch to the transfer.
+  void deliver(Batch& b) {
+    auto ticket = transfer_.start(b, label());
+    transfer_.finish(b, label(), ticket);
+  }
+
   // The default transfer: to `device`, blocking when a user's pool owns the host buffers.
   static Transfer default_transfer(c10::Device device, bool user_pool) {
     if constexpr (std::same_as<Transfer, DeviceTransfer>) {
@@ -170,6 +331,15 @@ class BatchLoader {
 
   // Padded plans get a mask (as padded buckets); a GPU device gets pinned host batches.
   void prepare_collate() {
+    if (options_.num_workers < 0)
+      throw InvalidArgument(fmt::format(
+          "BatchLoader: LoaderOptions::num_workers = {} must be >= 0 (0 loads on the training thread)",
+          options_.num_workers));
+    if (options_.num_workers > 0 && options_.prefetch_factor < 1)
+      throw InvalidArgument(fmt::format(
+          "BatchLoader: LoaderOptions::prefetch_factor = {} must be >= 1 with num_workers = {} (batches loaded "
+          "ahead per worker)",
+          options_.prefetch_factor, options_.num_workers));
     if (!sampler_.options().pad.empty()) options_.collate.mask = true;
     if (device_.is_cuda() && !options_.collate.allocate && !options_.collate.pool)
       options_.collate.allocate = [](c10::IntArrayRef sizes, c10::ScalarType dtype) {
@@ -182,8 +352,9 @@ class BatchLoader {
 
   // The plan batches and pads by the declared shapes: a sample of another shape would be padded
   // (or cut) silently.
-  void check_declared_shape(int64_t i, const at::Tensor& data) const {
-    const auto& declared = sampler_.shapes()[static_cast<std::size_t>(i)];
+  static void check_declared_shape(const std::vector<std::vector<int64_t>>& shapes, int64_t i,
+                                   const at::Tensor& data) {
+    const auto& declared = shapes[static_cast<std::size_t>(i)];
     if (data.sizes() != c10::IntArrayRef(declared))
       throw InvalidArgument(fmt::format(
           "BatchLoader: fetch({}) returned a sample of shape [{}], but its declared shape (shapes[{}]) is [{}]; the "
@@ -191,6 +362,7 @@ class BatchLoader {
           i, fmt::join(data.sizes(), ", "), i, fmt::join(declared, ", ")));
   }
 
+  Background background_;  // first: see Background
   GlobalBatchSampler sampler_;
   Fetch fetch_;
   LoaderOptions options_;
