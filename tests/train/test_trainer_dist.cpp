@@ -71,6 +71,25 @@ TEST_SUITE("dist") {
     CHECK(relative < 1e-12);
   }
 
+  TEST_CASE("a loader with 2 workers on 2 and 3 ranks trains to the parameters of 1 rank loading on its own thread") {
+    std::vector<double> one;
+    loom::run([&](loom::ProcessGroup& pg) { one = loom::test::flat_values(loom::test::train_short(pg, 2)); });
+    for (const int nproc : {2, 3}) {
+      CAPTURE(nproc);
+      const std::string path = fmt::format("/tmp/loom-trainer-workers-{}.txt", ::getpid());
+      loom::run(
+          [&](loom::ProcessGroup& pg) {
+            const auto params = loom::test::train_short(pg, 2, {.num_workers = 2, .prefetch_factor = 1});
+            if (pg.rank() == 0) loom::test::write_values(path, params);
+          },
+          {.nproc = nproc, .spawn = {.timeout = std::chrono::seconds(120)}});
+      const std::vector<double> many = loom::test::read_values(path);
+      std::remove(path.c_str());
+      REQUIRE(one.size() == many.size());
+      CHECK(loom::test::max_relative_difference(one, many) < 1e-12);
+    }
+  }
+
   TEST_CASE(
       "on_step runs equally often on every rank although the loop body does not; Progress::add_global needs no "
       "collective") {
