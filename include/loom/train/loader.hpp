@@ -237,7 +237,7 @@ class BatchLoader {
   // move away; ~BatchLoader stops them before any member is destroyed.
   struct Background {
     std::unique_ptr<detail::WorkerPool> pool;
-    std::optional<GlobalBatchSampler> lookahead;  // the sampler's copy the workers' items come from
+    std::optional<GlobalBatchSampler> lookahead;                      // the sampler's copy the workers' items come from
     std::deque<std::pair<SampledBatch, std::future<Batch>>> pending;  // in the sampler's order
     std::shared_ptr<std::atomic<bool>> cancelled;                     // this round's loads: skip
 
@@ -278,7 +278,8 @@ class BatchLoader {
   // Queues loads until num_workers * prefetch_factor batches are pending or the epoch is planned out.
   void refill() {
     Background& bg = background_;
-    const auto depth = static_cast<std::size_t>(options_.num_workers) * static_cast<std::size_t>(options_.prefetch_factor);
+    const auto depth =
+        static_cast<std::size_t>(options_.num_workers) * static_cast<std::size_t>(options_.prefetch_factor);
     while (bg.pending.size() < depth) {
       auto item = bg.lookahead->next();
       if (!item) return;
@@ -332,9 +333,9 @@ class BatchLoader {
   // Padded plans get a mask (as padded buckets); a GPU device gets pinned host batches.
   void prepare_collate() {
     if (options_.num_workers < 0)
-      throw InvalidArgument(fmt::format(
-          "BatchLoader: LoaderOptions::num_workers = {} must be >= 0 (0 loads on the training thread)",
-          options_.num_workers));
+      throw InvalidArgument(
+          fmt::format("BatchLoader: LoaderOptions::num_workers = {} must be >= 0 (0 loads on the training thread)",
+                      options_.num_workers));
     if (options_.num_workers > 0 && options_.prefetch_factor < 1)
       throw InvalidArgument(fmt::format(
           "BatchLoader: LoaderOptions::prefetch_factor = {} must be >= 1 with num_workers = {} (batches loaded "
@@ -352,8 +353,7 @@ class BatchLoader {
 
   // The plan batches and pads by the declared shapes: a sample of another shape would be padded
   // (or cut) silently.
-  static void check_declared_shape(const std::vector<std::vector<int64_t>>& shapes, int64_t i,
-                                   const at::Tensor& data) {
+  static void check_declared_shape(const std::vector<std::vector<int64_t>>& shapes, int64_t i, const at::Tensor& data) {
     const auto& declared = shapes[static_cast<std::size_t>(i)];
     if (data.sizes() != c10::IntArrayRef(declared))
       throw InvalidArgument(fmt::format(
