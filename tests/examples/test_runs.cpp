@@ -126,6 +126,35 @@ int free_port() {
 }  // namespace
 
 TEST_SUITE("runs") {
+  TEST_CASE(
+      "readme_loop: 2 epochs on 2 ranks, then --resume to 4 on 3 ranks, ends like 4 epochs straight; without "
+      "--resume an old checkpoint is overwritten, not read") {
+    TempDir dir;
+    const std::string file = q(dir.path / "loop.ckpt");
+    const std::string loop = q(example("readme_loop"));
+    const auto straight = run(fmt::format("{} --nproc 2 --epochs 4 --checkpoint {}", loop, file));
+    INFO(straight.output);
+    REQUIRE(straight.exit_code == 0);
+    const auto half = run(fmt::format("{} --nproc 2 --epochs 2 --checkpoint {}", loop, file));
+    REQUIRE(half.exit_code == 0);
+    const auto resumed = run(fmt::format("{} --nproc 3 --epochs 4 --checkpoint {} --resume", loop, file));
+    INFO(resumed.output);
+    REQUIRE(resumed.exit_code == 0);
+    CHECK(line_starting(resumed.output, "epoch 0 ").empty());  // epochs 0 and 1 are not trained again
+    CHECK(line_starting(resumed.output, "epoch 3 ") == line_starting(straight.output, "epoch 3 "));
+    const auto a = fields(line_starting(straight.output, "result:"));
+    const auto b = fields(line_starting(resumed.output, "result:"));
+    REQUIRE(a.count("last_loss") == 1);
+    CHECK(b.at("last_loss") == a.at("last_loss"));
+    CHECK(b.at("val_accuracy") == a.at("val_accuracy"));
+    CHECK(a.at("val_accuracy") > 0.8);  // two classes shifted by +-0.5: far above chance
+    // The file now holds epoch 4's state; a run without --resume starts afresh from epoch 0.
+    const auto fresh = run(fmt::format("{} --nproc 2 --epochs 4 --checkpoint {}", loop, file));
+    REQUIRE(fresh.exit_code == 0);
+    CHECK(line_starting(fresh.output, "epoch 0 ") == line_starting(straight.output, "epoch 0 "));
+    CHECK(fields(line_starting(fresh.output, "result:")).at("last_loss") == a.at("last_loss"));
+  }
+
   TEST_CASE("finetune_icons: a short 2-rank run learns (loss falls, accuracy beats the majority baseline)") {
     TempDir out;
     const auto r =
