@@ -70,6 +70,7 @@
 #include <exception>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -162,6 +163,16 @@ class Trainer {
     }
     guard_.record_versions(reducer_.parameters());
     return EpochRange<Trainer, Loader>(this, &loader);
+  }
+  /// What epoch() is called with when the loader is no BatchSource: one static_assert saying what it
+  /// must be (the empty span only lets the caller's range-for compile on to that message).
+  template <class Loader>
+  requires(!BatchSource<Loader>) std::span<Batch> epoch(Loader&, int64_t) {
+    static_assert(BatchSource<Loader>,
+                  "loom::Trainer::epoch(loader, e): the loader must be a loom::BatchSource (loom/train/batch_source.hpp): "
+                  "loader.begin_epoch(int64_t) and loader.next() returning std::optional<loom::Batch>. loom::BatchLoader "
+                  "is one; a sampler is not: give it to a BatchLoader with a fetch function");
+    return {};
   }
 
   /// Advances the running epoch loop (what EpochRange's iterator does): joins the steps in which
