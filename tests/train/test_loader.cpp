@@ -253,3 +253,27 @@ TEST_CASE("BatchLoader: num_workers < 0 and prefetch_factor < 1 are named") {
                        loom::InvalidArgument);
   CHECK_NOTHROW(make({.num_workers = 0, .prefetch_factor = 0}));  // unused without workers
 }
+
+TEST_CASE("Short-path errors name what the user wrote: BatchLoader, its calls, Trainer") {
+  loom::LocalCommunicator comm;
+  auto text_of = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const loom::InvalidArgument& e) {
+      return e.what();
+    }
+    return "(no loom::InvalidArgument)";
+  };
+  CHECK(text_of([&] { loom::BatchLoader(comm, {}, loom::test::trainer_fetch()); }) ==
+        "loom: BatchLoader: GlobalBatchSampler: no shapes (the dataset is empty)");
+  loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+  loader.resume({.seed = 3, .epoch = 1, .step = 2, .fingerprint = loader.sampler().cursor().fingerprint});
+  CHECK(text_of([&] { loader.begin_epoch(0); }).starts_with("loom: BatchLoader::begin_epoch: GlobalBatchSampler::"));
+  CHECK(text_of([&] { loader.resume({.seed = 4}); }) ==
+        "loom: BatchLoader::resume: GlobalBatchSampler::resume: the cursor has seed 4, this sampler 3");
+  loom::test::Mlp model(at::kDouble);
+  torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+  CHECK(text_of([&] { loom::Trainer trainer(comm, model.list(), sgd, {.reducer = {.max_grad_norm = -1.0}}); }) ==
+        "loom: Trainer: its loom::Reducer (TrainerOptions::reducer, the model's parameters) refused: Reducer: "
+        "max_grad_norm = -1 (must be > 0)");
+}

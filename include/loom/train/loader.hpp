@@ -44,7 +44,9 @@
 //   a shared decoder, cursor or random generator is not), as must CollateOptions::allocate.
 //   Source: torch.utils.data.DataLoader(num_workers, prefetch_factor, persistent_workers=True),
 //   with threads instead of processes (a C++ fetch holds no interpreter lock).
-// Throws: the sampler's, the fetch function's and collation's errors (naming the sample index); a
+// Throws: the sampler's errors, named after the BatchLoader call that met them ("BatchLoader: ",
+//   "BatchLoader::begin_epoch: ", "BatchLoader::resume: " before the sampler's text); the fetch
+//   function's and collation's errors (naming the sample index); a
 //   fetched sample whose shape is not its declared one (loom::InvalidArgument naming both). With
 //   workers, an error on a worker reaches the thread calling next() when that batch is due, as
 //   loom::Error naming the step, the batch's samples and the fetch(i) that threw (when it was the
@@ -125,7 +127,7 @@ class BatchLoader {
   template <Communicator C>
   BatchLoader(const C& comm, std::vector<std::vector<int64_t>> shapes, Fetch fetch, GlobalBatchOptions plan = {},
               LoaderOptions options = {}, Projection projection = {})
-      : sampler_(comm, std::move(shapes), std::move(plan)),
+      : sampler_(named("BatchLoader", [&] { return GlobalBatchSampler(comm, std::move(shapes), std::move(plan)); })),
         fetch_(std::move(fetch)),
         options_(std::move(options)),
         projection_(std::move(projection)),
@@ -138,7 +140,7 @@ class BatchLoader {
   template <Communicator C>
   BatchLoader(const C& comm, std::vector<std::vector<int64_t>> shapes, Fetch fetch, GlobalBatchOptions plan,
               LoaderOptions options, Projection projection, Transfer transfer)
-      : sampler_(comm, std::move(shapes), std::move(plan)),
+      : sampler_(named("BatchLoader", [&] { return GlobalBatchSampler(comm, std::move(shapes), std::move(plan)); })),
         fetch_(std::move(fetch)),
         options_(std::move(options)),
         projection_(std::move(projection)),
@@ -221,14 +223,14 @@ class BatchLoader {
   /// Throws as GlobalBatchSampler::resume.
   void resume(const GlobalCursor& cursor) {
     background_.drain();
-    sampler_.resume(cursor);
+    named("BatchLoader::resume", [&] { sampler_.resume(cursor); });
   }
 
   /// Prepares epoch `epoch` (rewinds, unless a resume pointed into it); used by Trainer::epoch.
   /// Throws: loom::InvalidArgument when a resume pointed into another epoch (GlobalBatchSampler::set_epoch).
   void begin_epoch(int64_t epoch) {
     background_.drain();
-    sampler_.set_epoch(epoch);
+    named("BatchLoader::begin_epoch", [&] { sampler_.set_epoch(epoch); });
   }
 
  private:
@@ -274,6 +276,16 @@ class BatchLoader {
       pool.reset();
     }
   };
+
+  // Runs f; the sampler's refusals (loom::InvalidArgument) name `where`, the BatchLoader call the user wrote.
+  template <class F>
+  static decltype(auto) named(const char* where, F&& f) {
+    try {
+      return f();
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("{}: {}", where, detail::first_line(e.what())));
+    }
+  }
 
   // Queues loads until num_workers * prefetch_factor batches are pending or the epoch is planned out.
   void refill() {

@@ -112,7 +112,8 @@ class Trainer {
       : comm_(&comm),
         optimizer_(&optimizer),
         options_(std::move(options)),
-        reducer_(comm, detail::prepared_parameters(std::move(params), optimizer, options_), options_.reducer),
+        reducer_(
+            make_reducer(comm, detail::prepared_parameters(std::move(params), optimizer, options_), options_.reducer)),
         accumulator_(reducer_,
                      {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {
     const auto& list = reducer_.parameters();
@@ -168,10 +169,11 @@ class Trainer {
   /// must be (the empty span only lets the caller's range-for compile on to that message).
   template <class Loader>
   requires(!BatchSource<Loader>) std::span<Batch> epoch(Loader&, int64_t) {
-    static_assert(BatchSource<Loader>,
-                  "loom::Trainer::epoch(loader, e): the loader must be a loom::BatchSource (loom/train/batch_source.hpp): "
-                  "loader.begin_epoch(int64_t) and loader.next() returning std::optional<loom::Batch>. loom::BatchLoader "
-                  "is one; a sampler is not: give it to a BatchLoader with a fetch function");
+    static_assert(
+        BatchSource<Loader>,
+        "loom::Trainer::epoch(loader, e): the loader must be a loom::BatchSource (loom/train/batch_source.hpp): "
+        "loader.begin_epoch(int64_t) and loader.next() returning std::optional<loom::Batch>. loom::BatchLoader "
+        "is one; a sampler is not: give it to a BatchLoader with a fetch function");
     return {};
   }
 
@@ -436,6 +438,18 @@ class Trainer {
   Comm* comm_;
   Opt* optimizer_;
   TrainerOptions options_;
+  // The reducer; its refusals (bad TrainerOptions::reducer, parameters it cannot reduce) name the Trainer.
+  static ReducerType make_reducer(Comm& comm, ParameterList params, const ReducerOptions& options) {
+    try {
+      return ReducerType(comm, std::move(params), options);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(
+          fmt::format("Trainer: its loom::Reducer (TrainerOptions::reducer, the model's parameters) "
+                      "refused: {}",
+                      detail::first_line(e.what())));
+    }
+  }
+
   ReducerType reducer_;
   Accumulator<ReducerType> accumulator_;
   detail::TrainableGuard guard_;        // the trainable parameters' versions and held gradients

@@ -73,7 +73,8 @@ inline std::vector<std::size_t> trainable_slots(const ParameterList& list) {
 inline void check_parameter_set(const ParameterList& list, const std::vector<std::size_t>& slot_of_param,
                                 const std::vector<GradSlot>& slots, const std::vector<GradBucket>& buckets,
                                 const std::vector<GradAccumulatorPtr>& accumulators) {
-  constexpr const char* kAdvice = "build the Reducer after moving, casting, freezing or unfreezing the model";
+  constexpr const char* kAdvice =
+      "build the Reducer (or the loom::Trainer holding it) after moving, casting, freezing or unfreezing the model";
   for (std::size_t i = 0; i < list.params.size(); ++i) {
     const auto& p = list.params[i];
     const std::size_t k = slot_of_param[i];
