@@ -86,8 +86,16 @@ if [ "${LOOM_SETUP_TORCH2:-1}" != 0 ]; then
   torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null) ||
     { echo "setup: $venv/bin/python cannot import torch" >&2; exit 1; }
   abi=$("$venv/bin/python" -c 'import torch; print(str(torch._C._GLIBCXX_USE_CXX11_ABI).lower())' 2>/dev/null)
+  # A CPU torch finds no CUDA by itself (-Dcuda=auto); with a toolkit on the machine the CPU build
+  # still compiles loom/cuda's headers (packaging_headers) when asked to: -Dcuda=enabled.
+  cuda_opt=-Dcuda=auto
+  if [ -f /usr/local/cuda/include/cuda_runtime_api.h ] && [ -f /usr/local/cuda/include/crt/host_defines.h ] &&
+     compgen -G '/usr/local/cuda/lib*/libcudart.so*' >/dev/null; then
+    cuda_opt=-Dcuda=enabled
+  fi
   if [ ! -f "$torch2_build_dir/build.ninja" ]; then
-    CXX="ccache g++" meson setup "$torch2_build_dir" --wrap-mode=nodownload -Dtorch_dir="$torch_dir" -Dtorch_cxx11_abi="$abi"
+    CXX="ccache g++" meson setup "$torch2_build_dir" --wrap-mode=nodownload -Dtorch_dir="$torch_dir" -Dtorch_cxx11_abi="$abi" \
+      "$cuda_opt"
   fi
   echo "setup: $torch2_build_dir/ uses pip's torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) ($torch_dir)"
 fi
