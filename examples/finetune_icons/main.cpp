@@ -77,6 +77,7 @@ struct Options {
   int64_t batch_pixels = 32 * 32 * 32;  // pixels (H x W) per batch, all channels
   int64_t max_batch = 64;               // samples per batch
   int64_t batches_per_step = 4;         // batches per optimizer step, for the whole job
+  int workers = 0;                      // BatchLoader worker threads (0: collate on the training thread)
   fs::path out = "finetune_icons_out";
   std::string init;              // model or TorchScript file to start from (skips pre-training)
   std::string resume;            // checkpoint to resume fine-tuning from
@@ -212,7 +213,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
 
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
   loom::BatchLoader loader(pg, task.shapes_of(task.train()), [&](int64_t j) { return task.sample(task.train(), j); },
-                           plan, {.device = device});
+                           plan, {.device = device, .num_workers = o.workers});
   loom::Trainer trainer(pg, *model, opt);  // rank 0's weights everywhere
   double seconds_before = 0;
   int64_t first_epoch = 0;
@@ -322,6 +323,9 @@ int main(int argc, char** argv) {
          "--batches-per-step", o.batches_per_step,
          "batches per optimizer step, for the whole job (dealt to the ranks: the same steps on any number of ranks)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--workers", o.workers,
+                 "threads that collate the next batches while the current one trains (LoaderOptions::num_workers)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--out", o.out, "folder for pretrained.pt and checkpoint.pt");
   app.add_option("--init", o.init,
                  "start from this model file (the pre-trained model of a run, a torch::save(model) file, or "

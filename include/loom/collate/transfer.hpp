@@ -7,7 +7,7 @@
 // step (for one device: one call at a time, in step order, on whichever worker collated that
 // step), keeps the returned Ticket next to the batch in the prefetch queue, and calls
 // `t.finish(batch, label, ticket)` on the consumer's thread just before handing the batch out.
-// BatchLoader calls both in load(), on the caller's thread. A CUDA transfer copies into pinned
+// BatchLoader calls both on the thread calling load() or next() (its workers only collate). A CUDA transfer copies into pinned
 // staging memory and issues a non-blocking copy on the device's own stream in start(), then
 // records an event; finish() makes the consumer's current stream wait on the event (not the whole
 // device).

@@ -25,7 +25,7 @@
 //   copy overlaps with the host's next work; the pinned buffer lives until the copy finished:
 //   LibTorch's host allocator records the stream). With a BufferPool of your own
 //   (LoaderOptions::collate.pool) the default copies synchronously instead: a pool hands a buffer
-//   out again as soon as the last host tensor viewing it is gone, which is when load() returns,
+//   out again as soon as the last host tensor viewing it is gone, which is when load() / next() returns,
 //   and an asynchronous copy could still be reading it.
 // Shape: as loom::collate_sampled (Batch::data N x planned padded shape, targets); Batch::mask
 //   (bool, true = real) whenever the plan pads (GlobalBatchOptions::pad), or when collate.mask asks.
@@ -41,7 +41,11 @@
 //   drops what the workers loaded and continues from the sampler's position.
 //   Thread safety: with workers, `fetch` and the projection are called from the worker threads,
 //   several at once: they must be safe to call concurrently (reading a const container or file is;
-//   a shared decoder, cursor or random generator is not), as must CollateOptions::allocate.
+//   a shared decoder, cursor or random generator is not), as must CollateOptions::allocate. fetch(i)
+//   must depend on i only (and on state that stays fixed during the epoch): it runs up to
+//   num_workers * prefetch_factor batches before the loop reaches them. Thread-local settings of
+//   the training thread (a NoGradGuard, InferenceMode, at::set_num_threads) do not reach the workers.
+//   Memory: up to num_workers * prefetch_factor collated batches wait, plus the one being handed out.
 //   Source: torch.utils.data.DataLoader(num_workers, prefetch_factor, persistent_workers=True),
 //   with threads instead of processes (a C++ fetch holds no interpreter lock).
 // Throws: the sampler's errors, named after the BatchLoader call that met them ("BatchLoader: ",
@@ -49,8 +53,9 @@
 //   function's and collation's errors (naming the sample index); a
 //   fetched sample whose shape is not its declared one (loom::InvalidArgument naming both). With
 //   workers, an error on a worker reaches the thread calling next() when that batch is due, as
-//   loom::Error naming the step, the batch's samples and the fetch(i) that threw (when it was the
-//   fetch), followed by the original text.
+//   loom::Error (loom::InvalidArgument for a sample of another shape) naming the step, the batch's
+//   samples and the fetch(i) that threw (when it was the fetch), followed by the original text; the
+//   original exception is nested in it (std::rethrow_if_nested).
 // Source: torch.utils.data.DataLoader with pin_memory=True and a batch_sampler.
 #pragma once
 
@@ -97,7 +102,7 @@ struct LoaderOptions {
   /// Threads that fetch and collate batches ahead of the loop (see the file comment); 0: next()
   /// fetches and collates on the calling thread. PyTorch's DataLoader(num_workers).
   int num_workers = 0;
-  /// Batches loaded ahead per worker when num_workers > 0 (at most num_workers * prefetch_factor
+  /// Batches loaded ahead per worker when num_workers > 0 (up to num_workers * prefetch_factor
   /// collated batches wait in host memory). PyTorch's DataLoader(prefetch_factor), default 2 as there.
   int prefetch_factor = 2;
 };
@@ -186,21 +191,27 @@ class BatchLoader {
       bg.drain();
       return std::nullopt;
     }
-    refill();
-    if (bg.pending.empty() || bg.pending.front().first != *item) {
-      // The sampler was moved by hand since the workers started: continue from its position.
-      bg.drain();
-      Batch b = load(*item);
-      bg.start(sampler_, options_.num_workers);
+    std::optional<std::future<Batch>> loading;
+    try {
       refill();
-      return b;
+      if (!bg.pending.empty() && bg.pending.front().first == *item) {
+        loading = std::move(bg.pending.front().second);
+        bg.pending.pop_front();
+        refill();  // keeps the workers busy while this batch finishes
+      }
+    } catch (...) {  // no room for another load: this batch loads here, the workers start again at the next call
+      if (loading) loading->wait();
+      loading.reset();
     }
-    std::future<Batch> loading = std::move(bg.pending.front().second);
-    bg.pending.pop_front();
-    refill();
+    if (!loading) {
+      // The sampler was moved by hand since the workers started (or queueing failed): load this
+      // item here; the next call starts the workers from the sampler's position.
+      bg.drain();
+      return load(*item);
+    }
     Batch b;
     try {
-      b = loading.get();
+      b = loading->get();
     } catch (...) {
       bg.drain();
       throw;
@@ -299,20 +310,25 @@ class BatchLoader {
       auto job = [this, plan, item = *item, cancelled = bg.cancelled]() -> Batch {
         if (cancelled->load()) return Batch{};
         int64_t fetching = -1;
+        auto text = [&] {
+          return fmt::format("BatchLoader: a worker thread failed to load step {} (samples [{}]){}: {}", item.step,
+                             fmt::join(item.indices, ", "),
+                             fetching >= 0 ? fmt::format(", in fetch({})", fetching) : std::string(),
+                             detail::first_line(detail::exception_text(std::current_exception())));
+        };
         try {
           return collate_item(item, plan->shapes(), fetching);
+        } catch (const InvalidArgument&) {  // a sample of another shape: the type loading here throws
+          std::throw_with_nested(InvalidArgument(text()));
         } catch (...) {
-          throw Error(fmt::format("BatchLoader: a worker thread failed to load step {} (samples [{}]){}: {}", item.step,
-                                  fmt::join(item.indices, ", "),
-                                  fetching >= 0 ? fmt::format(", in fetch({})", fetching) : std::string(),
-                                  detail::exception_text(std::current_exception())));
+          std::throw_with_nested(Error(text()));
         }
       };
       bg.pending.emplace_back(*item, bg.pool->submit(std::move(job)));
     }
   }
 
-  // Fetches (checking declared shapes) and collates `item` on the calling thread; `fetching` holds
+  // Fetches (checking declared shapes) and collates `item` (on a worker, or in load()); `fetching` holds
   // the index while fetch(index) runs, -1 otherwise.
   Batch collate_item(const SampledBatch& item, const std::vector<std::vector<int64_t>>& shapes, int64_t& fetching) {
     auto checked = [&](int64_t i) {

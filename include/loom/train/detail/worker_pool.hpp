@@ -24,25 +24,23 @@ namespace loom::detail {
 
 class WorkerPool {
  public:
-  /// Starts `threads` (>= 1) threads.
+  /// Starts `threads` threads (at least 1). When the system cannot start one (std::system_error),
+  /// the ones started are stopped and joined before the error propagates.
   explicit WorkerPool(int threads) {
-    threads_.reserve(static_cast<std::size_t>(threads));
-    for (int t = 0; t < threads; ++t) threads_.emplace_back([this] { work(); });
+    const int n = threads < 1 ? 1 : threads;
+    threads_.reserve(static_cast<std::size_t>(n));
+    try {
+      for (int t = 0; t < n; ++t) threads_.emplace_back([this] { work(); });
+    } catch (...) {
+      shut_down();
+      throw;
+    }
   }
 
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
-  ~WorkerPool() {
-    std::deque<std::function<void()>> dropped;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-      dropped.swap(jobs_);
-    }
-    wake_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
+  ~WorkerPool() { shut_down(); }
 
   /// Queues `job`; its result (or exception) arrives through the future.
   template <class Job>
@@ -62,6 +60,19 @@ class WorkerPool {
   [[nodiscard]] int size() const noexcept { return static_cast<int>(threads_.size()); }
 
  private:
+  // Drops the jobs not started, lets the running ones finish, joins every thread.
+  void shut_down() noexcept {
+    std::deque<std::function<void()>> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+      dropped.swap(jobs_);
+    }
+    wake_.notify_all();
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+
   void work() {
     for (;;) {
       std::function<void()> job;
