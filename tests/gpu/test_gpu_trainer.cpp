@@ -139,5 +139,34 @@ TEST_CASE("BatchLoader with CudaTransfer: the same batches on the GPU as the def
   }
   CHECK(batches == static_cast<int64_t>(plain.sampler().plan().batches.size()));
 }
+
+TEST_CASE("BatchLoader with workers on the GPU: pinned batches collated on worker threads, the same as without") {
+  loom::LocalCommunicator local;
+  const torch::Device device(torch::kCUDA, 0);
+  std::vector<std::vector<int64_t>> shapes;
+  for (int64_t i = 0; i < 40; ++i) shapes.push_back({1 + i % 3, 5});
+  auto fetch = [](int64_t i) {
+    return std::make_pair(torch::arange(5 * (1 + i % 3), torch::kFloat).reshape({1 + i % 3, 5}) - i, i % 2);
+  };
+  const loom::GlobalBatchOptions plan{.seed = 4, .max_samples = 4, .batches_per_step = 2};
+  loom::BatchLoader plain(local, shapes, fetch, plan, {.device = device});
+  loom::BatchLoader workers(local, shapes, fetch, plan, {.device = device, .num_workers = 3});
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    plain.begin_epoch(epoch);
+    workers.begin_epoch(epoch);
+    int64_t batches = 0;
+    while (auto a = plain.next()) {
+      auto b = workers.next();
+      REQUIRE(b.has_value());
+      REQUIRE(b->data.device() == device);
+      CHECK(torch::equal(a->data.cpu(), b->data.cpu()));
+      CHECK(torch::equal(a->targets.cpu(), b->targets.cpu()));
+      CHECK(a->indices == b->indices);
+      ++batches;
+    }
+    CHECK_FALSE(workers.next().has_value());
+    CHECK(batches == static_cast<int64_t>(plain.sampler().plan().batches.size()));
+  }
+}
 TEST_SUITE_END();
 #endif  // LOOM_TORCH_HAS_CUDA

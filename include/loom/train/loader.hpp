@@ -75,6 +75,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Device.h>
+#include <c10/core/DeviceGuard.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -309,6 +310,10 @@ class BatchLoader {
       const GlobalBatchSampler* plan = &*bg.lookahead;
       auto job = [this, plan, item = *item, cancelled = bg.cancelled]() -> Batch {
         if (cancelled->load()) return Batch{};
+        // Pinned host memory is allocated on the loader's GPU (as DataLoader's pin-memory thread
+        // sets its device): a new thread would otherwise start on device 0.
+        c10::OptionalDeviceGuard on_device;
+        if (device_.is_cuda()) on_device.reset_device(device_);
         int64_t fetching = -1;
         auto text = [&] {
           return fmt::format("BatchLoader: a worker thread failed to load step {} (samples [{}]){}: {}", item.step,
