@@ -54,8 +54,7 @@
 //   fetched sample whose shape is not its declared one (loom::InvalidArgument naming both). With
 //   workers, an error on a worker reaches the thread calling next() when that batch is due, as
 //   loom::Error (loom::InvalidArgument for a sample of another shape) naming the step, the batch's
-//   samples and the fetch(i) that threw (when it was the fetch), followed by the original text; the
-//   original exception is nested in it (std::rethrow_if_nested).
+//   samples and the fetch(i) that threw (when it was the fetch), followed by the original text.
 // Source: torch.utils.data.DataLoader with pin_memory=True and a batch_sampler.
 #pragma once
 
@@ -121,7 +120,7 @@ class BatchLoader {
                 "loom::BatchLoader: the projection cannot read the sample fetch(i) returns: projection.data(sample) "
                 "must give an at::Tensor and projection.target(sample) a tensor, an integer or loom::NoTarget (the "
                 "default projection reads a tensor, a (data, target) pair or 2-tuple, or a struct with .data and "
-                ".target)");
+                ".target); a floating-point target (regression) goes in a tensor: {x, torch::tensor({y})}");
   static_assert(BatchTransfer<Transfer, Batch>,
                 "loom::BatchLoader: the transfer must model loom::BatchTransfer<Transfer, loom::Batch> "
                 "(loom/collate/transfer.hpp): a Ticket type, start(batch, label) and finish(batch, label, ticket)");
@@ -219,6 +218,26 @@ class BatchLoader {
     }
     deliver(b);
     return b;
+  }
+
+  /// Not a range: `for (loom::Batch& b : loader)` stops at one static_assert (the epoch loop goes
+  /// through trainer.epoch(loader, e), which owns the step protocol). std::ranges::range<BatchLoader>
+  /// is false: NotARange is no iterator.
+  struct NotARange {
+    Batch& operator*() const;
+    NotARange& operator++();
+    bool operator!=(const NotARange&) const;
+  };
+  template <class T = void>
+  NotARange begin() {
+    static_assert(!std::is_void_v<T> && std::is_void_v<T>,
+                  "loom::BatchLoader is not a range: loop with `for (loom::Batch& b : trainer.epoch(loader, e))` "
+                  "(loom/train/trainer.hpp), or call loader.begin_epoch(e) and then loader.next() until std::nullopt");
+    return {};
+  }
+  template <class T = void>
+  NotARange end() {
+    return {};
   }
 
   [[nodiscard]] GlobalBatchSampler& sampler() noexcept { return sampler_; }
@@ -324,9 +343,9 @@ class BatchLoader {
         try {
           return collate_item(item, plan->shapes(), fetching);
         } catch (const InvalidArgument&) {  // a sample of another shape: the type loading here throws
-          std::throw_with_nested(InvalidArgument(text()));
+          throw InvalidArgument(text());
         } catch (...) {
-          std::throw_with_nested(Error(text()));
+          throw Error(text());
         }
       };
       bg.pending.emplace_back(*item, bg.pool->submit(std::move(job)));
