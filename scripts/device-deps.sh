@@ -2,7 +2,7 @@
 # Prepares what scripts/device-check.sh needs on the GPU machine but that machine's image may
 # lack: the Debian packages of loom's C++ dependencies ({fmt}, range-v3, doctest, Google
 # Benchmark, libpng, zlib, CLI11; Gloo's headers, which ProcessGroupGloo.hpp needs and pip's torch does
-# not ship), downloaded here with `apt-get download` (nothing installed)
+# not ship; adwaita-icon-theme, the icons finetune_icons trains on), downloaded here with `apt-get download` (nothing installed)
 # into .device-deps/, which git ignores (.git/info/exclude) and the device run carries.
 #
 # Usage (on this Debian 12 machine, once):   bash scripts/device-deps.sh
@@ -17,7 +17,7 @@ mkdir -p "$(dirname "$exclude")" "$dest"
 grep -qx "/$dest/" "$exclude" 2>/dev/null || echo "/$dest/" >> "$exclude"
 
 packages=(libfmt-dev libfmt9 librange-v3-dev doctest-dev libbenchmark-dev libbenchmark1debian
-          libpng-dev libpng16-16 zlib1g-dev zlib1g libcli11-dev libgloo-dev)
+          libpng-dev libpng16-16 zlib1g-dev zlib1g libcli11-dev libgloo-dev adwaita-icon-theme)
 cd "$dest"
 rm -f ./*.deb
 if ! apt-get download "${packages[@]}"; then

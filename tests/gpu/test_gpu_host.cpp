@@ -284,6 +284,8 @@ struct FakeNccl {
   static inline std::atomic<ncclResult_t> async_state{ncclSuccess};  // what get_async_error reports
   static inline std::atomic<ncclResult_t> finalize_result{ncclSuccess};
   static constexpr auto kCallTime = std::chrono::microseconds(300);
+  // How long ncclCommAbort takes; a real one can wait for the device to go idle.
+  static inline std::atomic<std::chrono::microseconds> abort_time{kCallTime};
 
   static void reset() {
     std::lock_guard lk(table_mutex);
@@ -295,6 +297,7 @@ struct FakeNccl {
     polls = 0;
     async_state = ncclSuccess;
     finalize_result = ncclSuccess;
+    abort_time = kCallTime;
   }
   static ncclComm_t create() {
     static char handles[64];
@@ -330,7 +333,7 @@ struct FakeNccl {
   }
   static ncclResult_t abort(ncclComm_t c) {
     Call call(c);
-    std::this_thread::sleep_for(kCallTime);
+    std::this_thread::sleep_for(abort_time.load());
     free(c);
     ++aborts;
     return ncclSuccess;
@@ -398,6 +401,40 @@ TEST_CASE(
     CHECK(st->phase == FakeState::Phase::aborted);
     CHECK(st->comm == nullptr);
   }
+}
+
+TEST_CASE("NCCL abort() that blocks (ncclCommAbort waiting for the device) still ends a pending wait at once") {
+  // Seen on an H200 with NCCL 2.28: ncclCommAbort returned only after a 3 s stall of the
+  // collective's input stream ended. The waiter must not wait for it.
+  FakeNccl::reset();
+  FakeNccl::abort_time = std::chrono::microseconds(1'500'000);
+  auto st = fake_state(std::chrono::seconds(30));
+  std::string error;
+  std::chrono::steady_clock::time_point caught;
+  std::thread waiter([&] {
+    try {
+      st->wait_event([] { return false; }, "all_reduce", std::chrono::steady_clock::now());
+      error = "wait returned";
+    } catch (const loom::CommError& e) {
+      error = e.what();
+    }
+    caught = std::chrono::steady_clock::now();
+  });
+  wait_for_polls(3);
+  const auto abort_start = std::chrono::steady_clock::now();
+  st->abort("watchdog: a slow abort");
+  const auto abort_end = std::chrono::steady_clock::now();
+  waiter.join();
+  CHECK(error.find("aborted while this collective was pending (watchdog: a slow abort)") != std::string::npos);
+  CHECK(abort_end - abort_start >= std::chrono::milliseconds(1500));
+  // The waiter saw the abort while ncclCommAbort still ran (it ends 1.5 s after abort_start).
+  CHECK(caught - abort_start < std::chrono::milliseconds(1000));
+  CHECK(FakeNccl::aborts.load() == 1);
+  CHECK(FakeNccl::dead_uses.load() == 0);
+  CHECK(FakeNccl::overlaps.load() == 0);
+  CHECK(st->comm == nullptr);
+  CHECK_THROWS_WITH_AS(st->ensure_live("barrier"), doctest::Contains("aborted earlier (watchdog: a slow abort)"),
+                       loom::CommError);
 }
 
 TEST_CASE("NCCL abort() from two threads at once: ncclCommAbort runs once, the first reason stays") {

@@ -192,10 +192,23 @@ struct BasicNcclState {
   }
 
   /// ncclCommAbort: stops outstanding work, frees resources, never blocks on peers. The first
-  /// call's reason is kept; later calls and calls after destroy() do nothing.
+  /// call's reason is kept; later calls and calls after destroy() do nothing. The state turns
+  /// `aborted` (and `comm` null) under the lock, and ncclCommAbort runs after the lock is released:
+  /// it can block until the device is idle (NCCL frees device memory), for example behind a stalled
+  /// input stream, and a thread polling a pending collective must see the abort at once rather
+  /// than wait for the device. No other thread calls NCCL on the communicator once it is aborted.
   void abort(std::string reason) noexcept {
-    std::lock_guard lk(mutex);
-    abort_locked(std::move(reason));
+    ncclComm_t doomed = nullptr;
+    {
+      std::lock_guard lk(mutex);
+      const Phase p = phase.load();
+      if (p == Phase::aborted || p == Phase::destroyed) return;
+      doomed = comm;
+      comm = nullptr;
+      abort_reason = std::move(reason);
+      phase = Phase::aborted;
+    }
+    if (doomed != nullptr) (void)Api::abort(doomed);
   }
 
   /// ncclCommFinalize, polled up to the timeout (then abort + TimeoutError "nccl_finalize").
