@@ -1,35 +1,52 @@
-// bench_finetune — the main job four ways: fine-tune the icon model (examples/common/icons_task.hpp:
-// Adwaita icons at 16, 24, 32 and 48 px, every icon at its own size) for the same number of epochs,
-// and report training samples/s and final validation accuracy side by side, on 1 and 2 ranks.
+// bench_finetune — the main job four ways, as time to accuracy: fine-tune the icon model
+// (examples/common/icons_task.hpp: Adwaita icons at 16, 24, 32 and 48 px, every icon at its own
+// size) from the same initial weights with the same optimizer until the validation accuracy reaches
+// a target (or a cap of epochs), and report the training seconds to the target, the epochs, the
+// final accuracy and the samples/s, on 1 and 2 ranks, several runs of each (interleaved).
 //
-//   one_at_a_time     batch size 1 (the naive answer to images of different sizes): an optimizer
-//                     step per image
-//   group_in_batch    random batches of 32 split into same-shape groups inside each batch, one
-//                     forward per group, one optimizer step per batch of 32 (the "group by shape
-//                     in collate_fn" recipe); the loss of each group is its mean, scaled by the
-//                     group's share of the batch
-//   accumulate_32     batch size 1 with gradient accumulation over 32 images (an optimizer step
-//                     per 32 images, each image's loss divided by 32)
-//   loom              loom::BatchLoader (exact-shape buckets of at most 32 samples under a pixel
-//                     budget; as many batches per optimizer step as ranks, so a step holds about
-//                     32 x ranks samples like the DDP runs) + loom::Trainer
-// The three baselines run the way DDP runs them: torch's DistributedSampler shards the indices
-// (padding by repeats), every rank steps with the gradient averaged over ranks (loom::Reducer with
-// Average::world_size, DDP's convention). Every method: AdamW, lr 1.5e-3, weight decay 1e-4, the
-// same initial weights, the same epochs (kEpochs), no pre-training.
+// Every way but the first trains kGlobalBatch (32) samples per optimizer step, summed over ranks:
+//   one_at_a_time     the seed's loop: DistributedSampler, batch size 1 per rank, an optimizer step
+//                     per image on each rank (so a step holds `ranks` samples), DDP's averaging
+//   group_in_batch    random batches of 32 / ranks per rank split into same-shape groups, one
+//                     forward per group, one optimizer step per global batch of 32 (the "group by
+//                     shape in collate_fn" recipe); each group's mean loss is scaled by its share of
+//                     the rank's batch, DDP averages the ranks
+//   accumulate_32     batch size 1 per rank, gradient accumulation over 32 / ranks images per rank
+//                     (each image's loss divided by that count), DDP's averaging
+//   loom              loom::BatchLoader with GlobalBatchOptions::global_batch_size = 32 (each step's
+//                     32 samples as same-shape micro-batches, the same steps on any number of ranks,
+//                     the gradient weighted by samples) + loom::Trainer
+// The baselines run the way DDP runs them: torch's DistributedSampler shards the indices (padding
+// by repeats), every rank steps with the gradient averaged over ranks (loom::Reducer with
+// Average::world_size, DDP's convention). Every way: AdamW, lr 1.5e-3, weight decay 1e-4, the same
+// initial weights, no pre-training; one intra-op thread per rank.
 //
-// Method: Google Benchmark in this (parent) process; each run starts the ranks with loom::run
-// (fork), which train and evaluate; rank 0 reports the training time (data decoding and
-// evaluation excluded), the samples trained (over all ranks) and the validation accuracy through a
-// file; the benchmark's manual time is that training time. Counters: samples_per_s, val_accuracy,
-// steps (optimizer steps). Run: build-dir/bench/bench_finetune [--benchmark_filter=...].
+// Method: Google Benchmark in this (parent) process, repetitions interleaved at random; each run
+// starts the ranks with loom::run (fork), which train an epoch at a time and evaluate after each
+// (evaluation and decoding not timed); rank 0 reports through a file. The manual time is the
+// training seconds until the epoch whose validation accuracy first reached the target (all epochs'
+// seconds when it never did: counter reached = 0). Counters: epochs, val_accuracy (at the stop),
+// samples_per_s, steps. After the table, one line per number of ranks:
+//   RATIO time_to_accuracy_loom_vs_best/ranks:N median=... min=... max=... n=... goal>=1.2 met|NOT-met
+// (per run: the fastest other way's seconds to the target over loom's; a way that did not reach the
+// target counts as infinitely slow).
+//
+// Run: build-dir/bench/bench_finetune [--runs=3] [--target=0.45] [--max-epochs=12] [--ranks=1,2]
+//      [--device=cpu|cuda] [--data=DIR] [--curve=FILE.csv] [Google Benchmark flags]
+//   --device=cuda: NCCL, one rank per GPU (ranks must not exceed the GPUs); --curve writes every
+//   epoch's (way, ranks, run, epoch, seconds, accuracy) for the time-to-accuracy figure.
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -52,20 +69,32 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr int kEpochs = 3;
 constexpr int kWidth = 32;
 constexpr double kLr = 1.5e-3;
-constexpr int64_t kBatch = 32;
+constexpr int64_t kGlobalBatch = 32;
 constexpr int64_t kBatchPixels = 32 * 32 * 32;
-const examples::IconTaskOptions kTask{};  // the example's defaults: sizes 16, 24, 32, 48; 4 channels
+
+struct Settings {
+  int runs = 3;
+  double target = 0.45;
+  int max_epochs = 12;
+  std::vector<int> ranks = {1, 2};
+  bool cuda = false;
+  fs::path curve;
+  examples::IconTaskOptions task{};  // the example's defaults: sizes 16, 24, 32, 48; 4 channels
+};
+Settings g_settings;
 
 enum class Method { one_at_a_time, group_in_batch, accumulate_32, loom };
 
 struct Result {
-  double seconds = 0;   // training time (rank 0)
-  int64_t samples = 0;  // samples trained, all ranks
+  double seconds = 0;   // training seconds to the target (or of all epochs)
+  int reached = 0;      // 1: the target was reached
+  int epochs = 0;       // epochs trained
+  int64_t samples = 0;  // samples trained, all ranks, up to the stop
   int64_t steps = 0;    // optimizer steps
-  double accuracy = 0;  // final validation accuracy
+  double accuracy = 0;  // validation accuracy at the stop
+  std::string curve;    // "epoch seconds accuracy" lines
 };
 
 double since(Clock::time_point t0) {
@@ -73,55 +102,76 @@ double since(Clock::time_point t0) {
 }
 
 at::Tensor stack_samples(const examples::IconTask& task, const std::vector<int64_t>& subset,
-                         const std::vector<int64_t>& js, std::vector<int64_t>& labels) {
+                         const std::vector<int64_t>& js, std::vector<int64_t>& labels, torch::Device device) {
   std::vector<at::Tensor> xs;
   for (int64_t j : js) {
     auto [x, y] = task.sample(subset, j);
     xs.push_back(x);
     labels.push_back(y);
   }
-  return torch::stack(xs);
+  return torch::stack(xs).to(device);
 }
 
 /// One rank of one method; rank 0 writes its Result to `out`.
 void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
   at::set_num_threads(1);
-  const examples::IconTask task(kTask, [](std::string_view) {});
-  torch::manual_seed(kTask.seed);
-  examples::IconNet model(kTask.channels, kWidth, task.classes());
+  const auto& o = g_settings;
+  const examples::IconTask task(o.task, [](std::string_view) {});
+  const torch::Device device = o.cuda ? torch::Device(torch::kCUDA, pg.device().index()) : torch::Device(torch::kCPU);
+  torch::manual_seed(o.task.seed);
+  examples::IconNet model(o.task.channels, kWidth, task.classes());
+  model->to(device);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(1e-4));
   const auto& train = task.train();
   const auto n = static_cast<int64_t>(train.size());
+  const int world = pg.world_size();
+  const int64_t per_rank = kGlobalBatch / world;  // samples per rank per step (32 % world == 0)
   namespace F = torch::nn::functional;
   Result r;
-  double seconds = 0;
+  auto labels_of = [&](const std::vector<int64_t>& labels) { return torch::tensor(labels, torch::kLong).to(device); };
+  // Trains an epoch at a time (timed) and evaluates after each (not timed) until the target or the cap.
+  auto run_epochs = [&](auto&& train_epoch) {
+    double seconds = 0;
+    for (int64_t e = 0; e < o.max_epochs; ++e) {
+      if (o.cuda) torch::cuda::synchronize();
+      const auto t0 = Clock::now();
+      train_epoch(e);
+      if (o.cuda) torch::cuda::synchronize();
+      seconds += since(t0);
+      const examples::EvalResult ev = task.evaluate(pg, model, device, kGlobalBatch, kBatchPixels * o.task.channels);
+      r.epochs = static_cast<int>(e + 1);
+      r.accuracy = ev.accuracy;
+      r.curve += fmt::format("{} {:.6f} {:.6f}\n", e + 1, seconds, ev.accuracy);
+      if (ev.accuracy >= o.target) {  // the same verdict on every rank: evaluate gathers every sample
+        r.reached = 1;
+        break;
+      }
+    }
+    r.seconds = seconds;
+  };
   if (method == Method::loom) {
     loom::BatchLoader loader(pg, task.shapes_of(train), [&](int64_t j) { return task.sample(train, j); },
-                             {.seed = kTask.seed,
-                              .max_samples = kBatch,
-                              .max_elements = kBatchPixels * kTask.channels,
-                              .batches_per_step = pg.world_size()});
+                             {.seed = o.task.seed,
+                              .max_samples = kGlobalBatch,
+                              .max_elements = kBatchPixels * o.task.channels,
+                              .global_batch_size = kGlobalBatch});
     loom::Trainer trainer(pg, *model, opt);
     trainer.on_step([&](const loom::SyncResult& s) { r.samples += s.global_samples; });
-    for (int64_t e = 0; e < kEpochs; ++e) {
-      const auto t0 = Clock::now();
+    run_epochs([&](int64_t e) {
       for (loom::Batch& b : trainer.epoch(loader, e))
         trainer.backward(F::cross_entropy(model->forward(b.data), b.targets), b);
-      seconds += since(t0);
-    }
+    });
     r.steps = trainer.steps();
   } else {
-    // DDP's way: indices sharded by DistributedSampler, gradients averaged over ranks at each step.
     loom::Reducer reducer(pg, loom::parameters_of(*model), {.average = loom::Average::world_size});
     // group_in_batch: each group is a micro-batch (DDP: no_sync for all groups but the last), the
-    // batch's last group closes the step.
-    const int64_t per_step = method == Method::accumulate_32 ? kBatch : method == Method::one_at_a_time ? 1 : 0;
-    loom::Accumulator acc(reducer, {.micro_batches_per_step = per_step});
+    // rank's batch's last group closes the step.
+    const int64_t micro = method == Method::accumulate_32 ? per_rank : method == Method::one_at_a_time ? 1 : 0;
+    loom::Accumulator acc(reducer, {.micro_batches_per_step = micro});
     loom::DistributedSampler sampler(
-        {.dataset_size = n, .num_replicas = pg.world_size(), .rank = pg.rank(), .seed = kTask.seed});
-    for (int64_t e = 0; e < kEpochs; ++e) {
+        {.dataset_size = n, .num_replicas = world, .rank = pg.rank(), .seed = o.task.seed});
+    run_epochs([&](int64_t e) {
       sampler.set_epoch(e);
-      const auto t0 = Clock::now();
       std::vector<int64_t> pending;
       auto apply = [&](const loom::SyncResult& s) {
         if (s.apply) {
@@ -133,18 +183,18 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
       while (auto j = sampler.next()) {
         if (method != Method::group_in_batch) {  // one image per micro-batch
           std::vector<int64_t> labels;
-          const at::Tensor x = stack_samples(task, train, {*j}, labels);
-          const auto loss = F::cross_entropy(model->forward(x), torch::tensor(labels, torch::kLong));
+          const at::Tensor x = stack_samples(task, train, {*j}, labels, device);
+          const auto loss = F::cross_entropy(model->forward(x), labels_of(labels));
           auto mb = acc.micro_batch(1);
-          (method == Method::accumulate_32 ? loss / static_cast<double>(kBatch) : loss).backward();
+          (method == Method::accumulate_32 ? loss / static_cast<double>(per_rank) : loss).backward();
           apply(mb.finish());
-          r.samples += pg.world_size();
+          r.samples += world;
           continue;
         }
         pending.push_back(*j);
-        if (static_cast<int64_t>(pending.size()) < kBatch) continue;
-        // A random batch of 32, split into same-shape groups: one forward per group, loss = sum of
-        // group means x group share (the batch mean), one step per batch.
+        if (static_cast<int64_t>(pending.size()) < per_rank) continue;
+        // A random batch of the rank, split into same-shape groups: one forward per group, loss =
+        // sum of group means x group share (the batch mean), one step per batch.
         std::map<int64_t, std::vector<int64_t>> groups;
         for (int64_t i : pending)
           groups[task.icons().pixels(static_cast<std::size_t>(train[static_cast<std::size_t>(i)])).size(1)].push_back(
@@ -152,68 +202,179 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
         std::size_t g = 0;
         for (auto& [side, js] : groups) {
           std::vector<int64_t> labels;
-          const at::Tensor x = stack_samples(task, train, js, labels);
+          const at::Tensor x = stack_samples(task, train, js, labels, device);
           const double share = static_cast<double>(js.size()) / static_cast<double>(pending.size());
           auto mb = acc.micro_batch(static_cast<int64_t>(js.size()), /*closes_step=*/++g == groups.size());
-          (F::cross_entropy(model->forward(x), torch::tensor(labels, torch::kLong)) * share).backward();
+          (F::cross_entropy(model->forward(x), labels_of(labels)) * share).backward();
           apply(mb.finish());
         }
-        r.samples += static_cast<int64_t>(pending.size()) * pg.world_size();
+        r.samples += static_cast<int64_t>(pending.size()) * world;
         pending.clear();
       }
-      if (!pending.empty()) pending.clear();  // the recipe drops the last partial batch (drop_last)
+      pending.clear();  // the recipe drops the last partial batch (drop_last)
       while (auto s = acc.end_epoch()) apply(*s);
-      seconds += since(t0);
-    }
+    });
   }
-  const examples::EvalResult ev =
-      task.evaluate(pg, model, torch::Device(torch::kCPU), kBatch, kBatchPixels * kTask.channels);
-  r.seconds = seconds;
-  r.accuracy = ev.accuracy;
   if (pg.rank() == 0) {
     std::ofstream f(out);
-    f << fmt::format("{:.17g} {} {} {:.17g}\n", r.seconds, r.samples, r.steps, r.accuracy);
+    f << fmt::format("{:.17g} {} {} {} {} {:.17g}\n{}", r.seconds, r.reached, r.epochs, r.samples, r.steps, r.accuracy,
+                     r.curve);
   }
 }
+
+const char* method_name(Method m) {
+  switch (m) {
+    case Method::one_at_a_time: return "one_at_a_time";
+    case Method::group_in_batch: return "group_in_batch";
+    case Method::accumulate_32: return "accumulate_32";
+    case Method::loom: return "loom";
+  }
+  return "?";
+}
+
+// Per (method, ranks): each run's seconds to the target (infinity when not reached), in run order.
+std::map<std::pair<Method, int>, std::vector<double>> g_times;
+std::ofstream g_curve;
 
 void BM_Finetune(benchmark::State& state, Method method, int nproc) {
   const fs::path out = fs::temp_directory_path() / fmt::format("loom-bench-finetune-{}.txt", ::getpid());
   for (auto _ : state) {
     fs::remove(out);
-    loom::run(
-        [&](loom::ProcessGroup& pg) { train_rank(pg, method, out); },
-        {.nproc = nproc, .group = {.backend = loom::Backend::gloo}, .spawn = {.timeout = std::chrono::minutes(20)}});
+    loom::run([&](loom::ProcessGroup& pg) { train_rank(pg, method, out); },
+              {.nproc = nproc,
+               .group = {.backend = g_settings.cuda ? loom::Backend::nccl : loom::Backend::gloo},
+               .spawn = {.timeout = std::chrono::minutes(30)}});
     std::ifstream f(out);
     Result r;
-    if (!(f >> r.seconds >> r.samples >> r.steps >> r.accuracy)) {
+    if (!(f >> r.seconds >> r.reached >> r.epochs >> r.samples >> r.steps >> r.accuracy)) {
       state.SkipWithError("rank 0 wrote no result");
       return;
     }
+    auto& runs = g_times[{method, nproc}];
+    if (g_curve.is_open()) {
+      int epoch = 0;
+      double sec = 0, accuracy = 0;
+      while (f >> epoch >> sec >> accuracy)
+        g_curve << fmt::format("{},{},{},{},{:.4f},{:.4f}\n", method_name(method), nproc, runs.size(), epoch, sec,
+                               accuracy);
+      g_curve.flush();
+    }
+    runs.push_back(r.reached != 0 ? r.seconds : std::numeric_limits<double>::infinity());
     state.SetIterationTime(r.seconds);
-    state.counters["samples_per_s"] = static_cast<double>(r.samples) / r.seconds;
+    state.counters["reached"] = r.reached;
+    state.counters["epochs"] = r.epochs;
     state.counters["val_accuracy"] = r.accuracy;
+    state.counters["samples_per_s"] = static_cast<double>(r.samples) / r.seconds;
     state.counters["steps"] = static_cast<double>(r.steps);
   }
   fs::remove(out);
 }
 
+/// The RATIO line of one number of ranks: per run, the fastest other way's seconds over loom's.
+void print_ratio(int nproc) {
+  const auto mine = g_times.find({Method::loom, nproc});
+  if (mine == g_times.end()) return;
+  std::vector<double> ratios;
+  for (std::size_t i = 0; i < mine->second.size(); ++i) {
+    double best = std::numeric_limits<double>::infinity();
+    bool any = false;
+    for (Method m : {Method::one_at_a_time, Method::group_in_batch, Method::accumulate_32}) {
+      const auto it = g_times.find({m, nproc});
+      if (it == g_times.end() || i >= it->second.size()) continue;
+      any = true;
+      best = std::min(best, it->second[i]);
+    }
+    if (any) ratios.push_back(best / mine->second[i]);  // inf / inf is NaN: neither reached the target
+  }
+  if (ratios.empty()) return;
+  std::vector<double> sorted = ratios;
+  std::sort(sorted.begin(), sorted.end(), [](double a, double b) { return std::isnan(b) ? !std::isnan(a) : a < b; });
+  const double med = sorted[sorted.size() / 2];
+  std::printf("RATIO time_to_accuracy_loom_vs_best/ranks:%d median=%.3f min=%.3f max=%.3f n=%zu goal>=1.2 %s\n", nproc,
+              med, sorted.front(), sorted.back(), sorted.size(), med >= 1.2 ? "met" : "NOT-met");
+}
+
+/// Reads --runs= --target= --max-epochs= --ranks= --device= --data= --curve= and removes them from argv.
+bool parse_settings(int& argc, char** argv) {
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](std::string_view key) -> std::optional<std::string> {
+      if (a.rfind(key, 0) == 0) return a.substr(key.size());
+      return std::nullopt;
+    };
+    try {
+      if (auto v = value("--runs=")) {
+        g_settings.runs = std::stoi(*v);
+      } else if (auto v = value("--target=")) {
+        g_settings.target = std::stod(*v);
+      } else if (auto v = value("--max-epochs=")) {
+        g_settings.max_epochs = std::stoi(*v);
+      } else if (auto v = value("--ranks=")) {
+        g_settings.ranks.clear();
+        std::stringstream ss(*v);
+        for (std::string part; std::getline(ss, part, ',');) g_settings.ranks.push_back(std::stoi(part));
+      } else if (auto v = value("--device=")) {
+        if (*v != "cpu" && *v != "cuda") throw std::invalid_argument("--device must be cpu or cuda");
+        g_settings.cuda = *v == "cuda";
+      } else if (auto v = value("--data=")) {
+        g_settings.task.data = *v;
+      } else if (auto v = value("--curve=")) {
+        g_settings.curve = *v;
+      } else {
+        argv[kept++] = argv[i];
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench_finetune: bad argument %s (%s)\n", a.c_str(), e.what());
+      return false;
+    }
+  }
+  argc = kept;
+  for (int r : g_settings.ranks)
+    if (r < 1 || kGlobalBatch % r != 0) {
+      std::fprintf(stderr, "bench_finetune: --ranks %d must divide the global batch %lld\n", r,
+                   static_cast<long long>(kGlobalBatch));
+      return false;
+    }
+  if (g_settings.runs < 1 || g_settings.max_epochs < 1) {
+    std::fprintf(stderr, "bench_finetune: --runs %d and --max-epochs %d must be >= 1\n", g_settings.runs,
+                 g_settings.max_epochs);
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!fs::is_directory(kTask.data)) {
-    std::fprintf(stderr, "bench_finetune: %s is missing (apt-get install adwaita-icon-theme)\n", kTask.data.c_str());
+  if (!parse_settings(argc, argv)) return 2;
+  if (!fs::is_directory(g_settings.task.data)) {
+    std::fprintf(stderr, "bench_finetune: %s is missing (apt-get install adwaita-icon-theme, or --data=DIR)\n",
+                 g_settings.task.data.c_str());
     return 1;
   }
-  for (int nproc : {1, 2})
-    for (auto [name, m] :
-         {std::pair{"one_at_a_time", Method::one_at_a_time}, std::pair{"group_in_batch", Method::group_in_batch},
-          std::pair{"accumulate_32", Method::accumulate_32}, std::pair{"loom", Method::loom}})
-      benchmark::RegisterBenchmark(fmt::format("finetune/{}/ranks:{}", name, nproc).c_str(), BM_Finetune, m, nproc)
+  if (!g_settings.curve.empty()) {
+    g_curve.open(g_settings.curve);
+    g_curve << "way,ranks,run,epoch,seconds,accuracy\n";
+  }
+  for (int nproc : g_settings.ranks)
+    for (Method m : {Method::one_at_a_time, Method::group_in_batch, Method::accumulate_32, Method::loom})
+      benchmark::RegisterBenchmark(fmt::format("finetune/{}/ranks:{}", method_name(m), nproc).c_str(), BM_Finetune, m,
+                                   nproc)
           ->Iterations(1)
+          ->Repetitions(g_settings.runs)
           ->UseManualTime()
           ->Unit(benchmark::kSecond);
-  benchmark::Initialize(&argc, argv);
+  std::vector<char*> args(argv, argv + argc);
+  std::string interleave = "--benchmark_enable_random_interleaving=true";
+  args.push_back(interleave.data());
+  int ac = static_cast<int>(args.size());
+  benchmark::Initialize(&ac, args.data());
+  benchmark::AddCustomContext("target_accuracy", fmt::format("{}", g_settings.target));
+  benchmark::AddCustomContext("samples_per_step", fmt::format("{}", kGlobalBatch));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  std::printf("\n");
+  for (int nproc : g_settings.ranks) print_ratio(nproc);
   return 0;
 }

@@ -3,6 +3,7 @@
 // between world sizes. Multi-rank trajectories and resumes: test_elastic_dist.cpp.
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <random>
 #include <set>
 
@@ -408,4 +409,99 @@ TEST_CASE("generator64 and plans use all 64 bits of a seed") {
     firsts.insert(static_cast<int64_t>(g.get<at::CPUGeneratorImpl>()->random64()));
   }
   CHECK(firsts.size() == 300000);
+}
+
+TEST_CASE("plan_epoch with global_batch_size: steps of exactly G samples of the seeded order, same-shape batches") {
+  const Shapes shapes = random_shapes(31, 103, 3);
+  const int64_t g = 16;
+  for (const bool shuffle : {true, false}) {
+    CAPTURE(shuffle);
+    const loom::GlobalBatchOptions o{.shuffle = shuffle, .seed = 9, .max_samples = 4, .global_batch_size = g};
+    const auto plan = loom::plan_epoch(shapes, o, 2);
+    // The order the steps must follow, computed here: randperm of the epoch's generator (or 0..n-1).
+    std::vector<int64_t> order(shapes.size());
+    std::iota(order.begin(), order.end(), int64_t{0});
+    if (shuffle) {
+      at::Generator gen = loom::generator64(9 + 2);
+      const at::Tensor p = at::randperm(static_cast<int64_t>(shapes.size()), gen, at::TensorOptions(at::kLong));
+      order.assign(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+    }
+    REQUIRE(plan.steps.size() == 7);  // 103 = 6 x 16 + 7
+    std::set<int64_t> all;
+    for (std::size_t k = 0; k < plan.steps.size(); ++k) {
+      CAPTURE(k);
+      const auto& st = plan.steps[k];
+      CHECK(st.num_samples == (k + 1 < plan.steps.size() ? g : 7));
+      std::set<int64_t> got, want(order.begin() + static_cast<std::ptrdiff_t>(k) * g,
+                                  order.begin() + std::min<std::ptrdiff_t>(static_cast<std::ptrdiff_t>(k + 1) * g,
+                                                                           static_cast<std::ptrdiff_t>(order.size())));
+      for (int64_t j = st.first_batch; j < st.first_batch + st.num_batches; ++j) {
+        const auto& b = plan.batches[static_cast<std::size_t>(j)];
+        CHECK(static_cast<int64_t>(b.indices.size()) <= 4);
+        for (int64_t i : b.indices) {
+          CHECK(shapes[static_cast<std::size_t>(i)] == shapes[static_cast<std::size_t>(b.indices[0])]);  // one shape
+          got.insert(i);
+          CHECK(all.insert(i).second);  // each sample once
+        }
+      }
+      CHECK(got == want);
+      // Fewest batches for the step's shapes: one per shape, more only where max_samples splits it.
+      std::map<std::vector<int64_t>, int64_t> per_shape;
+      for (int64_t i : want) ++per_shape[shapes[static_cast<std::size_t>(i)]];
+      int64_t needed = 0;
+      for (const auto& [shape, c] : per_shape) needed += (c + 3) / 4;
+      CHECK(st.num_batches == needed);
+    }
+    CHECK(all.size() == shapes.size());
+    CHECK(plan.stats.samples_out == 103);
+  }
+}
+
+TEST_CASE("GlobalBatchSampler with global_batch_size: the same steps on W = 1..5, every sample once") {
+  const Shapes shapes = random_shapes(77, 90, 2);
+  for (const int64_t g : {1, 8, 32, 200}) {
+    CAPTURE(g);
+    const loom::GlobalBatchOptions o{.seed = 3, .max_samples = 6, .global_batch_size = g};
+    std::map<int64_t, int> uses1;
+    const auto ref = steps_over_ranks(shapes, o, 1, 1, &uses1);
+    CHECK(uses1.size() == shapes.size());
+    for (std::size_t k = 0; k < ref.size(); ++k)
+      CHECK(static_cast<int64_t>(ref[k].size()) ==
+            std::min<int64_t>(g, static_cast<int64_t>(shapes.size()) - static_cast<int64_t>(k) * g));
+    for (int w = 2; w <= 5; ++w) {
+      std::map<int64_t, int> uses;
+      CHECK(steps_over_ranks(shapes, o, w, 1, &uses) == ref);
+      CHECK(uses == uses1);
+    }
+  }
+}
+
+TEST_CASE("global_batch_size: conflicting step rules are named; it changes the fingerprint only when set") {
+  const Shapes shapes = random_shapes(5, 20, 2);
+  CHECK_THROWS_WITH_AS(loom::plan_epoch(shapes, {.batches_per_step = 2, .global_batch_size = 8}, 0),
+                       doctest::Contains("global_batch_size = 8 fixes each step's samples; batches_per_step = 2"),
+                       loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::plan_epoch(shapes, {.samples_per_step = 8, .global_batch_size = 8}, 0),
+                       doctest::Contains("samples_per_step = 8"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::plan_epoch(shapes, {.drop_incomplete = true, .global_batch_size = 8}, 0),
+                       doctest::Contains("drop_incomplete = true"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS(loom::plan_epoch(shapes, {.global_batch_size = -1}, 0),
+                       doctest::Contains("global_batch_size = -1"), loom::InvalidArgument);
+  // Without max_samples / max_elements a batch holds at most the global batch size.
+  const auto plan = loom::plan_epoch(shapes, {.batches_per_step = 0, .global_batch_size = 8}, 0);
+  REQUIRE(plan.steps.size() == 3);  // 20 = 8 + 8 + 4
+  std::map<std::vector<int64_t>, int64_t> per_shape;
+  for (int64_t j = 0; j < plan.steps[0].num_batches; ++j) {
+    const auto& b = plan.batches[static_cast<std::size_t>(j)];
+    CHECK(static_cast<int64_t>(b.indices.size()) <= 8);
+    CHECK(++per_shape[shapes[static_cast<std::size_t>(b.indices[0])]] == 1);  // one batch per shape in the step
+  }
+  const auto fp = [&](int64_t g) { return loom::detail::plan_fingerprint(shapes, {.global_batch_size = g}); };
+  CHECK(fp(0) != fp(8));
+  CHECK(fp(8) != fp(16));
+  CHECK(fp(0) == loom::detail::plan_fingerprint(shapes, {}));
+  // A cursor of one global batch size does not resume a sampler of another.
+  loom::GlobalBatchSampler a(shapes, {.global_batch_size = 8});
+  loom::GlobalBatchSampler b(shapes, {.global_batch_size = 16});
+  CHECK_THROWS_AS(b.resume(a.cursor()), loom::InvalidArgument);
 }

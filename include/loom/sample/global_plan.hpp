@@ -20,6 +20,12 @@
 //   3. Consecutive batches form the optimizer steps: a step closes after `batches_per_step`
 //      batches, or once it holds `samples_per_step` samples, or `elements_per_step` padded
 //      elements (whichever first; 0 turns a rule off). The last step takes what is left.
+//   With `global_batch_size` G > 0 (PyTorch's "batch size" of a step, summed over ranks) steps
+//   are cut first: the seeded sample order is cut into steps of exactly G samples (the epoch's last
+//   step takes the rest), and each step's samples are grouped into batches by the same rules,
+//   partial buckets flushed at the step's end (1. per step; no batch shuffle: the sample order is
+//   already random). A step then holds G samples as one or more same-shape micro-batches, on any
+//   world size.
 // Dealing (per step, identically on every rank): Dealing::balanced gives each batch, largest
 //   padded-element count first (ties: plan order), to the rank with the least load so far (ties:
 //   the lowest rank) — longest-processing-time-first — then moves or swaps single batches between
@@ -78,11 +84,30 @@ struct GlobalBatchOptions {
   int64_t multiple_of = 1;
   bool drop_incomplete = false;
   OversizePolicy on_oversize = OversizePolicy::raise;
-  int64_t batches_per_step = 1;         ///< a step closes after this many batches (0 = rule off)
-  int64_t samples_per_step = 0;         ///< ... or once it holds >= this many samples (0 = off)
-  int64_t elements_per_step = 0;        ///< ... or >= this many padded elements (0 = off)
+  int64_t batches_per_step = 1;   ///< a step closes after this many batches (0 = rule off)
+  int64_t samples_per_step = 0;   ///< ... or once it holds >= this many samples (0 = off)
+  int64_t elements_per_step = 0;  ///< ... or >= this many padded elements (0 = off)
+  /// Exactly this many samples per optimizer step, over all ranks (the epoch's last step: the
+  /// rest), as same-shape micro-batches of at most max_samples / max_elements (when neither is
+  /// set: at most global_batch_size samples) (0 = off: the three rules above apply). With it, batches_per_step must stay 1 (its default) or 0, samples_per_step
+  /// and elements_per_step 0 and drop_incomplete false (each would change the step's sample count).
+  int64_t global_batch_size = 0;
   Dealing dealing = Dealing::balanced;  ///< who runs which batch of a step (not part of the plan)
 };
+
+/// The batching rules of a global plan: as batch_rules() of the collators' options, except that
+/// with global_batch_size set and neither max_samples nor max_elements given, a batch holds at
+/// most global_batch_size samples (no step holds more).
+inline BatchRules batch_rules(const GlobalBatchOptions& o) {
+  BatchRules r{.pad = o.pad,
+               .max_samples = o.max_samples,
+               .max_elements = o.max_elements,
+               .multiple_of = o.multiple_of,
+               .drop_incomplete = o.drop_incomplete,
+               .on_oversize = o.on_oversize};
+  if (o.global_batch_size > 0 && !r.max_samples && !r.max_elements) r.max_samples = o.global_batch_size;
+  return r;
+}
 
 /// One optimizer step of an epoch's plan: batches [first_batch, first_batch + num_batches).
 ///
@@ -107,6 +132,25 @@ struct EpochPlan {
 namespace detail {
 
 inline void check_step_rules(const GlobalBatchOptions& o) {
+  if (o.global_batch_size < 0)
+    throw InvalidArgument(
+        fmt::format("GlobalBatchOptions: global_batch_size = {} (must be >= 0)", o.global_batch_size));
+  if (o.global_batch_size > 0) {
+    if (o.batches_per_step > 1 || o.samples_per_step != 0 || o.elements_per_step != 0)
+      throw InvalidArgument(fmt::format(
+          "GlobalBatchOptions: global_batch_size = {} fixes each step's samples; batches_per_step = {}, "
+          "samples_per_step = {} and elements_per_step = {} would close steps too (leave them at 1 or 0, 0, 0)",
+          o.global_batch_size, o.batches_per_step, o.samples_per_step, o.elements_per_step));
+    if (o.drop_incomplete)
+      throw InvalidArgument(fmt::format(
+          "GlobalBatchOptions: global_batch_size = {} with drop_incomplete = true would drop each step's partial "
+          "micro-batches (samples lost every step); leave drop_incomplete false",
+          o.global_batch_size));
+    if (o.batches_per_step < 0)
+      throw InvalidArgument(
+          fmt::format("GlobalBatchOptions: batches_per_step = {} (must be >= 0)", o.batches_per_step));
+    return;
+  }
   if (o.batches_per_step < 0 || o.samples_per_step < 0 || o.elements_per_step < 0)
     throw InvalidArgument(
         fmt::format("GlobalBatchOptions: batches_per_step = {}, samples_per_step = {}, elements_per_step "
@@ -134,8 +178,56 @@ inline uint64_t plan_fingerprint(const std::vector<std::vector<int64_t>>& shapes
   f.add(static_cast<uint64_t>(o.samples_per_step));
   f.add(static_cast<uint64_t>(o.elements_per_step));
   rules.add_padding_to(f);
+  // Only when set, so that plans without it keep the fingerprints (and cursors) they had.
+  if (o.global_batch_size > 0) f.add(static_cast<uint64_t>(o.global_batch_size) ^ 0x6c6f6f6d67627300ULL);
   add_shapes_to(f, shapes);
   return f.h;
+}
+
+/// plan_epoch's steps of exactly `o.global_batch_size` samples: the seeded order cut into steps,
+/// each step's samples planned into batches on their own (see the file comment).
+inline void plan_fixed_steps(const std::vector<std::vector<int64_t>>& shapes, const GlobalBatchOptions& o,
+                             int64_t epoch, EpochPlan& plan) {
+  const auto n = static_cast<int64_t>(shapes.size());
+  std::vector<int64_t> order(static_cast<std::size_t>(n));
+  if (o.shuffle) {
+    at::Generator gen = generator64(o.seed + static_cast<uint64_t>(epoch));
+    const at::Tensor p = at::randperm(n, gen, at::TensorOptions(at::kLong));
+    const auto* ptr = p.data_ptr<int64_t>();
+    order.assign(ptr, ptr + n);
+  } else {
+    std::iota(order.begin(), order.end(), int64_t{0});
+  }
+  const BatchRules rules = batch_rules(o);
+  CollateStats total;
+  for (int64_t begin = 0; begin < n; begin += o.global_batch_size) {
+    const int64_t end = std::min(n, begin + o.global_batch_size);
+    BucketPlanner planner(rules);
+    std::vector<PlannedBatch> planned;
+    for (int64_t k = begin; k < end; ++k)
+      planner.add(order[static_cast<std::size_t>(k)],
+                  shapes[static_cast<std::size_t>(order[static_cast<std::size_t>(k)])], planned);
+    planner.flush(planned);
+    const CollateStats& st = planner.stats();
+    total.samples_in += st.samples_in;
+    total.samples_out += st.samples_out;
+    total.batches_out += st.batches_out;
+    total.dropped_incomplete += st.dropped_incomplete;
+    total.skipped_oversize += st.skipped_oversize;
+    total.real_elements += st.real_elements;
+    total.padded_elements += st.padded_elements;
+    if (planned.empty()) continue;  // every sample of the step was skipped (OversizePolicy::skip)
+    GlobalStep step;
+    step.first_batch = static_cast<int64_t>(plan.batches.size());
+    for (auto& pb : planned) {
+      ++step.num_batches;
+      step.num_samples += static_cast<int64_t>(pb.indices.size());
+      step.elements += pb.padded_elements;
+      plan.batches.push_back(std::move(pb));
+    }
+    plan.steps.push_back(step);
+  }
+  plan.stats = total;
 }
 
 }  // namespace detail
@@ -150,6 +242,12 @@ inline EpochPlan plan_epoch(const std::vector<std::vector<int64_t>>& shapes, con
   if (shapes.empty()) throw InvalidArgument("plan_epoch: no shapes (the dataset is empty)");
   if (epoch < 0) throw InvalidArgument(fmt::format("plan_epoch: epoch {} is negative", epoch));
   detail::check_step_rules(o);
+  if (o.global_batch_size > 0) {
+    EpochPlan plan;
+    plan.epoch = epoch;
+    detail::plan_fixed_steps(shapes, o, epoch, plan);
+    return plan;
+  }
   detail::SeededPlan planned = detail::plan_batches(
       shapes, batch_rules(o),
       o.shuffle ? std::optional(generator64(o.seed + static_cast<uint64_t>(epoch))) : std::nullopt);
