@@ -21,8 +21,8 @@
 // Average::world_size, DDP's convention). Every way: AdamW, lr 1.5e-3, weight decay 1e-4, the same
 // initial weights, no pre-training; one intra-op thread per rank.
 //
-// Method: Google Benchmark in this (parent) process, repetitions interleaved at random; each run
-// starts the ranks with loom::run (fork), which train an epoch at a time and evaluate after each
+// Method: Google Benchmark in this (parent) process, repetitions interleaved at random; run r of
+// every way draws its data order from seed 1 + r (the same initial weights); each run starts the ranks with loom::run (fork), which train an epoch at a time and evaluate after each
 // (evaluation and decoding not timed); rank 0 reports through a file. The manual time is the
 // training seconds until the epoch whose validation accuracy first reached the target (all epochs'
 // seconds when it never did: counter reached = 0). Counters: epochs, val_accuracy (at the stop),
@@ -112,8 +112,9 @@ at::Tensor stack_samples(const examples::IconTask& task, const std::vector<int64
   return torch::stack(xs).to(device);
 }
 
-/// One rank of one method; rank 0 writes its Result to `out`.
-void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
+/// One rank of one method; rank 0 writes its Result to `out`. Run `run` draws its data order from
+/// seed + run (the sampler's or the loader's seed); the initial weights are the same in every run.
+void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& out) {
   at::set_num_threads(1);
   const auto& o = g_settings;
   const examples::IconTask task(o.task, [](std::string_view) {});
@@ -126,6 +127,7 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
   const auto n = static_cast<int64_t>(train.size());
   const int world = pg.world_size();
   const int64_t per_rank = kGlobalBatch / world;  // samples per rank per step (32 % world == 0)
+  const uint64_t order_seed = o.task.seed + static_cast<uint64_t>(run);
   namespace F = torch::nn::functional;
   Result r;
   auto labels_of = [&](const std::vector<int64_t>& labels) { return torch::tensor(labels, torch::kLong).to(device); };
@@ -151,7 +153,7 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
   };
   if (method == Method::loom) {
     loom::BatchLoader loader(pg, task.shapes_of(train), [&](int64_t j) { return task.sample(train, j); },
-                             {.seed = o.task.seed,
+                             {.seed = order_seed,
                               .max_samples = kGlobalBatch,
                               .max_elements = kBatchPixels * o.task.channels,
                               .global_batch_size = kGlobalBatch});
@@ -168,8 +170,7 @@ void train_rank(loom::ProcessGroup& pg, Method method, const fs::path& out) {
     // rank's batch's last group closes the step.
     const int64_t micro = method == Method::accumulate_32 ? per_rank : method == Method::one_at_a_time ? 1 : 0;
     loom::Accumulator acc(reducer, {.micro_batches_per_step = micro});
-    loom::DistributedSampler sampler(
-        {.dataset_size = n, .num_replicas = world, .rank = pg.rank(), .seed = o.task.seed});
+    loom::DistributedSampler sampler({.dataset_size = n, .num_replicas = world, .rank = pg.rank(), .seed = order_seed});
     run_epochs([&](int64_t e) {
       sampler.set_epoch(e);
       std::vector<int64_t> pending;
@@ -240,7 +241,9 @@ void BM_Finetune(benchmark::State& state, Method method, int nproc) {
   const fs::path out = fs::temp_directory_path() / fmt::format("loom-bench-finetune-{}.txt", ::getpid());
   for (auto _ : state) {
     fs::remove(out);
-    loom::run([&](loom::ProcessGroup& pg) { train_rank(pg, method, out); },
+    auto& runs = g_times[{method, nproc}];
+    const int run = static_cast<int>(runs.size());
+    loom::run([&](loom::ProcessGroup& pg) { train_rank(pg, method, run, out); },
               {.nproc = nproc,
                .group = {.backend = g_settings.cuda ? loom::Backend::nccl : loom::Backend::gloo},
                .spawn = {.timeout = std::chrono::minutes(30)}});
@@ -250,7 +253,6 @@ void BM_Finetune(benchmark::State& state, Method method, int nproc) {
       state.SkipWithError("rank 0 wrote no result");
       return;
     }
-    auto& runs = g_times[{method, nproc}];
     if (g_curve.is_open()) {
       int epoch = 0;
       double sec = 0, accuracy = 0;
