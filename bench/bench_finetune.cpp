@@ -22,19 +22,22 @@
 // initial weights, no pre-training; one intra-op thread per rank.
 //
 // Method: Google Benchmark in this (parent) process, repetitions interleaved at random; run r of
-// every way draws its data order from seed 1 + r (the same initial weights); each run starts the ranks with loom::run (fork), which train an epoch at a time and evaluate after each
-// (evaluation and decoding not timed); rank 0 reports through a file. The manual time is the
-// training seconds until the epoch whose validation accuracy first reached the target (all epochs'
-// seconds when it never did: counter reached = 0). Counters: epochs, val_accuracy (at the stop),
-// samples_per_s, steps. After the table, one line per number of ranks:
+// every way draws its data order from seed 1 + 1000 r (the same initial weights); each run starts the
+// ranks with loom::run (fork), which train and evaluate the validation split every --eval-every
+// samples trained (over all ranks; at the first optimizer step boundary past each mark, inside
+// on_step for loom) until the accuracy reaches the target or --max-epochs end; rank 0 reports
+// through a file. The manual time is the training seconds (evaluations and decoding excluded) up
+// to the evaluation that first reached the target (all of them when none did: counter reached =
+// 0). Counters: epochs (begun), val_accuracy (at the stop), samples_per_s, steps. After the table,
+// one line per number of ranks:
 //   RATIO time_to_accuracy_loom_vs_best/ranks:N median=... min=... max=... n=... goal>=1.2 met|NOT-met
 // (per run: the fastest other way's seconds to the target over loom's; a way that did not reach the
 // target counts as infinitely slow).
 //
-// Run: build-dir/bench/bench_finetune [--runs=3] [--target=0.45] [--max-epochs=12] [--ranks=1,2]
+// Run: build-dir/bench/bench_finetune [--runs=3] [--target=0.45] [--eval-every=640] [--max-epochs=12] [--ranks=1,2]
 //      [--device=cpu|cuda] [--data=DIR] [--curve=FILE.csv] [Google Benchmark flags]
 //   --device=cuda: NCCL, one rank per GPU (ranks must not exceed the GPUs); --curve writes every
-//   epoch's (way, ranks, run, epoch, seconds, accuracy) for the time-to-accuracy figure.
+//   evaluation's (way, ranks, run, samples, seconds, accuracy) for the time-to-accuracy figure.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -78,6 +81,7 @@ struct Settings {
   int runs = 3;
   double target = 0.45;
   int max_epochs = 12;
+  int64_t eval_every = 640;  // samples trained between evaluations (20 steps of 32)
   std::vector<int> ranks = {1, 2};
   bool cuda = false;
   fs::path curve;
@@ -113,7 +117,7 @@ at::Tensor stack_samples(const examples::IconTask& task, const std::vector<int64
 }
 
 /// One rank of one method; rank 0 writes its Result to `out`. Run `run` draws its data order from
-/// seed + run (the sampler's or the loader's seed); the initial weights are the same in every run.
+/// seed + 1000 run (the sampler's or the loader's seed); the initial weights are the same in every run.
 void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& out) {
   at::set_num_threads(1);
   const auto& o = g_settings;
@@ -127,29 +131,48 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
   const auto n = static_cast<int64_t>(train.size());
   const int world = pg.world_size();
   const int64_t per_rank = kGlobalBatch / world;  // samples per rank per step (32 % world == 0)
-  const uint64_t order_seed = o.task.seed + static_cast<uint64_t>(run);
+  // Runs far apart: sampler seeds advance by the epoch (seed + epoch), so seeds 1 + r would share
+  // epochs' orders between runs.
+  const uint64_t order_seed = o.task.seed + 1000 * static_cast<uint64_t>(run);
   namespace F = torch::nn::functional;
   Result r;
   auto labels_of = [&](const std::vector<int64_t>& labels) { return torch::tensor(labels, torch::kLong).to(device); };
-  // Trains an epoch at a time (timed) and evaluates after each (not timed) until the target or the cap.
-  auto run_epochs = [&](auto&& train_epoch) {
-    double seconds = 0;
-    for (int64_t e = 0; e < o.max_epochs; ++e) {
-      if (o.cuda) torch::cuda::synchronize();
-      const auto t0 = Clock::now();
-      train_epoch(e);
-      if (o.cuda) torch::cuda::synchronize();
-      seconds += since(t0);
-      const examples::EvalResult ev = task.evaluate(pg, model, device, kGlobalBatch, kBatchPixels * o.task.channels);
-      r.epochs = static_cast<int>(e + 1);
-      r.accuracy = ev.accuracy;
-      r.curve += fmt::format("{} {:.6f} {:.6f}\n", e + 1, seconds, ev.accuracy);
-      if (ev.accuracy >= o.target) {  // the same verdict on every rank: evaluate gathers every sample
-        r.reached = 1;
-        break;
-      }
-    }
+  // The clock runs while training; evaluations (every o.eval_every samples trained, over all
+  // ranks, at the first optimizer step boundary past each mark, and after the last epoch) are
+  // excluded. Every rank evaluates at the same step: the sample count is global.
+  if (o.cuda) torch::cuda::synchronize();
+  const auto run_start = Clock::now();
+  double excluded = 0;
+  int64_t next_eval = o.eval_every;
+  auto training_seconds = [&] {
+    if (o.cuda) torch::cuda::synchronize();
+    return since(run_start) - excluded;
+  };
+  auto evaluate_now = [&] {
+    const double seconds = training_seconds();
+    const auto t0 = Clock::now();
+    const examples::EvalResult ev = task.evaluate(pg, model, device, kGlobalBatch, kBatchPixels * o.task.channels);
+    excluded += since(t0);
+    r.accuracy = ev.accuracy;
     r.seconds = seconds;
+    r.curve += fmt::format("{} {:.6f} {:.6f}\n", r.samples, seconds, ev.accuracy);
+    if (ev.accuracy >= o.target) r.reached = 1;  // the same verdict on every rank: evaluate gathers every sample
+  };
+  // After an optimizer step (r.samples already counts it): true once the target is reached.
+  auto after_step = [&] {
+    if (r.samples >= next_eval) {
+      while (next_eval <= r.samples) next_eval += o.eval_every;
+      evaluate_now();
+    }
+    return r.reached != 0;
+  };
+  // Runs epochs until the target or the cap; train_epoch(e) returns false when it stopped early.
+  auto run_epochs = [&](auto&& train_epoch) {
+    for (int64_t e = 0; e < o.max_epochs && r.reached == 0; ++e) {
+      r.epochs = static_cast<int>(e + 1);
+      train_epoch(e);
+    }
+    if (r.reached == 0) evaluate_now();  // the cap: the accuracy at the end
   };
   if (method == Method::loom) {
     loom::BatchLoader loader(pg, task.shapes_of(train), [&](int64_t j) { return task.sample(train, j); },
@@ -158,7 +181,10 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
                               .max_elements = kBatchPixels * o.task.channels,
                               .global_batch_size = kGlobalBatch});
     loom::Trainer trainer(pg, *model, opt);
-    trainer.on_step([&](const loom::SyncResult& s) { r.samples += s.global_samples; });
+    trainer.on_step([&](const loom::SyncResult& s) {
+      r.samples += s.global_samples;
+      if (after_step()) trainer.stop();
+    });
     run_epochs([&](int64_t e) {
       for (loom::Batch& b : trainer.epoch(loader, e))
         trainer.backward(F::cross_entropy(model->forward(b.data), b.targets), b);
@@ -174,13 +200,18 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
     run_epochs([&](int64_t e) {
       sampler.set_epoch(e);
       std::vector<int64_t> pending;
-      auto apply = [&](const loom::SyncResult& s) {
+      // Counts `samples` (over all ranks) at a step boundary; true once the target is reached.
+      auto apply = [&](const loom::SyncResult& s, int64_t samples) {
         if (s.apply) {
           opt.step();
           ++r.steps;
         }
         if (s.boundary) loom::zero_grad(opt, loom::GradReset::zero);
+        if (!s.boundary) return false;
+        r.samples += samples;
+        return after_step();
       };
+      int64_t window = 0;  // samples (all ranks) since the last boundary
       while (auto j = sampler.next()) {
         if (method != Method::group_in_batch) {  // one image per micro-batch
           std::vector<int64_t> labels;
@@ -188,8 +219,9 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
           const auto loss = F::cross_entropy(model->forward(x), labels_of(labels));
           auto mb = acc.micro_batch(1);
           (method == Method::accumulate_32 ? loss / static_cast<double>(per_rank) : loss).backward();
-          apply(mb.finish());
-          r.samples += world;
+          window += world;
+          const loom::SyncResult s = mb.finish();
+          if (apply(s, s.boundary ? std::exchange(window, 0) : 0)) return;
           continue;
         }
         pending.push_back(*j);
@@ -207,13 +239,14 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
           const double share = static_cast<double>(js.size()) / static_cast<double>(pending.size());
           auto mb = acc.micro_batch(static_cast<int64_t>(js.size()), /*closes_step=*/++g == groups.size());
           (F::cross_entropy(model->forward(x), labels_of(labels)) * share).backward();
-          apply(mb.finish());
+          const loom::SyncResult s = mb.finish();
+          if (apply(s, s.boundary ? static_cast<int64_t>(pending.size()) * world : 0)) return;
         }
-        r.samples += static_cast<int64_t>(pending.size()) * world;
         pending.clear();
       }
       pending.clear();  // the recipe drops the last partial batch (drop_last)
-      while (auto s = acc.end_epoch()) apply(*s);
+      while (auto s = acc.end_epoch())
+        if (apply(*s, std::exchange(window, 0))) return;
     });
   }
   if (pg.rank() == 0) {
@@ -254,10 +287,10 @@ void BM_Finetune(benchmark::State& state, Method method, int nproc) {
       return;
     }
     if (g_curve.is_open()) {
-      int epoch = 0;
+      int64_t samples = 0;
       double sec = 0, accuracy = 0;
-      while (f >> epoch >> sec >> accuracy)
-        g_curve << fmt::format("{},{},{},{},{:.4f},{:.4f}\n", method_name(method), nproc, runs.size(), epoch, sec,
+      while (f >> samples >> sec >> accuracy)
+        g_curve << fmt::format("{},{},{},{},{:.4f},{:.4f}\n", method_name(method), nproc, runs.size(), samples, sec,
                                accuracy);
       g_curve.flush();
     }
@@ -310,6 +343,8 @@ bool parse_settings(int& argc, char** argv) {
         g_settings.runs = std::stoi(*v);
       } else if (auto v = value("--target=")) {
         g_settings.target = std::stod(*v);
+      } else if (auto v = value("--eval-every=")) {
+        g_settings.eval_every = std::stoll(*v);
       } else if (auto v = value("--max-epochs=")) {
         g_settings.max_epochs = std::stoi(*v);
       } else if (auto v = value("--ranks=")) {
@@ -338,9 +373,9 @@ bool parse_settings(int& argc, char** argv) {
                    static_cast<long long>(kGlobalBatch));
       return false;
     }
-  if (g_settings.runs < 1 || g_settings.max_epochs < 1) {
-    std::fprintf(stderr, "bench_finetune: --runs %d and --max-epochs %d must be >= 1\n", g_settings.runs,
-                 g_settings.max_epochs);
+  if (g_settings.runs < 1 || g_settings.max_epochs < 1 || g_settings.eval_every < 1) {
+    std::fprintf(stderr, "bench_finetune: --runs %d, --max-epochs %d and --eval-every %lld must be >= 1\n",
+                 g_settings.runs, g_settings.max_epochs, static_cast<long long>(g_settings.eval_every));
     return false;
   }
   return true;
@@ -357,7 +392,7 @@ int main(int argc, char** argv) {
   }
   if (!g_settings.curve.empty()) {
     g_curve.open(g_settings.curve);
-    g_curve << "way,ranks,run,epoch,seconds,accuracy\n";
+    g_curve << "way,ranks,run,samples,seconds,accuracy\n";
   }
   for (int nproc : g_settings.ranks)
     for (Method m : {Method::one_at_a_time, Method::group_in_batch, Method::accumulate_32, Method::loom})

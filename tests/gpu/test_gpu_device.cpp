@@ -120,14 +120,16 @@ int wait_child(pid_t pid, std::chrono::seconds limit) {
 
 // ---- child processes -----------------------------------------------------------------------
 
-/// A collective queued behind a 3 s stall with a 300 ms timeout must raise TimeoutError naming
+/// A collective queued behind a 6 s stall with a 2 s timeout must raise TimeoutError naming
 /// the collective and rank, abort the communicator, and refuse later collectives.
 int child_timeout_collective() {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 300ms});
+  // The timeout bounds the init too: 2 s, since a cold NCCL 2.28 init at world size 1 took over
+  // 300 ms on an H200 once; the stall (6 s) stays well beyond it.
+  loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 2000ms});
   auto producer = loom::cuda::Stream::create(0);
   loom::cuda::DeviceBuffer buf(0, 256 * sizeof(float));
-  static int stall_ms = 3000;
+  static int stall_ms = 6000;
   LOOM_CUDA_CHECK(cudaLaunchHostFunc(producer.get(), sleep_on_stream, &stall_ms));
   const auto start = std::chrono::steady_clock::now();
   try {
@@ -138,6 +140,7 @@ int child_timeout_collective() {
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::cerr << "child timeout_collective: caught as expected after " << waited << " s: " << e.what() << "\n";
     if (e.collective() != "all_reduce" || e.rank() != 0 || !comm.aborted()) std::_Exit(2);
+    if (waited > 5.0) std::_Exit(5);  // the timeout ended the wait, not the stall
   }
   try {
     comm.barrier();
