@@ -16,9 +16,11 @@
 //   loom              loom::BatchLoader with GlobalBatchOptions::global_batch_size = 32 (each step's
 //                     32 samples as same-shape micro-batches, the same steps on any number of ranks,
 //                     the gradient weighted by samples) + loom::Trainer
-// The baselines run the way DDP runs them: torch's DistributedSampler shards the indices (padding
-// by repeats), every rank steps with the gradient averaged over ranks (loom::Reducer with
-// Average::world_size, DDP's convention). Every way: AdamW, lr 1.5e-3, weight decay 1e-4, the same
+// Every way trains the same samples in the same steps: the DDP-style ways shard the permutation
+// loom's plan draws (seed + epoch) the way torch's DistributedSampler shards its own (interleaved,
+// padded by repeats), so a rank's i-th batch of 32 / ranks samples holds its share of loom's step
+// i; runs then differ in speed, not in the luck of the data order. Every rank steps with the
+// gradient averaged over ranks (loom::Reducer with Average::world_size, DDP's convention). Every way: AdamW, lr 1.5e-3, weight decay 1e-4, the same
 // initial weights, no pre-training; one intra-op thread per rank.
 //
 // Method: Google Benchmark in this (parent) process, repetitions interleaved at random; run r of
@@ -61,7 +63,7 @@
 #include <loom/dist/run.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
-#include <loom/sample/distributed.hpp>
+#include <loom/sample/sample_seed.hpp>
 #include <loom/train/loader.hpp>
 #include <loom/train/trainer.hpp>
 
@@ -114,6 +116,22 @@ at::Tensor stack_samples(const examples::IconTask& task, const std::vector<int64
     labels.push_back(y);
   }
   return torch::stack(xs).to(device);
+}
+
+/// Rank `rank`'s indices of epoch `epoch` for the DDP-style ways: the permutation loom's plan draws
+/// (randperm of n from loom::generator64(seed + epoch), as GlobalBatchOptions::global_batch_size
+/// cuts it into steps), sharded the way torch's DistributedSampler shards its own: padded by
+/// repeats to a multiple of the world size, rank r taking positions r, r + W, r + 2W, ... So a
+/// rank's i-th batch of 32 / W samples comes from positions [32 i, 32 i + 32): the samples of
+/// loom's step i.
+std::vector<int64_t> shard_of_plan_order(int64_t n, uint64_t seed, int64_t epoch, int world, int rank) {
+  at::Generator gen = loom::generator64(seed + static_cast<uint64_t>(epoch));
+  const at::Tensor p = at::randperm(n, gen, at::TensorOptions(at::kLong));
+  const int64_t* perm = p.data_ptr<int64_t>();
+  const int64_t total = (n + world - 1) / world * world;
+  std::vector<int64_t> mine;
+  for (int64_t k = rank; k < total; k += world) mine.push_back(perm[k % n]);
+  return mine;
 }
 
 /// One rank of one method; rank 0 writes its Result to `out`. Run `run` draws its data order from
@@ -196,9 +214,8 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
     // rank's batch's last group closes the step.
     const int64_t micro = method == Method::accumulate_32 ? per_rank : method == Method::one_at_a_time ? 1 : 0;
     loom::Accumulator acc(reducer, {.micro_batches_per_step = micro});
-    loom::DistributedSampler sampler({.dataset_size = n, .num_replicas = world, .rank = pg.rank(), .seed = order_seed});
     run_epochs([&](int64_t e) {
-      sampler.set_epoch(e);
+      const std::vector<int64_t> shard = shard_of_plan_order(n, order_seed, e, world, pg.rank());
       std::vector<int64_t> pending;
       // Counts `samples` (over all ranks) at a step boundary; true once the target is reached.
       auto apply = [&](const loom::SyncResult& s, int64_t samples) {
@@ -212,7 +229,7 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
         return after_step();
       };
       int64_t window = 0;  // samples (all ranks) since the last boundary
-      while (auto j = sampler.next()) {
+      for (const int64_t* j = shard.data(); j != shard.data() + shard.size(); ++j) {
         if (method != Method::group_in_batch) {  // one image per micro-batch
           std::vector<int64_t> labels;
           const at::Tensor x = stack_samples(task, train, {*j}, labels, device);
