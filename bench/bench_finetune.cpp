@@ -36,7 +36,7 @@
 // (per run: the fastest other way's seconds to the target over loom's; a way that did not reach the
 // target counts as infinitely slow).
 //
-// Run: build-dir/bench/bench_finetune [--runs=3] [--target=0.45] [--eval-every=640] [--max-epochs=12] [--ranks=1,2]
+// Run: build-dir/bench/bench_finetune [--runs=3] [--target=0.48] [--eval-every=640] [--max-epochs=10] [--ranks=1,2]
 //      [--device=cpu|cuda] [--data=DIR] [--curve=FILE.csv] [Google Benchmark flags]
 //   --device=cuda: NCCL, one rank per GPU (ranks must not exceed the GPUs); --curve writes every
 //   evaluation's (way, ranks, run, samples, seconds, accuracy) for the time-to-accuracy figure.
@@ -81,8 +81,8 @@ constexpr int64_t kBatchPixels = 32 * 32 * 32;
 
 struct Settings {
   int runs = 3;
-  double target = 0.45;
-  int max_epochs = 12;
+  double target = 0.48;
+  int max_epochs = 10;
   int64_t eval_every = 640;  // samples trained between evaluations (20 steps of 32)
   std::vector<int> ranks = {1, 2};
   bool cuda = false;

@@ -420,7 +420,7 @@ fi
 if [ -f "$BUILD/build.ninja" ] && [ -d "$ICONS" ] && [ $((DEADLINE - $(date +%s))) -gt 170 ]; then
   step build-bench-finetune 120 ninja -C "$BUILD" -k 0 -j "$JOBS" bench/bench_finetune
   if [ -x "$BUILD/bench/bench_finetune" ]; then
-    step "bench_finetune --device=cuda" 150 "$BUILD/bench/bench_finetune" --device=cuda --ranks=1 --runs=1 \
+    step "bench_finetune --device=cuda" 150 "$BUILD/bench/bench_finetune" --device=cuda --ranks=1 --runs=1 --target=0.45 \
       --max-epochs=6 "--data=$ICONS" '--benchmark_filter=finetune/(group_in_batch|accumulate_32|loom)/' \
       "--benchmark_out=$OUTDIR/bench_finetune_cuda.json" --benchmark_out_format=json
     ratio=$(grep -h -m2 -E '^RATIO' "$WORK/step.log" | tr '\n' ' ' || true)

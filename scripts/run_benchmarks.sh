@@ -4,10 +4,11 @@
 # Usage: scripts/run_benchmarks.sh [BUILD_DIR] [OUTDIR]     (defaults: build, bench-results)
 # Writes OUTDIR/<suite>.txt (console output, RATIO lines at the end), OUTDIR/<suite>.json (every
 # repetition, Google Benchmark JSON), OUTDIR/load.txt (uptime before and after each suite) and the
-# figures OUTDIR/reduce_sweep.png, OUTDIR/collate_sweep.png (scripts/plot_benchmarks.sh).
+# figures OUTDIR/reduce_sweep.png, OUTDIR/collate_sweep.png (scripts/plot_benchmarks.sh) and
+# OUTDIR/time_to_accuracy.png (scripts/plot_time_to_accuracy.sh, from bench_finetune's curves).
 # Run it on a quiet machine: nothing else building, load average under 1.5 (it warns otherwise);
 # the figures in docs/benchmarks.md quote the load next to each table.
-# Time: about 15 minutes on 2 cores.
+# Time: about 30 minutes on 2 cores (bench_finetune alone about 12).
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench-results}
@@ -37,9 +38,14 @@ run schedule "$bench/bench_schedule" --benchmark_repetitions=5 --benchmark_enabl
   --benchmark_out="$out/schedule.json" --benchmark_out_format=json
 run comm "$bench/bench_comm"
 run plan "$bench/bench_plan"
-[ -x "$bench/bench_finetune" ] && run finetune "$bench/bench_finetune"
+[ -x "$bench/bench_loader" ] && run loader "$bench/bench_loader" --benchmark_repetitions=5 \
+  --benchmark_enable_random_interleaving=true --benchmark_out="$out/loader.json" --benchmark_out_format=json
+[ -x "$bench/bench_finetune" ] && run finetune "$bench/bench_finetune" --target=0.48 --max-epochs=10 \
+  --curve="$out/finetune_curve.csv" --benchmark_out="$out/finetune.json" --benchmark_out_format=json
 if command -v gnuplot >/dev/null; then
   "$(dirname "$0")/plot_benchmarks.sh" "$out" "$out/reduce.json" "$out/collate.json"
+  [ -f "$out/finetune_curve.csv" ] &&
+    "$(dirname "$0")/plot_time_to_accuracy.sh" "$out/finetune_curve.csv" "$out/time_to_accuracy.png" 0.48
 else
   echo "gnuplot not installed: no figures (apt-get install gnuplot-nox)" >&2
 fi
