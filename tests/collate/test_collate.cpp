@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <loom/collate/all.hpp>
+#include <loom/collate/pool.hpp>
 
 #include "reference/collate_reference.hpp"
 
@@ -436,6 +437,30 @@ TEST_CASE("projections: structs with .data/.target/.index, tensor targets, no ta
 }
 
 // ---- storage: pool and allocator hook --------------------------------------------------------
+TEST_CASE("detail::carve: the tensor narrow + view + view give, without dispatching them") {
+  const at::Tensor block = at::empty({1024}, at::kByte);
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kLong, at::kByte}) {
+    CAPTURE(c10::toString(dtype));
+    const int64_t offset = 128;
+    const std::vector<int64_t> sizes{3, 2, 5};
+    const at::Tensor got = loom::detail::carve(block, offset, dtype, sizes);
+    const int64_t bytes = 30 * static_cast<int64_t>(c10::elementSize(dtype));
+    const at::Tensor want = block.narrow(0, offset, bytes).view(dtype).view(sizes);
+    CHECK(got.sizes() == want.sizes());
+    CHECK(got.strides() == want.strides());
+    CHECK((got.scalar_type() == dtype));
+    CHECK((got.device() == block.device()));
+    CHECK(got.data_ptr() == want.data_ptr());
+    CHECK(got.is_contiguous());
+    CHECK_FALSE(got.requires_grad());
+    CHECK(got.storage().is_alias_of(block.storage()));  // keeps the buffer busy, as a view does
+    got.fill_(1);
+    CHECK(at::equal(got, want));
+    block.zero_();
+    CHECK(got.count_nonzero().item<int64_t>() == 0);
+  }
+}
+
 TEST_CASE("BufferPool: a dropped batch's buffer is reused; a held one is not") {
   auto pool = std::make_shared<loom::BufferPool>();
   loom::BucketCollator<> c(loom::ShapeBucketOptions{.max_samples = 2, .pool = pool});

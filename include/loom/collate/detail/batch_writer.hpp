@@ -57,7 +57,7 @@ struct StorageSource {
     int64_t offset = 0;
     for (const StoragePart& p : parts) {
       const int64_t bytes = part_bytes(p);
-      *p.out = block.narrow(0, offset, bytes).view(p.dtype).view(p.sizes);
+      *p.out = carve(block, offset, p.dtype, p.sizes);
       offset += (bytes + 63) / 64 * 64;
     }
   }
