@@ -94,10 +94,11 @@ double max_relative(const std::vector<double>& a, const std::vector<double>& b) 
 /// What one rank does: trains `steps` optimizer steps from `dir/checkpoint` (or from the initial
 /// weights), then rank 0 writes the parameters, the momentum buffers and the cursor. Every rank
 /// appends the sample indices it trained on to `dir/uses.<rank>`.
-void train(loom::GlooCommunicator& comm, const fs::path& dir, int steps, const std::string& tag) {
+void train(loom::GlooCommunicator& comm, const fs::path& dir, int steps, const std::string& tag,
+           const loom::GlobalBatchOptions& plan = kPlan) {
   loom::test::Mlp model(at::kDouble);
   torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
-  loom::GlobalBatchSampler sampler(comm, shapes(), kPlan);
+  loom::GlobalBatchSampler sampler(comm, shapes(), plan);
   if (fs::exists(dir / "checkpoint.cursor")) {
     const auto saved = parse(read_file(dir / "checkpoint.params"));
     std::size_t k = 0;
@@ -148,8 +149,9 @@ void train(loom::GlooCommunicator& comm, const fs::path& dir, int steps, const s
   }
 }
 
-void run(int world, const fs::path& dir, int steps, const std::string& tag) {
-  loom::test::run_ranks(world, [&](loom::GlooCommunicator& comm) { train(comm, dir, steps, tag); },
+void run(int world, const fs::path& dir, int steps, const std::string& tag,
+         const loom::GlobalBatchOptions& plan = kPlan) {
+  loom::test::run_ranks(world, [&](loom::GlooCommunicator& comm) { train(comm, dir, steps, tag, plan); },
                         {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
 }
 
@@ -222,4 +224,35 @@ TEST_SUITE("dist") {
     }
   }
 
+  TEST_CASE("global_batch_size = 8: an epoch and a step on 1, 2 and 3 ranks end equal (float64, 1e-12)") {
+    // 37 samples of 3 shapes: steps of 8 samples (the last 5), each split into up to 3 same-shape
+    // micro-batches of at most 3 samples, dealt to the ranks (some idle in a step on 3 ranks).
+    const loom::GlobalBatchOptions plan{.seed = 17, .max_samples = 3, .global_batch_size = 8};
+    const auto epoch = loom::plan_epoch(shapes(), plan, 0);
+    REQUIRE(epoch.steps.size() == 5);
+    for (std::size_t k = 0; k < epoch.steps.size(); ++k)
+      CHECK(epoch.steps[k].num_samples == (k + 1 < epoch.steps.size() ? 8 : 5));
+    std::map<int, std::vector<double>> params;
+    for (int w : {1, 2, 3}) {
+      TempDir dir("loom-elastic");
+      run(w, dir.path, 6, "g", plan);
+      params[w] = parse(read_file(dir.path / "params.g"));
+      const auto uses = count_uses(dir.path, "g");
+      CHECK(static_cast<int64_t>(uses.size()) == kSamples);  // the epoch's every sample, 8 of them twice
+      int twice = 0;
+      for (const auto& [i, k] : uses) {
+        CHECK((k == 1 || k == 2));
+        twice += k == 2 ? 1 : 0;
+      }
+      CHECK(twice == 8);  // the first step of epoch 1
+    }
+    const double e2 = max_relative(params[2], params[1]), e3 = max_relative(params[3], params[1]);
+    MESSAGE(fmt::format("global_batch_size 8, relative difference to W = 1: W = 2 {:.3g}, W = 3 {:.3g}", e2, e3));
+    CHECK(e2 < 1e-12);
+    CHECK(e3 < 1e-12);
+    // Different from the batches_per_step plan's trajectory (the option changed the steps).
+    TempDir other("loom-elastic");
+    run(1, other.path, 6, "o");
+    CHECK(max_relative(parse(read_file(other.path / "params.o")), params[1]) > 1e-6);
+  }
 }  // TEST_SUITE
