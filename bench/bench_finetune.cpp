@@ -5,7 +5,7 @@
 // final accuracy and the samples/s, on 1 and 2 ranks, several runs of each (interleaved).
 //
 // Every way but the first trains kGlobalBatch (32) samples per optimizer step, summed over ranks:
-//   one_at_a_time     the seed's loop: DistributedSampler, batch size 1 per rank, an optimizer step
+//   one_at_a_time     the seed's loop: sharded as DistributedSampler shards, batch size 1 per rank, a step
 //                     per image on each rank (so a step holds `ranks` samples), DDP's averaging
 //   group_in_batch    random batches of 32 / ranks per rank split into same-shape groups, one
 //                     forward per group, one optimizer step per global batch of 32 (the "group by
@@ -20,8 +20,9 @@
 // loom's plan draws (seed + epoch) the way torch's DistributedSampler shards its own (interleaved,
 // padded by repeats), so a rank's i-th batch of 32 / ranks samples holds its share of loom's step
 // i; runs then differ in speed, not in the luck of the data order. Every rank steps with the
-// gradient averaged over ranks (loom::Reducer with Average::world_size, DDP's convention). Every way: AdamW, lr 1.5e-3, weight decay 1e-4, the same
-// initial weights, no pre-training; one intra-op thread per rank.
+// gradient averaged over ranks (loom::Reducer with Average::world_size, DDP's convention).
+// Every way: AdamW, lr 1.5e-3, weight decay 1e-4, the same initial weights, no pre-training; one
+// intra-op thread per rank.
 //
 // Method: Google Benchmark in this (parent) process, repetitions interleaved at random; run r of
 // every way draws its data order from seed 1 + 1000 r (the same initial weights); each run starts the

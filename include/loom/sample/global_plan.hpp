@@ -89,8 +89,9 @@ struct GlobalBatchOptions {
   int64_t elements_per_step = 0;  ///< ... or >= this many padded elements (0 = off)
   /// Exactly this many samples per optimizer step, over all ranks (the epoch's last step: the
   /// rest), as same-shape micro-batches of at most max_samples / max_elements (when neither is
-  /// set: at most global_batch_size samples) (0 = off: the three rules above apply). With it, batches_per_step must stay 1 (its default) or 0, samples_per_step
-  /// and elements_per_step 0 and drop_incomplete false (each would change the step's sample count).
+  /// set: at most global_batch_size samples); 0 = off (the three rules above apply). With it,
+  /// batches_per_step must stay 1 (its default) or 0, samples_per_step and elements_per_step 0 and
+  /// drop_incomplete false (each would change the step's sample count).
   int64_t global_batch_size = 0;
   Dealing dealing = Dealing::balanced;  ///< who runs which batch of a step (not part of the plan)
 };
