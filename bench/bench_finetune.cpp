@@ -5,8 +5,8 @@
 // final accuracy and the samples/s, on 1 and 2 ranks, several runs of each (interleaved).
 //
 // Every way but the first trains kGlobalBatch (32) samples per optimizer step, summed over ranks:
-//   one_at_a_time     the seed's loop: sharded as DistributedSampler shards, batch size 1 per rank, a step
-//                     per image on each rank (so a step holds `ranks` samples), DDP's averaging
+//   one_at_a_time     the seed's loop: batch size 1 per rank, an optimizer step per image on each
+//                     rank (so a step holds `ranks` samples), DDP's averaging
 //   group_in_batch    random batches of 32 / ranks per rank split into same-shape groups, one
 //                     forward per group, one optimizer step per global batch of 32 (the "group by
 //                     shape in collate_fn" recipe); each group's mean loss is scaled by its share of
