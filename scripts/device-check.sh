@@ -18,12 +18,13 @@
 #      H2D copies, collation into pinned memory, NCCL on CUDA tensors, transfer_batch, scheduler +
 #      CudaTransfer, reducer + accumulator exactness over NCCL, the short path over NCCL vs Gloo on
 #      one GPU); bench_gpu (H2D throughput vs plain pinned cudaMemcpyAsync, goal >= 0.9x);
-#      bench_reduce --cuda (the reducer vs one flat NCCL all-reduce, goal >= 0.9x); finetune_icons
-#      over NCCL and over Gloo on the same GPU (losses within 1e-5); last, if time is left, loom's
-#      CPU reducer suite
+#      bench_reduce --cuda (the reducer vs a flat NCCL all-reduce with the same averaging and
+#      inf/NaN check, goal >= 0.9x); finetune_icons over NCCL and over Gloo on the same GPU (losses
+#      within 1e-5); bench_finetune --device=cuda (time to accuracy, loom vs the DDP-style loops);
+#      last, if time is left, loom's CPU reducer suite
 # Output (at most 5 files, the device tool brings back 8): OUTDIR/results.md (the table),
 # OUTDIR/device-check.log (every step's full output), OUTDIR/bench_gpu.json,
-# OUTDIR/bench_reduce_cuda.json.
+# OUTDIR/bench_reduce_cuda.json, OUTDIR/bench_finetune_cuda.json.
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
