@@ -454,11 +454,28 @@ TEST_CASE("detail::carve: the tensor narrow + view + view give, without dispatch
     CHECK(got.is_contiguous());
     CHECK_FALSE(got.requires_grad());
     CHECK(got.storage().is_alias_of(block.storage()));  // keeps the buffer busy, as a view does
+    CHECK((got.key_set() == want.key_set()));
     got.fill_(1);
     CHECK(at::equal(got, want));
     block.zero_();
     CHECK(got.count_nonzero().item<int64_t>() == 0);
   }
+  const at::Tensor normal = loom::detail::carve(block, 64, at::kFloat, {4});
+  {
+    // Under InferenceMode a view of a normal tensor is a normal tensor; so is a carved one.
+    const c10::InferenceMode inference;
+    const at::Tensor got = loom::detail::carve(block, 64, at::kFloat, {4});
+    CHECK_FALSE(got.is_inference());
+    CHECK((got.key_set() == normal.key_set()));
+  }
+  // A start not aligned to the element size (an allocator's block at an odd storage offset), or
+  // bytes past the block: a loom error, as view(dtype) refused before.
+  const at::Tensor odd = block.narrow(0, 1, 512);
+  CHECK_THROWS_WITH_AS(loom::detail::carve(odd, 0, at::kFloat, {4}), doctest::Contains("storage offset 1"),
+                       loom::Error);
+  CHECK_THROWS_WITH_AS(loom::detail::carve(block, 1000, at::kFloat, {8}),
+                       doctest::Contains("32 bytes of Float at byte 1000 of a 1024-byte buffer"), loom::Error);
+  CHECK_NOTHROW(loom::detail::carve(block, 992, at::kFloat, {8}));
 }
 
 TEST_CASE("BufferPool: a dropped batch's buffer is reused; a held one is not") {

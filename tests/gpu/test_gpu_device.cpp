@@ -140,7 +140,9 @@ int child_timeout_collective() {
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::cerr << "child timeout_collective: caught as expected after " << waited << " s: " << e.what() << "\n";
     if (e.collective() != "all_reduce" || e.rank() != 0 || !comm.aborted()) std::_Exit(2);
-    if (waited > 5.0) std::_Exit(5);  // the timeout ended the wait, not the stall
+    // The timeout ended the wait, not the stall: seconds_waited() is taken before the abort, which
+    // itself can block until the stall ends (ncclCommAbort waits for the device).
+    if (e.seconds_waited() > 5.0) std::_Exit(5);
   }
   try {
     comm.barrier();

@@ -465,6 +465,7 @@ TEST_CASE("GlobalBatchSampler with global_batch_size: the same steps on W = 1..5
     std::map<int64_t, int> uses1;
     const auto ref = steps_over_ranks(shapes, o, 1, 1, &uses1);
     CHECK(uses1.size() == shapes.size());
+    for (const auto& [i, k] : uses1) CHECK(k == 1);
     for (std::size_t k = 0; k < ref.size(); ++k)
       CHECK(static_cast<int64_t>(ref[k].size()) ==
             std::min<int64_t>(g, static_cast<int64_t>(shapes.size()) - static_cast<int64_t>(k) * g));
@@ -499,7 +500,11 @@ TEST_CASE("global_batch_size: conflicting step rules are named; it changes the f
   const auto fp = [&](int64_t g) { return loom::detail::plan_fingerprint(shapes, {.global_batch_size = g}); };
   CHECK(fp(0) != fp(8));
   CHECK(fp(8) != fp(16));
-  CHECK(fp(0) == loom::detail::plan_fingerprint(shapes, {}));
+  // Plans without it keep the fingerprint they had before the option existed (value taken at
+  // commit 1c5f542), so their saved cursors still resume.
+  CHECK(fp(0) == 0xee8c622c6db79c9eULL);
+  // batches_per_step 0 and 1 plan alike with it, and fingerprint alike.
+  CHECK(loom::detail::plan_fingerprint(shapes, {.batches_per_step = 0, .global_batch_size = 8}) == fp(8));
   // A cursor of one global batch size does not resume a sampler of another.
   loom::GlobalBatchSampler a(shapes, {.global_batch_size = 8});
   loom::GlobalBatchSampler b(shapes, {.global_batch_size = 16});

@@ -38,6 +38,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/TensorOptions.h>
@@ -51,18 +52,28 @@ namespace loom {
 
 namespace detail {
 
-/// A contiguous tensor of `sizes` and `dtype` over the bytes of `block` (a 1-D uint8 tensor at
-/// storage offset 0) from `offset_bytes` on, sharing its storage: what
-/// `block.narrow(0, offset_bytes, n).view(dtype).view(sizes)` gives, built directly instead of
-/// through three dispatched ATen calls (a batch's fixed cost at small batch sizes). `offset_bytes`
-/// must be a multiple of dtype's size and the bytes must fit in the block (callers carve 64-byte
-/// aligned parts of a buffer they sized).
+/// A contiguous tensor of `sizes` and `dtype` over the bytes of `block` (a contiguous 1-D uint8
+/// tensor) from `offset_bytes` on, sharing its storage: what
+/// `block.narrow(0, offset_bytes, n).view(dtype).view(sizes)` gives (a normal tensor, also under
+/// InferenceMode, as a view of a normal tensor is), built directly instead of through three
+/// dispatched ATen calls (a batch's fixed cost at small batch sizes); unlike a view it has its own
+/// version counter. Throws loom::Error when the start is not aligned to dtype's size (an
+/// allocator's block at an odd storage offset) or the bytes run past the block.
 inline at::Tensor carve(const at::Tensor& block, int64_t offset_bytes, c10::ScalarType dtype, c10::IntArrayRef sizes) {
   const auto item = static_cast<int64_t>(c10::elementSize(dtype));
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  const int64_t start = block.storage_offset() + offset_bytes;
+  if (start % item != 0 || offset_bytes < 0 || offset_bytes + numel * item > block.numel())
+    throw Error(
+        fmt::format("batch storage: {} bytes of {} at byte {} of a {}-byte buffer at storage offset {} "
+                    "(the allocator's buffers must start aligned to the element size)",
+                    numel * item, c10::toString(dtype), offset_bytes, block.numel(), block.storage_offset()));
+  const c10::InferenceMode normal_tensor(false);
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
       c10::Storage(block.storage()), c10::DispatchKeySet(c10::computeDispatchKey(dtype, at::kStrided, block.device())),
       c10::scalarTypeToTypeMeta(dtype));
-  t.unsafeGetTensorImpl()->set_storage_offset((block.storage_offset() + offset_bytes) / item);
+  t.unsafeGetTensorImpl()->set_storage_offset(start / item);
   t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
   return t;
 }
@@ -135,6 +146,8 @@ class BufferPool {
     const int64_t rounded = std::max<int64_t>(64, (bytes + 63) / 64 * 64);
     at::Tensor block;
     {
+      // The returned tensor is made under the lock: it holds the buffer's storage, so no other
+      // thread's acquire can take the same buffer in between.
       std::lock_guard<std::mutex> lock(mutex_);
       const at::Tensor* best = nullptr;
       for (const at::Tensor& b : blocks_) {
@@ -158,8 +171,8 @@ class BufferPool {
           if (free_it != blocks_.end()) *free_it = block;
         }
       }
+      return detail::carve(block, 0, c10::ScalarType::Byte, {bytes});
     }
-    return detail::carve(block, 0, c10::ScalarType::Byte, {bytes});
   }
 
   /// Releases every free buffer (busy ones stay until their batches are dropped).

@@ -359,7 +359,13 @@ class NcclCommunicator {
   /// Thread-safe: a watchdog thread may call it while another thread waits in a collective (that
   /// wait then throws CommError "aborted while this collective was pending"); see
   /// detail::BasicNcclState for the locking. Idempotent.
-  void abort() noexcept { state_->abort("abort() called"); }
+  void abort() noexcept {
+    // A copy of the state: ncclCommAbort runs outside the state's lock and may outlast a waiter
+    // that sees the abort and drops the communicator; the state (streams, events) lives until it
+    // returns.
+    const std::shared_ptr<detail::NcclState> state = state_;
+    state->abort("abort() called");
+  }
   /// Waits (up to timeout()) for outstanding collectives with ncclCommFinalize; collectives are
   /// no longer allowed afterwards. Throws loom::TimeoutError (after aborting) or NcclError.
   void finalize() { state_->finalize(); }

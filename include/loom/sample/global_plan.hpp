@@ -175,7 +175,8 @@ inline uint64_t plan_fingerprint(const std::vector<std::vector<int64_t>>& shapes
   f.add(o.shuffle ? 1 : 0);
   const BatchRules rules = batch_rules(o);
   rules.add_limits_to(f);
-  f.add(static_cast<uint64_t>(o.batches_per_step));
+  // With global_batch_size, batches_per_step 0 and 1 plan alike: one value for both.
+  f.add(static_cast<uint64_t>(o.global_batch_size > 0 ? 1 : o.batches_per_step));
   f.add(static_cast<uint64_t>(o.samples_per_step));
   f.add(static_cast<uint64_t>(o.elements_per_step));
   rules.add_padding_to(f);
