@@ -191,15 +191,9 @@ inline uint64_t plan_fingerprint(const std::vector<std::vector<int64_t>>& shapes
 inline void plan_fixed_steps(const std::vector<std::vector<int64_t>>& shapes, const GlobalBatchOptions& o,
                              int64_t epoch, EpochPlan& plan) {
   const auto n = static_cast<int64_t>(shapes.size());
-  std::vector<int64_t> order(static_cast<std::size_t>(n));
-  if (o.shuffle) {
-    at::Generator gen = generator64(o.seed + static_cast<uint64_t>(epoch));
-    const at::Tensor p = at::randperm(n, gen, at::TensorOptions(at::kLong));
-    const auto* ptr = p.data_ptr<int64_t>();
-    order.assign(ptr, ptr + n);
-  } else {
-    std::iota(order.begin(), order.end(), int64_t{0});
-  }
+  std::optional<at::Generator> gen;
+  if (o.shuffle) gen = generator64(o.seed + static_cast<uint64_t>(epoch));
+  const std::vector<int64_t> order = seeded_order(n, gen);
   const BatchRules rules = batch_rules(o);
   CollateStats total;
   for (int64_t begin = 0; begin < n; begin += o.global_batch_size) {

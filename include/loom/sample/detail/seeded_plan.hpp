@@ -29,12 +29,8 @@ struct SeededPlan {
   CollateStats stats;
 };
 
-/// Plans `shapes` with `rules`. With a generator: samples enter the planner in the order of a
-/// randperm drawn from it, and the batches come out in the order of a second randperm drawn from
-/// the same generator, continued. Without: dataset order, and batches in the order they closed.
-inline SeededPlan plan_batches(const std::vector<std::vector<int64_t>>& shapes, const BatchRules& rules,
-                               std::optional<at::Generator> gen) {
-  const auto n = static_cast<int64_t>(shapes.size());
+/// The order samples 0..n-1 are visited in: a randperm drawn from `gen`, or 0..n-1 without one.
+inline std::vector<int64_t> seeded_order(int64_t n, std::optional<at::Generator>& gen) {
   std::vector<int64_t> order(static_cast<std::size_t>(n));
   if (gen) {
     const at::Tensor p = at::randperm(n, *gen, at::TensorOptions(at::kLong));
@@ -43,6 +39,15 @@ inline SeededPlan plan_batches(const std::vector<std::vector<int64_t>>& shapes, 
   } else {
     std::iota(order.begin(), order.end(), int64_t{0});
   }
+  return order;
+}
+
+/// Plans `shapes` with `rules`. With a generator: samples enter the planner in the order of a
+/// randperm drawn from it, and the batches come out in the order of a second randperm drawn from
+/// the same generator, continued. Without: dataset order, and batches in the order they closed.
+inline SeededPlan plan_batches(const std::vector<std::vector<int64_t>>& shapes, const BatchRules& rules,
+                               std::optional<at::Generator> gen) {
+  const std::vector<int64_t> order = seeded_order(static_cast<int64_t>(shapes.size()), gen);
   BucketPlanner planner(rules);
   std::vector<PlannedBatch> planned;
   for (int64_t i : order) planner.add(i, shapes[static_cast<std::size_t>(i)], planned);
