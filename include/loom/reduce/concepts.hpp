@@ -65,6 +65,9 @@ struct Reduction {
                                     ///< when > 0 the gradients are zeroed and nobody steps
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global L2 norm, when clipping computed it
   double clip_coef = 1.0;  ///< factor applied by global-norm clipping (1 = not clipped)
+  /// ReducerOptions::deterministic only: a gradient contribution was too large for its parameter's
+  /// integer grid; every rank skips the step (gradients zeroed) and that grid is made coarser.
+  bool grid_overflow = false;
 };
 
 /// A box that reduces gradients across ranks at step boundaries.

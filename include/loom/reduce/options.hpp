@@ -58,6 +58,17 @@ struct ReducerOptions {
   bool detect_non_finite = true;          ///< scan for inf/NaN and report Reduction::non_finite (the caller skips)
   std::optional<double> max_grad_norm{};  ///< clip by the global L2 norm (after averaging and unscaling)
   bool broadcast_buffers = true;          ///< copy rank 0's buffers to every rank at each step boundary
+  /// Bit-identical gradients on any number of ranks: each backward's gradient of a parameter is put
+  /// on a power-of-two grid as int64 before it is added to anything, summed as integers locally and
+  /// across ranks, and turned back once per window (reduce/detail/exact.hpp), so the reduced
+  /// gradient does not depend on the world size, on which rank ran which micro-batch, or on their
+  /// order. Grid: one exponent per parameter, from the previous window's reduced maximum (the first
+  /// window: step 2^-32); a contribution too large for its grid makes every rank skip the step
+  /// together (Reduction::grid_overflow) with a 2^16-times coarser grid for that parameter. Costs
+  /// int64 buckets beside the floating ones (8 bytes per element more memory, twice float32's wire
+  /// bytes). Needs average = samples or none (world_size divides by the world size) and no wire_dtype.
+  /// What else a bit-identical run needs (same intra-op threads, deterministic kernels): docs/elastic.md.
+  bool deterministic = false;
 };
 
 /// How often a reducer copied a value from the communicator's device to the host (each such read

@@ -194,6 +194,11 @@ class Reducer {
         if (params[i].grad().defined()) state_->mark_ready(i);
   }
 
+  /// ReducerOptions::deterministic: each trainable parameter's grid exponent e (its gradient
+  /// contributions are summed as integer multiples of 2^-e), in parameter-list order, frozen ones
+  /// left out; the exponents the next window will use. Equal on every rank.
+  [[nodiscard]] std::vector<int> grid_exponents() const { return state_->grid_exponents(); }
+
   /// Parameter indices of each bucket, in launch order.
   [[nodiscard]] std::vector<std::vector<std::size_t>> bucket_params() const { return state_->bucket_params(); }
   /// The gradient part of each bucket (1-D, in launch order); float32/float64 gradients are views into

@@ -358,7 +358,7 @@ class Trainer {
     if (s.apply) {
       optimizer_->step();
       ++steps_;
-    } else if (s.skipped_non_finite) {
+    } else if (s.skipped_non_finite || s.grid_overflow) {
       ++skipped_;
     }
     optimizer_->zero_grad();

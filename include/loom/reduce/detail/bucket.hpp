@@ -18,6 +18,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <loom/reduce/buckets.hpp>
+#include <loom/reduce/detail/exact.hpp>
 #include <loom/reduce/options.hpp>
 #include <loom/reduce/parameters.hpp>
 
@@ -62,6 +63,8 @@ struct GradSlot {
   bool used = false;            // a gradient arrived during the current window
   bool fired = false;           // a gradient arrived during the current sync backward
   bool was_undefined = false;   // its .grad() was undefined when the window began
+  int grid_exponent = kGridInitialExponent;  // deterministic mode: the grid step is 2^-grid_exponent
+  std::int64_t window_contributions = 0;     // deterministic mode: gradients put on the grid this window
 };
 
 /// One flat bucket: the unit of an all-reduce.
@@ -78,6 +81,9 @@ struct GradBucket {
   at::Tensor bad;         // float32 [1] on the bucket's device: inf/NaN in the reduced bucket (device path)
   bool bad_host = false;  // the same verdict, computed on the host (CPU path)
   at::Tensor flags_host;  // pinned staging for the used-flags of a bucket on a GPU
+  at::Tensor qflat;       // deterministic mode: int64 [gradients on the grid | GridTail], else undefined
+  at::Tensor qhead;
+  at::Tensor qtail;
   std::vector<std::size_t> slots;
   std::size_t pending = 0;
   bool ready = false;
@@ -154,6 +160,11 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
       b.wire_head = b.wire.narrow(0, 0, total);
       b.wire_tail = b.wire.narrow(0, total, n);
       b.wire_div = at::full({1}, static_cast<double>(world_size), opts);
+    }
+    if (options.deterministic) {
+      b.qflat = at::zeros({total + GridTail::length(n)}, opts.dtype(at::kLong));
+      b.qhead = b.qflat.narrow(0, 0, total);
+      b.qtail = b.qflat.narrow(0, total, GridTail::length(n));
     }
     if (!first.is_cpu())
       b.flags_host = at::empty(

@@ -32,6 +32,15 @@ inline void check_reducer_options(const ReducerOptions& options) {
         fmt::format("Reducer: wire_dtype {} is not float16 or bfloat16", c10::toString(*options.wire_dtype)));
   if (options.max_grad_norm && !(*options.max_grad_norm > 0))
     throw InvalidArgument(fmt::format("Reducer: max_grad_norm = {} (must be > 0)", *options.max_grad_norm));
+  if (options.deterministic && options.average == Average::world_size)
+    throw InvalidArgument(
+        "Reducer: deterministic = true with average = world_size: dividing by the number of ranks makes the "
+        "gradient depend on it; use average = samples (or none)");
+  if (options.deterministic && options.wire_dtype)
+    throw InvalidArgument(fmt::format(
+        "Reducer: deterministic = true with wire_dtype = {}: the deterministic reducer sends int64 sums; leave "
+        "wire_dtype unset",
+        c10::toString(*options.wire_dtype)));
 }
 
 /// Throws loom::InvalidArgument when `list` has names, but not one per parameter.

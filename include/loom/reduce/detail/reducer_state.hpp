@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -29,6 +30,7 @@
 #include <loom/reduce/detail/averaging.hpp>
 #include <loom/reduce/detail/bucket.hpp>
 #include <loom/reduce/detail/bucket_order.hpp>
+#include <loom/reduce/detail/exact.hpp>
 #include <loom/reduce/detail/hooks.hpp>
 #include <loom/reduce/detail/reducer_checks.hpp>
 #include <loom/reduce/detail/window_summary.hpp>
@@ -95,6 +97,7 @@ class ReducerState {
     if (!plan.sync) return;
     window_ = plan.final ? WindowState::final_flush : WindowState::synchronising;
     loss_divisor_ = plan.loss_divisor;
+    grad_scale_ = plan.grad_scale;
     average_.begin(options_.average, comm_->world_size(), plan.grad_scale);
     for (auto& b : buckets_) {
       b.pending = b.slots.size();
@@ -132,15 +135,8 @@ class ReducerState {
     // to the average and scan it for inf/NaN (the reduced values are identical on every rank, so
     // every rank reaches the same verdict; a sum that overflowed is caught too).
     const bool clip = options_.max_grad_norm.has_value();
-    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-      works_[bi]->wait();
-      average_.apply(buckets_[bi], meta_, options_.detect_non_finite);
-    }
-
-    // The window's one host read: counts, used-flags, inf/NaN verdicts, squared norm.
-    count_host_read();
-    const WindowSummary summary =
-        WindowSummary::decode(WindowSummary::gather(meta_, buckets_, clip, device_), buckets_, slots_.size(), clip);
+    GridVerdict grid;
+    const WindowSummary summary = options_.deterministic ? reduce_on_grid(clip, grid) : reduce_floating(clip);
     const WindowCounts& counts = summary.counts;
     const bool no_samples = options_.average == Average::samples && counts.samples == 0;
     r.global_samples = counts.samples;
@@ -160,9 +156,11 @@ class ReducerState {
           for (auto& b : buckets_) b.head.mul_(coef);
       }
     }
-    if (non_finite || no_samples || r.ranks_leaving > 0 || divisors_differ)
+    if (non_finite || no_samples || r.ranks_leaving > 0 || divisors_differ || grid.overflow ||
+        grid.too_many_contributions)
       for (auto& b : buckets_) b.head.zero_();
     r.non_finite = non_finite;
+    r.grid_overflow = grid.overflow;
     r.no_samples = no_samples;
     r.reduced = true;
     // Parameters unused on every rank get back the gradient they had before the window; a
@@ -190,6 +188,11 @@ class ReducerState {
           "mean over the {} ranks that gave one: {}); every rank must use the same divisor for a window (gradients "
           "zeroed, the step not applied)",
           loss_divisor_, counts.voters, counts.mean_divisor()));
+    if (grid.too_many_contributions)
+      throw InvalidArgument(fmt::format(
+          "Reducer::finish_window: deterministic mode sums at most {} gradient contributions (backward passes) of a "
+          "parameter per window over all ranks; this window had {} (gradients zeroed, the step not applied)",
+          kGridMaxContributions, grid.contributions));
     if (options_.broadcast_buffers && world > 1 && !list_.buffers.empty())
       broadcast_from_rank0(*comm_, ParameterList{.names = {}, .params = {}, .buffers = list_.buffers});
     return r;
@@ -234,6 +237,11 @@ class ReducerState {
     }
     return out;
   }
+  [[nodiscard]] std::vector<int> grid_exponents() const {
+    std::vector<int> out;
+    for (const auto& s : slots_) out.push_back(s.grid_exponent);  // slots are numbered in list order
+    return out;
+  }
   [[nodiscard]] std::vector<at::Tensor> bucket_tensors() const {
     std::vector<at::Tensor> out;
     for (const auto& b : buckets_) out.push_back(b.head);
@@ -274,6 +282,10 @@ class ReducerState {
   void begin_window() {
     check_parameter_set(list_, slot_of_param_, slots_, buckets_, accumulators_);
     if (order_.phase() == BucketOrder::Phase::pending) try_rebuild();
+    if (options_.deterministic) {
+      for (auto& b : buckets_) b.qflat.zero_();
+      for (auto& s : slots_) s.window_contributions = 0;
+    }
     for (auto& b : buckets_) {
       const bool all_undefined =
           std::none_of(b.slots.begin(), b.slots.end(), [&](std::size_t k) { return param(k).grad().defined(); });
@@ -305,6 +317,8 @@ class ReducerState {
   void mark_ready_locked(std::size_t k) {
     auto& s = slots_[k];
     auto& g = param(k).mutable_grad();
+    if (options_.deterministic && synchronising() && s.fired && buckets_[s.bucket].launched)
+      throw InvalidArgument(late_gradient_message(s));  // before the in-flight integers are touched
     if (buckets_[s.bucket].main) {  // float32 accumulation: add this backward's 16-bit gradient, free it
       at::NoGradGuard no_grad;
       if (g.defined()) s.view.add_(g);
@@ -317,6 +331,7 @@ class ReducerState {
         s.view.zero_();
       g = s.view;
     }
+    if (options_.deterministic) quantize_slot(k);
     s.used = true;
     order_.record(s);
     if (!synchronising()) return;
@@ -324,12 +339,7 @@ class ReducerState {
     if (s.fired) {
       // A second gradient in the synchronising backward. Before the bucket left it was simply added
       // to the slot, and the bucket is scaled as a whole when it leaves: (x + y) / N, exact.
-      if (b.launched)
-        throw InvalidArgument(fmt::format(
-            "Reducer: {} received a second gradient in the synchronising backward after its bucket was sent, so it "
-            "would miss the all-reduce; run one backward per micro-batch (sum the losses first), or use overlap = "
-            "false",
-            list_.describe(s.param)));
+      if (b.launched) throw InvalidArgument(late_gradient_message(s));
       return;
     }
     s.fired = true;
@@ -348,6 +358,12 @@ class ReducerState {
       if (s.used) continue;
       if (!s.was_undefined && !s.saved.defined()) s.saved = s.view.clone();
       s.view.zero_();  // an unused parameter's slot counts as zero
+    }
+    if (options_.deterministic) {
+      write_grid_tail(b);
+      works_[bi] = start(b.qflat);
+      b.launched = true;
+      return;
     }
     write_used_flags(b, slots_);
     at::Tensor* target = &b.flat;
@@ -368,6 +384,200 @@ class ReducerState {
       comm_->all_reduce(t, ReduceOp::sum);
       return Work{};
     }
+  }
+
+  /// The error for a gradient that arrives in the synchronising backward after its bucket left.
+  std::string late_gradient_message(const GradSlot& s) const {
+    return fmt::format(
+        "Reducer: {} received a second gradient in the synchronising backward after its bucket was sent, so it "
+        "would miss the all-reduce; run one backward per micro-batch (sum the losses first), or use overlap = false",
+        list_.describe(s.param));
+  }
+
+  /// Floating mode: waits for each bucket in launch order and, while later buckets are still in
+  /// flight, divides it to the average and scans it for inf/NaN (the reduced values are identical
+  /// on every rank, so every rank reaches the same verdict; a sum that overflowed is caught too);
+  /// then the window's one host read: counts, used-flags, verdicts, squared norm.
+  WindowSummary reduce_floating(bool clip) {
+    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+      works_[bi]->wait();
+      average_.apply(buckets_[bi], meta_, options_.detect_non_finite);
+    }
+    count_host_read();
+    return WindowSummary::decode(WindowSummary::gather(meta_, buckets_, clip, device_), buckets_, slots_.size(), clip);
+  }
+
+  /// What the integer reduction of a window decided besides the summary.
+  struct GridVerdict {
+    bool overflow = false;                // a contribution left its grid: skip, coarser grids
+    bool too_many_contributions = false;  // more than kGridMaxContributions: the sums may have wrapped
+    std::int64_t contributions = 0;       // the largest per-rank contribution count, summed over ranks
+  };
+
+  /// Deterministic mode, after a gradient of slot k arrived (the slot holds this backward's gradient,
+  /// plus a gradient the parameter held when the window began): adds it to the slot's integers on
+  /// the slot's grid and zeroes the floating slot, flagging inf/NaN and overflow in the bucket's tail.
+  void quantize_slot(std::size_t k) {
+    auto& s = slots_[k];
+    auto& b = buckets_[s.bucket];
+    const auto n = static_cast<std::int64_t>(b.slots.size());
+    const auto j = static_cast<std::int64_t>(s.flag);
+    const std::int64_t numel = param(k).numel();
+    ++s.window_contributions;
+    if (b.qflat.is_cpu() && has_fused_scan(b.flat)) {
+      GridFlags f;
+      AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_grid_quantize", [&] {
+        f = quantize_add_cpu(b.flat.data_ptr<scalar_t>() + s.offset, b.qflat.data_ptr<std::int64_t>() + s.offset, numel,
+                             s.grid_exponent);
+      });
+      auto* t = b.qtail.data_ptr<std::int64_t>();
+      if (f.non_finite) t[GridTail::non_finite(n)] = 1;
+      if (f.overflow) t[GridTail::overflow(n, j)] = 1;
+      if (f.near) t[GridTail::near(n, j)] = 1;
+      return;
+    }
+    quantize_add_aten(b.flat.narrow(0, s.offset, numel), b.qflat.narrow(0, s.offset, numel), s.grid_exponent,
+                      b.qtail.narrow(0, GridTail::non_finite(n), 1), b.qtail.narrow(0, GridTail::overflow(n, j), 1),
+                      b.qtail.narrow(0, GridTail::near(n, j), 1));
+  }
+
+  /// Deterministic mode: this rank's used-flags and contribution count into bucket b's tail.
+  void write_grid_tail(GradBucket& b) {
+    const auto n = static_cast<std::int64_t>(b.slots.size());
+    std::int64_t contributions = 0;
+    for (std::size_t k : b.slots) contributions = std::max(contributions, slots_[k].window_contributions);
+    at::Tensor host = b.qtail.is_cpu() ? b.qtail : at::empty({n}, at::TensorOptions().dtype(at::kLong));
+    auto* t = host.data_ptr<std::int64_t>();
+    for (std::int64_t j = 0; j < n; ++j) t[GridTail::used(n, j)] = slots_[b.slots[j]].used ? 1 : 0;
+    if (b.qtail.is_cpu()) {
+      t[GridTail::contributions(n)] = contributions;
+      return;
+    }
+    b.qtail.narrow(0, 0, n).copy_(host);
+    b.qtail.narrow(0, GridTail::contributions(n), 1).fill_(contributions);
+  }
+
+  /// Deterministic mode: waits for each integer bucket in launch order and turns it back into the
+  /// floating bucket, (q x 2^-e x mean loss divisor x grad_scale) / divisor, divisor the window's
+  /// sample count (average = samples) or 1 (none); then decides the verdicts and the next grid
+  /// exponents from the reduced integers, which are the same on every rank. Host reads: none on
+  /// the CPU; on a GPU one for the window meta, one for the tails and maxima, one more for clipping.
+  WindowSummary reduce_on_grid(bool clip, GridVerdict& verdict) {
+    const at::Tensor m = meta_.is_cpu() ? meta_ : host_read(meta_);
+    WindowSummary summary;
+    summary.counts = WindowCounts::decode(m.data_ptr<std::int64_t>());
+    const WindowCounts& c = summary.counts;
+    const double divisor =
+        options_.average == Average::samples ? static_cast<double>(std::max<std::int64_t>(c.samples, 1)) : 1.0;
+    const double multiplier =
+        (c.voters > 0 ? static_cast<double>(c.divisor_sum) / static_cast<double>(c.voters) : 1.0) * grad_scale_;
+
+    // Per bucket: [largest |q| per slot (n) | result not finite (1) | the reduced tail], on the host.
+    std::vector<std::vector<std::int64_t>> info(buckets_.size());
+    std::vector<at::Tensor> device_info;
+    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+      works_[bi]->wait();
+      auto& b = buckets_[bi];
+      const auto n = static_cast<std::int64_t>(b.slots.size());
+      if (b.qflat.is_cpu() && has_fused_scan(b.flat)) {
+        auto& v = info[bi];
+        v.assign(static_cast<std::size_t>(n + 1), 0);
+        bool bad = false;
+        AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_grid_dequantize", [&] {
+          for (std::int64_t j = 0; j < n; ++j) {
+            const auto& s = slots_[b.slots[static_cast<std::size_t>(j)]];
+            v[static_cast<std::size_t>(j)] = dequantize_cpu(
+                b.qflat.data_ptr<std::int64_t>() + s.offset, b.flat.data_ptr<scalar_t>() + s.offset,
+                param(b.slots[static_cast<std::size_t>(j)]).numel(), s.grid_exponent, multiplier, divisor, bad);
+          }
+        });
+        if (b.main && !bad) bad = !at::isfinite(b.head.to(b.param_dtype)).all().template item<bool>();
+        v[static_cast<std::size_t>(n)] = bad ? 1 : 0;
+        const auto* t = b.qtail.data_ptr<std::int64_t>();
+        v.insert(v.end(), t, t + GridTail::length(n));
+        continue;
+      }
+      std::vector<at::Tensor> parts;
+      at::Tensor bad = at::zeros({1}, b.qflat.options());
+      for (std::size_t k : b.slots) {
+        const auto& s = slots_[k];
+        const std::int64_t numel = param(k).numel();
+        auto [largest, not_finite] =
+            dequantize_aten(b.qflat.narrow(0, s.offset, numel), b.flat.narrow(0, s.offset, numel), s.grid_exponent,
+                            multiplier, divisor);
+        parts.push_back(largest);
+        bad.add_(not_finite);
+      }
+      if (b.main) bad.add_(at::logical_not(at::isfinite(b.head.to(b.param_dtype))).any().to(at::kLong).reshape({1}));
+      parts.push_back(bad);
+      parts.push_back(b.qtail);
+      device_info.push_back(at::cat(parts).to(device_));
+    }
+    if (!device_info.empty()) {  // one read for every bucket that lives off the host
+      const at::Tensor all = host_read(at::cat(device_info));
+      const auto* p = all.data_ptr<std::int64_t>();
+      for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+        if (!info[bi].empty()) continue;
+        const auto n = static_cast<std::int64_t>(buckets_[bi].slots.size());
+        const auto len = static_cast<std::size_t>(n + 1 + GridTail::length(n));
+        info[bi].assign(p, p + len);
+        p += len;
+      }
+    }
+
+    summary.used.assign(slots_.size(), 0);
+    std::vector<char> overflowed(slots_.size(), 0), near(slots_.size(), 0);
+    std::vector<std::int64_t> largest(slots_.size(), 0);
+    for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
+      const auto& b = buckets_[bi];
+      const auto n = static_cast<std::int64_t>(b.slots.size());
+      const std::int64_t* v = info[bi].data();
+      const std::int64_t* t = v + n + 1;
+      if (v[n] > 0 || t[GridTail::non_finite(n)] > 0) summary.non_finite = true;
+      verdict.contributions = std::max(verdict.contributions, t[GridTail::contributions(n)]);
+      for (std::int64_t j = 0; j < n; ++j) {
+        const std::size_t k = b.slots[static_cast<std::size_t>(j)];
+        largest[k] = v[j];
+        summary.used[k] = t[GridTail::used(n, j)] > 0 ? 1 : 0;
+        overflowed[k] = t[GridTail::overflow(n, j)] > 0 ? 1 : 0;
+        near[k] = t[GridTail::near(n, j)] > 0 ? 1 : 0;
+      }
+    }
+    verdict.too_many_contributions = verdict.contributions > kGridMaxContributions;
+    verdict.overflow = std::any_of(overflowed.begin(), overflowed.end(), [](char o) { return o != 0; });
+    if (verdict.overflow) {
+      std::string names;
+      for (std::size_t k = 0; k < slots_.size(); ++k) {
+        if (!overflowed[k]) continue;
+        slots_[k].grid_exponent = backed_off_grid_exponent(slots_[k].grid_exponent);
+        names += fmt::format("{}{} (now 2^{})", names.empty() ? "" : ", ", list_.describe(slots_[k].param),
+                             -slots_[k].grid_exponent);
+      }
+      TORCH_WARN_ONCE(
+          "loom::Reducer (deterministic): a gradient was too large for its integer grid; every rank "
+          "skipped the step and made the grid coarser: ",
+          names, ". Reduction::grid_overflow reports each such step; this warning is shown once.");
+    } else if (!summary.non_finite && !verdict.too_many_contributions) {
+      for (std::size_t k = 0; k < slots_.size(); ++k)
+        slots_[k].grid_exponent = next_grid_exponent(slots_[k].grid_exponent, largest[k], near[k] != 0);
+    }
+    if (clip) {
+      if (std::all_of(buckets_.begin(), buckets_.end(), [](const GradBucket& b) { return b.flat.is_cpu(); })) {
+        double sumsq = 0;
+        for (const auto& b : buckets_) {
+          const double norm = at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).template item<double>();
+          sumsq += norm * norm;
+        }
+        summary.squared_norm = sumsq;
+      } else {
+        std::vector<at::Tensor> norms;
+        for (const auto& b : buckets_)
+          norms.push_back(
+              at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).to(device_, at::kDouble).reshape({1}));
+        summary.squared_norm = host_read(at::cat(norms).square().sum()).template item<double>();
+      }
+    }
+    return summary;
   }
 
   /// Waits (on the host) for the window's count all-reduce, started in prepare_backward.
@@ -428,6 +638,7 @@ class ReducerState {
   HostReads reads_;
   std::int64_t arrivals_ = 0;      // gradients delivered by autograd hooks since construction
   std::int64_t loss_divisor_ = 1;  // this rank's BackwardPlan::loss_divisor of the current sync window (0: none)
+  double grad_scale_ = 1.0;        // BackwardPlan::grad_scale of the current sync window
   WindowState window_ = WindowState::closed;
   bool in_hook_ = false;  // a gradient hook is running (HostReads::in_hooks)
 };

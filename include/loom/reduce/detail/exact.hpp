@@ -1,0 +1,180 @@
+// loom/reduce/detail/exact.hpp — the arithmetic of the deterministic reducer
+// (ReducerOptions::deterministic): every backward's gradient of a parameter is put on that
+// parameter's power-of-two grid as int64 (q = round(g x 2^e)) before it is added to anything, the
+// integers are summed on the rank and across ranks (integer addition is exact and associative, so
+// the sum does not depend on how many ranks there are or in which order the micro-batches came), and
+// the sum is turned back to floating point once per window. Also: the rule that moves each grid
+// exponent e from one window to the next, and the counters an integer bucket carries.
+//
+// Shape: an integer bucket is int64 [gradients | GridTail]; a slot is the same element range
+//        [offset, offset + numel) as in the floating bucket, whatever the parameter's strides.
+// Units: the grid step of a parameter is 2^-e gradient units; "grid units" are multiples of it.
+// Bounds: one contribution must stay below 2^42 grid units (kGridLimit) and a window may hold at
+//         most 2^20 contributions per element over all ranks, so no int64 sum can overflow. Each
+//         contribution is rounded to the nearest grid point (half to even): the reduced sum of an
+//         element differs from the exact sum of its contributions by at most C x 2^-(e+1), C the
+//         number of contributions (backward passes that delivered the parameter's gradient, over
+//         all ranks); turning the sum back adds the usual roundings of a multiply, a divide and
+//         the cast to the parameter's dtype.
+// Source: fixed-point (integer) accumulation as in reproducible summation (Demmel and Nguyen,
+//         "Fast reproducible floating-point summation", 2013), here with one exponent per tensor
+//         chosen from the previous window instead of per-element bins.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+namespace loom::detail {
+
+/// A contribution's magnitude must stay below this many grid units (2^42), so that 2^20 of them
+/// sum below 2^62.
+inline constexpr double kGridLimit = 4398046511104.0;
+/// Contributions at or above this many grid units (2^40, within 4x of the limit) are counted as
+/// near the limit: the next window's grid is made coarser before they overflow it.
+inline constexpr double kGridNear = 1099511627776.0;
+/// The most contributions (backward passes, over all ranks) one window may sum: 2^20.
+inline constexpr std::int64_t kGridMaxContributions = std::int64_t{1} << 20;
+/// The bit length the rule aims the reduced sum's largest magnitude at: 10 bits (1024x) below the
+/// limit, so a gradient may grow 1024-fold from one window to the next before it overflows.
+inline constexpr int kGridTargetBits = 32;
+/// Every parameter's first exponent: grid step 2^-32 (2.3e-10), contributions up to 2^10 = 1024.
+inline constexpr int kGridInitialExponent = 32;
+/// After an overflow, the exponent of each parameter that overflowed drops by this much (2^16 coarser).
+inline constexpr int kGridBackoff = 16;
+/// The most the exponent rises from one window to the next (a grid 2^8 finer), so a window of small
+/// gradients does not leave the next, larger ones above the limit.
+inline constexpr int kGridMaxRise = 8;
+/// A contribution near the limit lowers the next exponent by at least this much.
+inline constexpr int kGridNearStep = 2;
+/// The exponent stays in [kGridMinExponent, kGridMaxExponent]: 2^e and 2^-e are normal float64.
+inline constexpr int kGridMinExponent = -900;
+inline constexpr int kGridMaxExponent = 900;
+
+/// The tail of an integer bucket with n slots: [used n | overflow n | near n | non-finite 1 |
+/// contributions 1]. Each rank writes 0/1 per flag (contributions: its count); the all-reduce sums
+/// them, so after it a flag holds the number of ranks that set it.
+struct GridTail {
+  static std::int64_t length(std::int64_t n) { return 3 * n + 2; }
+  static std::int64_t used(std::int64_t /*n*/, std::int64_t j) { return j; }
+  static std::int64_t overflow(std::int64_t n, std::int64_t j) { return n + j; }
+  static std::int64_t near(std::int64_t n, std::int64_t j) { return 2 * n + j; }
+  static std::int64_t non_finite(std::int64_t n) { return 3 * n; }
+  static std::int64_t contributions(std::int64_t n) { return 3 * n + 1; }
+};
+
+/// What putting one contribution on the grid found.
+struct GridFlags {
+  bool non_finite = false;  ///< an element was inf or NaN (not added)
+  bool overflow = false;    ///< an element was at or above kGridLimit grid units (not added)
+  bool near = false;        ///< an element was at or above kGridNear grid units
+};
+
+/// Adds round(g[i] x 2^exponent) to q[i] for i in [0, n) and sets g[i] to 0 (CPU, float/double).
+/// `g x 2^exponent` is exact in float64 (a power-of-two scaling of a float32 or float64 value, away
+/// from float64's subnormals); rounding is to nearest, half to even (std::nearbyint in the default
+/// rounding mode). Elements that are not finite or not below the limit are left out and flagged.
+template <class T>
+GridFlags quantize_add_cpu(T* g, std::int64_t* q, std::int64_t n, int exponent) {
+  const double scale = std::ldexp(1.0, exponent);
+  std::atomic<bool> non_finite{false}, overflow{false}, near{false};
+  at::parallel_for(0, n, std::int64_t{1} << 16, [&](std::int64_t begin, std::int64_t end) {
+    bool bad = false, over = false, close = false;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T v = g[i];
+      g[i] = T(0);
+      if (!std::isfinite(v)) {
+        bad = true;
+        continue;
+      }
+      const double x = static_cast<double>(v) * scale;
+      const double a = std::abs(x);
+      if (!(a < kGridLimit)) {
+        over = true;
+        continue;
+      }
+      if (a >= kGridNear) close = true;
+      q[i] += static_cast<std::int64_t>(std::nearbyint(x));
+    }
+    if (bad) non_finite.store(true, std::memory_order_relaxed);
+    if (over) overflow.store(true, std::memory_order_relaxed);
+    if (close) near.store(true, std::memory_order_relaxed);
+  });
+  return {non_finite.load(), overflow.load(), near.load()};
+}
+
+/// The same as quantize_add_cpu with ATen ops on any device, for 1-D `g` (floating) and `q`
+/// (int64) of equal length. The flags are added to the one-element int64 tensors `non_finite`,
+/// `overflow` and `near` (0 or 1 each), on q's device, without reading anything back to the host.
+inline void quantize_add_aten(at::Tensor g, at::Tensor q, int exponent, at::Tensor non_finite, at::Tensor overflow,
+                              at::Tensor near) {
+  const double scale = std::ldexp(1.0, exponent);
+  const at::Tensor finite = at::isfinite(g);
+  const at::Tensor x = g.to(at::kDouble).mul(scale);
+  const at::Tensor a = x.abs();
+  const at::Tensor below = at::logical_and(finite, a.lt(kGridLimit));
+  q.add_(at::where(below, x.round(), at::zeros({}, x.options())).to(at::kLong));
+  non_finite.add_(at::logical_not(finite).any().to(at::kLong).reshape({1}));
+  overflow.add_(at::logical_and(finite, at::logical_not(a.lt(kGridLimit))).any().to(at::kLong).reshape({1}));
+  near.add_(at::logical_and(below, a.ge(kGridNear)).any().to(at::kLong).reshape({1}));
+  g.zero_();
+}
+
+/// Turns a reduced integer slot back: out[i] = T((q[i] x 2^-exponent x multiplier) / divisor),
+/// evaluated in float64 in that order (the same operations on every rank). Returns the largest
+/// |q[i]| (the next exponent's input); `non_finite` is set when a result is not finite in T.
+template <class T>
+std::int64_t dequantize_cpu(const std::int64_t* q, T* out, std::int64_t n, int exponent, double multiplier,
+                            double divisor, bool& non_finite) {
+  const double step = std::ldexp(1.0, -exponent);
+  std::int64_t largest = 0;
+  bool bad = false;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t v = q[i];
+    largest = std::max(largest, v < 0 ? -v : v);
+    const T r = static_cast<T>(static_cast<double>(v) * step * multiplier / divisor);
+    out[i] = r;
+    if (!std::isfinite(r)) bad = true;
+  }
+  if (bad) non_finite = true;
+  return largest;
+}
+
+/// The same as dequantize_cpu with ATen ops on any device: writes `out` (1-D floating, the length
+/// of `q`) and returns the largest |q| as a one-element int64 tensor on q's device and whether a
+/// result is not finite as a one-element int64 tensor (0/1), both without a host read.
+inline std::pair<at::Tensor, at::Tensor> dequantize_aten(const at::Tensor& q, at::Tensor out, int exponent,
+                                                         double multiplier, double divisor) {
+  out.copy_(q.to(at::kDouble).mul(std::ldexp(1.0, -exponent)).mul(multiplier).div(divisor));
+  at::Tensor largest = q.numel() > 0 ? q.abs().max().reshape({1}) : at::zeros({1}, q.options());
+  at::Tensor bad = at::logical_not(at::isfinite(out)).any().to(at::kLong).reshape({1});
+  return {largest, bad};
+}
+
+/// The next window's exponent of a parameter whose reduced sum had largest magnitude `largest`
+/// (grid units) under exponent `e`: aimed so that magnitude lands at kGridTargetBits bits, rising
+/// by at most kGridMaxRise, and kGridNearStep lower when a contribution came near the limit
+/// (cancelling contributions can be much larger than their sum). A parameter whose sum was 0
+/// keeps its exponent. Every rank computes it from the same reduced integers.
+inline int next_grid_exponent(int e, std::int64_t largest, bool near) {
+  int next = e;
+  if (largest > 0)
+    next = e + std::min(kGridMaxRise,
+                        kGridTargetBits - static_cast<int>(std::bit_width(static_cast<std::uint64_t>(largest))));
+  if (near) next = std::min(next, e - kGridNearStep);
+  return std::clamp(next, kGridMinExponent, kGridMaxExponent);
+}
+
+/// The exponent after a window in which a contribution overflowed the grid of exponent `e`.
+inline int backed_off_grid_exponent(int e) {
+  return std::max(e - kGridBackoff, kGridMinExponent);
+}
+
+}  // namespace loom::detail

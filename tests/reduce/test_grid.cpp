@@ -1,0 +1,261 @@
+// The deterministic reducer (ReducerOptions::deterministic) in one process: the grid arithmetic
+// against hand-computed integers, the CPU loops against the ATen ops, the reduced gradient's
+// independence of micro-batch order, its error against a float64 reference across magnitudes,
+// the exponent rule, overflow and inf/NaN. Real ranks (identical bytes on 1-4 ranks, resume on
+// another world size): tests/train/test_exact_dist.cpp.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <loom/accumulate/accumulator.hpp>
+#include <loom/comm/local.hpp>
+#include <loom/reduce/detail/exact.hpp>
+#include <loom/reduce/reducer.hpp>
+
+#include "support/models.hpp"
+
+namespace {
+
+namespace d = loom::detail;
+
+/// The bytes of every tensor, concatenated (bit-identity checks).
+std::vector<unsigned char> bytes_of(const std::vector<at::Tensor>& ts) {
+  std::vector<unsigned char> out;
+  for (const auto& t : ts) {
+    auto c = t.detach().contiguous();
+    const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+    out.insert(out.end(), p, p + c.numel() * static_cast<std::int64_t>(c.element_size()));
+  }
+  return out;
+}
+
+at::Tensor param(std::vector<float> v) {
+  return torch::tensor(v, torch::kFloat).requires_grad_();
+}
+
+/// One contribution written by hand: the parameter's gradient is `g`, then marked ready.
+template <class R>
+void contribute(R& reducer, std::size_t index, const at::Tensor& p, const at::Tensor& g) {
+  p.mutable_grad() = g.clone();
+  reducer.mark_ready(index);
+}
+
+}  // namespace
+
+TEST_CASE("grid: contributions are rounded to the nearest grid point, half to even") {
+  // exponent 3: grid step 1/8. 0.0625 = 0.5 steps -> 0; 0.1875 = 1.5 -> 2; 0.3125 = 2.5 -> 2;
+  // -0.3125 -> -2; 0.15 = 1.2 -> 1; 100 -> 800.
+  std::vector<float> g{0.0625f, 0.1875f, 0.3125f, -0.3125f, 0.15f, 100.0f};
+  std::vector<std::int64_t> q(g.size(), 5);  // adds to what is there
+  const auto f = d::quantize_add_cpu(g.data(), q.data(), static_cast<std::int64_t>(g.size()), 3);
+  CHECK(q == std::vector<std::int64_t>{5, 7, 7, 3, 6, 805});
+  CHECK(std::all_of(g.begin(), g.end(), [](float v) { return v == 0.0f; }));
+  CHECK_FALSE(f.non_finite);
+  CHECK_FALSE(f.overflow);
+  CHECK_FALSE(f.near);
+
+  // The limit is 2^42 grid units, "near" from 2^40: at exponent 0, 2^41 is near, 2^42 overflows;
+  // an inf is not finite; neither is added.
+  std::vector<double> big{std::ldexp(1.0, 41), std::ldexp(1.0, 42), std::numeric_limits<double>::infinity(), 1.0};
+  std::vector<std::int64_t> qb(big.size(), 0);
+  const auto fb = d::quantize_add_cpu(big.data(), qb.data(), 4, 0);
+  CHECK(qb == std::vector<std::int64_t>{std::int64_t{1} << 41, 0, 0, 1});
+  CHECK(fb.near);
+  CHECK(fb.overflow);
+  CHECK(fb.non_finite);
+}
+
+TEST_CASE("grid: the CPU loops and the ATen ops (the path of GPU buckets) give the same integers and bits") {
+  at::manual_seed(7);
+  // Magnitudes from 1e-12 to 1e3 with both signs, float32.
+  auto mag = torch::pow(10.0, torch::rand({4096}, torch::kDouble) * 15 - 12);
+  auto sign = torch::randint(0, 2, {4096}, torch::kDouble) * 2 - 1;
+  const at::Tensor g = (mag * sign).to(torch::kFloat);
+  for (int exponent : {0, 20, 30}) {
+    at::Tensor g1 = g.clone(), g2 = g.clone();
+    at::Tensor q1 = torch::zeros({4096}, torch::kLong), q2 = torch::zeros({4096}, torch::kLong);
+    const auto f = d::quantize_add_cpu(g1.data_ptr<float>(), q1.data_ptr<std::int64_t>(), 4096, exponent);
+    auto flags = torch::zeros({3}, torch::kLong);
+    d::quantize_add_aten(g2, q2, exponent, flags.narrow(0, 0, 1), flags.narrow(0, 1, 1), flags.narrow(0, 2, 1));
+    CHECK(torch::equal(q1, q2));
+    CHECK(torch::equal(g1, g2));  // both zeroed
+    CHECK(flags[0].item<std::int64_t>() == (f.non_finite ? 1 : 0));
+    CHECK(flags[1].item<std::int64_t>() == (f.overflow ? 1 : 0));
+    CHECK(flags[2].item<std::int64_t>() == (f.near ? 1 : 0));
+    // An independent rounding: float64 nearest-even of g x 2^e for the elements below the limit.
+    auto x = g.to(torch::kDouble) * std::ldexp(1.0, exponent);
+    auto expected = torch::where(x.abs() < d::kGridLimit, x.round(), torch::zeros_like(x)).to(torch::kLong);
+    CHECK(torch::equal(q1, expected));
+
+    at::Tensor out1 = torch::empty({4096}, torch::kFloat), out2 = torch::empty({4096}, torch::kFloat);
+    bool bad = false;
+    const auto largest =
+        d::dequantize_cpu(q1.data_ptr<std::int64_t>(), out1.data_ptr<float>(), 4096, exponent, 3.0, 7.0, bad);
+    auto [largest2, bad2] = d::dequantize_aten(q2, out2, exponent, 3.0, 7.0);
+    CHECK(bytes_of({out1}) == bytes_of({out2}));
+    CHECK(largest == largest2.item<std::int64_t>());
+    CHECK(largest == q1.abs().max().item<std::int64_t>());
+    CHECK_FALSE(bad);
+    CHECK(bad2.item<std::int64_t>() == 0);
+  }
+}
+
+TEST_CASE("grid: the exponent rule, by hand") {
+  CHECK(d::next_grid_exponent(32, std::int64_t{600} << 32, false) == 22);  // 42 bits -> aimed at 32
+  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 31, false) == 32);    // 32 bits: unchanged
+  CHECK(d::next_grid_exponent(32, 1, false) == 40);                        // rises by at most 8
+  CHECK(d::next_grid_exponent(32, 0, false) == 32);                        // nothing to go by
+  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 31, true) == 30);     // near the limit: 2 lower
+  CHECK(d::backed_off_grid_exponent(32) == 16);
+  CHECK(d::next_grid_exponent(d::kGridMaxExponent, 1, false) == d::kGridMaxExponent);
+}
+
+TEST_CASE("deterministic reducer: the gradient's bytes do not depend on the order or grouping of micro-batches") {
+  // 6 micro-batches of 1..6 samples; float mode sums them in float32 in the order given, the
+  // deterministic mode as integers. Orders: as listed, reversed, interleaved.
+  const std::vector<std::vector<int>> orders{{0, 1, 2, 3, 4, 5}, {5, 4, 3, 2, 1, 0}, {3, 0, 5, 1, 4, 2}};
+  std::vector<std::vector<unsigned char>> seen;
+  std::vector<at::Tensor> reference;
+  for (const auto& order : orders) {
+    loom::test::Mlp model(at::kFloat);
+    loom::LocalCommunicator comm;
+    loom::Reducer reducer(comm, model.list(), {.deterministic = true});
+    loom::Accumulator acc(reducer, {.micro_batches_per_step = 6});
+    loom::SyncResult s;
+    for (int m : order) {
+      const std::int64_t first = m * (m + 1) / 2, n = m + 1;
+      auto mb = acc.micro_batch(n);
+      model.loss_sum(loom::test::batch_x(first, n, at::kFloat), loom::test::batch_y(first, n, at::kFloat)).backward();
+      s = mb.finish();
+    }
+    REQUIRE(s.apply);
+    CHECK(s.global_samples == 21);
+    seen.push_back(bytes_of(model.grads()));
+    if (reference.empty()) {
+      // float64 reference: the mean gradient over the 21 samples.
+      auto p64 = model.clone64();
+      for (auto& p : p64) p.mutable_grad() = at::Tensor();
+      ((loom::test::Mlp::forward_with(p64, loom::test::batch_x(0, 21)) - loom::test::batch_y(0, 21)).pow(2).sum() / 21)
+          .backward();
+      for (auto& p : p64) reference.push_back(p.grad());
+      const auto g = model.grads();
+      for (std::size_t k = 0; k < g.size(); ++k) {
+        const double err = (g[k].to(at::kDouble) - reference[k]).abs().max().item<double>();
+        const double scale = reference[k].abs().max().item<double>();
+        CHECK_MESSAGE(err <= 1e-6 * scale, fmt::format("parameter {}: {} against {}", k, err, scale));
+      }
+    }
+  }
+  CHECK(seen[1] == seen[0]);
+  CHECK(seen[2] == seen[0]);
+}
+
+TEST_CASE("deterministic reducer: error against float64 within C x 2^-(e+1) / N, magnitudes 1e-12..600 in one bucket") {
+  auto a = param({0, 0, 0, 0}), b = param({0, 0, 0});
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"a", "b"}, .params = {a, b}}, {.deterministic = true});
+  REQUIRE(reducer.bucket_params().size() == 1);
+  REQUIRE(reducer.grid_exponents() == std::vector<int>{32, 32});
+  // 5 contributions (backward passes) of each, window of N = 3 samples.
+  const int contributions = 5;
+  const double n = 3;
+  std::vector<double> ref_a(4, 0.0), ref_b(3, 0.0);
+  for (int c = 0; c < contributions; ++c) {
+    const float k = 1.0f + 0.1f * static_cast<float>(c);
+    std::vector<float> ga{1e-8f * k, 3e-3f * k, -7.5f * k, 120.0f}, gb{1e-12f * k, 5e-6f * k, 0.25f};
+    for (std::size_t i = 0; i < ga.size(); ++i) ref_a[i] += static_cast<double>(ga[i]);
+    for (std::size_t i = 0; i < gb.size(); ++i) ref_b[i] += static_cast<double>(gb[i]);
+    reducer.prepare_backward({.sync = c == contributions - 1, .window_samples = static_cast<std::int64_t>(n)});
+    contribute(reducer, 0, a, torch::tensor(ga));
+    contribute(reducer, 1, b, torch::tensor(gb));
+  }
+  const auto r = reducer.finish_window();
+  REQUIRE(r.reduced);
+  REQUIRE_FALSE(r.non_finite);
+  REQUIRE_FALSE(r.grid_overflow);
+  const double bound_grid = contributions * std::ldexp(1.0, -(32 + 1)) / n;
+  auto check = [&](const at::Tensor& got, const std::vector<double>& ref, const char* name) {
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      const double want = ref[i] / n;
+      const double bound = bound_grid + std::abs(want) * std::ldexp(1.0, -24);  // + the float32 cast
+      const double err = std::abs(got[static_cast<std::int64_t>(i)].item<double>() - want);
+      CHECK_MESSAGE(err <= bound, fmt::format("{}[{}]: {} against {} (error {:.3g}, bound {:.3g})", name, i,
+                                              got[static_cast<std::int64_t>(i)].item<double>(), want, err, bound));
+    }
+  };
+  check(a.grad(), ref_a, "a");
+  check(b.grad(), ref_b, "b");
+  // b[0] (5e-12 in sum) is below half a grid step per contribution: each rounded to 0.
+  CHECK(b.grad()[0].item<float>() == 0.0f);
+  // The next exponents, by hand: a's largest sum is 600 = 10 bits -> 600 x 2^32 has 42 bits, aimed
+  // at 32: e = 22. b's largest is 1.25 x 2^32 (33 bits): e = 31.
+  CHECK(reducer.grid_exponents() == std::vector<int>{22, 31});
+}
+
+TEST_CASE("deterministic reducer: a contribution too large for its grid skips the step on the grid's next exponent") {
+  auto c = param({5000.0f}), e = param({1.0f});
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"c", "e"}, .params = {c, e}}, {.deterministic = true});
+  loom::Accumulator acc(reducer, {.micro_batches_per_step = 1});
+  auto step = [&] {
+    auto mb = acc.micro_batch(1);
+    (c * c / 2 + e).sum().backward();  // gradients 5000 and 1
+    return mb.finish();
+  };
+  // 5000 > 2^10 = 1024 grid units... at e = 32: 5000 x 2^32 >= 2^42.
+  const loom::SyncResult s1 = step();
+  CHECK(s1.boundary);
+  CHECK(s1.grid_overflow);
+  CHECK_FALSE(s1.apply);
+  CHECK_FALSE(s1.non_finite);
+  CHECK(c.grad().item<float>() == 0.0f);
+  CHECK(e.grad().item<float>() == 0.0f);
+  CHECK(reducer.grid_exponents() == std::vector<int>{16, 32});  // only c's grid is coarser
+  c.mutable_grad().zero_();
+  e.mutable_grad().zero_();
+  const loom::SyncResult s2 = step();
+  CHECK(s2.apply);
+  CHECK_FALSE(s2.grid_overflow);
+  CHECK(c.grad().item<float>() == 5000.0f);
+  CHECK(e.grad().item<float>() == 1.0f);
+}
+
+TEST_CASE("deterministic reducer: inf/NaN on a micro-batch skips the step, exponents kept") {
+  auto a = param({1.0f, 2.0f});
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"a"}, .params = {a}}, {.deterministic = true});
+  reducer.prepare_backward({.sync = false});
+  contribute(reducer, 0, a, torch::tensor({1.0f, 1.0f}));
+  reducer.prepare_backward({.sync = true, .window_samples = 2});
+  contribute(reducer, 0, a, torch::tensor({std::numeric_limits<float>::quiet_NaN(), 1.0f}));
+  const auto r = reducer.finish_window();
+  CHECK(r.non_finite);
+  CHECK_FALSE(r.grid_overflow);
+  CHECK(torch::equal(a.grad(), torch::zeros({2})));
+  CHECK(reducer.grid_exponents() == std::vector<int>{32});
+}
+
+TEST_CASE("deterministic reducer: options it cannot honour are refused by name") {
+  auto a = param({1.0f});
+  loom::LocalCommunicator comm;
+  auto message = [&](loom::ReducerOptions o) {
+    try {
+      loom::Reducer reducer(comm, {.names = {"a"}, .params = {a}}, o);
+    } catch (const loom::InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(message({.average = loom::Average::world_size, .deterministic = true}).find("average = world_size") !=
+        std::string::npos);
+  CHECK(message({.wire_dtype = at::kHalf, .deterministic = true}).find("wire_dtype = Half") != std::string::npos);
+  CHECK(message({.average = loom::Average::none, .deterministic = true}).empty());
+}
