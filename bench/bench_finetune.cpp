@@ -16,6 +16,9 @@
 //   loom              loom::BatchLoader with GlobalBatchOptions::global_batch_size = 32 (each step's
 //                     32 samples as same-shape micro-batches, the same steps on any number of ranks,
 //                     the gradient weighted by samples) + loom::Trainer
+//   loom_deterministic  the same with ReducerOptions::deterministic (bit-identical on any number of
+//                     ranks): not one of the "other ways" of the ratio; its own RATIO line
+//                     throughput_deterministic_vs_float/ranks:N (samples/s over loom's, goal >= 1/1.3)
 // Every way trains the same samples in the same steps: the DDP-style ways shard the permutation
 // loom's plan draws (seed + epoch) the way torch's DistributedSampler shards its own (interleaved,
 // padded by repeats), so a rank's i-th batch of 32 / ranks samples holds its share of loom's step
@@ -92,7 +95,7 @@ struct Settings {
 };
 Settings g_settings;
 
-enum class Method { one_at_a_time, group_in_batch, accumulate_32, loom };
+enum class Method { one_at_a_time, group_in_batch, accumulate_32, loom, loom_deterministic };
 
 struct Result {
   double seconds = 0;   // training seconds to the target (or of all epochs)
@@ -193,13 +196,13 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
     }
     if (r.reached == 0) evaluate_now();  // the cap: the accuracy at the end
   };
-  if (method == Method::loom) {
+  if (method == Method::loom || method == Method::loom_deterministic) {
     loom::BatchLoader loader(pg, task.shapes_of(train), [&](int64_t j) { return task.sample(train, j); },
                              {.seed = order_seed,
                               .max_samples = kGlobalBatch,
                               .max_elements = kBatchPixels * o.task.channels,
                               .global_batch_size = kGlobalBatch});
-    loom::Trainer trainer(pg, *model, opt);
+    loom::Trainer trainer(pg, *model, opt, {.reducer = {.deterministic = method == Method::loom_deterministic}});
     trainer.on_step([&](const loom::SyncResult& s) {
       r.samples += s.global_samples;
       if (after_step()) trainer.stop();
@@ -280,12 +283,15 @@ const char* method_name(Method m) {
     case Method::group_in_batch: return "group_in_batch";
     case Method::accumulate_32: return "accumulate_32";
     case Method::loom: return "loom";
+    case Method::loom_deterministic: return "loom_deterministic";
   }
   return "?";
 }
 
 // Per (method, ranks): each run's seconds to the target (infinity when not reached), in run order.
 std::map<std::pair<Method, int>, std::vector<double>> g_times;
+// Per (method, ranks): each run's training samples per second.
+std::map<std::pair<Method, int>, std::vector<double>> g_rates;
 std::ofstream g_curve;
 
 void BM_Finetune(benchmark::State& state, Method method, int nproc) {
@@ -319,6 +325,7 @@ void BM_Finetune(benchmark::State& state, Method method, int nproc) {
     state.counters["epochs"] = r.epochs;
     state.counters["val_accuracy"] = r.accuracy;
     state.counters["samples_per_s"] = static_cast<double>(r.samples) / r.seconds;
+    g_rates[{method, nproc}].push_back(static_cast<double>(r.samples) / r.seconds);
     state.counters["steps"] = static_cast<double>(r.steps);
   }
   fs::remove(out);
@@ -346,6 +353,22 @@ void print_ratio(int nproc) {
   const double med = sorted[sorted.size() / 2];
   std::printf("RATIO time_to_accuracy_loom_vs_best/ranks:%d median=%.3f min=%.3f max=%.3f n=%zu goal>=1.2 %s\n", nproc,
               med, sorted.front(), sorted.back(), sorted.size(), med >= 1.2 ? "met" : "NOT-met");
+}
+
+/// The cost of ReducerOptions::deterministic: per run, its samples/s over floating loom's (goal:
+/// at most 1.3x the step time, i.e. >= 1 / 1.3).
+void print_deterministic_ratio(int nproc) {
+  const auto det = g_rates.find({Method::loom_deterministic, nproc});
+  const auto flt = g_rates.find({Method::loom, nproc});
+  if (det == g_rates.end() || flt == g_rates.end()) return;
+  std::vector<double> ratios;
+  for (std::size_t i = 0; i < std::min(det->second.size(), flt->second.size()); ++i)
+    ratios.push_back(det->second[i] / flt->second[i]);
+  if (ratios.empty()) return;
+  std::sort(ratios.begin(), ratios.end());
+  const double med = ratios[ratios.size() / 2], goal = 1.0 / 1.3;
+  std::printf("RATIO throughput_deterministic_vs_float/ranks:%d median=%.3f min=%.3f max=%.3f n=%zu goal>=%.2f %s\n",
+              nproc, med, ratios.front(), ratios.back(), ratios.size(), goal, med >= goal ? "met" : "NOT-met");
 }
 
 /// Reads --runs= --target= --max-epochs= --ranks= --device= --data= --curve= and removes them from argv.
@@ -414,7 +437,8 @@ int main(int argc, char** argv) {
     g_curve << "way,ranks,run,samples,seconds,accuracy\n";
   }
   for (int nproc : g_settings.ranks)
-    for (Method m : {Method::one_at_a_time, Method::group_in_batch, Method::accumulate_32, Method::loom})
+    for (Method m : {Method::one_at_a_time, Method::group_in_batch, Method::accumulate_32, Method::loom,
+                     Method::loom_deterministic})
       benchmark::RegisterBenchmark(fmt::format("finetune/{}/ranks:{}", method_name(m), nproc).c_str(), BM_Finetune, m,
                                    nproc)
           ->Iterations(1)
@@ -432,5 +456,6 @@ int main(int argc, char** argv) {
   benchmark::Shutdown();
   std::printf("\n");
   for (int nproc : g_settings.ranks) print_ratio(nproc);
+  for (int nproc : g_settings.ranks) print_deterministic_ratio(nproc);
   return 0;
 }

@@ -6,6 +6,8 @@
 //     flat         one all-reduce of one preallocated flat buffer of the same bytes: the limit
 //     loom         loom::Reducer (25 MiB buckets, 1 MiB first, averaging + inf/NaN scan) on
 //                  gradients marked ready by hand (mark_all_ready), so only the reduction is timed
+//     loom_deterministic  the same with ReducerOptions::deterministic (int64 grid sums; its
+//                  wire_bytes counter: the bytes its all-reduces carry)
 //   the same gradients delivered by a backward pass (a custom autograd function whose backward
 //   returns them), so that a reducer driven by autograd hooks can be compared:
 //     backward_only  the backward alone (AccumulateGrad adds into .grad): subtract it
@@ -285,7 +287,8 @@ std::int64_t bytes_of(const std::vector<std::vector<std::int64_t>>& shapes) {
 struct Variant {
   virtual ~Variant() = default;
   virtual void step() = 0;
-  std::int64_t bytes = 0;  // gradient bytes reduced per step (0: not a reduction benchmark)
+  std::int64_t bytes = 0;       // gradient bytes reduced per step (0: not a reduction benchmark)
+  std::int64_t wire_bytes = 0;  // bytes one rank's all-reduces carry per step, when they differ from `bytes`
 };
 
 // One blocking all-reduce (and divide) per gradient tensor: the naive loop.
@@ -309,20 +312,31 @@ struct Flat : Variant {
   void step() override { g_comm->all_reduce(buffer, loom::ReduceOp::sum); }
 };
 
-// loom::Reducer on gradients marked ready by hand: only the reduction is timed.
+// loom::Reducer on gradients marked ready by hand: only the reduction is timed. `deterministic`:
+// ReducerOptions::deterministic (int64 sums; it refuses average = world_size, so it averages by
+// samples with one sample per rank, which divides by the same 2).
 struct LoomMarked : Variant {
   std::vector<at::Tensor> params;
+  bool deterministic = false;
   loom::Reducer<loom::GlooCommunicator> reducer;
-  explicit LoomMarked(const std::vector<std::vector<std::int64_t>>& shapes)
+  explicit LoomMarked(const std::vector<std::vector<std::int64_t>>& shapes, bool exact = false)
       : params(tensors_like(shapes, true, 0.5f)),
-        reducer(*g_comm, {.params = params}, {.average = loom::Average::world_size}) {
+        deterministic(exact),
+        reducer(*g_comm, {.params = params},
+                {.average = exact ? loom::Average::samples : loom::Average::world_size, .deterministic = exact}) {
     bytes = bytes_of(shapes);
+    if (exact) {
+      std::int64_t elements = 0, tensors = 0;
+      for (const auto& b : reducer.bucket_params()) tensors += static_cast<std::int64_t>(b.size());
+      for (const auto& p : params) elements += p.numel();
+      wire_bytes = 8 * (elements + 3 * tensors + 2 * static_cast<std::int64_t>(reducer.bucket_params().size()));
+    }
     reducer.prepare_backward({.sync = false});  // gradients become bucket views
     for (auto& p : params) p.mutable_grad().fill_(1e-3f);
     step();  // the one-time bucket rebuild happens at the next window
   }
   void step() override {
-    reducer.prepare_backward({.sync = true, .window_samples = 32});
+    reducer.prepare_backward({.sync = true, .window_samples = deterministic ? 1 : 32});
     reducer.mark_all_ready();
     reducer.finish_window();
   }
@@ -435,6 +449,8 @@ const std::vector<Entry>& entries() {
     e.push_back({"reduce_resnet50/per_tensor", [] { return std::make_unique<PerTensor>(resnet50_sizes()); }});
     e.push_back({"reduce_resnet50/flat", [] { return std::make_unique<Flat>(bytes_of(resnet50_sizes())); }});
     e.push_back({"reduce_resnet50/loom", [] { return std::make_unique<LoomMarked>(resnet50_sizes()); }});
+    e.push_back({"reduce_resnet50/loom_deterministic",
+                 [] { return std::make_unique<LoomMarked>(resnet50_sizes(), /*exact=*/true); }});
     e.push_back({"reduce_resnet50/backward_only", [] { return std::make_unique<BackwardOnly>(); }});
     e.push_back({"reduce_resnet50/loom_hooks", [] { return std::make_unique<LoomHooks>(); }});
     e.push_back({"reduce_resnet50/ddp", [] { return std::make_unique<Ddp>(); }});
@@ -482,6 +498,7 @@ void run_variant(benchmark::State& state, std::int64_t id) {
   Variant& v = variant(id);
   v.step();  // untimed warm-up
   for (auto _ : state) v.step();
+  if (v.wire_bytes > 0) state.counters["wire_bytes"] = static_cast<double>(v.wire_bytes);
   if (v.bytes > 0) {
     state.counters["bytes"] = static_cast<double>(v.bytes);
     state.counters["algbw_GBps"] =
@@ -544,6 +561,9 @@ void print_ratios(const std::map<std::string, std::vector<double>>& t) {
   print_ratio(t, "loom_vs_flat", "reduce_resnet50/flat", "reduce_resnet50/loom", 0.95);
   print_ratio(t, "loom_vs_per_tensor", "reduce_resnet50/per_tensor", "reduce_resnet50/loom", 2.5);
   print_ratio(t, "loom_hooks_vs_ddp", "reduce_resnet50/ddp", "reduce_resnet50/loom_hooks", 1.1);
+  // Deterministic mode's cost: floating loom's time over deterministic loom's (goal: at most 1.3x
+  // slower, i.e. a ratio >= 1 / 1.3).
+  print_ratio(t, "float_vs_deterministic", "reduce_resnet50/loom", "reduce_resnet50/loom_deterministic", 1.0 / 1.3);
   print_ratio(t, "overlapped_vs_after_backward", "overlap_cnn/after_backward", "overlap_cnn/overlapped", 1.0);
   for (std::int64_t n : kSweep)
     print_ratio(t, fmt::format("sweep_loom_vs_flat/params:{}", n), fmt::format("sweep/flat/params:{}", n),

@@ -28,6 +28,8 @@
 //        mpirun -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 build/examples/finetune_icons
 // Output (rank 0): one line per epoch, then
 //        result: val_accuracy=A val_loss=L train_loss=T majority_baseline=B epochs=E steps=S seconds=X
+//                weights_fnv1a=H (a 64-bit hash of the final weights' bytes; with --deterministic the same
+//                on any --nproc)
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -45,6 +47,7 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <loom/detail/hash.hpp>
 #include <loom/dist/run.hpp>
 #include <loom/log/all.hpp>
 #include <loom/sample/global_batch.hpp>
@@ -84,6 +87,7 @@ struct Options {
   int64_t checkpoint_every = 0;  // optimizer steps between mid-epoch checkpoints (0: epoch ends only)
   int64_t stop_after_steps = 0;  // stop fine-tuning after this many optimizer steps (simulates a crash; tests)
   int threads = 1;               // intra-op threads per rank
+  bool deterministic = false;    // bit-identical weights on any number of ranks (ReducerOptions::deterministic)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -125,6 +129,18 @@ int64_t init_from(const fs::path& file, IconNet& model) {
     throw loom::DataError(
         fmt::format("{}: none of its tensors matches IconNet's parameters by name and shape", file.string()));
   return copied;
+}
+
+/// FNV-1a (64-bit) of the bytes of every parameter, in the model's order, as 16 hex digits: equal
+/// exactly when the weights are bit for bit equal (up to a collision). Not cryptographic.
+std::string weights_hash(IconNet& model) {
+  loom::detail::Fnv1a h;
+  for (const auto& p : model->parameters()) {
+    const auto c = p.detach().to(torch::kCPU).contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
+    for (int64_t k = 0; k < c.numel() * static_cast<int64_t>(c.element_size()); ++k) h.add_byte(bytes[k]);
+  }
+  return fmt::format("{:016x}", h.value());
 }
 
 double seconds_since(Clock::time_point t0) {
@@ -184,7 +200,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     // Pre-training: the small sizes only, a higher learning rate, then save.
     torch::optim::AdamW opt(model->parameters(),
                             torch::optim::AdamWOptions(o.pretrain_lr).weight_decay(o.weight_decay));
-    loom::Trainer trainer(pg, *model, opt);
+    loom::Trainer trainer(pg, *model, opt, {.reducer = {.deterministic = o.deterministic}});
     loom::BatchLoader loader(pg, task.shapes_of(task.train_small()),
                              [&](int64_t j) { return task.sample(task.train_small(), j); }, plan, {.device = device});
     for (int64_t e = 0; e < o.pretrain_epochs; ++e) {
@@ -214,7 +230,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
   loom::BatchLoader loader(pg, task.shapes_of(task.train()), [&](int64_t j) { return task.sample(task.train(), j); },
                            plan, {.device = device, .num_workers = o.workers});
-  loom::Trainer trainer(pg, *model, opt);  // rank 0's weights everywhere
+  loom::Trainer trainer(pg, *model, opt, {.reducer = {.deterministic = o.deterministic}});  // rank 0's weights everywhere
   double seconds_before = 0;
   int64_t first_epoch = 0;
   if (!resume.empty()) {
@@ -284,9 +300,9 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   if (stopped) return;
   log.info(
       "result: val_accuracy={:.4f} val_loss={:.6f} train_loss={:.6f} majority_baseline={:.4f} epochs={} steps={} "
-      "seconds={:.1f}",
+      "seconds={:.1f} weights_fnv1a={}",
       last.accuracy, last.loss, train_loss, task.majority_baseline(), epochs_done, trainer.steps(),
-      seconds_before + seconds_since(start));
+      seconds_before + seconds_since(start), weights_hash(model));
 }
 
 int main(int argc, char** argv) {
@@ -337,6 +353,9 @@ int main(int argc, char** argv) {
                  "stop after this many fine-tuning optimizer steps (tests resume)");
   app.add_flag("--skip-corrupt", o.task.skip_corrupt, "skip undecodable PNG files with a warning instead of failing");
   app.add_option("--threads", o.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
+  app.add_flag("--deterministic", o.deterministic,
+               "bit-identical weights on any number of ranks (integer gradient sums; docs/elastic.md); compare the "
+               "result line's weights_fnv1a across runs");
   CLI11_PARSE(app, argc, argv);
   if (o.width % 8 != 0) {
     fmt::print(stderr, "--width {} must be a multiple of 8 (GroupNorm groups)\n", o.width);

@@ -248,6 +248,38 @@ TEST_SUITE("runs") {
     }
   }
 
+  TEST_CASE("finetune_icons --deterministic: the same weights (hash of their bytes) on 1, 2 and 3 ranks") {
+    // Pre-training and fine-tuning both deterministic; the floating run of the same options for the
+    // accuracy comparison.
+    const std::string args = "--subset 4 --epochs 1 --pretrain-epochs 1";
+    static const std::regex hash_field(R"(weights_fnv1a=([0-9a-f]{16}))");
+    std::map<int, std::string> hashes;
+    std::map<int, double> accuracy;
+    for (int nproc : {1, 2, 3}) {
+      TempDir dir;
+      const auto r = run(fmt::format("{} --nproc {} {} --deterministic --out {}", q(example("finetune_icons")), nproc,
+                                     args, q(dir.path)));
+      INFO(r.output);
+      REQUIRE(r.exit_code == 0);
+      const std::string line = line_starting(r.output, "result:");
+      std::smatch m;
+      REQUIRE(std::regex_search(line, m, hash_field));
+      hashes[nproc] = m[1].str();
+      accuracy[nproc] = fields(line).at("val_accuracy");
+    }
+    CHECK(hashes[2] == hashes[1]);
+    CHECK(hashes[3] == hashes[1]);
+    CHECK(accuracy[2] == accuracy[1]);
+    TempDir dir;
+    const auto floating =
+        run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), args, q(dir.path)));
+    INFO(floating.output);
+    REQUIRE(floating.exit_code == 0);
+    const auto f = fields(line_starting(floating.output, "result:"));
+    MESSAGE(fmt::format("val_accuracy: deterministic {:.4f}, floating {:.4f}", accuracy[1], f.at("val_accuracy")));
+    CHECK(std::abs(accuracy[1] - f.at("val_accuracy")) <= 0.05);
+  }
+
   TEST_CASE("finetune_icons: under torchrun's and mpirun's variables, the same result as with spawn") {
     const std::string args = "--subset 4 --epochs 1 --pretrain-epochs 1";
     TempDir a, b, c;

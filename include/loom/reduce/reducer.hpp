@@ -198,6 +198,12 @@ class Reducer {
   /// contributions are summed as integer multiples of 2^-e), in parameter-list order, frozen ones
   /// left out; the exponents the next window will use. Equal on every rank.
   [[nodiscard]] std::vector<int> grid_exponents() const { return state_->grid_exponents(); }
+  /// Continues the grid exponents of a run (grid_exponents() as saved in a checkpoint), so a
+  /// resumed deterministic run, on any world size, puts its gradients on the grids the
+  /// uninterrupted one would have used. Call between windows, with the same values on every rank.
+  /// Throws: loom::InvalidArgument when the reducer is not deterministic, for a count other than
+  ///         the trainable parameters' or an exponent outside [-900, 900]; loom::Error inside a window.
+  void load_grid_exponents(const std::vector<int>& exponents) { state_->load_grid_exponents(exponents); }
 
   /// Parameter indices of each bucket, in launch order.
   [[nodiscard]] std::vector<std::vector<std::size_t>> bucket_params() const { return state_->bucket_params(); }

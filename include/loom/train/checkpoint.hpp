@@ -30,7 +30,8 @@
 // ("loom-checkpoint v1"),
 // param_count, buffer_count, param_<i> / param_name_<i> / buffer_<i> (CPU tensors; names checked on
 // load), optimizer (the optimizer's own archive), cursor and loss_scaler (their one-line texts),
-// trainer_steps, trainer_skipped_steps, user_count, user_key_<i> / user_value_<i>.
+// trainer_steps, trainer_skipped_steps, grid_exponents (a deterministic reducer's, comma-separated;
+// absent otherwise), user_count, user_key_<i> / user_value_<i>.
 // Throws: loom::DataError naming the file and what is wrong: it cannot be read, is truncated or is
 //   not a LibTorch archive, is an archive without the loom_checkpoint key, has another format
 //   version, or misses a key; loom::InvalidArgument when it does not fit this run: another number,
@@ -52,6 +53,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -108,6 +110,8 @@ void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer
       archive.write("trainer_steps", c10::IValue(state.steps));
       archive.write("trainer_skipped_steps", c10::IValue(state.skipped_steps));
       if (state.loss_scaler) archive.write("loss_scaler", c10::IValue(to_string(*state.loss_scaler)));
+      if (!state.grid_exponents.empty())
+        archive.write("grid_exponents", c10::IValue(fmt::format("{}", fmt::join(state.grid_exponents, ","))));
       detail::write_user_values(archive, user);
       detail::write_atomically(file, archive);
     } catch (const std::exception& e) {
@@ -143,6 +147,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
   info.trainer.steps = read.integer("trainer_steps");
   info.trainer.skipped_steps = read.integer("trainer_skipped_steps");
   if (auto scaler = read.optional_text("loss_scaler")) info.trainer.loss_scaler = parse_loss_scaler_state(*scaler);
+  if (auto grid = read.optional_text("grid_exponents")) info.trainer.grid_exponents = detail::parse_grid_exponents(file, *grid);
   info.user = read.user_values();
   const detail::StagedParameters staged(read, list);
   torch::serialize::InputArchive optimizer;

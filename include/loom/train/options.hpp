@@ -68,6 +68,8 @@ struct TrainerState {
   int64_t steps = 0;                                ///< optimizer steps applied
   int64_t skipped_steps = 0;                        ///< steps skipped for inf/NaN gradients
   std::optional<LossScalerState> loss_scaler = {};  ///< set when the Trainer scales the loss
+  /// ReducerOptions::deterministic: the reducer's grid exponents (Reducer::grid_exponents), else empty.
+  std::vector<int> grid_exponents = {};
 };
 
 }  // namespace loom

@@ -297,7 +297,10 @@ class Trainer {
     return s ? std::optional<LossScalerState>(s->state()) : std::nullopt;
   }
   /// What a checkpoint keeps of this Trainer (loom::save_checkpoint, loom/train/checkpoint.hpp).
-  [[nodiscard]] TrainerState state() const { return {steps_, skipped_, loss_scaler_state()}; }
+  [[nodiscard]] TrainerState state() const {
+    return {steps_, skipped_, loss_scaler_state(),
+            reducer_.options().deterministic ? reducer_.grid_exponents() : std::vector<int>{}};
+  }
   /// Continues the step counts and the loss scaler from a checkpoint's state, between epoch loops.
   /// Throws: loom::Error while an epoch loop runs; loom::InvalidArgument for negative counts, as
   ///         load_loss_scaler_state, or when this Trainer scales the loss and `state` has no scaler state.
@@ -308,6 +311,8 @@ class Trainer {
       load_loss_scaler_state(*state.loss_scaler);
     else if (accumulator_.loss_scaler() != nullptr)
       throw InvalidArgument("Trainer::load_state: this Trainer scales the loss but the state has no loss scaler state");
+    if (!state.grid_exponents.empty() && reducer_.options().deterministic)
+      reducer_.load_grid_exponents(state.grid_exponents);
     steps_ = state.steps;
     skipped_ = state.skipped_steps;
   }

@@ -242,6 +242,22 @@ class ReducerState {
     for (const auto& s : slots_) out.push_back(s.grid_exponent);  // slots are numbered in list order
     return out;
   }
+  void load_grid_exponents(const std::vector<int>& exponents) {
+    std::lock_guard lock(mutex_);
+    if (!options_.deterministic)
+      throw InvalidArgument("Reducer::load_grid_exponents: this reducer is not deterministic (ReducerOptions::deterministic)");
+    if (window_ != WindowState::closed)
+      throw Error("Reducer::load_grid_exponents: a window is open; load the exponents between optimizer steps");
+    if (exponents.size() != slots_.size())
+      throw InvalidArgument(fmt::format("Reducer::load_grid_exponents: {} exponents for {} trainable parameters",
+                                        exponents.size(), slots_.size()));
+    for (std::size_t k = 0; k < exponents.size(); ++k)
+      if (exponents[k] < kGridMinExponent || exponents[k] > kGridMaxExponent)
+        throw InvalidArgument(fmt::format("Reducer::load_grid_exponents: exponent {} of {} is outside [{}, {}]",
+                                          exponents[k], list_.describe(slots_[k].param), kGridMinExponent,
+                                          kGridMaxExponent));
+    for (std::size_t k = 0; k < exponents.size(); ++k) slots_[k].grid_exponent = exponents[k];
+  }
   [[nodiscard]] std::vector<at::Tensor> bucket_tensors() const {
     std::vector<at::Tensor> out;
     for (const auto& b : buckets_) out.push_back(b.head);

@@ -83,6 +83,30 @@ inline void write_atomically(const std::filesystem::path& file, torch::serialize
   }
 }
 
+/// The grid exponents of a checkpoint's "grid_exponents" text ("32,31,22").
+/// Throws: loom::DataError naming the file when the text is not a comma-separated list of integers.
+inline std::vector<int> parse_grid_exponents(const std::filesystem::path& file, const std::string& text) {
+  std::vector<int> out;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t end = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, end - pos);
+    std::size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size())
+      throw DataError(fmt::format("checkpoint {}: grid_exponents '{}' is not a comma-separated list of integers",
+                                  file.string(), text));
+    out.push_back(v);
+    pos = end + 1;
+  }
+  return out;
+}
+
 /// Every rank learns rank 0's save failure (empty: none). Throws loom::Error on every rank when it failed.
 template <Communicator C>
 void agree_on_save(C& comm, const std::filesystem::path& file, const std::string& failure) {
