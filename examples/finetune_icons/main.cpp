@@ -230,7 +230,8 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
   loom::BatchLoader loader(pg, task.shapes_of(task.train()), [&](int64_t j) { return task.sample(task.train(), j); },
                            plan, {.device = device, .num_workers = o.workers});
-  loom::Trainer trainer(pg, *model, opt, {.reducer = {.deterministic = o.deterministic}});  // rank 0's weights everywhere
+  loom::Trainer trainer(pg, *model, opt,
+                        {.reducer = {.deterministic = o.deterministic}});  // rank 0's weights everywhere
   double seconds_before = 0;
   int64_t first_epoch = 0;
   if (!resume.empty()) {

@@ -271,8 +271,7 @@ TEST_SUITE("runs") {
     CHECK(hashes[3] == hashes[1]);
     CHECK(accuracy[2] == accuracy[1]);
     TempDir dir;
-    const auto floating =
-        run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), args, q(dir.path)));
+    const auto floating = run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), args, q(dir.path)));
     INFO(floating.output);
     REQUIRE(floating.exit_code == 0);
     const auto f = fields(line_starting(floating.output, "result:"));

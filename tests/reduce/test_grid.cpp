@@ -73,7 +73,8 @@ TEST_CASE("grid: contributions are rounded to the nearest grid point, half to ev
   CHECK(fb.non_finite);
 }
 
-TEST_CASE("grid: the CPU loops and the ATen ops (the path of GPU buckets) give the same integers and bits") {
+TEST_CASE(
+    "grid: on the CPU, the fused loops and the ATen ops (the path of GPU buckets) give the same integers and bits") {
   at::manual_seed(7);
   // Magnitudes from 1e-12 to 1e3 with both signs, float32.
   auto mag = torch::pow(10.0, torch::rand({4096}, torch::kDouble) * 15 - 12);
@@ -156,6 +157,23 @@ TEST_CASE("deterministic reducer: the gradient's bytes do not depend on the orde
   }
   CHECK(seen[1] == seen[0]);
   CHECK(seen[2] == seen[0]);
+  // The floating reducer on the same orders: float32 sums in another order round differently, so
+  // the comparison above can fail.
+  std::vector<std::vector<unsigned char>> floating;
+  for (const auto& order : orders) {
+    loom::test::Mlp model(at::kFloat);
+    loom::LocalCommunicator comm;
+    loom::Reducer reducer(comm, model.list());
+    loom::Accumulator acc(reducer, {.micro_batches_per_step = 6});
+    for (int m : order) {
+      const std::int64_t first = m * (m + 1) / 2, n = m + 1;
+      auto mb = acc.micro_batch(n);
+      model.loss_sum(loom::test::batch_x(first, n, at::kFloat), loom::test::batch_y(first, n, at::kFloat)).backward();
+      (void)mb.finish();
+    }
+    floating.push_back(bytes_of(model.grads()));
+  }
+  CHECK((floating[1] != floating[0] || floating[2] != floating[0]));
 }
 
 TEST_CASE("deterministic reducer: error against float64 within C x 2^-(e+1) / N, magnitudes 1e-12..600 in one bucket") {
@@ -258,4 +276,96 @@ TEST_CASE("deterministic reducer: options it cannot honour are refused by name")
         std::string::npos);
   CHECK(message({.wire_dtype = at::kHalf, .deterministic = true}).find("wire_dtype = Half") != std::string::npos);
   CHECK(message({.average = loom::Average::none, .deterministic = true}).empty());
+}
+
+TEST_CASE("deterministic reducer: bfloat16 buckets (the ATen path) and float16 in float32 slots, by hand") {
+  // bfloat16 without float32 accumulation: the bucket is bfloat16, so quantizing, turning back and
+  // the verdicts run as ATen ops (the path of buckets on a GPU). Values exact in bfloat16.
+  auto bf = [](std::vector<float> v) { return torch::tensor(v).to(torch::kBFloat16).requires_grad_(); };
+  auto a = bf({0.5f, 1.25f, -3.0f}), b = bf({0.375f, 2.0f}), c = bf({1.0f});
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"a", "b", "c"}, .params = {a, b, c}},
+                        {.float32_accumulation = false, .deterministic = true});
+  reducer.prepare_backward({.sync = false});
+  contribute(reducer, 0, a, torch::tensor({0.5f, 1.25f, -3.0f}).to(torch::kBFloat16));
+  contribute(reducer, 1, b, torch::tensor({0.375f, 2.0f}).to(torch::kBFloat16));
+  reducer.prepare_backward({.sync = true, .window_samples = 4});
+  contribute(reducer, 0, a, torch::tensor({0.25f, 0.75f, 1.0f}).to(torch::kBFloat16));
+  const auto r = reducer.finish_window();
+  REQUIRE(r.reduced);
+  CHECK_FALSE(r.non_finite);
+  CHECK_FALSE(r.grid_overflow);
+  CHECK(torch::equal(a.grad().to(torch::kFloat), torch::tensor({0.1875f, 0.5f, -0.5f})));  // (x + y) / 4
+  CHECK(torch::equal(b.grad().to(torch::kFloat), torch::tensor({0.09375f, 0.5f})));
+  CHECK_FALSE(c.grad().defined());  // unused everywhere, undefined before: stays undefined
+  // Largest sums 2 (a: 2 x 2^32 has 34 bits) and 2 (b): e = 30; c had nothing: 32.
+  CHECK(reducer.grid_exponents() == std::vector<int>{30, 30, 32});
+
+  // A contribution over the limit on the ATen path: 2048 >= 2^10 at e = 32.
+  auto big = bf({2048.0f});
+  loom::Reducer big_reducer(comm, {.names = {"big"}, .params = {big}},
+                            {.float32_accumulation = false, .deterministic = true});
+  big_reducer.prepare_backward({.sync = true, .window_samples = 1});
+  contribute(big_reducer, 0, big, torch::tensor({2048.0f}).to(torch::kBFloat16));
+  CHECK(big_reducer.finish_window().grid_overflow);
+  CHECK(big_reducer.grid_exponents() == std::vector<int>{16});
+
+  // float16 summed in a float32 slot: 1.5 + 0.5 over 2 samples = 1, handed back as float16.
+  auto h = torch::tensor({1.0f}).to(torch::kHalf).requires_grad_();
+  loom::Reducer half_reducer(comm, {.names = {"h"}, .params = {h}}, {.deterministic = true});
+  half_reducer.prepare_backward({.sync = false});
+  contribute(half_reducer, 0, h, torch::tensor({1.5f}).to(torch::kHalf));
+  half_reducer.prepare_backward({.sync = true, .window_samples = 2});
+  contribute(half_reducer, 0, h, torch::tensor({0.5f}).to(torch::kHalf));
+  REQUIRE(half_reducer.finish_window().reduced);
+  CHECK((h.grad().scalar_type() == torch::kHalf));
+  CHECK(h.grad().item<float>() == 1.0f);
+}
+
+TEST_CASE("deterministic reducer: the rules of the floating mode hold (stale gradients, unused, late, closed window)") {
+  loom::LocalCommunicator comm;
+  SUBCASE("a parameter unused everywhere keeps the gradient it held; a used one adds it to the sum") {
+    auto a = param({1.0f}), d = param({1.0f});
+    loom::Reducer reducer(comm, {.names = {"a", "d"}, .params = {a, d}}, {.deterministic = true});
+    a.mutable_grad() = torch::tensor({2.0f});
+    d.mutable_grad() = torch::tensor({7.0f});
+    reducer.prepare_backward({.sync = true, .window_samples = 1});
+    (a * 3).sum().backward();
+    REQUIRE(reducer.finish_window().reduced);
+    CHECK(a.grad().item<float>() == 5.0f);  // 2 held + 3 from the backward, 1 sample
+    CHECK(d.grad().item<float>() == 7.0f);
+  }
+  SUBCASE("a backward before any window keeps its gradient, and the next window adds it (as floating mode)") {
+    auto a = param({1.0f});
+    loom::Reducer reducer(comm, {.names = {"a"}, .params = {a}}, {.deterministic = true});
+    (a * 2).sum().backward();
+    CHECK(a.grad().item<float>() == 2.0f);
+    reducer.prepare_backward({.sync = true, .window_samples = 1});
+    (a * 3).sum().backward();
+    REQUIRE(reducer.finish_window().reduced);
+    CHECK(a.grad().item<float>() == 5.0f);
+  }
+  SUBCASE("a second gradient after the bucket left is refused by name, before the integers in flight change") {
+    auto a = param({1.0f});
+    loom::Reducer reducer(comm, {.names = {"a"}, .params = {a}}, {.deterministic = true});
+    reducer.prepare_backward({.sync = true, .window_samples = 1});
+    (a * 3).sum().backward();  // the bucket leaves
+    CHECK_THROWS_WITH_AS((a * 4).sum().backward(), doctest::Contains("'a') received a second gradient"),
+                         loom::InvalidArgument);
+    CHECK(reducer.finish_window().reduced);
+    CHECK(a.grad().item<float>() == 3.0f);
+  }
+  SUBCASE("load_grid_exponents refuses what does not fit") {
+    auto a = param({1.0f}), b = param({1.0f});
+    loom::Reducer reducer(comm, {.names = {"a", "b"}, .params = {a, b}}, {.deterministic = true});
+    CHECK_THROWS_WITH_AS(reducer.load_grid_exponents({30}), doctest::Contains("1 exponents for 2 trainable"),
+                         loom::InvalidArgument);
+    CHECK_THROWS_WITH_AS(reducer.load_grid_exponents({30, 901}), doctest::Contains("exponent 901 of parameter 1"),
+                         loom::InvalidArgument);
+    reducer.load_grid_exponents({30, -5});
+    CHECK(reducer.grid_exponents() == std::vector<int>{30, -5});
+    loom::Reducer floating(comm, {.names = {"c"}, .params = {param({1.0f})}});
+    CHECK_THROWS_WITH_AS(floating.load_grid_exponents({30}), doctest::Contains("not deterministic"),
+                         loom::InvalidArgument);
+  }
 }

@@ -46,6 +46,21 @@ struct Run {
   }
 };
 
+/// Run with ReducerOptions::deterministic.
+struct DeterministicRun {
+  loom::LocalCommunicator comm;
+  loom::test::Mlp model{at::kDouble};
+  torch::optim::SGD sgd{model.params, torch::optim::SGDOptions(0.05).momentum(0.9)};
+  loom::BatchLoader<decltype(loom::test::trainer_fetch())> loader{
+      comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan};
+  loom::Trainer<loom::LocalCommunicator, torch::optim::SGD> trainer{
+      comm, model.list(), sgd, loom::TrainerOptions{.reducer = {.deterministic = true}}};
+
+  void epoch(int64_t e) {
+    for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loom::test::mean_loss(model, b), b);
+  }
+};
+
 bool equal_params(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t k = 0; k < a.size(); ++k)
@@ -237,5 +252,51 @@ TEST_CASE("checkpoint: a missing, truncated, foreign or misfit file is a loom er
       loom::save_checkpoint(nowhere, run.trainer, run.loader),
       doctest::Contains(fmt::format("rank 0 could not save {}: cannot create", nowhere.string()).c_str()), loom::Error);
   CHECK_FALSE(fs::exists(nowhere));
+  fs::remove_all(file.parent_path());
+}
+
+TEST_CASE("checkpoint: a deterministic run keeps its grid exponents across a resume and ends bit for bit equal") {
+  const fs::path file = temp_file("deterministic.pt");
+  DeterministicRun full;
+  full.epoch(0);
+  full.epoch(1);
+  std::vector<int> saved;
+  {
+    DeterministicRun first;
+    first.trainer.on_step([&](const loom::SyncResult&) {
+      if (first.trainer.steps() == 3) {
+        saved = first.trainer.reducer().grid_exponents();
+        loom::save_checkpoint(file, first.trainer, first.loader);
+        first.trainer.stop();
+      }
+    });
+    first.epoch(0);
+  }
+  REQUIRE(saved.size() == 4);
+  const std::vector<int> initial(4, 32);
+  REQUIRE(saved != initial);  // 3 steps moved the grids
+  DeterministicRun second;
+  CHECK(second.trainer.reducer().grid_exponents() == initial);
+  const auto info = loom::load_checkpoint(file, second.trainer, second.loader);
+  CHECK(info.trainer.grid_exponents == saved);
+  CHECK(second.trainer.reducer().grid_exponents() == saved);
+  for (int64_t e = info.cursor.epoch; e < 2; ++e) second.epoch(e);
+  CHECK(equal_params(second.model.params, full.model.params));
+
+  // Resumed on the initial grids instead, the run differs: the exponents are part of the state.
+  DeterministicRun third;
+  (void)loom::load_checkpoint(file, third.trainer, third.loader);
+  third.trainer.reducer().load_grid_exponents(initial);
+  for (int64_t e = 0; e < 2; ++e) third.epoch(e);
+  CHECK_FALSE(equal_params(third.model.params, full.model.params));
+
+  // A checkpoint of a floating run resumes a deterministic one on the initial grids.
+  const fs::path floating = temp_file("floating.pt");
+  Run plain;
+  plain.epoch(0);
+  loom::save_checkpoint(floating, plain.trainer, plain.loader);
+  DeterministicRun fourth;
+  CHECK(loom::load_checkpoint(floating, fourth.trainer, fourth.loader).trainer.grid_exponents.empty());
+  CHECK(fourth.trainer.reducer().grid_exponents() == initial);
   fs::remove_all(file.parent_path());
 }

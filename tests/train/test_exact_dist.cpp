@@ -67,7 +67,13 @@ struct Net {
     auto init = [](std::vector<int64_t> shape, double phase) {
       int64_t n = 1;
       for (auto s : shape) n *= s;
-      return torch::arange(n, torch::kDouble).mul(0.61).add(phase).sin().mul(0.5).reshape(shape).to(torch::kFloat)
+      return torch::arange(n, torch::kDouble)
+          .mul(0.61)
+          .add(phase)
+          .sin()
+          .mul(0.5)
+          .reshape(shape)
+          .to(torch::kFloat)
           .set_requires_grad(true);
     };
     w1 = init({4, 3}, 0.3), b1 = init({4}, 1.2), gamma = init({4}, 2.0).detach().add(1).requires_grad_();
@@ -113,7 +119,8 @@ void load_hex(const std::string& text, const std::vector<at::Tensor>& ts) {
     std::getline(in, line);
     auto* p = static_cast<unsigned char*>(t.data_ptr());
     REQUIRE(static_cast<int64_t>(line.size()) == 2 * t.numel() * static_cast<int64_t>(t.element_size()));
-    for (std::size_t k = 0; k < line.size() / 2; ++k) p[k] = static_cast<unsigned char>(std::stoi(line.substr(2 * k, 2), nullptr, 16));
+    for (std::size_t k = 0; k < line.size() / 2; ++k)
+      p[k] = static_cast<unsigned char>(std::stoi(line.substr(2 * k, 2), nullptr, 16));
   }
 }
 

@@ -10,7 +10,7 @@
 //   reducer.prepare_backward({.sync = true, .window_samples = 32});    // this backward closes the window
 //   loss_sum.backward();                                               // buckets leave while backward runs
 //   loom::Reduction r = reducer.finish_window();                       // p.grad() now = global mean gradient
-//   if (!r.non_finite && !r.no_samples) optimizer.step();
+//   if (!r.non_finite && !r.no_samples && !r.grid_overflow) optimizer.step();
 //
 // Units: samples are counted by the caller (rows of a batch, tokens, whatever the loss sums over).
 // Source: PyTorch DDP's split of Reducer::prepare_for_backward / the autograd hooks /

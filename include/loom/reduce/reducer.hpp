@@ -15,7 +15,7 @@
 //                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
 //   loss.backward();                                             // buckets leave while backward runs
 //   loom::Reduction r = reducer.finish_window();                 // p.grad() == d(mean loss over all
-//   if (!r.non_finite) optimizer.step();                         //   ranks' samples)/dp on every rank
+//   if (!r.non_finite && !r.grid_overflow) optimizer.step();     //   ranks' samples)/dp on every rank
 //   optimizer.zero_grad();
 // Most loops use loom::Accumulator (accumulate/accumulator.hpp), which makes these calls.
 //
@@ -83,7 +83,9 @@
 //     only start all-reduces); the divisor and the verdicts stay on the communicator's device
 //     (CPU communicators read them from host memory); finish_window makes one read of a small
 //     float64 summary (count, final and leaving flags, used-flags, verdicts, squared norm), and an end-of-epoch
-//     flush one more first (whether any rank has samples). host_reads() counts them.
+//     flush one more first (whether any rank has samples). host_reads() counts them. Deterministic
+//     mode on a GPU reads the window meta, then the integer tails and maxima, then (clipping) the
+//     per-parameter norms: up to 3 reads per window; none on the CPU beyond host memory.
 //   Wire compression (wire_dtype = float16 / bfloat16, float32 buckets only): rank r sends its
 //     share s_r = S_r / W, where S_r is its summed (still loss-scaled) gradient and W the world size,
 //     cast to the wire dtype (the only division before the all-reduce: W needs no waiting); the
@@ -204,6 +206,9 @@ class Reducer {
   /// Throws: loom::InvalidArgument when the reducer is not deterministic, for a count other than
   ///         the trainable parameters' or an exponent outside [-900, 900]; loom::Error inside a window.
   void load_grid_exponents(const std::vector<int>& exponents) { state_->load_grid_exponents(exponents); }
+  /// Throws what load_grid_exponents would for `exponents` (but for an open window), changing
+  /// nothing: a checkpoint is checked before any of the run changes.
+  void check_grid_exponents(const std::vector<int>& exponents) const { state_->check_grid_exponents(exponents); }
 
   /// Parameter indices of each bucket, in launch order.
   [[nodiscard]] std::vector<std::vector<std::size_t>> bucket_params() const { return state_->bucket_params(); }

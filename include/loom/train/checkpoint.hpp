@@ -147,7 +147,10 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
   info.trainer.steps = read.integer("trainer_steps");
   info.trainer.skipped_steps = read.integer("trainer_skipped_steps");
   if (auto scaler = read.optional_text("loss_scaler")) info.trainer.loss_scaler = parse_loss_scaler_state(*scaler);
-  if (auto grid = read.optional_text("grid_exponents")) info.trainer.grid_exponents = detail::parse_grid_exponents(file, *grid);
+  if (auto grid = read.optional_text("grid_exponents"))
+    info.trainer.grid_exponents = detail::parse_grid_exponents(file, *grid);
+  if (!info.trainer.grid_exponents.empty() && trainer.reducer().options().deterministic)
+    trainer.reducer().check_grid_exponents(info.trainer.grid_exponents);  // another model's count: refused here
   info.user = read.user_values();
   const detail::StagedParameters staged(read, list);
   torch::serialize::InputArchive optimizer;

@@ -301,9 +301,12 @@ class Trainer {
     return {steps_, skipped_, loss_scaler_state(),
             reducer_.options().deterministic ? reducer_.grid_exponents() : std::vector<int>{}};
   }
-  /// Continues the step counts and the loss scaler from a checkpoint's state, between epoch loops.
+  /// Continues the step counts and the loss scaler from a checkpoint's state, between epoch loops,
+  /// and a deterministic reducer's grid exponents (ignored when this Trainer's reducer is not
+  /// deterministic; a state without them keeps the current grids, e.g. a floating run's checkpoint).
   /// Throws: loom::Error while an epoch loop runs; loom::InvalidArgument for negative counts, as
-  ///         load_loss_scaler_state, or when this Trainer scales the loss and `state` has no scaler state.
+  ///         load_loss_scaler_state, when this Trainer scales the loss and `state` has no scaler
+  ///         state, or as Reducer::load_grid_exponents (another count of trainable parameters).
   void load_state(const TrainerState& state) {
     if (loop_open_) throw Error("Trainer::load_state: an epoch loop is running; load a checkpoint between epochs");
     detail::check_trainer_state(state);

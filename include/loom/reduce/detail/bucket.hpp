@@ -84,6 +84,7 @@ struct GradBucket {
   at::Tensor qflat;       // deterministic mode: int64 [gradients on the grid | GridTail], else undefined
   at::Tensor qhead;
   at::Tensor qtail;
+  at::Tensor qflags_host;  // deterministic mode, bucket on a GPU: pinned staging of [used n | contributions n]
   std::vector<std::size_t> slots;
   std::size_t pending = 0;
   bool ready = false;
@@ -165,6 +166,7 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
       b.qflat = at::zeros({total + GridTail::length(n)}, opts.dtype(at::kLong));
       b.qhead = b.qflat.narrow(0, 0, total);
       b.qtail = b.qflat.narrow(0, total, GridTail::length(n));
+      if (!first.is_cpu()) b.qflags_host = at::empty({2 * n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
     }
     if (!first.is_cpu())
       b.flags_host = at::empty(

@@ -15,7 +15,8 @@
 //         element differs from the exact sum of its contributions by at most C x 2^-(e+1), C the
 //         number of contributions (backward passes that delivered the parameter's gradient, over
 //         all ranks); turning the sum back adds the usual roundings of a multiply, a divide and
-//         the cast to the parameter's dtype.
+//         the cast to the parameter's dtype (and, for a sum above 2^53 grid units, the rounding of
+//         the integer to float64).
 // Source: fixed-point (integer) accumulation as in reproducible summation (Demmel and Nguyen,
 //         "Fast reproducible floating-point summation", 2013), here with one exponent per tensor
 //         chosen from the previous window instead of per-element bins.
@@ -58,16 +59,17 @@ inline constexpr int kGridNearStep = 2;
 inline constexpr int kGridMinExponent = -900;
 inline constexpr int kGridMaxExponent = 900;
 
-/// The tail of an integer bucket with n slots: [used n | overflow n | near n | non-finite 1 |
-/// contributions 1]. Each rank writes 0/1 per flag (contributions: its count); the all-reduce sums
-/// them, so after it a flag holds the number of ranks that set it.
+/// The tail of an integer bucket with n slots: [used n | overflow n | near n | contributions n |
+/// non-finite 1]. Each rank writes a flag as > 0 when it holds (0 otherwise) and its number of
+/// contributions per slot; the all-reduce sums them, so after it a flag is > 0 when some rank set
+/// it and a slot's contributions are its total over the ranks.
 struct GridTail {
-  static std::int64_t length(std::int64_t n) { return 3 * n + 2; }
+  static std::int64_t length(std::int64_t n) { return 4 * n + 1; }
   static std::int64_t used(std::int64_t /*n*/, std::int64_t j) { return j; }
   static std::int64_t overflow(std::int64_t n, std::int64_t j) { return n + j; }
   static std::int64_t near(std::int64_t n, std::int64_t j) { return 2 * n + j; }
-  static std::int64_t non_finite(std::int64_t n) { return 3 * n; }
-  static std::int64_t contributions(std::int64_t n) { return 3 * n + 1; }
+  static std::int64_t contributions(std::int64_t n, std::int64_t j) { return 3 * n + j; }
+  static std::int64_t non_finite(std::int64_t n) { return 4 * n; }
 };
 
 /// What putting one contribution on the grid found.
@@ -134,22 +136,26 @@ template <class T>
 std::int64_t dequantize_cpu(const std::int64_t* q, T* out, std::int64_t n, int exponent, double multiplier,
                             double divisor, bool& non_finite) {
   const double step = std::ldexp(1.0, -exponent);
-  std::int64_t largest = 0;
+  std::uint64_t largest = 0;
   bool bad = false;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t v = q[i];
-    largest = std::max(largest, v < 0 ? -v : v);
+    const std::uint64_t m = v < 0 ? std::uint64_t{0} - static_cast<std::uint64_t>(v) : static_cast<std::uint64_t>(v);
+    largest = std::max(largest, m);
     const T r = static_cast<T>(static_cast<double>(v) * step * multiplier / divisor);
     out[i] = r;
     if (!std::isfinite(r)) bad = true;
   }
   if (bad) non_finite = true;
-  return largest;
+  return static_cast<std::int64_t>(std::min<std::uint64_t>(largest, std::uint64_t{1} << 62));
 }
 
 /// The same as dequantize_cpu with ATen ops on any device: writes `out` (1-D floating, the length
 /// of `q`) and returns the largest |q| as a one-element int64 tensor on q's device and whether a
-/// result is not finite as a one-element int64 tensor (0/1), both without a host read.
+/// result is not finite as a one-element int64 tensor (0/1), both without a host read. On the CPU
+/// the values are the bits of dequantize_cpu; CUDA divides by a scalar as a multiplication by its
+/// reciprocal, which can differ in the last bit from the CPU's division: the same on any number of
+/// ranks on one kind of device, not across kinds.
 inline std::pair<at::Tensor, at::Tensor> dequantize_aten(const at::Tensor& q, at::Tensor out, int exponent,
                                                          double multiplier, double divisor) {
   out.copy_(q.to(at::kDouble).mul(std::ldexp(1.0, -exponent)).mul(multiplier).div(divisor));

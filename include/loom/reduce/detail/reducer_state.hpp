@@ -242,12 +242,10 @@ class ReducerState {
     for (const auto& s : slots_) out.push_back(s.grid_exponent);  // slots are numbered in list order
     return out;
   }
-  void load_grid_exponents(const std::vector<int>& exponents) {
-    std::lock_guard lock(mutex_);
+  void check_grid_exponents(const std::vector<int>& exponents) const {
     if (!options_.deterministic)
-      throw InvalidArgument("Reducer::load_grid_exponents: this reducer is not deterministic (ReducerOptions::deterministic)");
-    if (window_ != WindowState::closed)
-      throw Error("Reducer::load_grid_exponents: a window is open; load the exponents between optimizer steps");
+      throw InvalidArgument(
+          "Reducer::load_grid_exponents: this reducer is not deterministic (ReducerOptions::deterministic)");
     if (exponents.size() != slots_.size())
       throw InvalidArgument(fmt::format("Reducer::load_grid_exponents: {} exponents for {} trainable parameters",
                                         exponents.size(), slots_.size()));
@@ -256,6 +254,12 @@ class ReducerState {
         throw InvalidArgument(fmt::format("Reducer::load_grid_exponents: exponent {} of {} is outside [{}, {}]",
                                           exponents[k], list_.describe(slots_[k].param), kGridMinExponent,
                                           kGridMaxExponent));
+  }
+  void load_grid_exponents(const std::vector<int>& exponents) {
+    std::lock_guard lock(mutex_);
+    check_grid_exponents(exponents);
+    if (window_ != WindowState::closed)
+      throw Error("Reducer::load_grid_exponents: a window is open; load the exponents between optimizer steps");
     for (std::size_t k = 0; k < exponents.size(); ++k) slots_[k].grid_exponent = exponents[k];
   }
   [[nodiscard]] std::vector<at::Tensor> bucket_tensors() const {
@@ -347,7 +351,7 @@ class ReducerState {
         s.view.zero_();
       g = s.view;
     }
-    if (options_.deterministic) quantize_slot(k);
+    if (options_.deterministic && window_ != WindowState::closed) quantize_slot(k);
     s.used = true;
     order_.record(s);
     if (!synchronising()) return;
@@ -457,20 +461,21 @@ class ReducerState {
                       b.qtail.narrow(0, GridTail::near(n, j), 1));
   }
 
-  /// Deterministic mode: this rank's used-flags and contribution count into bucket b's tail.
+  /// Deterministic mode: this rank's used-flags and contribution counts into bucket b's tail. A
+  /// bucket on a GPU stages them in pinned memory and copies them without waiting (a hook never waits).
   void write_grid_tail(GradBucket& b) {
     const auto n = static_cast<std::int64_t>(b.slots.size());
-    std::int64_t contributions = 0;
-    for (std::size_t k : b.slots) contributions = std::max(contributions, slots_[k].window_contributions);
-    at::Tensor host = b.qtail.is_cpu() ? b.qtail : at::empty({n}, at::TensorOptions().dtype(at::kLong));
+    at::Tensor host = b.qtail.is_cpu() ? b.qtail : b.qflags_host;
     auto* t = host.data_ptr<std::int64_t>();
-    for (std::int64_t j = 0; j < n; ++j) t[GridTail::used(n, j)] = slots_[b.slots[j]].used ? 1 : 0;
-    if (b.qtail.is_cpu()) {
-      t[GridTail::contributions(n)] = contributions;
-      return;
+    const std::int64_t c0 = b.qtail.is_cpu() ? GridTail::contributions(n, 0) : n;  // staging: [used n | counts n]
+    for (std::int64_t j = 0; j < n; ++j) {
+      const auto& s = slots_[b.slots[static_cast<std::size_t>(j)]];
+      t[GridTail::used(n, j)] = s.used ? 1 : 0;
+      t[c0 + j] = s.window_contributions;
     }
-    b.qtail.narrow(0, 0, n).copy_(host);
-    b.qtail.narrow(0, GridTail::contributions(n), 1).fill_(contributions);
+    if (b.qtail.is_cpu()) return;
+    b.qtail.narrow(0, 0, n).copy_(b.qflags_host.narrow(0, 0, n), /*non_blocking=*/true);
+    b.qtail.narrow(0, GridTail::contributions(n, 0), n).copy_(b.qflags_host.narrow(0, n, n), /*non_blocking=*/true);
   }
 
   /// Deterministic mode: waits for each integer bucket in launch order and turns it back into the
@@ -550,9 +555,9 @@ class ReducerState {
       const std::int64_t* v = info[bi].data();
       const std::int64_t* t = v + n + 1;
       if (v[n] > 0 || t[GridTail::non_finite(n)] > 0) summary.non_finite = true;
-      verdict.contributions = std::max(verdict.contributions, t[GridTail::contributions(n)]);
       for (std::int64_t j = 0; j < n; ++j) {
         const std::size_t k = b.slots[static_cast<std::size_t>(j)];
+        verdict.contributions = std::max(verdict.contributions, t[GridTail::contributions(n, j)]);
         largest[k] = v[j];
         summary.used[k] = t[GridTail::used(n, j)] > 0 ? 1 : 0;
         overflowed[k] = t[GridTail::overflow(n, j)] > 0 ? 1 : 0;
@@ -578,20 +583,22 @@ class ReducerState {
         slots_[k].grid_exponent = next_grid_exponent(slots_[k].grid_exponent, largest[k], near[k] != 0);
     }
     if (clip) {
-      if (std::all_of(buckets_.begin(), buckets_.end(), [](const GradBucket& b) { return b.flat.is_cpu(); })) {
-        double sumsq = 0;
-        for (const auto& b : buckets_) {
-          const double norm = at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).template item<double>();
-          sumsq += norm * norm;
-        }
-        summary.squared_norm = sumsq;
-      } else {
-        std::vector<at::Tensor> norms;
-        for (const auto& b : buckets_)
-          norms.push_back(
-              at::norm(b.head, 2, compute_dtype(b.head.scalar_type())).to(device_, at::kDouble).reshape({1}));
-        summary.squared_norm = host_read(at::cat(norms).square().sum()).template item<double>();
+      // Per parameter, summed in parameter order: the bucket split (rank 0's first ready order, which
+      // can depend on the world size) does not enter the norm.
+      std::vector<at::Tensor> norms;
+      for (std::size_t k = 0; k < slots_.size(); ++k) {
+        const auto& b = buckets_[slots_[k].bucket];
+        const at::Tensor g = b.flat.narrow(0, slots_[k].offset, param(k).numel());
+        norms.push_back(at::norm(g, 2, compute_dtype(g.scalar_type())).to(at::kDouble).reshape({1}));
       }
+      const bool on_host =
+          std::all_of(buckets_.begin(), buckets_.end(), [](const GradBucket& b) { return b.flat.is_cpu(); });
+      if (!on_host)
+        for (auto& n : norms) n = n.to(device_);
+      const at::Tensor all = on_host ? at::cat(norms) : host_read(at::cat(norms));
+      double sumsq = 0;
+      for (std::int64_t k = 0; k < all.numel(); ++k) sumsq += all.data_ptr<double>()[k] * all.data_ptr<double>()[k];
+      summary.squared_norm = sumsq;
     }
     return summary;
   }
