@@ -16,7 +16,7 @@
 //         number of contributions (backward passes that delivered the parameter's gradient, over
 //         all ranks); turning the sum back adds the usual roundings of a multiply, a divide and
 //         the cast to the parameter's dtype (and, for a sum above 2^53 grid units, the rounding of
-//         the integer to float64).
+//         the integer to float64): float64(Q) x (2^-e x multiplier / divisor), then the cast.
 // Source: fixed-point (integer) accumulation as in reproducible summation (Demmel and Nguyen,
 //         "Fast reproducible floating-point summation", 2013), here with one exponent per tensor
 //         chosen from the previous window instead of per-element bins.
@@ -79,10 +79,23 @@ struct GridFlags {
   bool near = false;        ///< an element was at or above kGridNear grid units
 };
 
+/// x rounded to the nearest integer, half to even, for |x| < 2^51 (here |x| < 2^42): adding and
+/// subtracting 1.5 x 2^52 leaves no fraction bits, so the float64 addition itself rounds, in the
+/// default rounding mode, as std::nearbyint does, without a library call per element (x86-64
+/// without SSE4.1 has no inline instruction for it). Under -ffast-math, which may cancel the two
+/// additions, it is std::nearbyint.
+inline double round_to_integer(double x) {
+#ifdef __FAST_MATH__
+  return std::nearbyint(x);
+#else
+  constexpr double kShift = 6755399441055744.0;  // 1.5 x 2^52
+  return (x + kShift) - kShift;
+#endif
+}
+
 /// Adds round(g[i] x 2^exponent) to q[i] for i in [0, n) and sets g[i] to 0 (CPU, float/double).
 /// `g x 2^exponent` is exact in float64 (a power-of-two scaling of a float32 or float64 value, away
-/// from float64's subnormals); rounding is to nearest, half to even (std::nearbyint in the default
-/// rounding mode). Elements that are not finite or not below the limit are left out and flagged.
+/// from float64's subnormals); rounding is to nearest, half to even (round_to_integer). Elements that are not finite or not below the limit are left out and flagged.
 template <class T>
 GridFlags quantize_add_cpu(T* g, std::int64_t* q, std::int64_t n, int exponent) {
   const double scale = std::ldexp(1.0, exponent);
@@ -103,7 +116,7 @@ GridFlags quantize_add_cpu(T* g, std::int64_t* q, std::int64_t n, int exponent) 
         continue;
       }
       if (a >= kGridNear) close = true;
-      q[i] += static_cast<std::int64_t>(std::nearbyint(x));
+      q[i] += static_cast<std::int64_t>(round_to_integer(x));
     }
     if (bad) non_finite.store(true, std::memory_order_relaxed);
     if (over) overflow.store(true, std::memory_order_relaxed);
@@ -129,20 +142,26 @@ inline void quantize_add_aten(at::Tensor g, at::Tensor q, int exponent, at::Tens
   g.zero_();
 }
 
-/// Turns a reduced integer slot back: out[i] = T((q[i] x 2^-exponent x multiplier) / divisor),
-/// evaluated in float64 in that order (the same operations on every rank). Returns the largest
-/// |q[i]| (the next exponent's input); `non_finite` is set when a result is not finite in T.
+/// The factor that turns a reduced integer back: 2^-exponent x multiplier / divisor, in float64
+/// (the same operations on every rank).
+inline double grid_factor(int exponent, double multiplier, double divisor) {
+  return std::ldexp(1.0, -exponent) * multiplier / divisor;
+}
+
+/// Turns a reduced integer slot back: out[i] = T(float64(q[i]) x grid_factor(...)), one float64
+/// multiplication per element. Returns the largest |q[i]| (the next exponent's input);
+/// `non_finite` is set when a result is not finite in T.
 template <class T>
 std::int64_t dequantize_cpu(const std::int64_t* q, T* out, std::int64_t n, int exponent, double multiplier,
                             double divisor, bool& non_finite) {
-  const double step = std::ldexp(1.0, -exponent);
+  const double factor = grid_factor(exponent, multiplier, divisor);
   std::uint64_t largest = 0;
   bool bad = false;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t v = q[i];
     const std::uint64_t m = v < 0 ? std::uint64_t{0} - static_cast<std::uint64_t>(v) : static_cast<std::uint64_t>(v);
     largest = std::max(largest, m);
-    const T r = static_cast<T>(static_cast<double>(v) * step * multiplier / divisor);
+    const T r = static_cast<T>(static_cast<double>(v) * factor);
     out[i] = r;
     if (!std::isfinite(r)) bad = true;
   }
@@ -152,13 +171,11 @@ std::int64_t dequantize_cpu(const std::int64_t* q, T* out, std::int64_t n, int e
 
 /// The same as dequantize_cpu with ATen ops on any device: writes `out` (1-D floating, the length
 /// of `q`) and returns the largest |q| as a one-element int64 tensor on q's device and whether a
-/// result is not finite as a one-element int64 tensor (0/1), both without a host read. On the CPU
-/// the values are the bits of dequantize_cpu; CUDA divides by a scalar as a multiplication by its
-/// reciprocal, which can differ in the last bit from the CPU's division: the same on any number of
-/// ranks on one kind of device, not across kinds.
+/// result is not finite as a one-element int64 tensor (0/1), both without a host read. The values
+/// are the bits of dequantize_cpu (one float64 multiplication by the same factor, then the cast).
 inline std::pair<at::Tensor, at::Tensor> dequantize_aten(const at::Tensor& q, at::Tensor out, int exponent,
                                                          double multiplier, double divisor) {
-  out.copy_(q.to(at::kDouble).mul(std::ldexp(1.0, -exponent)).mul(multiplier).div(divisor));
+  out.copy_(q.to(at::kDouble).mul(grid_factor(exponent, multiplier, divisor)));
   at::Tensor largest = q.numel() > 0 ? q.abs().max().reshape({1}) : at::zeros({1}, q.options());
   at::Tensor bad = at::logical_not(at::isfinite(out)).any().to(at::kLong).reshape({1});
   return {largest, bad};
