@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -41,6 +42,22 @@ inline at::Tensor batch_y(std::int64_t first, std::int64_t n, at::ScalarType dty
   std::vector<at::Tensor> rows;
   for (std::int64_t i = first; i < first + n; ++i) rows.push_back(sample_y(i, dtype));
   return n == 0 ? torch::zeros({0, kOut}, torch::dtype(dtype)) : torch::stack(rows);
+}
+
+/// Length of sequence sample i: 2, 3 or 5 by i mod 3 (the varied shapes of the world-size tests).
+inline std::int64_t sequence_length(std::int64_t i) {
+  return i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5;
+}
+/// Sequence sample i: (sequence_length(i) x kIn: sample_x(i) plus 0.1 per position, kOut targets), in `dtype`.
+inline std::pair<at::Tensor, at::Tensor> sequence_sample(std::int64_t i, at::ScalarType dtype = at::kDouble) {
+  auto steps = torch::arange(sequence_length(i), torch::kDouble).mul(0.1).unsqueeze(1);
+  return {(sample_x(i).unsqueeze(0) + steps).to(dtype), sample_y(i, dtype)};
+}
+/// The shapes of sequence samples 0..n-1.
+inline std::vector<std::vector<std::int64_t>> sequence_shapes(std::int64_t n) {
+  std::vector<std::vector<std::int64_t>> s;
+  for (std::int64_t i = 0; i < n; ++i) s.push_back({sequence_length(i), kIn});
+  return s;
 }
 
 /// A 2-layer MLP as plain tensors: w1 [kHidden, kIn], b1 [kHidden], w2 [kOut, kHidden], b2 [kOut],

@@ -40,21 +40,12 @@ namespace {
 
 constexpr int64_t kSamples = 37;
 
-int64_t length_of(int64_t i) {
-  return i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5;
-}
-
-/// Sample i: (L x 3 float64 sequence, 2 float64 targets).
 std::pair<at::Tensor, at::Tensor> sample(int64_t i) {
-  const int64_t l = length_of(i);
-  auto steps = torch::arange(l, torch::kDouble).mul(0.1).unsqueeze(1);
-  return {loom::test::sample_x(i).unsqueeze(0) + steps, loom::test::sample_y(i)};
+  return loom::test::sequence_sample(i);
 }
 
 std::vector<std::vector<int64_t>> shapes() {
-  std::vector<std::vector<int64_t>> s;
-  for (int64_t i = 0; i < kSamples; ++i) s.push_back({length_of(i), loom::test::kIn});
-  return s;
+  return loom::test::sequence_shapes(kSamples);
 }
 
 const loom::GlobalBatchOptions kPlan{.seed = 17, .max_samples = 3, .batches_per_step = 2};

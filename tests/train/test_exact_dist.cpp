@@ -38,20 +38,13 @@ namespace {
 
 constexpr int64_t kSamples = 37;
 
-int64_t length_of(int64_t i) {
-  return i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5;
-}
-
 /// Sample i: (L x 3 float32 sequence, 2 float32 targets).
 std::pair<at::Tensor, at::Tensor> sample(int64_t i) {
-  auto steps = torch::arange(length_of(i), torch::kDouble).mul(0.1).unsqueeze(1);
-  return {(loom::test::sample_x(i).unsqueeze(0) + steps).to(torch::kFloat), loom::test::sample_y(i, torch::kFloat)};
+  return loom::test::sequence_sample(i, torch::kFloat);
 }
 
 std::vector<std::vector<int64_t>> shapes() {
-  std::vector<std::vector<int64_t>> s;
-  for (int64_t i = 0; i < kSamples; ++i) s.push_back({length_of(i), loom::test::kIn});
-  return s;
+  return loom::test::sequence_shapes(kSamples);
 }
 
 const loom::GlobalBatchOptions kPlan{.seed = 23, .max_samples = 2, .batches_per_step = 3};
