@@ -15,7 +15,7 @@
 // Included: error.hpp, config.hpp and the umbrellas comm/all.hpp (GlooCommunicator when
 // LOOM_HAS_GLOO; NcclCommunicator when the build has NCCL and a CUDA LibTorch), launch/all.hpp,
 // dist/all.hpp, collate/all.hpp, sample/all.hpp, schedule/all.hpp, accumulate/all.hpp,
-// reduce/all.hpp, log/all.hpp, train/all.hpp.
+// reduce/all.hpp, log/all.hpp, trace/all.hpp, train/all.hpp.
 // Not included (opt in): comm/nccl.hpp in a build with NCCL but a CPU LibTorch, and cuda/ (cuda/all.hpp)
 // (they need the CUDA runtime, and NCCL, at link time); reduce/jit.hpp (TorchScript modules).
 #pragma once
@@ -32,4 +32,5 @@
 #include <loom/reduce/all.hpp>
 #include <loom/sample/all.hpp>
 #include <loom/schedule/all.hpp>
+#include <loom/trace/all.hpp>
 #include <loom/train/all.hpp>

@@ -95,10 +95,12 @@
 #include <loom/comm/detail/gloo_connect.hpp>
 #include <loom/comm/detail/gloo_metadata.hpp>
 #include <loom/comm/detail/gloo_peers.hpp>
+#include <loom/comm/detail/trace_exchange.hpp>
 #include <loom/detail/exception_text.hpp>
 #include <loom/error.hpp>
 #include <loom/launch/environment.hpp>
 #include <loom/launch/rendezvous.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom {
 
@@ -119,6 +121,9 @@ struct GlooOptions {
                                       ///< rule of loom/comm/detail/gloo_device.hpp (GLOO_SOCKET_IFNAME, loopback
                                       ///< master, route to MASTER_ADDR when the host name is loopback, host name)
   int threads = 2;                    ///< Gloo worker threads (async collectives run on them)
+  std::size_t trace_capacity = trace::FlightRecorder::kDefaultCapacity;  ///< flight-record entries kept
+  std::string trace_folder{};  ///< where a failure writes the record files; empty: LOOM_TRACE_DIR,
+                               ///< else "loom-trace" in the working folder (docs/debugging.md)
 };
 
 namespace detail {
@@ -164,12 +169,21 @@ class GlooWork {
       // Gloo enforces the timeout itself; the margin only guards against a stuck worker thread.
       s.work->wait(s.timeout + std::chrono::seconds(5));
       s.done = true;
+      if (s.trace && s.completes_entry) s.trace->recorder().complete(s.seq);
       if (s.finish) s.finish();
     } catch (const std::exception& e) {
-      s.error = error_for(s, detail::exception_text(e), detail::seconds_since(start));
+      const std::string text = detail::exception_text(e);
+      const double waited = detail::seconds_since(start);
+      const double since_issue = detail::seconds_since(s.issued);
       // The communicator is broken now: end every connection, so the peers fail at once naming
       // this rank, and this rank's queued collectives do not wait for their timeouts.
       if (s.peers) s.peers->shutdown_connections();
+      std::string verdict;
+      if (s.trace) {
+        s.trace->recorder().fail(s.seq);
+        verdict = s.trace->on_failure(what_of(error_for(s, text, waited, since_issue, "")));
+      }
+      s.error = error_for(s, text, waited, since_issue, verdict);
       std::rethrow_exception(s.error);
     }
   }
@@ -190,6 +204,9 @@ class GlooWork {
     std::chrono::milliseconds timeout{0};
     std::function<void()> finish;
     std::shared_ptr<const detail::GlooPeerTable> peers;
+    std::shared_ptr<detail::TraceExchange> trace;  ///< the communicator's flight recorder and dump
+    std::int64_t seq = -1;                         ///< this collective's flight-record entry
+    bool completes_entry = true;                   ///< false for the metadata check's gather
     std::chrono::steady_clock::time_point issued{};
     bool done = false;
     std::exception_ptr error;
@@ -197,10 +214,19 @@ class GlooWork {
 
   GlooWork(c10::intrusive_ptr<c10d::Work> work, std::string collective, int rank, int world_size,
            std::chrono::milliseconds timeout, std::function<void()> finish,
-           std::shared_ptr<const detail::GlooPeerTable> peers)
+           std::shared_ptr<const detail::GlooPeerTable> peers, std::shared_ptr<detail::TraceExchange> trace,
+           std::int64_t seq)
       : state_(std::make_shared<State>(State{std::move(work), std::move(collective), rank, world_size, timeout,
-                                             std::move(finish), std::move(peers), std::chrono::steady_clock::now(),
-                                             false, nullptr})) {}
+                                             std::move(finish), std::move(peers), std::move(trace), seq, true,
+                                             std::chrono::steady_clock::now(), false, nullptr})) {}
+
+  static std::string what_of(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      return x.what();
+    }
+  }
 
   /// "peer rank p" when Gloo's message names one of this rank's connections or when there is only one
   /// peer; "a peer" otherwise.
@@ -210,23 +236,24 @@ class GlooWork {
     return peer >= 0 ? fmt::format("peer rank {}", peer) : std::string("a peer (Gloo's message names none)");
   }
 
-  /// Turns a Gloo failure into loom's error: timeouts and vanished peers are TimeoutErrors.
-  static std::exception_ptr error_for(const State& s, const std::string& text, double waited) {
-    const double since_issue = detail::seconds_since(s.issued);
+  /// Turns a Gloo failure into loom's error: timeouts and vanished peers are TimeoutErrors. `verdict`
+  /// (the flight recorder's, or empty) ends the message.
+  static std::exception_ptr error_for(const State& s, const std::string& text, double waited, double since_issue,
+                                      const std::string& verdict) {
     const std::string where = fmt::format("rank {}/{} on {}", s.rank, s.world_size, detail::host_and_pid());
     if (detail::mentions_timeout(text))
       return std::make_exception_ptr(
           TimeoutError(s.collective, s.rank, since_issue,
-                       fmt::format("no answer from {} within the {:.3f} s timeout ({}; Gloo: {})", peer_of(s, text),
-                                   s.timeout.count() / 1000.0, where, text)));
+                       fmt::format("no answer from {} within the {:.3f} s timeout ({}; Gloo: {}){}", peer_of(s, text),
+                                   s.timeout.count() / 1000.0, where, text, verdict)));
     if (detail::mentions_peer_gone(text))
       return std::make_exception_ptr(TimeoutError(
           s.collective, s.rank, since_issue,
           fmt::format("{} closed its connection (it exited, crashed or gave up after an error of its own), so the "
-                      "collective can never complete ({}; Gloo: {})",
-                      peer_of(s, text), where, text)));
-    return std::make_exception_ptr(CommError(
-        fmt::format("{} failed on {} after {:.3f} s ({}): {}", s.collective, where, waited, peer_of(s, text), text)));
+                      "collective can never complete ({}; Gloo: {}){}",
+                      peer_of(s, text), where, text, verdict)));
+    return std::make_exception_ptr(CommError(fmt::format("{} failed on {} after {:.3f} s ({}): {}{}", s.collective,
+                                                         where, waited, peer_of(s, text), text, verdict)));
   }
 
   std::shared_ptr<State> state_;
@@ -269,6 +296,15 @@ class GlooCommunicator {
     pg_ = std::move(connection.pg);
     peers_ = std::move(connection.peers);
     device_ = std::move(connection.device);
+    auto recorder =
+        std::make_shared<trace::FlightRecorder>(rank, world_size, detail::host_and_pid(), options_.trace_capacity);
+    trace_ = std::make_shared<detail::TraceExchange>(recorder, std::move(connection.store), std::move(connection.side),
+                                                     options_.timeout, options_.trace_folder);
+    std::weak_ptr<detail::TraceExchange> weak = trace_;
+    recorder->set_failure_handler([weak](const std::string& error) {
+      auto t = weak.lock();
+      return t ? t->on_failure(error) : std::string{};
+    });
   }
 
   GlooCommunicator(GlooCommunicator&&) noexcept = default;
@@ -290,6 +326,17 @@ class GlooCommunicator {
   [[nodiscard]] c10::Device device() const noexcept { return c10::Device(c10::kCPU); }
   /// The underlying c10d process group (for c10d APIs loom does not wrap).
   [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_; }
+  /// This communicator's flight recorder: the last GlooOptions::trace_capacity collectives, written
+  /// to the trace folder on a failure (loom/trace/recorder.hpp, docs/debugging.md). Null when moved from.
+  [[nodiscard]] trace::FlightRecorder* flight_recorder() const noexcept {
+    return trace_ ? &trace_->recorder() : nullptr;
+  }
+  /// Where a failure writes the record files (GlooOptions::trace_folder's rule).
+  [[nodiscard]] std::string trace_folder() const { return trace_ ? trace_->folder() : std::string{}; }
+  /// Changes it; empty: the default rule. loom::Trainer sets it beside its checkpoints.
+  void set_trace_folder(std::string folder) {
+    if (trace_) trace_->set_folder(std::move(folder));
+  }
   /// Which peer rank each of this rank's Gloo socket addresses belongs to (diagnostics, tests; see
   /// loom/comm/detail/gloo_peers.hpp). Empty (no connections) on a communicator of one rank.
   [[nodiscard]] const detail::GlooPeerTable* peer_table() const noexcept { return peers_.get(); }
@@ -307,63 +354,87 @@ class GlooCommunicator {
   /// Shape: same shape and dtype on every rank. Throws: see header.
   void all_reduce(at::Tensor& t, ReduceOp op) {
     detail::check_collective_tensor(t, "all_reduce");
-    if (options_.check_metadata) check_metadata(t, detail::GlooCollective::all_reduce, static_cast<std::int64_t>(op));
-    start_all_reduce(t, op).wait();
+    const std::int64_t seq = record(trace::Op::all_reduce, t);
+    if (options_.check_metadata)
+      check_metadata(t, detail::GlooCollective::all_reduce, static_cast<std::int64_t>(op), seq);
+    start_all_reduce(t, op, seq).wait();
   }
 
   /// Starts an in-place all-reduce; `t` must stay alive and untouched until wait() returned.
   /// Throws (here): loom::InvalidArgument; (in wait) loom::TimeoutError / CommError.
   [[nodiscard]] GlooWork all_reduce_async(at::Tensor& t, ReduceOp op) {
     detail::check_collective_tensor(t, "all_reduce");
+    const std::int64_t seq = record(trace::Op::all_reduce, t);
     if (options_.check_async_metadata)
-      check_metadata(t, detail::GlooCollective::all_reduce, static_cast<std::int64_t>(op));
-    return start_all_reduce(t, op);
+      check_metadata(t, detail::GlooCollective::all_reduce, static_cast<std::int64_t>(op), seq);
+    return start_all_reduce(t, op, seq);
   }
 
   /// In place: every rank ends with root's `t`. Throws: loom::InvalidArgument for a bad root.
   void broadcast(at::Tensor& t, int root) {
     detail::check_collective_tensor(t, "broadcast");
     detail::check_root(root, world_size_, "broadcast");
-    if (options_.check_metadata) check_metadata(t, detail::GlooCollective::broadcast, root);
+    const std::int64_t seq = record(trace::Op::broadcast, t);
+    if (options_.check_metadata) check_metadata(t, detail::GlooCollective::broadcast, root, seq);
     // Broadcast moves bytes: a bfloat16 tensor Gloo does not know travels as float16 of the same size.
     std::vector<at::Tensor> tensors{detail::gloo_supports_dtype(t.scalar_type()) ? t : t.view(at::kHalf)};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.timeout = options_.timeout;
-    make_work("broadcast", issue([&] { return pg_->broadcast(tensors, opts); }, "broadcast"), {}).wait();
+    make_work("broadcast", issue([&] { return pg_->broadcast(tensors, opts); }, "broadcast", seq), {}, seq).wait();
   }
 
   /// Returns world_size() tensors; entry r is rank r's `t`. Shape: each like `t`.
   [[nodiscard]] std::vector<at::Tensor> all_gather(const at::Tensor& t) {
     detail::check_collective_tensor(t, "all_gather");
-    if (options_.check_metadata) check_metadata(t, detail::GlooCollective::all_gather, 0);
-    return gather_unchecked(t, "all_gather");
+    const std::int64_t seq = record(trace::Op::all_gather, t);
+    if (options_.check_metadata) check_metadata(t, detail::GlooCollective::all_gather, 0, seq);
+    return gather_unchecked(t, "all_gather", seq, true);
   }
 
   /// Returns once every rank entered the barrier. Throws: loom::TimeoutError.
   void barrier() {
     c10d::BarrierOptions opts;
     opts.timeout = options_.timeout;
-    make_work("barrier", issue([&] { return pg_->barrier(opts); }, "barrier"), {}).wait();
+    const std::int64_t seq = record(trace::Op::barrier, at::Tensor());
+    make_work("barrier", issue([&] { return pg_->barrier(opts); }, "barrier", seq), {}, seq).wait();
   }
 
  private:
+  /// The flight-record entry of a public call (-1 when moved from).
+  std::int64_t record(trace::Op op, const at::Tensor& t) {
+    if (!trace_) throw CommError(fmt::format("{}: the communicator was moved from", trace::to_string(op)));
+    return trace_->recorder().issue(op, t);
+  }
+
+  /// Marks entry `seq` failed and returns the flight recorder's text for `message` (ends the error).
+  std::string failure_text(std::int64_t seq, const std::string& message) {
+    if (!trace_) return {};
+    trace_->recorder().fail(seq);
+    return trace_->on_failure(message);
+  }
+
   template <class F>
-  c10::intrusive_ptr<c10d::Work> issue(F&& f, const char* collective) {
+  c10::intrusive_ptr<c10d::Work> issue(F&& f, const char* collective, std::int64_t seq) {
     if (!pg_) throw CommError(fmt::format("{}: the communicator was moved from", collective));
     try {
       return f();
     } catch (const std::exception& e) {
-      throw CommError(fmt::format("{} could not start on rank {}/{}: {}", collective, rank_, world_size_,
-                                  detail::exception_text(e)));
+      const std::string message = fmt::format("{} could not start on rank {}/{}: {}", collective, rank_, world_size_,
+                                              detail::exception_text(e));
+      throw CommError(message + failure_text(seq, message));
     }
   }
 
-  GlooWork make_work(const char* collective, c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish) {
-    return GlooWork(std::move(work), collective, rank_, world_size_, options_.timeout, std::move(finish), peers_);
+  GlooWork make_work(const char* collective, c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
+                     std::int64_t seq, bool completes_entry = true) {
+    GlooWork w(std::move(work), collective, rank_, world_size_, options_.timeout, std::move(finish), peers_, trace_,
+               seq);
+    w.state_->completes_entry = completes_entry;
+    return w;
   }
 
-  GlooWork start_all_reduce(at::Tensor& t, ReduceOp op) {
+  GlooWork start_all_reduce(at::Tensor& t, ReduceOp op, std::int64_t seq) {
     c10d::AllreduceOptions opts;
     opts.reduceOp = detail::to_c10d(op);
     opts.timeout = options_.timeout;
@@ -371,7 +442,7 @@ class GlooCommunicator {
     bool staged = !detail::gloo_supports_dtype(t.scalar_type());
     if (staged) target = t.to(at::kFloat);
     std::vector<at::Tensor> tensors{target};
-    auto work = issue([&] { return pg_->allreduce(tensors, opts); }, "all_reduce");
+    auto work = issue([&] { return pg_->allreduce(tensors, opts); }, "all_reduce", seq);
     std::function<void()> finish;
     const int n = world_size_;
     if (op == ReduceOp::avg || staged) {
@@ -385,11 +456,13 @@ class GlooCommunicator {
         if (staged) t.copy_(target);
       };
     }
-    return make_work("all_reduce", std::move(work), std::move(finish));
+    return make_work("all_reduce", std::move(work), std::move(finish), seq);
   }
 
-  /// All-gather without the metadata check; errors name `collective` (the user's call).
-  std::vector<at::Tensor> gather_unchecked(const at::Tensor& t, const char* collective) {
+  /// All-gather without the metadata check; errors name `collective` (the user's call) and belong to
+  /// flight-record entry `seq`, which its completion marks completed when `completes_entry`.
+  std::vector<at::Tensor> gather_unchecked(const at::Tensor& t, const char* collective, std::int64_t seq,
+                                           bool completes_entry) {
     // All-gather moves bytes: a bfloat16 tensor Gloo does not know travels as float16 of the same size.
     const bool as_half = !detail::gloo_supports_dtype(t.scalar_type());
     at::Tensor wire = as_half ? t.view(at::kHalf) : t;
@@ -399,7 +472,9 @@ class GlooCommunicator {
     std::vector<at::Tensor> inputs{wire};
     c10d::AllgatherOptions opts;
     opts.timeout = options_.timeout;
-    make_work(collective, issue([&] { return pg_->allgather(outputs, inputs, opts); }, collective), {}).wait();
+    make_work(collective, issue([&] { return pg_->allgather(outputs, inputs, opts); }, collective, seq), {}, seq,
+              completes_entry)
+        .wait();
     if (as_half)
       for (auto& o : outputs[0]) o = o.view(t.scalar_type());
     return std::move(outputs[0]);
@@ -407,18 +482,20 @@ class GlooCommunicator {
 
   /// All-gathers this rank's call (detail::encode_collective_meta) and throws CommError on any
   /// difference, naming every rank's view.
-  void check_metadata(const at::Tensor& t, detail::GlooCollective collective, std::int64_t arg) {
+  void check_metadata(const at::Tensor& t, detail::GlooCollective collective, std::int64_t arg, std::int64_t seq) {
     const auto meta = detail::encode_collective_meta(t, collective, arg);
     const char* name = detail::collective_name(collective);
-    auto all = gather_unchecked(meta, name);  // a timeout here names the user's collective
+    auto all = gather_unchecked(meta, name, seq, false);  // a timeout here names the user's collective
     bool same = true;
     for (const auto& other : all) same = same && at::equal(other, meta);
     if (same) return;
     std::vector<std::string> views;
     for (int r = 0; r < world_size_; ++r)
       views.push_back(fmt::format("rank {}: {}", r, detail::describe_collective_meta(all[r])));
-    throw CommError(fmt::format("{}: the ranks disagree on the collective or its tensor (seen from rank {}): {}", name,
-                                rank_, fmt::join(views, "; ")));
+    const std::string message =
+        fmt::format("{}: the ranks disagree on the collective or its tensor (seen from rank {}): {}", name, rank_,
+                    fmt::join(views, "; "));
+    throw CommError(message + failure_text(seq, message));
   }
 
   int rank_ = 0;
@@ -427,6 +504,7 @@ class GlooCommunicator {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<const detail::GlooPeerTable> peers_;  ///< which peer a Gloo error's socket address is
   std::string device_;                                  ///< device_description()
+  std::shared_ptr<detail::TraceExchange> trace_;        ///< the flight recorder and its dump on failure
 };
 
 static_assert(WorkHandle<GlooWork>, "GlooWork must model loom::WorkHandle");

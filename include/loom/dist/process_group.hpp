@@ -48,6 +48,7 @@
 #include <loom/error.hpp>
 #include <loom/launch/environment.hpp>
 #include <loom/launch/rank_device.hpp>
+#include <loom/trace/recorder.hpp>
 
 #if LOOM_HAS_GLOO
 #include <loom/comm/gloo.hpp>
@@ -207,6 +208,11 @@ class ProcessGroup {
   /// The job this group belongs to (rank, local rank, launcher, ...).
   [[nodiscard]] const Environment& environment() const noexcept {
     return env_;
+  }
+  /// The flight recorder of the held communicator (loom/trace/recorder.hpp), or nullptr when it keeps
+  /// none (the one-process LocalCommunicator, NCCL for now).
+  [[nodiscard]] trace::FlightRecorder* flight_recorder() const noexcept {
+    return visit([](auto& c) { return trace::recorder_of(c); });
   }
   /// The communicator itself, for calls loom does not wrap: std::get<loom::GlooCommunicator>(pg.native()).
   [[nodiscard]] Variant& native() noexcept {

@@ -35,6 +35,7 @@
 #include <loom/log/exchange.hpp>
 #include <loom/log/rank.hpp>
 #include <loom/log/sink.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom {
 
@@ -173,6 +174,7 @@ class Logger {
       if (comm.rank() != me_.rank || comm.world_size() != me_.world_size)
         throw InvalidArgument(fmt::format("Logger::sync: the communicator is rank {} of {}, the logger rank {} of {}",
                                           comm.rank(), comm.world_size(), me_.rank, me_.world_size));
+      trace::Scope scope(comm, trace::Context::logger);
       std::vector<std::string> all = detail::all_gather_strings(comm, pending_);
       pending_.clear();
       if (me_.rank == 0) {

@@ -40,6 +40,7 @@
 #include <loom/error.hpp>
 #include <loom/log/exchange.hpp>
 #include <loom/log/rank.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom {
 
@@ -76,6 +77,7 @@ inline std::string failure_text(const std::exception_ptr& e) {
 template <Communicator C>
 std::string exchange_failures(C& comm, const std::exception_ptr& mine) {
   const double flag = mine ? 1.0 : 0.0;
+  trace::Scope scope(comm, trace::Context::main_process_first);
   const double failed = all_reduce_sums(comm, std::span<const double>(&flag, 1))[0];
   if (failed == 0.0) return {};
   const std::vector<std::string> messages = all_gather_strings(comm, mine ? failure_text(mine) : std::string{});

@@ -30,6 +30,7 @@
 #include <loom/comm/communicator.hpp>
 #include <loom/error.hpp>
 #include <loom/log/exchange.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom {
 
@@ -90,6 +91,7 @@ template <Communicator C>
     packed.push_back(m.weighted_sum());
     packed.push_back(m.weight());
   }
+  trace::Scope scope(comm, trace::Context::metrics);
   const std::vector<double> sums = detail::all_reduce_sums(comm, packed);
   std::vector<double> means(metrics.size());
   for (std::size_t i = 0; i < metrics.size(); ++i) {

@@ -45,6 +45,7 @@
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom {
 
@@ -173,6 +174,7 @@ class Metrics {
       if (e.device_sum.defined()) table[k][2] += e.device_sum.to(device).squeeze();
       ++k;
     }
+    trace::Scope scope(*comm_, trace::Context::metrics);
     const std::vector<at::Tensor> all = comm_->all_gather(table);
     const at::Tensor gathered = at::cat(all).to(at::kCPU);  // the one host read
     const auto* g = gathered.data_ptr<double>();

@@ -45,6 +45,7 @@
 #include <loom/log/exchange.hpp>
 #include <loom/log/rank.hpp>
 #include <loom/log/sink.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom {
 
@@ -219,6 +220,7 @@ class Progress {
   template <Communicator C>
   void sync(C& comm) {
     const double mine = static_cast<double>(local_);
+    trace::Scope scope(comm, trace::Context::progress);
     global_ = known_ + static_cast<std::int64_t>(detail::all_reduce_sums(comm, std::span<const double>(&mine, 1))[0]);
   }
 

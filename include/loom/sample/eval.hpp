@@ -52,6 +52,7 @@
 
 #include <loom/comm/communicator.hpp>
 #include <loom/error.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom {
 
@@ -132,6 +133,7 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
 
   at::Tensor h = at::empty({kGatherHeader}, at::TensorOptions(at::kLong));
   std::memcpy(h.data_ptr(), header.data(), sizeof(header));
+  trace::Scope scope(comm, trace::Context::evaluation);
   std::vector<at::Tensor> headers = comm.all_gather(to_device(h));
   std::vector<std::array<int64_t, kGatherHeader>> all(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {

@@ -54,6 +54,7 @@
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/options.hpp>
 #include <loom/schedule/results.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom {
 
@@ -223,6 +224,7 @@ class RankGeneratorLoader {
     std::memcpy(t.data_ptr<std::int64_t>(), mine.data(), mine.size() * sizeof(std::int64_t));
     const c10::Device device = comm_.device();
     if (device != c10::Device(c10::kCPU)) t = t.to(at::TensorOptions().device(device));
+    trace::Scope scope(comm_, trace::Context::generator_loader);
     std::vector<at::Tensor> all = comm_.all_gather(t);
     std::vector<std::vector<std::int64_t>> out;
     for (auto& a : all) {

@@ -65,6 +65,7 @@
 #include <loom/error.hpp>
 #include <loom/log/exchange.hpp>
 #include <loom/sample/eval.hpp>
+#include <loom/trace/recorder.hpp>
 #include <loom/train/batch_source.hpp>
 
 namespace loom {
@@ -134,6 +135,7 @@ GatheredResults evaluate(C& comm, Loader& loader, Fn&& fn, EvalOptions o = {}) {
     failure = "an exception that is not a std::exception";
   }
   // Every rank learns whether any rank failed before the gather, so none waits in it alone.
+  trace::Scope scope(comm, trace::Context::evaluation);
   const std::vector<std::string> all = detail::all_gather_strings(comm, failure);
   if (failed) std::rethrow_exception(failed);
   for (std::size_t r = 0; r < all.size(); ++r)

@@ -85,6 +85,7 @@
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/global_batch.hpp>
+#include <loom/trace/recorder.hpp>
 #include <loom/train/batch_source.hpp>
 #include <loom/train/detail/trainer_checks.hpp>
 #include <loom/train/epoch_range.hpp>
@@ -158,6 +159,8 @@ class Trainer {
       if (sixteen_bit_ && !failed)
         for (const auto& step : loader.sampler().plan().steps)
           step_divisors_.push_back(std::clamp<int64_t>(step.num_samples, 1, kMaxLossDivisor));
+      trace::set_position(*comm_, 0, 0);
+      trace::Scope scope(*comm_, trace::Context::sampler_check);
       check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch), failed);
     } else if (failed) {
       std::rethrow_exception(failed);
@@ -407,6 +410,8 @@ class Trainer {
   void receive(Batch batch) {
     check_between_calls();
     current_step_ = batch.step;
+    // The flight recorder's position: this batch's step and its micro-batch number in the step.
+    trace::set_position(*comm_, batch.step, accumulator_.window_micro_batches());
     current_ = std::move(batch);
     ++batch_number_;
     backward_done_ = false;
@@ -416,6 +421,7 @@ class Trainer {
     check_between_calls();
     guard_.restore(reducer_.parameters(), "Trainer::epoch");
     current_step_ = step;
+    trace::set_position(*comm_, step, 0);
     last_ = accumulator_.join_step(loss_divisor(step));
     apply(last_);
   }

@@ -60,6 +60,8 @@ struct GlooConnection {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;  ///< the connected process group
   std::shared_ptr<const GlooPeerTable> peers;     ///< which peer rank each Gloo socket belongs to
   std::string device;                             ///< the device's address and why (GlooDeviceChoice)
+  c10::intrusive_ptr<c10d::Store> store;          ///< the communicator's prefixed store
+  c10::intrusive_ptr<c10d::Store> side;           ///< a second connection to it (or `store` itself)
 };
 
 /// Connects this rank's Gloo process group to its `world_size - 1` peers through `store` (prefixed
@@ -185,6 +187,8 @@ inline GlooConnection connect_gloo(c10::intrusive_ptr<c10d::Store> store, int ra
   }
   connection.pg = job->pg;
   connection.peers = job->peers;
+  connection.store = prefixed;
+  connection.side = side;
   return connection;
 }
 

@@ -37,6 +37,7 @@
 #include <loom/reduce/detail/work.hpp>
 #include <loom/reduce/options.hpp>
 #include <loom/reduce/parameters.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom::detail {
 
@@ -57,8 +58,14 @@ class ReducerState {
     check_names(list_);
     // Before any collective: every rank of the same program reaches the same verdict.
     check_not_hooked(list_, "Reducer");
-    if (options_.check_parameters) check_same_parameters(*comm_, list_);
-    if (options_.broadcast_parameters) broadcast_from_rank0(*comm_, list_);
+    if (options_.check_parameters) {
+      trace::Scope scope(*comm_, trace::Context::parameter_check);
+      check_same_parameters(*comm_, list_);
+    }
+    if (options_.broadcast_parameters) {
+      trace::Scope scope(*comm_, trace::Context::parameter_broadcast);
+      broadcast_from_rank0(*comm_, list_);
+    }
 
     slot_of_param_ = trainable_slots(list_);
     for (std::size_t i = 0; i < slot_of_param_.size(); ++i)
@@ -106,7 +113,12 @@ class ReducerState {
     }
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
-    WindowMeta::write(meta_, plan);
+    // The flight recorder's fingerprint of what this rank issued since its previous window rides in
+    // the meta: ranks whose collectives differed are found in finish_window, with no collective of its own.
+    trace::FlightRecorder* recorder = trace::recorder_of(*comm_);
+    fingerprint_ = recorder != nullptr ? recorder->take_fingerprint() : 0;
+    WindowMeta::write(meta_, plan, fingerprint_);
+    trace::Scope scope(*comm_, trace::Context::reducer_window);
     meta_work_ = start(meta_);
   }
 
@@ -122,7 +134,8 @@ class ReducerState {
       // A flush without backward: skip the buckets when every rank flushes and nobody has a sample.
       const at::Tensor m = host_read(meta_);
       const WindowCounts c = WindowCounts::decode(m.data_ptr<std::int64_t>());
-      if (c.final_ranks == world && c.samples == 0 && c.leaving_ranks == 0) {
+      if (c.final_ranks == world && c.samples == 0 && c.leaving_ranks == 0 &&
+          !c.fingerprints_differ(fingerprint_, world)) {
         r.all_final = true;
         discard_window();
         return r;
@@ -144,6 +157,7 @@ class ReducerState {
     r.ranks_leaving = counts.leaving_ranks;
     // A rank leaving its loop closes its window as it is: its report comes first.
     const bool divisors_differ = r.ranks_leaving == 0 && counts.divisors_differ();
+    const bool diverged = counts.fingerprints_differ(fingerprint_, world);
     bool non_finite = summary.non_finite;
     if (clip && !no_samples) {
       const double total = std::sqrt(*summary.squared_norm);
@@ -156,7 +170,7 @@ class ReducerState {
           for (auto& b : buckets_) b.head.mul_(coef);
       }
     }
-    if (non_finite || no_samples || r.ranks_leaving > 0 || divisors_differ || grid.overflow ||
+    if (non_finite || no_samples || r.ranks_leaving > 0 || divisors_differ || diverged || grid.overflow ||
         grid.too_many_contributions)
       for (auto& b : buckets_) b.head.zero_();
     r.non_finite = non_finite;
@@ -182,6 +196,13 @@ class ReducerState {
     }
     close_window();
     order_.window_closed();
+    if (diverged) {
+      const std::string message = fmt::format(
+          "Reducer::finish_window: the ranks issued different collectives since their previous window (the flight "
+          "recorder's fingerprints differ; gradients zeroed, the step not applied)");
+      trace::FlightRecorder* recorder = trace::recorder_of(*comm_);
+      throw CommError(message + (recorder != nullptr ? recorder->failure_report(message) : std::string{}));
+    }
     if (divisors_differ)
       throw InvalidArgument(fmt::format(
           "Reducer::finish_window: the ranks divided their losses by different loss_divisor values (this rank: {}; "
@@ -193,8 +214,10 @@ class ReducerState {
           "Reducer::finish_window: deterministic mode sums at most {} gradient contributions (backward passes) of a "
           "parameter per window over all ranks; this window had {} (gradients zeroed, the step not applied)",
           kGridMaxContributions, grid.contributions));
-    if (options_.broadcast_buffers && world > 1 && !list_.buffers.empty())
+    if (options_.broadcast_buffers && world > 1 && !list_.buffers.empty()) {
+      trace::Scope scope(*comm_, trace::Context::buffer_broadcast);
       broadcast_from_rank0(*comm_, ParameterList{.names = {}, .params = {}, .buffers = list_.buffers});
+    }
     return r;
   }
 
@@ -379,6 +402,7 @@ class ReducerState {
       if (!s.was_undefined && !s.saved.defined()) s.saved = s.view.clone();
       s.view.zero_();  // an unused parameter's slot counts as zero
     }
+    trace::Scope scope(*comm_, trace::Context::reducer_bucket, static_cast<std::int64_t>(bi));
     if (options_.deterministic) {
       write_grid_tail(b);
       works_[bi] = start(b.qflat);
@@ -636,6 +660,7 @@ class ReducerState {
     at::Tensor positions = order_.take_positions(slots_);
     if (comm_->world_size() > 1) {
       auto shared = positions.to(device_);
+      trace::Scope scope(*comm_, trace::Context::bucket_order);
       comm_->broadcast(shared, 0);
       positions = host_read(shared);
     }
@@ -652,7 +677,8 @@ class ReducerState {
   BucketOrder order_;
   std::vector<std::optional<Work>> works_;
   std::optional<Work> meta_work_;
-  at::Tensor meta_;  // the window meta (WindowMeta) on device_
+  at::Tensor meta_;               // the window meta (WindowMeta) on device_
+  std::int64_t fingerprint_ = 0;  // this rank's flight-recorder fingerprint in the open window's meta
   WindowAverage average_;
   std::vector<GradAccumulatorPtr> accumulators_;
   std::vector<std::uintptr_t> keys_;

@@ -1,7 +1,8 @@
 // loom/reduce/detail/window_summary.hpp — what the ranks tell each other about a synchronising
 // window, encoded and decoded here only:
 // - the window meta, one int64 row per rank summed by an all-reduce started in prepare_backward:
-//   [samples, final, leaving, loss divisor d, d^2, votes];
+//   [samples, final, leaving, loss divisor d, d^2, votes, fingerprint f, f^2] (f: the flight
+//   recorder's 20-bit fingerprint of the collectives this rank issued since its previous window);
 // - the window summary, the one host read of finish_window: the summed meta, then per bucket its
 //   used-flags (summed over ranks) and its inf/NaN verdict, then (clipping) the squared global norm.
 //
@@ -60,18 +61,30 @@ inline void check_backward_plan(const BackwardPlan& plan, int world_size) {
 /// and `leaving` count the ranks that set them. A rank with a loss divisor d >= 1 votes: the sums
 /// of d and d^2 over the n voters tell every rank alike whether they all used the same d
 /// ((sum d)^2 == n * sum d^2 only then), and that d (sum d / n) is every rank's, voters or not.
+/// The fingerprints f_r (in [0, 2^20)) work alike: each rank finds sum (f_r - f_mine)^2 =
+/// sum f^2 - 2 f_mine sum f + n f_mine^2, zero only when every rank's f is its own.
 struct WindowMeta {
-  enum Field : std::int64_t { samples, final_ranks, leaving_ranks, divisor_sum, divisor_squares, voters, kLength };
+  enum Field : std::int64_t {
+    samples,
+    final_ranks,
+    leaving_ranks,
+    divisor_sum,
+    divisor_squares,
+    voters,
+    fingerprint_sum,
+    fingerprint_squares,
+    kLength
+  };
 
-  /// This rank's row for `plan`.
-  static std::array<std::int64_t, kLength> encode(const BackwardPlan& plan) {
+  /// This rank's row for `plan` and fingerprint `f` (0 without a flight recorder).
+  static std::array<std::int64_t, kLength> encode(const BackwardPlan& plan, std::int64_t f) {
     const std::int64_t d = plan.loss_divisor;
-    return {plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d, d > 0 ? 1 : 0};
+    return {plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d, d > 0 ? 1 : 0, f, f * f};
   }
 
-  /// Writes this rank's row for `plan` into `meta` (int64 [kLength], on any device).
-  static void write(at::Tensor& meta, const BackwardPlan& plan) {
-    const auto row = encode(plan);
+  /// Writes this rank's row for `plan` and fingerprint `f` into `meta` (int64 [kLength], on any device).
+  static void write(at::Tensor& meta, const BackwardPlan& plan, std::int64_t f) {
+    const auto row = encode(plan, f);
     if (meta.is_cpu())
       std::copy(row.begin(), row.end(), meta.data_ptr<std::int64_t>());
     else
@@ -84,19 +97,29 @@ struct WindowMeta {
 
 /// The window meta summed over the ranks, decoded.
 struct WindowCounts {
-  std::int64_t samples = 0;          ///< the window's samples on all ranks
-  std::int64_t final_ranks = 0;      ///< ranks in their end-of-epoch flush
-  std::int64_t leaving_ranks = 0;    ///< ranks leaving their loop
-  std::int64_t divisor_sum = 0;      ///< sum of the voters' loss divisors
-  std::int64_t divisor_squares = 0;  ///< sum of their squares
-  std::int64_t voters = 0;           ///< ranks that gave a loss divisor
+  std::int64_t samples = 0;              ///< the window's samples on all ranks
+  std::int64_t final_ranks = 0;          ///< ranks in their end-of-epoch flush
+  std::int64_t leaving_ranks = 0;        ///< ranks leaving their loop
+  std::int64_t divisor_sum = 0;          ///< sum of the voters' loss divisors
+  std::int64_t divisor_squares = 0;      ///< sum of their squares
+  std::int64_t voters = 0;               ///< ranks that gave a loss divisor
+  std::int64_t fingerprint_sum = 0;      ///< sum of the ranks' fingerprints
+  std::int64_t fingerprint_squares = 0;  ///< sum of their squares
 
   /// From the summed row (int64 or float64 values, exact).
   template <class T>
   static WindowCounts decode(const T* row) {
     auto at = [&](WindowMeta::Field f) { return static_cast<std::int64_t>(row[f]); };
-    return {at(WindowMeta::samples),     at(WindowMeta::final_ranks),     at(WindowMeta::leaving_ranks),
-            at(WindowMeta::divisor_sum), at(WindowMeta::divisor_squares), at(WindowMeta::voters)};
+    return {at(WindowMeta::samples),         at(WindowMeta::final_ranks),        at(WindowMeta::leaving_ranks),
+            at(WindowMeta::divisor_sum),     at(WindowMeta::divisor_squares),    at(WindowMeta::voters),
+            at(WindowMeta::fingerprint_sum), at(WindowMeta::fingerprint_squares)};
+  }
+
+  /// Whether some rank's fingerprint differs from `mine` on `world_size` ranks (see WindowMeta). The
+  /// sums are exact while world_size * 2^40 < 2^53 (world sizes up to 8192); larger jobs are not checked.
+  [[nodiscard]] bool fingerprints_differ(std::int64_t mine, int world_size) const {
+    if (world_size > 8192) return false;
+    return fingerprint_squares - 2 * mine * fingerprint_sum + static_cast<std::int64_t>(world_size) * mine * mine != 0;
   }
 
   /// Whether the voters' loss divisors d_r differ: n * sum d^2 - (sum d)^2 = sum over pairs of

@@ -30,6 +30,7 @@
 #include <loom/error.hpp>
 #include <loom/log/exchange.hpp>
 #include <loom/reduce/parameters.hpp>
+#include <loom/trace/recorder.hpp>
 
 namespace loom::detail {
 
@@ -110,6 +111,7 @@ inline std::vector<int> parse_grid_exponents(const std::filesystem::path& file, 
 /// Every rank learns rank 0's save failure (empty: none). Throws loom::Error on every rank when it failed.
 template <Communicator C>
 void agree_on_save(C& comm, const std::filesystem::path& file, const std::string& failure) {
+  trace::Scope scope(comm, trace::Context::checkpoint);
   const std::vector<std::string> all = all_gather_strings(comm, failure);
   if (!all.front().empty())
     throw Error(fmt::format("save_checkpoint: rank 0 could not save {}: {}", file.string(), all.front()));
@@ -135,6 +137,7 @@ std::string broadcast_file(C& comm, const std::filesystem::path& file) {
   header[0] = failure.empty() ? 0 : 1;
   header[1] = static_cast<int64_t>(payload.size());
   header = header.to(comm.device());
+  trace::Scope scope(comm, trace::Context::checkpoint);
   comm.broadcast(header, 0);
   const at::Tensor h = header.to(at::kCPU);
   const bool failed = h[0].item<int64_t>() != 0;

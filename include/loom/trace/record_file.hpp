@@ -1,0 +1,178 @@
+// loom/trace/record_file.hpp — a flight record as a text file, and back: what every rank writes
+// when a loom collective fails, and what `loom-trace` and loom::trace::read_folder read.
+//
+// File: `<folder>/loom-trace-rank<r>.txt`, one per rank (a later failure of the same rank replaces
+// it). Text, one item per line, so that `less` shows it too:
+//   loom-trace 1
+//   rank 2 world_size 4 step 41 micro_batch 0 taken_s 12.500000 wall_start_ms 1796000000000 issued_total 813
+//   host node3:4711
+//   reason all_reduce timed out on rank 2 after 30.001 s: ...
+//   entry <seq> <op> <dtype> <numel> <context> <index> <step> <micro_batch> <state> <issued_s> <ended_s>
+//   ...
+// Tokens: op as to_string(Op), context as to_string(Context) with '_' for ' ', dtype as
+// c10::toString ("Float", "Long", "Undefined" for a barrier), state as to_string(State); times in
+// seconds on the rank's recorder clock (ended_s -1 while issued).
+// Errors: parse_record throws loom::DataError naming the line number and text of a malformed line;
+// write_record / read_folder throw loom::Error naming the path that cannot be written or read.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+#include <fmt/format.h>
+
+#include <loom/error.hpp>
+#include <loom/trace/recorder.hpp>
+
+namespace loom::trace {
+
+namespace detail {
+
+inline std::string token(Context c) {
+  std::string s(to_string(c));
+  std::replace(s.begin(), s.end(), ' ', '_');
+  return s;
+}
+
+template <class E>
+std::optional<E> from_token(std::string_view text) {
+  for (int i = 0; i < static_cast<int>(E::kCount); ++i) {
+    const E e = static_cast<E>(i);
+    std::string name(to_string(e));
+    std::replace(name.begin(), name.end(), ' ', '_');
+    if (name == text) return e;
+  }
+  return std::nullopt;
+}
+
+inline std::optional<c10::ScalarType> dtype_from_token(std::string_view text) {
+  using c10::ScalarType;
+  for (ScalarType t : {ScalarType::Float, ScalarType::Double, ScalarType::BFloat16, ScalarType::Half, ScalarType::Int,
+                       ScalarType::Long, ScalarType::Byte, ScalarType::Char, ScalarType::Short, ScalarType::Bool,
+                       ScalarType::Undefined})
+    if (text == c10::toString(t)) return t;
+  return std::nullopt;
+}
+
+}  // namespace detail
+
+/// The file name of rank `rank`'s record: "loom-trace-rank<rank>.txt".
+inline std::string record_file_name(int rank) { return fmt::format("loom-trace-rank{}.txt", rank); }
+
+/// The record as the text of its file (see the header comment).
+inline std::string to_text(const Record& r) {
+  std::string out = "loom-trace 1\n";
+  out += fmt::format("rank {} world_size {} step {} micro_batch {} taken_s {:.6f} wall_start_ms {} issued_total {}\n",
+                     r.rank, r.world_size, r.step, r.micro_batch, r.taken_s, r.wall_start_ms, r.issued_total);
+  std::string reason = r.reason;
+  std::replace(reason.begin(), reason.end(), '\n', ' ');
+  out += fmt::format("host {}\nreason {}\n", r.host, reason);
+  for (const Entry& e : r.entries)
+    out += fmt::format("entry {} {} {} {} {} {} {} {} {} {:.6f} {:.6f}\n", e.seq, to_string(e.op),
+                       c10::toString(e.dtype), e.numel, detail::token(e.context), e.index, e.step, e.micro_batch,
+                       to_string(e.state), e.issued_s, e.ended_s);
+  return out;
+}
+
+/// Parses a record file's text. `source` names it in errors.
+/// Throws: loom::DataError naming the source, the line number and the line when a line is malformed.
+inline Record parse_record(const std::string& text, const std::string& source = "record") {
+  Record r;
+  std::istringstream in(text);
+  std::string line;
+  int number = 0;
+  bool header = false, ranks = false;
+  auto bad = [&](std::string_view why) {
+    return DataError(fmt::format("{}: line {} ({}): \"{}\"", source, number, why, line));
+  };
+  while (std::getline(in, line)) {
+    ++number;
+    if (line.empty()) continue;
+    std::istringstream words(line);
+    std::string kind;
+    words >> kind;
+    if (!header) {
+      int version = 0;
+      if (kind != "loom-trace" || !(words >> version) || version != 1) throw bad("not a loom-trace 1 record");
+      header = true;
+    } else if (kind == "rank") {
+      std::string k[6];
+      if (!(words >> r.rank >> k[0] >> r.world_size >> k[1] >> r.step >> k[2] >> r.micro_batch >> k[3] >> r.taken_s >>
+            k[4] >> r.wall_start_ms >> k[5] >> r.issued_total))
+        throw bad("expected rank R world_size W step S micro_batch M taken_s T wall_start_ms W issued_total N");
+      ranks = true;
+    } else if (kind == "host") {
+      r.host = line.size() > 5 ? line.substr(5) : std::string{};
+    } else if (kind == "reason") {
+      r.reason = line.size() > 7 ? line.substr(7) : std::string{};
+    } else if (kind == "entry") {
+      Entry e;
+      std::string op, dtype, context, state;
+      if (!(words >> e.seq >> op >> dtype >> e.numel >> context >> e.index >> e.step >> e.micro_batch >> state >>
+            e.issued_s >> e.ended_s))
+        throw bad("expected 11 fields after \"entry\"");
+      const auto o = detail::from_token<Op>(op);
+      const auto c = detail::from_token<Context>(context);
+      const auto s = detail::from_token<State>(state);
+      const auto d = detail::dtype_from_token(dtype);
+      if (!o || !c || !s || !d) throw bad("unknown operation, context, state or dtype");
+      e.op = *o;
+      e.context = *c;
+      e.state = *s;
+      e.dtype = *d;
+      r.entries.push_back(e);
+    } else {
+      throw bad("unknown line kind");
+    }
+  }
+  if (!header || !ranks) throw DataError(fmt::format("{}: not a complete loom-trace record (no header line)", source));
+  return r;
+}
+
+/// Writes `r` to `<folder>/loom-trace-rank<r.rank>.txt` (creating the folder) through a temporary
+/// file renamed into place; returns the path. Throws loom::Error naming the path it cannot write.
+inline std::filesystem::path write_record(const std::filesystem::path& folder, const Record& r) {
+  std::error_code ec;
+  std::filesystem::create_directories(folder, ec);
+  const auto path = folder / record_file_name(r.rank);
+  const auto tmp = folder / (record_file_name(r.rank) + ".tmp");
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << to_text(r);
+    out.close();
+    if (!out) throw Error(fmt::format("flight recorder: cannot write {}", tmp.string()));
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw Error(fmt::format("flight recorder: cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message()));
+  return path;
+}
+
+/// Reads every `loom-trace-rank*.txt` of `folder`, sorted by rank.
+/// Throws: loom::Error when the folder cannot be read; loom::DataError for a malformed file (named).
+inline std::vector<Record> read_folder(const std::filesystem::path& folder) {
+  std::error_code ec;
+  std::vector<Record> out;
+  std::filesystem::directory_iterator it(folder, ec);
+  if (ec) throw Error(fmt::format("loom-trace: cannot read the folder {}: {}", folder.string(), ec.message()));
+  for (const auto& file : it) {
+    const std::string name = file.path().filename().string();
+    if (name.rfind("loom-trace-rank", 0) != 0 || file.path().extension() != ".txt") continue;
+    std::ifstream in(file.path(), std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in && !in.eof()) throw Error(fmt::format("loom-trace: cannot read {}", file.path().string()));
+    out.push_back(parse_record(text.str(), file.path().string()));
+  }
+  std::sort(out.begin(), out.end(), [](const Record& a, const Record& b) { return a.rank < b.rank; });
+  return out;
+}
+
+}  // namespace loom::trace

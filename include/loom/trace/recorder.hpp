@@ -1,0 +1,373 @@
+// loom/trace/recorder.hpp — the flight recorder: a bounded ring of the last collectives a rank
+// issued, with the loom context that issued each one, the step and micro-batch, and its state.
+//
+// One FlightRecorder belongs to one communicator (GlooCommunicator keeps one, always on); the
+// communicator records each public collective call as it is issued, completes or fails. loom's
+// parts say who is calling through a Scope (the reducer's window meta and buckets, metrics, the
+// sampler check, ...); a call outside any Scope is `Context::user`. The Trainer (or a user's own
+// loop, through set_position) says which step and micro-batch the rank is in.
+//
+// Example:
+//   loom::GlooCommunicator comm(env);
+//   loom::trace::set_position(comm, /*step=*/41, /*micro_batch=*/0);
+//   {
+//     loom::trace::Scope scope(comm, loom::trace::Context::metrics);
+//     comm.all_reduce(t, loom::ReduceOp::sum);  // recorded as "all_reduce (metrics, step 41)"
+//   }
+//   loom::trace::Record r = comm.flight_recorder()->snapshot();
+//
+// Memory: `capacity` entries of 64 bytes (default 4096: 256 KiB per communicator), allocated once.
+// Cost: a mutex and a few stores per collective; no allocation, no I/O, no collective.
+// Threads: every member is safe to call from any thread (the communicator's waits may run on
+//   another thread than its issues; the dump of loom/comm/detail/trace_exchange.hpp reads a snapshot
+//   from a watcher thread).
+// Fingerprint: take_fingerprint() folds the signatures (operation, dtype, element count, context,
+//   context index, step) of every collective issued since the previous call into a 20-bit number;
+//   the reducer sends it in its window meta, so ranks whose collectives differ are detected at the
+//   next synchronising backward, with no collective of its own (docs/debugging.md).
+// Source: the idea of PyTorch's NCCL flight recorder (a per-rank ring of collectives dumped on
+//   failure), kept by loom's own communicators for every backend, with loom's step and context.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <fmt/format.h>
+
+#include <loom/error.hpp>
+
+namespace loom::trace {
+
+/// Which loom part issued a collective. `user` is any call outside a Scope.
+enum class Context : std::uint8_t {
+  user,
+  reducer_window,       ///< the reducer's per-window meta: sample count, loss divisor, fingerprint
+  reducer_bucket,       ///< a gradient bucket's all-reduce (index: the bucket)
+  parameter_check,      ///< the reducer's check that every rank holds the same parameters
+  parameter_broadcast,  ///< rank 0's parameters and buffers sent to every rank
+  buffer_broadcast,     ///< the reducer's per-window buffer broadcast (BatchNorm statistics)
+  bucket_order,         ///< the reducer's broadcast of rank 0's gradient ready order (once)
+  progress,             ///< loom::Progress's global sample count
+  metrics,              ///< loom::sync_metrics / NamedMetrics
+  logger,               ///< loom::Logger's gathered lines
+  sampler_check,        ///< the epoch plan check (dealing, world size, dataset size)
+  generator_loader,     ///< RankGeneratorLoader's per-batch agreement
+  checkpoint,           ///< loom's checkpoint save/load
+  evaluation,           ///< loom::evaluate / dist_sync of evaluation outputs
+  main_process_first,   ///< loom::main_process_first's failure flags
+  kCount
+};
+
+/// The name of a Context, as records and messages print it ("reducer bucket", "metrics", ...).
+constexpr std::string_view to_string(Context c) noexcept {
+  switch (c) {
+    case Context::user: return "user";
+    case Context::reducer_window: return "reducer window";
+    case Context::reducer_bucket: return "reducer bucket";
+    case Context::parameter_check: return "parameter check";
+    case Context::parameter_broadcast: return "parameter broadcast";
+    case Context::buffer_broadcast: return "buffer broadcast";
+    case Context::bucket_order: return "bucket order";
+    case Context::progress: return "progress";
+    case Context::metrics: return "metrics";
+    case Context::logger: return "logger";
+    case Context::sampler_check: return "sampler check";
+    case Context::generator_loader: return "generator loader";
+    case Context::checkpoint: return "checkpoint";
+    case Context::evaluation: return "evaluation";
+    case Context::main_process_first: return "main process first";
+    case Context::kCount: break;
+  }
+  return "?";
+}
+
+/// The collective of an entry.
+enum class Op : std::uint8_t { all_reduce, broadcast, all_gather, barrier, kCount };
+
+/// The name of an Op ("all_reduce", ...), as the communicators' messages spell it.
+constexpr std::string_view to_string(Op op) noexcept {
+  switch (op) {
+    case Op::all_reduce: return "all_reduce";
+    case Op::broadcast: return "broadcast";
+    case Op::all_gather: return "all_gather";
+    case Op::barrier: return "barrier";
+    case Op::kCount: break;
+  }
+  return "?";
+}
+
+/// Where an entry's collective is: issued (in flight, or its handle never waited on), completed, failed.
+enum class State : std::uint8_t { issued, completed, failed, kCount };
+
+constexpr std::string_view to_string(State s) noexcept {
+  switch (s) {
+    case State::issued: return "issued";
+    case State::completed: return "completed";
+    case State::failed: return "failed";
+    case State::kCount: break;
+  }
+  return "?";
+}
+
+/// One recorded collective.
+/// Units: times in seconds since the recorder was created (steady clock); numel in elements.
+/// `step` and `micro_batch` are the position set_position last gave (-1: never set); `index` the
+/// context's own number (the bucket; -1 when the context has none).
+struct Entry {
+  std::int64_t seq = 0;  ///< 0, 1, 2, ... per communicator, in issue order
+  Op op = Op::all_reduce;
+  c10::ScalarType dtype = c10::ScalarType::Float;  ///< Undefined for a barrier
+  std::int64_t numel = 0;
+  Context context = Context::user;
+  std::int64_t index = -1;
+  std::int64_t step = -1;
+  std::int64_t micro_batch = -1;
+  State state = State::issued;
+  double issued_s = 0;
+  double ended_s = -1;  ///< completed or failed; -1 while issued
+
+  /// Whether two ranks issued the same collective: operation, dtype, element count, context, index
+  /// and step (not the micro-batch, whose count may differ between ranks in a step).
+  [[nodiscard]] bool same_call(const Entry& o) const noexcept {
+    return seq == o.seq && op == o.op && dtype == o.dtype && numel == o.numel && context == o.context &&
+           index == o.index && step == o.step;
+  }
+};
+
+/// "all_reduce #812 (reducer bucket 3, step 41, float32 x 1024)".
+inline std::string describe(const Entry& e) {
+  std::string what(to_string(e.context));
+  if (e.index >= 0) what += fmt::format(" {}", e.index);
+  if (e.step >= 0) what += fmt::format(", step {}", e.step);
+  if (e.micro_batch >= 0) what += fmt::format(", micro-batch {}", e.micro_batch);
+  if (e.op != Op::barrier) what += fmt::format(", {} x {}", c10::toString(e.dtype), e.numel);
+  return fmt::format("{} #{} ({})", to_string(e.op), e.seq, what);
+}
+
+/// What one rank's recorder held when it was read: its entries oldest first, where it stood, when.
+struct Record {
+  int rank = 0;
+  int world_size = 1;
+  std::string host;                ///< "host:pid"
+  std::int64_t step = -1;          ///< the last position set
+  std::int64_t micro_batch = -1;
+  double taken_s = 0;              ///< when the snapshot was taken, on the recorder's clock
+  std::int64_t wall_start_ms = 0;  ///< the recorder's clock zero, in ms since the Unix epoch
+  std::int64_t issued_total = 0;   ///< collectives issued over the recorder's life (entries hold the last ones)
+  std::string reason;              ///< why it was written (the error, or "requested by rank r: ...")
+  std::vector<Entry> entries;
+};
+
+/// A per-communicator ring of the last `capacity` collectives (see the header comment).
+class FlightRecorder {
+ public:
+  static constexpr std::size_t kDefaultCapacity = 4096;
+
+  /// Throws loom::InvalidArgument when capacity is 0.
+  FlightRecorder(int rank, int world_size, std::string host, std::size_t capacity = kDefaultCapacity)
+      : rank_(rank), world_size_(world_size), host_(std::move(host)), ring_(capacity) {
+    if (capacity == 0) throw InvalidArgument("FlightRecorder: capacity = 0 (need >= 1)");
+    wall_start_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+  }
+
+  FlightRecorder(const FlightRecorder&) = delete;
+  FlightRecorder& operator=(const FlightRecorder&) = delete;
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int world_size() const noexcept { return world_size_; }
+  [[nodiscard]] std::size_t capacity() const noexcept { return ring_.size(); }
+
+  /// The step and micro-batch the next collectives belong to (-1: unknown).
+  void set_position(std::int64_t step, std::int64_t micro_batch) noexcept {
+    std::lock_guard lock(mutex_);
+    step_ = step;
+    micro_batch_ = micro_batch;
+  }
+  [[nodiscard]] std::int64_t step() const noexcept {
+    std::lock_guard lock(mutex_);
+    return step_;
+  }
+
+  /// The context the next collectives are issued in (Scope sets and restores it).
+  void set_context(Context c, std::int64_t index) noexcept {
+    std::lock_guard lock(mutex_);
+    context_ = c;
+    index_ = index;
+  }
+  [[nodiscard]] std::pair<Context, std::int64_t> context() const noexcept {
+    std::lock_guard lock(mutex_);
+    return {context_, index_};
+  }
+
+  /// Records a collective being issued; returns its sequence number (for complete / fail).
+  std::int64_t issue(Op op, c10::ScalarType dtype, std::int64_t numel) noexcept {
+    const double now = seconds();
+    std::lock_guard lock(mutex_);
+    Entry& e = ring_[static_cast<std::size_t>(next_ % static_cast<std::int64_t>(ring_.size()))];
+    e = Entry{next_, op, dtype, numel, context_, index_, step_, micro_batch_, State::issued, now, -1};
+    fingerprint_ = mix(fingerprint_, e);
+    return next_++;
+  }
+  /// Records a collective of tensor `t` being issued.
+  std::int64_t issue(Op op, const at::Tensor& t) noexcept {
+    return issue(op, t.defined() ? t.scalar_type() : c10::ScalarType::Undefined, t.defined() ? t.numel() : 0);
+  }
+
+  /// Marks entry `seq` completed (no effect when it already left the ring or was ended).
+  void complete(std::int64_t seq) noexcept { end(seq, State::completed); }
+  /// Marks entry `seq` failed.
+  void fail(std::int64_t seq) noexcept { end(seq, State::failed); }
+
+  /// The 20-bit fingerprint of the collectives issued since the previous call (0 bits set by none:
+  /// the value of an empty run is a fixed constant), and starts a new run.
+  std::int64_t take_fingerprint() noexcept {
+    std::lock_guard lock(mutex_);
+    const std::uint64_t f = fingerprint_;
+    fingerprint_ = kFingerprintSeed;
+    return static_cast<std::int64_t>((f ^ (f >> 20) ^ (f >> 40)) & ((1U << 20) - 1));
+  }
+
+  /// A copy of what the recorder holds, oldest entry first.
+  [[nodiscard]] Record snapshot(std::string reason = {}) const {
+    Record r;
+    r.rank = rank_;
+    r.world_size = world_size_;
+    r.host = host_;
+    r.wall_start_ms = wall_start_ms_;
+    r.reason = std::move(reason);
+    const double now = seconds();
+    std::lock_guard lock(mutex_);
+    r.step = step_;
+    r.micro_batch = micro_batch_;
+    r.taken_s = now;
+    r.issued_total = next_;
+    const std::int64_t n = static_cast<std::int64_t>(ring_.size());
+    for (std::int64_t s = std::max<std::int64_t>(0, next_ - n); s < next_; ++s)
+      r.entries.push_back(ring_[static_cast<std::size_t>(s % n)]);
+    return r;
+  }
+
+  /// What the owning communicator does when a loom part finds that the ranks went different ways:
+  /// writes the records, collects the other ranks' and returns the verdict's text to end the error
+  /// (GlooCommunicator installs loom/comm/detail/trace_exchange.hpp's).
+  void set_failure_handler(std::function<std::string(const std::string&)> handler) {
+    std::lock_guard lock(mutex_);
+    handler_ = std::move(handler);
+  }
+  /// Runs the failure handler for `error` (its text, to append to the error), or "" without one.
+  /// Never throws.
+  std::string failure_report(const std::string& error) noexcept {
+    std::function<std::string(const std::string&)> handler;
+    {
+      std::lock_guard lock(mutex_);
+      handler = handler_;
+    }
+    try {
+      return handler ? handler(error) : std::string{};
+    } catch (...) {
+      return {};
+    }
+  }
+
+  /// Seconds since the recorder was created (its clock).
+  [[nodiscard]] double seconds() const noexcept {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  static constexpr std::uint64_t kFingerprintSeed = 0xcbf29ce484222325ULL;
+
+  void end(std::int64_t seq, State s) noexcept {
+    const double now = seconds();
+    std::lock_guard lock(mutex_);
+    const std::int64_t n = static_cast<std::int64_t>(ring_.size());
+    if (seq < 0 || seq >= next_ || seq < next_ - n) return;
+    Entry& e = ring_[static_cast<std::size_t>(seq % n)];
+    if (e.state != State::issued) return;
+    e.state = s;
+    e.ended_s = now;
+  }
+
+  /// FNV-1a over the signature fields of `e` (Entry::same_call's, without seq).
+  static std::uint64_t mix(std::uint64_t h, const Entry& e) noexcept {
+    const std::int64_t words[] = {static_cast<std::int64_t>(e.op), static_cast<std::int64_t>(e.dtype), e.numel,
+                                  static_cast<std::int64_t>(e.context), e.index, e.step};
+    for (std::int64_t w : words)
+      for (int b = 0; b < 8; ++b) {
+        h ^= static_cast<std::uint64_t>(w >> (8 * b)) & 0xffU;
+        h *= 0x100000001b3ULL;
+      }
+    return h;
+  }
+
+  int rank_ = 0;
+  int world_size_ = 1;
+  std::string host_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::int64_t wall_start_ms_ = 0;
+  mutable std::mutex mutex_;
+  std::vector<Entry> ring_;
+  std::int64_t next_ = 0;
+  std::int64_t step_ = -1;
+  std::int64_t micro_batch_ = -1;
+  Context context_ = Context::user;
+  std::int64_t index_ = -1;
+  std::uint64_t fingerprint_ = kFingerprintSeed;
+  std::function<std::string(const std::string&)> handler_;
+};
+
+/// The communicator's recorder, or nullptr when it keeps none (LocalCommunicator, a user's own
+/// communicator without a `flight_recorder()` member returning FlightRecorder*).
+template <class C>
+FlightRecorder* recorder_of(C& comm) noexcept {
+  if constexpr (requires {
+                  { comm.flight_recorder() } -> std::convertible_to<FlightRecorder*>;
+                })
+    return comm.flight_recorder();
+  else
+    return nullptr;
+}
+
+/// Tells the communicator's recorder which step and micro-batch the rank is in (loom::Trainer does
+/// it; a loop of one's own calls it before each micro-batch). No effect without a recorder.
+template <class C>
+void set_position(C& comm, std::int64_t step, std::int64_t micro_batch) noexcept {
+  if (FlightRecorder* r = recorder_of(comm)) r->set_position(step, micro_batch);
+}
+
+/// While alive, the collectives of `comm` are recorded as issued by `context` (with `index`, e.g. a
+/// bucket); restores the previous context when destroyed. No effect without a recorder.
+class Scope {
+ public:
+  template <class C>
+  Scope(C& comm, Context context, std::int64_t index = -1) noexcept : recorder_(recorder_of(comm)) {
+    if (recorder_ == nullptr) return;
+    std::tie(previous_, previous_index_) = recorder_->context();
+    recorder_->set_context(context, index);
+  }
+  ~Scope() {
+    if (recorder_ != nullptr) recorder_->set_context(previous_, previous_index_);
+  }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+
+ private:
+  FlightRecorder* recorder_ = nullptr;
+  Context previous_ = Context::user;
+  std::int64_t previous_index_ = -1;
+};
+
+}  // namespace loom::trace
