@@ -17,6 +17,9 @@
 // overlap_cnn/*: a small CNN's forward + backward + reduce step (batch 16 of 3x32x32, ~5.3 M
 //   parameters, 4 MiB buckets), reduction after backward (ReducerOptions::overlap = false) vs
 //   launched from hooks while backward runs.
+// *_no_recorder: loom_hooks and overlap_cnn/overlapped on a second communicator of the same ranks
+//   built with GlooOptions::flight_recorder = false (no record, no fingerprint, no watcher thread):
+//   the ratios recorder_cost_* (time without / time with; goal >= 0.99) are the recorder's cost.
 // sweep/{flat,loom}/params:N: how cost grows with the model: N = 1 M, 10 M, 25 M, 100 M float32
 //   parameters as 512 x 512 layers, loom (gradients marked ready) against one flat all-reduce of
 //   the same bytes.
@@ -247,6 +250,9 @@ const std::vector<Shape>& resnet50_shapes() {
 constexpr int kWorld = 2;
 constexpr int kIterations = 5;
 loom::GlooCommunicator* g_comm = nullptr;
+// The same two ranks joined a second time with GlooOptions::flight_recorder = false: the
+// *_no_recorder variants run on it, to measure the flight recorder's and the fingerprint's cost.
+loom::GlooCommunicator* g_comm_off = nullptr;
 
 std::vector<at::Tensor> tensors_like(const std::vector<std::vector<std::int64_t>>& shapes, bool requires_grad,
                                      float value) {
@@ -369,8 +375,11 @@ struct BackwardOnly : Variant {
 struct LoomHooks : Variant {
   std::vector<at::Tensor> params = tensors_like(resnet50_sizes(), true, 0.5f),
                           grads = tensors_like(resnet50_sizes(), false, 1e-3f);
-  loom::Reducer<loom::GlooCommunicator> reducer{*g_comm, {.params = params}, {.average = loom::Average::world_size}};
-  LoomHooks() { bytes = bytes_of(resnet50_sizes()); }
+  loom::Reducer<loom::GlooCommunicator> reducer;
+  explicit LoomHooks(loom::GlooCommunicator* comm = g_comm)
+      : reducer(*comm, {.params = params}, {.average = loom::Average::world_size}) {
+    bytes = bytes_of(resnet50_sizes());
+  }
   void step() override {
     g_source = &grads;
     reducer.prepare_backward({.sync = true, .window_samples = 32});
@@ -422,8 +431,8 @@ struct OverlapCnn : Variant {
   loom::Reducer<loom::GlooCommunicator> reducer;
   loom::Accumulator<loom::Reducer<loom::GlooCommunicator>> acc;
   at::Tensor x = torch::randn({16, 3, 32, 32}), y = torch::randint(0, 10, {16});
-  explicit OverlapCnn(bool overlap)
-      : reducer(*g_comm, loom::parameters_of(*net), {.bucket_cap_bytes = 4 * loom::kMiB, .overlap = overlap}),
+  explicit OverlapCnn(bool overlap, loom::GlooCommunicator* comm = g_comm)
+      : reducer(*comm, loom::parameters_of(*net), {.bucket_cap_bytes = 4 * loom::kMiB, .overlap = overlap}),
         acc(reducer) {}
   void step() override {
     acc.run(16, [&] {
@@ -456,6 +465,8 @@ const std::vector<Entry>& entries() {
     e.push_back({"reduce_resnet50/ddp", [] { return std::make_unique<Ddp>(); }});
     e.push_back({"overlap_cnn/after_backward", [] { return std::make_unique<OverlapCnn>(false); }});
     e.push_back({"overlap_cnn/overlapped", [] { return std::make_unique<OverlapCnn>(true); }});
+    e.push_back({"reduce_resnet50/loom_hooks_no_recorder", [] { return std::make_unique<LoomHooks>(g_comm_off); }});
+    e.push_back({"overlap_cnn/overlapped_no_recorder", [] { return std::make_unique<OverlapCnn>(true, g_comm_off); }});
     for (std::int64_t n : kSweep) {
       const auto shapes = sweep_sizes(n);
       e.push_back(
@@ -565,6 +576,11 @@ void print_ratios(const std::map<std::string, std::vector<double>>& t) {
   // slower, i.e. a ratio >= 1 / 1.3).
   print_ratio(t, "float_vs_deterministic", "reduce_resnet50/loom", "reduce_resnet50/loom_deterministic", 1.0 / 1.3);
   print_ratio(t, "overlapped_vs_after_backward", "overlap_cnn/after_backward", "overlap_cnn/overlapped", 1.0);
+  // The flight recorder and the fingerprint: time without them over time with them (goal: at most
+  // 1 % slower, a ratio >= 0.99).
+  print_ratio(t, "recorder_cost_cnn", "overlap_cnn/overlapped_no_recorder", "overlap_cnn/overlapped", 0.99);
+  print_ratio(t, "recorder_cost_resnet50_hooks", "reduce_resnet50/loom_hooks_no_recorder", "reduce_resnet50/loom_hooks",
+              0.99);
   for (std::int64_t n : kSweep)
     print_ratio(t, fmt::format("sweep_loom_vs_flat/params:{}", n), fmt::format("sweep/flat/params:{}", n),
                 fmt::format("sweep/loom/params:{}", n), 0.9);
@@ -921,38 +937,45 @@ int main(int argc, char** argv) {
     return 77;
 #endif
   }
-  loom::spawn(kWorld,
-              [&](const loom::Environment& env) {
-                loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(300), .check_metadata = false});
-                g_comm = &comm;
-                if (env.rank == 0) {
-                  // Defaults for a noisy machine: 11 repetitions in random interleaving (every variant and size
-                  // alternates, so a burst of load hits all of them); the ratios pair repetition i of each.
-                  std::vector<char*> cargs;
-                  for (auto& a : args) cargs.push_back(a.data());
-                  std::string reps = "--benchmark_repetitions=11",
-                              interleave = "--benchmark_enable_random_interleaving=true";
-                  for (auto* flag : {&reps, &interleave}) {
-                    const std::string name = flag->substr(0, flag->find('='));
-                    bool given = false;
-                    for (const auto& a : args) given = given || a.rfind(name, 0) == 0;
-                    if (!given) cargs.insert(cargs.begin() + 1, flag->data());
-                  }
-                  int ac = static_cast<int>(cargs.size());
-                  benchmark::Initialize(&ac, cargs.data());
-                  benchmark::AddCustomContext("libtorch", TORCH_VERSION);  // which LibTorch the anchors ran on
-                  register_all();
-                  RatioReporter reporter;
-                  benchmark::RunSpecifiedBenchmarks(&reporter);
-                  benchmark::Shutdown();
-                  exchange_command(-1, 0);
-                  print_ratios(reporter.times);
-                } else {
-                  serve();
-                }
-                g_variants.clear();
-                g_comm = nullptr;
-              },
-              {.timeout = std::chrono::hours(2)});
+  loom::spawn(
+      kWorld,
+      [&](const loom::Environment& env) {
+        auto store = loom::rendezvous(env, {.timeout = std::chrono::seconds(300)});
+        loom::GlooCommunicator comm(store, env.rank, env.world_size,
+                                    {.timeout = std::chrono::seconds(300), .check_metadata = false}, env.master_addr);
+        loom::GlooCommunicator comm_off(
+            store, env.rank, env.world_size,
+            {.timeout = std::chrono::seconds(300), .check_metadata = false, .flight_recorder = false}, env.master_addr);
+        g_comm = &comm;
+        g_comm_off = &comm_off;
+        if (env.rank == 0) {
+          // Defaults for a noisy machine: 11 repetitions in random interleaving (every variant and size
+          // alternates, so a burst of load hits all of them); the ratios pair repetition i of each.
+          std::vector<char*> cargs;
+          for (auto& a : args) cargs.push_back(a.data());
+          std::string reps = "--benchmark_repetitions=11", interleave = "--benchmark_enable_random_interleaving=true";
+          for (auto* flag : {&reps, &interleave}) {
+            const std::string name = flag->substr(0, flag->find('='));
+            bool given = false;
+            for (const auto& a : args) given = given || a.rfind(name, 0) == 0;
+            if (!given) cargs.insert(cargs.begin() + 1, flag->data());
+          }
+          int ac = static_cast<int>(cargs.size());
+          benchmark::Initialize(&ac, cargs.data());
+          benchmark::AddCustomContext("libtorch", TORCH_VERSION);  // which LibTorch the anchors ran on
+          register_all();
+          RatioReporter reporter;
+          benchmark::RunSpecifiedBenchmarks(&reporter);
+          benchmark::Shutdown();
+          exchange_command(-1, 0);
+          print_ratios(reporter.times);
+        } else {
+          serve();
+        }
+        g_variants.clear();
+        g_comm = nullptr;
+        g_comm_off = nullptr;
+      },
+      {.timeout = std::chrono::hours(2)});
   return 0;
 }

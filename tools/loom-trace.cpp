@@ -40,11 +40,13 @@ int main(int argc, char** argv) {
     if (world_size == 0)
       for (const auto& r : records) world_size = std::max(world_size, r.world_size);
     for (const auto& r : records) {
-      fmt::print("rank {} of {} on {}: step {}, micro-batch {}, {} collectives issued; record taken {:.3f} s after its "
-                 "communicator started\n  reason: {}\n",
-                 r.rank, r.world_size, r.host, r.step, r.micro_batch, r.issued_total, r.taken_s, r.reason);
+      fmt::print(
+          "rank {} of {} on {}: step {}, micro-batch {}, {} collectives issued; record taken {:.3f} s after its "
+          "communicator started\n  reason: {}\n",
+          r.rank, r.world_size, r.host, r.step, r.micro_batch, r.issued_total, r.taken_s, r.reason);
       const std::size_t n = r.entries.size();
-      const std::size_t from = last == 0 || n <= static_cast<std::size_t>(last) ? 0 : n - static_cast<std::size_t>(last);
+      const std::size_t from =
+          last == 0 || n <= static_cast<std::size_t>(last) ? 0 : n - static_cast<std::size_t>(last);
       for (std::size_t i = from; i < n; ++i) {
         const auto& e = r.entries[i];
         const std::string ended = e.ended_s >= 0 ? fmt::format("{:10.3f}", e.ended_s) : std::string(10, ' ');

@@ -1,9 +1,9 @@
 // The flight recorder on one process: the ring, the fingerprint, the record file's round trip, and
 // first_divergence's rule on records built by hand.
-#include <loom/trace/all.hpp>
-
 #include <string>
 #include <vector>
+
+#include <loom/trace/all.hpp>
 
 #include "support/temp_dir.hpp"
 
@@ -44,8 +44,8 @@ Entry call(Context c, std::int64_t index, std::int64_t step, std::int64_t numel 
 
 /// One step of a reducer with two buckets: window meta, bucket 0, bucket 1.
 std::vector<Entry> step_calls(std::int64_t step) {
-  return {call(Context::reducer_window, -1, step, 8, c10::ScalarType::Long), call(Context::reducer_bucket, 0, step, 100),
-          call(Context::reducer_bucket, 1, step, 50)};
+  return {call(Context::reducer_window, -1, step, 8, c10::ScalarType::Long),
+          call(Context::reducer_bucket, 0, step, 100), call(Context::reducer_bucket, 1, step, 50)};
 }
 
 std::vector<Entry> steps(std::int64_t from, std::int64_t to) {

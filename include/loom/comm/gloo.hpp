@@ -121,6 +121,8 @@ struct GlooOptions {
                                       ///< rule of loom/comm/detail/gloo_device.hpp (GLOO_SOCKET_IFNAME, loopback
                                       ///< master, route to MASTER_ADDR when the host name is loopback, host name)
   int threads = 2;                    ///< Gloo worker threads (async collectives run on them)
+  bool flight_recorder = true;        ///< keep a flight recorder (docs/debugging.md); false: no record, no
+                                      ///< verdict in errors, no watcher thread (benchmarks measure its cost)
   std::size_t trace_capacity = trace::FlightRecorder::kDefaultCapacity;  ///< flight-record entries kept
   std::string trace_folder{};  ///< where a failure writes the record files; empty: LOOM_TRACE_DIR,
                                ///< else "loom-trace" in the working folder (docs/debugging.md)
@@ -296,10 +298,14 @@ class GlooCommunicator {
     pg_ = std::move(connection.pg);
     peers_ = std::move(connection.peers);
     device_ = std::move(connection.device);
+    if (!options_.flight_recorder) return;
     auto recorder =
         std::make_shared<trace::FlightRecorder>(rank, world_size, detail::host_and_pid(), options_.trace_capacity);
+    std::weak_ptr<const detail::GlooPeerTable> peers = peers_;
     trace_ = std::make_shared<detail::TraceExchange>(recorder, std::move(connection.store), std::move(connection.side),
-                                                     options_.timeout, options_.trace_folder);
+                                                     options_.timeout, options_.trace_folder, [peers] {
+                                                       if (auto p = peers.lock()) p->shutdown_connections();
+                                                     });
     std::weak_ptr<detail::TraceExchange> weak = trace_;
     recorder->set_failure_handler([weak](const std::string& error) {
       auto t = weak.lock();
@@ -327,13 +333,14 @@ class GlooCommunicator {
   /// The underlying c10d process group (for c10d APIs loom does not wrap).
   [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_; }
   /// This communicator's flight recorder: the last GlooOptions::trace_capacity collectives, written
-  /// to the trace folder on a failure (loom/trace/recorder.hpp, docs/debugging.md). Null when moved from.
+  /// to the trace folder on a failure (loom/trace/recorder.hpp, docs/debugging.md). Null when moved
+  /// from or built with GlooOptions::flight_recorder = false.
   [[nodiscard]] trace::FlightRecorder* flight_recorder() const noexcept {
     return trace_ ? &trace_->recorder() : nullptr;
   }
   /// Where a failure writes the record files (GlooOptions::trace_folder's rule).
   [[nodiscard]] std::string trace_folder() const { return trace_ ? trace_->folder() : std::string{}; }
-  /// Changes it; empty: the default rule. loom::Trainer sets it beside its checkpoints.
+  /// Changes it; empty: the default rule (e.g. `comm.set_trace_folder(run_dir + "/loom-trace")`).
   void set_trace_folder(std::string folder) {
     if (trace_) trace_->set_folder(std::move(folder));
   }
@@ -401,10 +408,9 @@ class GlooCommunicator {
   }
 
  private:
-  /// The flight-record entry of a public call (-1 when moved from).
-  std::int64_t record(trace::Op op, const at::Tensor& t) {
-    if (!trace_) throw CommError(fmt::format("{}: the communicator was moved from", trace::to_string(op)));
-    return trace_->recorder().issue(op, t);
+  /// The flight-record entry of a public call (-1 without a recorder).
+  std::int64_t record(trace::Op op, const at::Tensor& t) noexcept {
+    return trace_ ? trace_->recorder().issue(op, t) : -1;
   }
 
   /// Marks entry `seq` failed and returns the flight recorder's text for `message` (ends the error).

@@ -65,7 +65,9 @@ inline std::optional<c10::ScalarType> dtype_from_token(std::string_view text) {
 }  // namespace detail
 
 /// The file name of rank `rank`'s record: "loom-trace-rank<rank>.txt".
-inline std::string record_file_name(int rank) { return fmt::format("loom-trace-rank{}.txt", rank); }
+inline std::string record_file_name(int rank) {
+  return fmt::format("loom-trace-rank{}.txt", rank);
+}
 
 /// The record as the text of its file (see the header comment).
 inline std::string to_text(const Record& r) {
@@ -151,7 +153,8 @@ inline std::filesystem::path write_record(const std::filesystem::path& folder, c
     if (!out) throw Error(fmt::format("flight recorder: cannot write {}", tmp.string()));
   }
   std::filesystem::rename(tmp, path, ec);
-  if (ec) throw Error(fmt::format("flight recorder: cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message()));
+  if (ec)
+    throw Error(fmt::format("flight recorder: cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message()));
   return path;
 }
 

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -159,8 +160,8 @@ inline std::string describe(const Entry& e) {
 struct Record {
   int rank = 0;
   int world_size = 1;
-  std::string host;                ///< "host:pid"
-  std::int64_t step = -1;          ///< the last position set
+  std::string host;        ///< "host:pid"
+  std::int64_t step = -1;  ///< the last position set
   std::int64_t micro_batch = -1;
   double taken_s = 0;              ///< when the snapshot was taken, on the recorder's clock
   std::int64_t wall_start_ms = 0;  ///< the recorder's clock zero, in ms since the Unix epoch
@@ -178,9 +179,9 @@ class FlightRecorder {
   FlightRecorder(int rank, int world_size, std::string host, std::size_t capacity = kDefaultCapacity)
       : rank_(rank), world_size_(world_size), host_(std::move(host)), ring_(capacity) {
     if (capacity == 0) throw InvalidArgument("FlightRecorder: capacity = 0 (need >= 1)");
-    wall_start_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(
-                         std::chrono::system_clock::now().time_since_epoch())
-                         .count();
+    wall_start_ms_ =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
   }
 
   FlightRecorder(const FlightRecorder&) = delete;
@@ -240,8 +241,19 @@ class FlightRecorder {
     return static_cast<std::int64_t>((f ^ (f >> 20) ^ (f >> 40)) & ((1U << 20) - 1));
   }
 
-  /// A copy of what the recorder holds, oldest entry first.
-  [[nodiscard]] Record snapshot(std::string reason = {}) const {
+  /// The oldest collective still in the `issued` state, if any (amortised O(1)).
+  [[nodiscard]] std::optional<Entry> oldest_in_flight() const noexcept {
+    std::lock_guard lock(mutex_);
+    const std::int64_t n = static_cast<std::int64_t>(ring_.size());
+    first_open_ = std::max(first_open_, next_ - n);
+    while (first_open_ < next_ && ring_[static_cast<std::size_t>(first_open_ % n)].state != State::issued)
+      ++first_open_;
+    if (first_open_ >= next_) return std::nullopt;
+    return ring_[static_cast<std::size_t>(first_open_ % n)];
+  }
+
+  /// A copy of what the recorder holds (at most its `last` newest entries), oldest entry first.
+  [[nodiscard]] Record snapshot(std::string reason = {}, std::size_t last = static_cast<std::size_t>(-1)) const {
     Record r;
     r.rank = rank_;
     r.world_size = world_size_;
@@ -255,7 +267,8 @@ class FlightRecorder {
     r.taken_s = now;
     r.issued_total = next_;
     const std::int64_t n = static_cast<std::int64_t>(ring_.size());
-    for (std::int64_t s = std::max<std::int64_t>(0, next_ - n); s < next_; ++s)
+    const std::int64_t keep = static_cast<std::int64_t>(std::min<std::size_t>(last, ring_.size()));
+    for (std::int64_t s = std::max<std::int64_t>(0, next_ - std::min(n, keep)); s < next_; ++s)
       r.entries.push_back(ring_[static_cast<std::size_t>(s % n)]);
     return r;
   }
@@ -303,8 +316,12 @@ class FlightRecorder {
 
   /// FNV-1a over the signature fields of `e` (Entry::same_call's, without seq).
   static std::uint64_t mix(std::uint64_t h, const Entry& e) noexcept {
-    const std::int64_t words[] = {static_cast<std::int64_t>(e.op), static_cast<std::int64_t>(e.dtype), e.numel,
-                                  static_cast<std::int64_t>(e.context), e.index, e.step};
+    const std::int64_t words[] = {static_cast<std::int64_t>(e.op),
+                                  static_cast<std::int64_t>(e.dtype),
+                                  e.numel,
+                                  static_cast<std::int64_t>(e.context),
+                                  e.index,
+                                  e.step};
     for (std::int64_t w : words)
       for (int b = 0; b < 8; ++b) {
         h ^= static_cast<std::uint64_t>(w >> (8 * b)) & 0xffU;
@@ -321,6 +338,7 @@ class FlightRecorder {
   mutable std::mutex mutex_;
   std::vector<Entry> ring_;
   std::int64_t next_ = 0;
+  mutable std::int64_t first_open_ = 0;  // no entry before it is in flight (oldest_in_flight)
   std::int64_t step_ = -1;
   std::int64_t micro_batch_ = -1;
   Context context_ = Context::user;

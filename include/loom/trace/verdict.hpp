@@ -35,12 +35,12 @@ namespace loom::trace {
 
 /// What first_divergence found.
 struct Verdict {
-  bool diverged = false;        ///< the records prove that ranks issued different collectives
-  std::vector<int> ranks;       ///< the ranks that went their own way (empty when no majority or none)
-  std::vector<int> missing;     ///< ranks with no record
-  std::int64_t seq = -1;        ///< the sequence number of the first divergence (-1: none)
-  std::int64_t step = -1;       ///< the step the first named rank was in there (-1: unknown)
-  std::string text;             ///< one paragraph for an error message or a terminal
+  bool diverged = false;     ///< the records prove that ranks issued different collectives
+  std::vector<int> ranks;    ///< the ranks that went their own way (empty when no majority or none)
+  std::vector<int> missing;  ///< ranks with no record
+  std::int64_t seq = -1;     ///< the sequence number of the first divergence (-1: none)
+  std::int64_t step = -1;    ///< the step the first named rank was in there (-1: unknown)
+  std::string text;          ///< one paragraph for an error message or a terminal
 };
 
 namespace detail {
@@ -84,6 +84,30 @@ inline Entry without_micro_batch(Entry e) {
 }
 
 }  // namespace detail
+
+/// The first sequence number at which two of `records` hold entries of different calls, or -1. Unlike
+/// first_divergence it ignores ranks that have not issued a number yet, so records taken at
+/// different times (a rank's older record) never make a false conflict: a number's call never changes.
+inline std::int64_t first_conflict(const std::vector<Record>& records) {
+  std::int64_t lo = 0, hi = -1;
+  for (const Record& r : records) {
+    if (r.entries.empty()) continue;
+    lo = std::max(lo, r.entries.front().seq);
+    hi = std::max(hi, r.entries.back().seq);
+  }
+  for (std::int64_t s = lo; s <= hi; ++s) {
+    const Entry* first = nullptr;
+    for (const Record& r : records) {
+      const Entry* e = detail::entry_at(r, s);
+      if (e == nullptr) continue;
+      if (first == nullptr)
+        first = e;
+      else if (!first->same_call(*e))
+        return s;
+    }
+  }
+  return -1;
+}
 
 /// The first divergence of `records` (one per rank that wrote one; any order) in a job of
 /// `world_size` ranks. See the header comment for the rule.
@@ -136,7 +160,7 @@ inline Verdict first_divergence(std::vector<Record> records, int world_size) {
         return fmt::format("{}", fmt::join(parts, "; "));
       }
       const Entry shown = blamed && grp.second.size() == 1 ? *detail::entry_at(*by_rank[grp.second[0]], s)
-                                                            : detail::without_micro_batch(*grp.first);
+                                                           : detail::without_micro_batch(*grp.first);
       return fmt::format("{} issued {}", detail::rank_list(grp.second), describe(shown));
     };
     const bool majority = groups[0].second.size() > groups[1].second.size();
@@ -148,7 +172,8 @@ inline Verdict first_divergence(std::vector<Record> records, int world_size) {
       std::sort(v.ranks.begin(), v.ranks.end());
       const int first = groups[1].second.front();
       const Entry* e = detail::entry_at(*by_rank[first], s);
-      v.step = e ? e->step : (by_rank[first]->entries.empty() ? by_rank[first]->step : by_rank[first]->entries.back().step);
+      v.step =
+          e ? e->step : (by_rank[first]->entries.empty() ? by_rank[first]->step : by_rank[first]->entries.back().step);
       v.text = fmt::format("first divergence at collective #{}: {} while {}", s, fmt::join(parts, "; "),
                            what(groups[0], false));
     } else {
@@ -162,10 +187,11 @@ inline Verdict first_divergence(std::vector<Record> records, int world_size) {
   std::vector<std::string> waits;
   for (const Record& r : records)
     if (!r.entries.empty() && r.entries.back().state != State::completed)
-      waits.push_back(fmt::format("rank {}: {} {}", r.rank, describe(r.entries.back()), to_string(r.entries.back().state)));
+      waits.push_back(
+          fmt::format("rank {}: {} {}", r.rank, describe(r.entries.back()), to_string(r.entries.back().state)));
   v.ranks = v.missing;
-  v.text = fmt::format("no divergence in the records: every rank that wrote one issued the same collectives, up to #{}",
-                       hi);
+  v.text =
+      fmt::format("no divergence in the records: every rank that wrote one issued the same collectives, up to #{}", hi);
   if (!waits.empty()) v.text += fmt::format(" ({})", fmt::join(waits, "; "));
   if (!missing_text.empty()) v.text += "; " + missing_text;
   return v;

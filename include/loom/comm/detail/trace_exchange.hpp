@@ -11,10 +11,22 @@
 //     watcher runs beside the training thread, so a rank blocked outside any collective (a stalled
 //     generator, a stuck fetch) still answers, with its last collective and the time since.
 //  3. The failing rank posts its own record, waits for the others' (at most kCollectWait, less
-//     when the timeout is shorter), and appends first_divergence's verdict and the folder to its error.
+//     when the timeout is shorter), and appends first_divergence's verdict and the folder to its error;
+//     then it stays until every rank that posted has collected too (at most kCollectWait again), so
+//     that the rank hosting the store does not take it away under the others' reads.
 // Records are written once per communicator (the first failure's); later failures still get the
 // verdict. Everything here is best effort and never throws: a store that is gone (its host exited)
 // leaves the ranks that can still write their own files, and the verdict names the ranks missing.
+// Stuck collectives: when this rank's oldest collective has been in flight longer than probe_after
+// (a twentieth of the timeout, between 1 s and 5 s), the watcher posts its last kProbeEntries
+// entries as "loom_trace/probe/<r>" and, every 500 ms while it stays stuck, reads the other ranks'
+// probes. When two ranks' probes hold different calls under the same sequence number (trace::
+// first_conflict: proof that they went different ways, which no waiting can mend), it asks for the
+// dump and aborts this rank's communicator, so every rank fails now with the verdict instead of at
+// the timeout. A collective that is merely slow never aborts anything.
+// A process that ends in std::terminate (Gloo ends a rank so when a message does not fit the
+// buffer of a mismatched collective) still asks for the dump and posts its record first: a
+// terminate handler, installed with the first communicator, does it for every live one.
 // Cost when nothing fails: one store check per kPollInterval on the watcher thread of each rank.
 // Source: loom's own protocol (key names are loom's); PyTorch's NCCL flight recorder dumps on a
 // store signal from its watchdog in the same spirit.
@@ -27,8 +39,10 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -56,19 +70,29 @@ class TraceExchange {
  public:
   static constexpr const char* kRequestKey = "loom_trace/request";
   static constexpr const char* kRequestsKey = "loom_trace/requests";
+  static constexpr const char* kPostedKey = "loom_trace/posted";
+  static constexpr const char* kCollectedKey = "loom_trace/collected";
   static constexpr std::chrono::milliseconds kPollInterval{100};
   static constexpr std::chrono::milliseconds kCollectWait{3000};
+  static constexpr std::size_t kProbeEntries = 64;
 
   /// `store`: the communicator's prefixed store; `side`: a second connection to the same keys (or
   /// `store` itself); both may be null (then only this rank's file is written). `folder`: where the
   /// record files go (empty: default_trace_folder()).
+  /// `abort`: breaks the communicator (every pending collective of every rank fails at once); the
+  /// stuck-collective probe calls it on a proven conflict.
   TraceExchange(std::shared_ptr<trace::FlightRecorder> recorder, c10::intrusive_ptr<c10d::Store> store,
-                c10::intrusive_ptr<c10d::Store> side, std::chrono::milliseconds timeout, std::string folder)
+                c10::intrusive_ptr<c10d::Store> side, std::chrono::milliseconds timeout, std::string folder,
+                std::function<void()> abort = {})
       : recorder_(std::move(recorder)),
         store_(std::move(store)),
         side_(std::move(side)),
         collect_wait_(std::min(timeout, kCollectWait)),
-        folder_(folder.empty() ? default_trace_folder() : std::move(folder)) {
+        probe_after_(
+            std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::seconds(1), std::chrono::seconds(5))),
+        folder_(folder.empty() ? default_trace_folder() : std::move(folder)),
+        abort_(std::move(abort)) {
+    live().add(this);
     if (recorder_->world_size() > 1 && side_) watcher_ = std::thread([this] { watch(); });
   }
 
@@ -76,6 +100,7 @@ class TraceExchange {
   TraceExchange& operator=(const TraceExchange&) = delete;
 
   ~TraceExchange() {
+    live().remove(this);
     stop_.store(true);
     if (watcher_.joinable()) watcher_.join();
   }
@@ -87,7 +112,7 @@ class TraceExchange {
     std::lock_guard lock(mutex_);
     return folder_;
   }
-  /// Changes it (loom::Trainer puts the records beside its checkpoints).
+  /// Changes it; empty: default_trace_folder().
   void set_folder(std::string folder) {
     std::lock_guard lock(mutex_);
     folder_ = folder.empty() ? default_trace_folder() : std::move(folder);
@@ -100,12 +125,7 @@ class TraceExchange {
     try {
       const int me = recorder_->rank();
       const int world = recorder_->world_size();
-      if (store_ && world > 1) {
-        try {
-          if (store_->add(kRequestsKey, 1) == 1) store_->set(kRequestKey, bytes(fmt::format("rank {}: {}", me, error)));
-        } catch (const std::exception&) {
-        }
-      }
+      request(error, store_);
       post(error);
       // The verdict reads this rank as it is now (its record may have been posted earlier, on another
       // rank's request, while the collective that failed here was still in flight).
@@ -137,10 +157,11 @@ class TraceExchange {
         }
       }
       trace::Verdict v = trace::first_divergence(records, world);
+      linger();
       std::error_code ec;
       const std::string where = std::filesystem::absolute(folder(), ec).lexically_normal().string();
-      std::string text = fmt::format("; flight recorder: {}; records in {} (read them with: loom-trace {})", v.text,
-                                     where, where);
+      std::string text =
+          fmt::format("; flight recorder: {}; records in {} (read them with: loom-trace {})", v.text, where, where);
       if (!written_.empty()) text += written_;
       if (verdict != nullptr) *verdict = std::move(v);
       return text;
@@ -151,7 +172,109 @@ class TraceExchange {
 
  private:
   static std::vector<std::uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
-  std::string rank_key(int q) const { return fmt::format("loom_trace/rank/{}", q); }
+  static std::string rank_key(int q) { return fmt::format("loom_trace/rank/{}", q); }
+  static std::string probe_key(int q) { return fmt::format("loom_trace/probe/{}", q); }
+
+  /// After collecting: stays until every rank that posted a record has collected too (at most
+  /// kCollectWait), so that the rank hosting the store does not exit under the others' reads.
+  void linger() noexcept {
+    if (!store_ || recorder_->world_size() <= 1) return;
+    try {
+      store_->add(kCollectedKey, 1);
+      const auto until = std::chrono::steady_clock::now() + collect_wait_;
+      while (std::chrono::steady_clock::now() < until && store_->add(kCollectedKey, 0) < store_->add(kPostedKey, 0))
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } catch (const std::exception&) {
+    }
+  }
+
+  /// Step 1: asks every rank for its record (the first request's text is kept). Never throws.
+  void request(const std::string& error, const c10::intrusive_ptr<c10d::Store>& store) noexcept {
+    if (!store || recorder_->world_size() <= 1) return;
+    try {
+      if (store->add(kRequestsKey, 1) == 1)
+        store->set(kRequestKey, bytes(fmt::format("rank {}: {}", recorder_->rank(), error)));
+    } catch (const std::exception&) {
+    }
+  }
+
+  /// The communicators alive in this process, for the terminate handler.
+  class Live {
+   public:
+    void add(TraceExchange* t) {
+      std::lock_guard lock(m_);
+      set_.insert(t);
+      std::call_once(installed_, [this] { previous_ = std::set_terminate([] { live().on_terminate(); }); });
+    }
+    void remove(TraceExchange* t) {
+      std::lock_guard lock(m_);
+      set_.erase(t);
+    }
+    /// Every live communicator asks for the dump and posts its record, then the previous handler runs.
+    void on_terminate() noexcept {
+      std::string why = "the process is ending in std::terminate";
+      if (auto e = std::current_exception()) {
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& x) {
+          why += fmt::format(" after an uncaught exception: {}", x.what());
+        } catch (...) {
+          why += " after an uncaught exception";
+        }
+      }
+      if (m_.try_lock()) {
+        for (TraceExchange* t : set_) {
+          t->request(why, t->side_ ? t->side_ : t->store_);
+          t->post(why);
+        }
+        m_.unlock();
+      }
+      if (previous_ != nullptr) previous_();
+      std::abort();
+    }
+
+   private:
+    std::mutex m_;
+    std::set<TraceExchange*> set_;
+    std::once_flag installed_;
+    std::terminate_handler previous_ = nullptr;
+  };
+  static Live& live() {
+    static Live l;
+    return l;
+  }
+
+  /// The stuck-collective probe (see the header comment); runs on the watcher thread.
+  void probe() {
+    const auto open = recorder_->oldest_in_flight();
+    if (!open) return;
+    const double stuck = recorder_->seconds() - open->issued_s;
+    if (stuck < std::chrono::duration<double>(probe_after_).count()) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (open->seq != probed_seq_) {
+      probed_seq_ = open->seq;
+      side_->set(probe_key(recorder_->rank()), bytes(trace::to_text(recorder_->snapshot("probe", kProbeEntries))));
+    } else if (now - last_probe_read_ < std::chrono::milliseconds(500)) {
+      return;
+    }
+    last_probe_read_ = now;
+    std::vector<trace::Record> records{recorder_->snapshot("probe", kProbeEntries)};
+    for (int q = 0; q < recorder_->world_size(); ++q) {
+      if (q == recorder_->rank() || !side_->check({probe_key(q)})) continue;
+      const auto value = side_->get(probe_key(q));
+      try {
+        records.push_back(trace::parse_record(std::string(value.begin(), value.end()), probe_key(q)));
+      } catch (const DataError&) {
+      }
+    }
+    const std::int64_t conflict = trace::first_conflict(records);
+    if (conflict < 0) return;
+    const std::string why = fmt::format(
+        "rank {} waited {:.3f} s in collective #{}, and the ranks' flight records hold different calls under #{}",
+        recorder_->rank(), stuck, open->seq, conflict);
+    request(why, side_);
+    if (abort_) abort_();
+  }
 
   /// Step 2 for this rank, once: snapshot, file, store. Never throws.
   void post(const std::string& reason) noexcept {
@@ -166,7 +289,10 @@ class TraceExchange {
         written_ = fmt::format(" (this rank's file could not be written: {})", e.what());
       }
       c10::intrusive_ptr<c10d::Store> store = side_ ? side_ : store_;
-      if (store && recorder_->world_size() > 1) store->set(rank_key(recorder_->rank()), bytes(trace::to_text(r)));
+      if (store && recorder_->world_size() > 1) {
+        store->set(rank_key(recorder_->rank()), bytes(trace::to_text(r)));
+        store->add(kPostedKey, 1);
+      }
     } catch (const std::exception&) {
     }
   }
@@ -180,6 +306,7 @@ class TraceExchange {
           post("requested by " + std::string(value.begin(), value.end()));
           return;
         }
+        probe();
       } catch (const std::exception&) {
         return;  // the store went away: the job is over
       }
@@ -191,11 +318,15 @@ class TraceExchange {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Store> side_;
   std::chrono::milliseconds collect_wait_;
+  std::chrono::milliseconds probe_after_;
   mutable std::mutex mutex_;  // folder_
   std::string folder_;
   std::mutex post_mutex_;
   bool posted_ = false;
   std::string written_;
+  std::function<void()> abort_;
+  std::int64_t probed_seq_ = -1;  // watcher thread only
+  std::chrono::steady_clock::time_point last_probe_read_{};
   std::atomic<bool> stop_{false};
   std::thread watcher_;
 };
