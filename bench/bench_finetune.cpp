@@ -19,6 +19,8 @@
 //   loom_deterministic  the same with ReducerOptions::deterministic (bit-identical on any number of
 //                     ranks): not one of the "other ways" of the ratio; its own RATIO line
 //                     throughput_deterministic_vs_float/ranks:N (samples/s over loom's, goal >= 1/1.3)
+//   loom_no_recorder  loom with ProcessGroupOptions::flight_recorder = false: its own RATIO line
+//                     throughput_recorder_vs_none/ranks:N (loom's samples/s over this one's, goal >= 0.99)
 // Every way trains the same samples in the same steps: the DDP-style ways shard the permutation
 // loom's plan draws (seed + epoch) the way torch's DistributedSampler shards its own (interleaved,
 // padded by repeats), so a rank's i-th batch of 32 / ranks samples holds its share of loom's step
@@ -95,7 +97,7 @@ struct Settings {
 };
 Settings g_settings;
 
-enum class Method { one_at_a_time, group_in_batch, accumulate_32, loom, loom_deterministic };
+enum class Method { one_at_a_time, group_in_batch, accumulate_32, loom, loom_deterministic, loom_no_recorder };
 
 struct Result {
   double seconds = 0;   // training seconds to the target (or of all epochs)
@@ -196,7 +198,7 @@ void train_rank(loom::ProcessGroup& pg, Method method, int run, const fs::path& 
     }
     if (r.reached == 0) evaluate_now();  // the cap: the accuracy at the end
   };
-  if (method == Method::loom || method == Method::loom_deterministic) {
+  if (method == Method::loom || method == Method::loom_deterministic || method == Method::loom_no_recorder) {
     loom::BatchLoader loader(pg, task.shapes_of(train), [&](int64_t j) { return task.sample(train, j); },
                              {.seed = order_seed,
                               .max_samples = kGlobalBatch,
@@ -284,6 +286,7 @@ const char* method_name(Method m) {
     case Method::accumulate_32: return "accumulate_32";
     case Method::loom: return "loom";
     case Method::loom_deterministic: return "loom_deterministic";
+    case Method::loom_no_recorder: return "loom_no_recorder";
   }
   return "?";
 }
@@ -302,7 +305,8 @@ void BM_Finetune(benchmark::State& state, Method method, int nproc) {
     const int run = static_cast<int>(runs.size());
     loom::run([&](loom::ProcessGroup& pg) { train_rank(pg, method, run, out); },
               {.nproc = nproc,
-               .group = {.backend = g_settings.cuda ? loom::Backend::nccl : loom::Backend::gloo},
+               .group = {.backend = g_settings.cuda ? loom::Backend::nccl : loom::Backend::gloo,
+                         .flight_recorder = method != Method::loom_no_recorder},
                .spawn = {.timeout = std::chrono::minutes(30)}});
     std::ifstream f(out);
     Result r;
@@ -369,6 +373,21 @@ void print_deterministic_ratio(int nproc) {
   const double med = ratios[ratios.size() / 2], goal = 1.0 / 1.3;
   std::printf("RATIO throughput_deterministic_vs_float/ranks:%d median=%.3f min=%.3f max=%.3f n=%zu goal>=%.2f %s\n",
               nproc, med, ratios.front(), ratios.back(), ratios.size(), goal, med >= goal ? "met" : "NOT-met");
+}
+
+/// The flight recorder's cost: loom's samples/s over loom_no_recorder's, per run (goal >= 0.99).
+void print_recorder_ratio(int nproc) {
+  const auto with = g_rates.find({Method::loom, nproc});
+  const auto without = g_rates.find({Method::loom_no_recorder, nproc});
+  if (with == g_rates.end() || without == g_rates.end()) return;
+  std::vector<double> ratios;
+  for (std::size_t i = 0; i < std::min(with->second.size(), without->second.size()); ++i)
+    ratios.push_back(with->second[i] / without->second[i]);
+  if (ratios.empty()) return;
+  std::sort(ratios.begin(), ratios.end());
+  const double med = ratios[ratios.size() / 2], goal = 0.99;
+  std::printf("RATIO throughput_recorder_vs_none/ranks:%d median=%.3f min=%.3f max=%.3f n=%zu goal>=%.2f %s\n", nproc,
+              med, ratios.front(), ratios.back(), ratios.size(), goal, med >= goal ? "met" : "NOT-met");
 }
 
 /// Reads --runs= --target= --max-epochs= --ranks= --device= --data= --curve= and removes them from argv.
@@ -438,7 +457,7 @@ int main(int argc, char** argv) {
   }
   for (int nproc : g_settings.ranks)
     for (Method m : {Method::one_at_a_time, Method::group_in_batch, Method::accumulate_32, Method::loom,
-                     Method::loom_deterministic})
+                     Method::loom_deterministic, Method::loom_no_recorder})
       benchmark::RegisterBenchmark(fmt::format("finetune/{}/ranks:{}", method_name(m), nproc).c_str(), BM_Finetune, m,
                                    nproc)
           ->Iterations(1)
@@ -457,5 +476,6 @@ int main(int argc, char** argv) {
   std::printf("\n");
   for (int nproc : g_settings.ranks) print_ratio(nproc);
   for (int nproc : g_settings.ranks) print_deterministic_ratio(nproc);
+  for (int nproc : g_settings.ranks) print_recorder_ratio(nproc);
   return 0;
 }

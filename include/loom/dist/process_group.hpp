@@ -100,7 +100,8 @@ struct ProcessGroupOptions {
   /// Bound on the rendezvous and every collective; unset: the environment variable LOOM_TIMEOUT
   /// (seconds, e.g. 600 or 2.5), else loom::kDefaultTimeout (300 s). See process_group_timeout.
   std::optional<std::chrono::milliseconds> timeout{};
-  std::string interface {};  ///< Gloo: network interface (GlooOptions::interface)
+  std::string interface {};     ///< Gloo: network interface (GlooOptions::interface)
+  bool flight_recorder = true;  ///< Gloo: keep a flight recorder (GlooOptions::flight_recorder, docs/debugging.md)
 };
 
 /// The timeout a ProcessGroup with `options` uses: options.timeout when set, else LOOM_TIMEOUT
@@ -289,8 +290,9 @@ class ProcessGroup {
 #if LOOM_HAS_GLOO
       case Backend::gloo:
         device_ = c10::Device(c10::kCPU);
-        return Variant(std::in_place_type<GlooCommunicator>, env,
-                       GlooOptions{.timeout = *o.timeout, .interface = o.interface});
+        return Variant(
+            std::in_place_type<GlooCommunicator>, env,
+            GlooOptions{.timeout = *o.timeout, .interface = o.interface, .flight_recorder = o.flight_recorder});
 #endif
 #if LOOM_PROCESS_GROUP_HAS_NCCL
       case Backend::nccl: {
