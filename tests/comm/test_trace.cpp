@@ -21,7 +21,7 @@ Record record_of(int rank, int world, const std::vector<Entry>& calls, int open 
   FlightRecorder rec(rank, world, "host:1", 64);
   std::vector<std::int64_t> seqs;
   for (const Entry& e : calls) {
-    rec.set_position(e.step, e.micro_batch);
+    rec.set_position(e.step, e.micro_batch, /*check_step=*/true);
     rec.set_context(e.context, e.index);
     seqs.push_back(rec.issue(e.op, e.dtype, e.numel));
   }
@@ -88,11 +88,11 @@ TEST_CASE("flight recorder: the ring keeps the last entries in order, with conte
 }
 
 TEST_CASE("flight recorder: the fingerprint covers the calls since the last take, not the micro-batch") {
-  auto run = [](const std::vector<Entry>& calls) {
+  auto run = [](const std::vector<Entry>& calls, bool check_step = true) {
     FlightRecorder rec(0, 1, "h", 16);
     (void)rec.take_fingerprint();
     for (const Entry& e : calls) {
-      rec.set_position(e.step, e.micro_batch);
+      rec.set_position(e.step, e.micro_batch, check_step);
       rec.set_context(e.context, e.index);
       rec.issue(e.op, e.dtype, e.numel);
     }
@@ -105,7 +105,8 @@ TEST_CASE("flight recorder: the fingerprint covers the calls since the last take
   auto other_micro = step_calls(3);
   other_micro[1].micro_batch = 5;
   CHECK(run(other_micro) == base);
-  CHECK(run(step_calls(4)) != base);  // the step
+  CHECK(run(step_calls(4)) != base);                              // the step, when checked
+  CHECK(run(step_calls(4), false) == run(step_calls(3), false));  // unchecked: shown only
   auto other_bucket = step_calls(3);
   other_bucket[2].index = 2;
   CHECK(run(other_bucket) != base);
@@ -145,11 +146,12 @@ TEST_CASE("flight recorder: a record survives its file, and bad files are named 
     CHECK(b.entries[i].state == r.entries[i].state);
   }
   CHECK(b.entries.back().state == State::issued);
+  CHECK(b.entries.back().step_checked);
   CHECK(b.entries[2].op == Op::barrier);
   CHECK(b.entries[1].context == Context::reducer_bucket);
 
   std::string text = loom::trace::to_text(r);
-  text += "entry 9 all_reduce Float 3 no_such_context -1 1 0 completed 1.0 2.0\n";
+  text += "entry 9 all_reduce Float 3 no_such_context -1 1 1 0 completed 1.0 2.0\n";
   try {
     (void)loom::trace::parse_record(text, "x.txt");
     FAIL("no error");
@@ -219,6 +221,20 @@ TEST_CASE("first_divergence: a rank outside any collective, a missing rank, no m
     CHECK(v.text.find("no majority") != std::string::npos);
     CHECK(v.text.find("Float x 51") != std::string::npos);
     CHECK(v.text.find("Float x 50") != std::string::npos);
+  }
+  SUBCASE("unchecked steps (a loop whose ranks may join others' steps) are shown, never compared") {
+    auto a = steps(0, 2);
+    auto b = steps(0, 2);
+    for (auto& e : b) e.step += 5;
+    Record ra = record_of(0, 2, a), rb = record_of(1, 2, b);
+    for (auto* r : {&ra, &rb})
+      for (auto& e : r->entries) e.step_checked = false;
+    CHECK_FALSE(loom::trace::first_divergence({ra, rb}, 2).diverged);
+    CHECK(loom::trace::first_conflict({ra, rb}) == -1);
+    for (auto& e : rb.entries) e.step_checked = true;  // one side unchecked: still not compared
+    CHECK(loom::trace::first_conflict({ra, rb}) == -1);
+    for (auto& e : ra.entries) e.step_checked = true;
+    CHECK(loom::trace::first_conflict({ra, rb}) == 0);
   }
   SUBCASE("the records hold different windows of a long run: only the common part is compared") {
     auto calls = steps(0, 30);  // 90 calls, the ring of 64 keeps 26..89

@@ -71,6 +71,10 @@ def main():
                      os.path.join(prefix, "include", "loom", "build_config.hpp"),
                      os.path.join(prefix, "include", "loom", "comm", "local.hpp")]:
             check(os.path.isfile(path), f"installed {os.path.relpath(path, root)}")
+        if os.path.isfile(os.path.join(a.builddir, "tools", "loom-trace")):  # built when CLI11 is there
+            tool = os.path.join(prefix, "bin", "loom-trace")
+            check(os.path.isfile(tool), f"installed {os.path.relpath(tool, root)}")
+            check("flight records" in run([tool, "--help"]).stdout, "the installed loom-trace runs (--help)")
         check(not os.path.exists(os.path.join(prefix, "include", "loom", "meson.build")),
               "include/loom/meson.build is not installed")
         check(not os.path.exists(os.path.join(prefix, "include", "loom", "data")),

@@ -82,7 +82,7 @@ std::vector<Seen> run_job(const fs::path& folder, std::chrono::milliseconds time
     try {
       for (int step = 0; step < 6; ++step) {
         if (step == kFaultStep) fault_start = std::chrono::steady_clock::now();
-        loom::trace::set_position(comm, step, 0);
+        loom::trace::set_position(comm, step, 0, /*check_step=*/true);
         fault(comm, step);
         auto x = loom::test::batch_x(4 * step + 16 * comm.rank(), 4).to(torch::kFloat);
         auto r = acc.run(4, [&] { net->forward(x).sum().backward(); });
@@ -209,7 +209,7 @@ TEST_SUITE("dist") {
   TEST_CASE("flight recorder: rank 2 counts its steps one ahead (found by the fingerprint in the next window)") {
     loom::test::TempDir dir;
     const auto seen = run_job(dir.path, std::chrono::seconds(60), [](SkippingComm& comm, int step) {
-      if (comm.rank() == 2 && step >= kFaultStep) loom::trace::set_position(comm, step + 1, 0);
+      if (comm.rank() == 2 && step >= kFaultStep) loom::trace::set_position(comm, step + 1, 0, /*check_step=*/true);
     });
     check_job(dir.path, seen, 20.0,
               {"fingerprints differ", "rank 2 issued all_reduce", "(reducer window, step 4",

@@ -167,11 +167,13 @@ class GlooWork {
     if (s.error) std::rethrow_exception(s.error);
     if (s.done) return;
     const auto start = std::chrono::steady_clock::now();
+    const std::shared_ptr<detail::TraceExchange> trace = s.trace.lock();  // null once the communicator is gone
+    if (trace) trace->recorder().waiting(s.seq);
     try {
       // Gloo enforces the timeout itself; the margin only guards against a stuck worker thread.
       s.work->wait(s.timeout + std::chrono::seconds(5));
       s.done = true;
-      if (s.trace && s.completes_entry) s.trace->recorder().complete(s.seq);
+      if (trace && s.completes_entry) trace->recorder().complete(s.seq);
       if (s.finish) s.finish();
     } catch (const std::exception& e) {
       const std::string text = detail::exception_text(e);
@@ -181,9 +183,9 @@ class GlooWork {
       // this rank, and this rank's queued collectives do not wait for their timeouts.
       if (s.peers) s.peers->shutdown_connections();
       std::string verdict;
-      if (s.trace) {
-        s.trace->recorder().fail(s.seq);
-        verdict = s.trace->on_failure(what_of(error_for(s, text, waited, since_issue, "")));
+      if (trace) {
+        trace->recorder().fail(s.seq);
+        verdict = trace->on_failure(what_of(error_for(s, text, waited, since_issue, "")));
       }
       s.error = error_for(s, text, waited, since_issue, verdict);
       std::rethrow_exception(s.error);
@@ -206,9 +208,9 @@ class GlooWork {
     std::chrono::milliseconds timeout{0};
     std::function<void()> finish;
     std::shared_ptr<const detail::GlooPeerTable> peers;
-    std::shared_ptr<detail::TraceExchange> trace;  ///< the communicator's flight recorder and dump
-    std::int64_t seq = -1;                         ///< this collective's flight-record entry
-    bool completes_entry = true;                   ///< false for the metadata check's gather
+    std::weak_ptr<detail::TraceExchange> trace;  ///< the communicator's flight recorder and dump
+    std::int64_t seq = -1;                       ///< this collective's flight-record entry
+    bool completes_entry = true;                 ///< false for the metadata check's gather
     std::chrono::steady_clock::time_point issued{};
     bool done = false;
     std::exception_ptr error;
@@ -302,10 +304,12 @@ class GlooCommunicator {
     auto recorder =
         std::make_shared<trace::FlightRecorder>(rank, world_size, detail::host_and_pid(), options_.trace_capacity);
     std::weak_ptr<const detail::GlooPeerTable> peers = peers_;
-    trace_ = std::make_shared<detail::TraceExchange>(recorder, std::move(connection.store), std::move(connection.side),
-                                                     options_.timeout, options_.trace_folder, [peers] {
-                                                       if (auto p = peers.lock()) p->shutdown_connections();
-                                                     });
+    trace_ = std::make_shared<detail::TraceExchange>(
+        recorder, std::move(connection.store), std::move(connection.side), options_.timeout, options_.trace_folder,
+        [peers] {
+          if (auto p = peers.lock()) p->shutdown_connections();
+        },
+        connection.index);
     std::weak_ptr<detail::TraceExchange> weak = trace_;
     recorder->set_failure_handler([weak](const std::string& error) {
       auto t = weak.lock();

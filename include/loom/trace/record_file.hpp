@@ -7,11 +7,11 @@
 //   rank 2 world_size 4 step 41 micro_batch 0 taken_s 12.500000 wall_start_ms 1796000000000 issued_total 813
 //   host node3:4711
 //   reason all_reduce timed out on rank 2 after 30.001 s: ...
-//   entry <seq> <op> <dtype> <numel> <context> <index> <step> <micro_batch> <state> <issued_s> <ended_s>
+//   entry <seq> <op> <dtype> <numel> <context> <index> <step> <step_checked> <micro_batch> <state> <issued_s> <ended_s>
 //   ...
 // Tokens: op as to_string(Op), context as to_string(Context) with '_' for ' ', dtype as
 // c10::toString ("Float", "Long", "Undefined" for a barrier), state as to_string(State); times in
-// seconds on the rank's recorder clock (ended_s -1 while issued).
+// seconds on the rank's recorder clock (ended_s -1 while issued); step_checked 1 or 0.
 // Errors: parse_record throws loom::DataError naming the line number and text of a malformed line;
 // write_record / read_folder throw loom::Error naming the path that cannot be written or read.
 #pragma once
@@ -54,11 +54,11 @@ std::optional<E> from_token(std::string_view text) {
 }
 
 inline std::optional<c10::ScalarType> dtype_from_token(std::string_view text) {
-  using c10::ScalarType;
-  for (ScalarType t : {ScalarType::Float, ScalarType::Double, ScalarType::BFloat16, ScalarType::Half, ScalarType::Int,
-                       ScalarType::Long, ScalarType::Byte, ScalarType::Char, ScalarType::Short, ScalarType::Bool,
-                       ScalarType::Undefined})
+  if (text == c10::toString(c10::ScalarType::Undefined)) return c10::ScalarType::Undefined;
+  for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
+    const auto t = static_cast<c10::ScalarType>(i);
     if (text == c10::toString(t)) return t;
+  }
   return std::nullopt;
 }
 
@@ -78,9 +78,9 @@ inline std::string to_text(const Record& r) {
   std::replace(reason.begin(), reason.end(), '\n', ' ');
   out += fmt::format("host {}\nreason {}\n", r.host, reason);
   for (const Entry& e : r.entries)
-    out += fmt::format("entry {} {} {} {} {} {} {} {} {} {:.6f} {:.6f}\n", e.seq, to_string(e.op),
-                       c10::toString(e.dtype), e.numel, detail::token(e.context), e.index, e.step, e.micro_batch,
-                       to_string(e.state), e.issued_s, e.ended_s);
+    out += fmt::format("entry {} {} {} {} {} {} {} {} {} {} {:.6f} {:.6f}\n", e.seq, to_string(e.op),
+                       c10::toString(e.dtype), e.numel, detail::token(e.context), e.index, e.step,
+                       e.step_checked ? 1 : 0, e.micro_batch, to_string(e.state), e.issued_s, e.ended_s);
   return out;
 }
 
@@ -118,9 +118,11 @@ inline Record parse_record(const std::string& text, const std::string& source = 
     } else if (kind == "entry") {
       Entry e;
       std::string op, dtype, context, state;
-      if (!(words >> e.seq >> op >> dtype >> e.numel >> context >> e.index >> e.step >> e.micro_batch >> state >>
-            e.issued_s >> e.ended_s))
-        throw bad("expected 11 fields after \"entry\"");
+      int checked = 0;
+      if (!(words >> e.seq >> op >> dtype >> e.numel >> context >> e.index >> e.step >> checked >> e.micro_batch >>
+            state >> e.issued_s >> e.ended_s))
+        throw bad("expected 12 fields after \"entry\"");
+      e.step_checked = checked != 0;
       const auto o = detail::from_token<Op>(op);
       const auto c = detail::from_token<Context>(context);
       const auto s = detail::from_token<State>(state);

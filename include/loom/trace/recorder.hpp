@@ -22,7 +22,8 @@
 //   another thread than its issues; the dump of loom/comm/detail/trace_exchange.hpp reads a snapshot
 //   from a watcher thread).
 // Fingerprint: take_fingerprint() folds the signatures (operation, dtype, element count, context,
-//   context index, step) of every collective issued since the previous call into a 20-bit number;
+//   context index, and the step when it is checked) of every collective issued since the previous
+//   call into a 20-bit number;
 //   the reducer sends it in its window meta, so ranks whose collectives differ are detected at the
 //   next synchronising backward, with no collective of its own (docs/debugging.md).
 // Source: the idea of PyTorch's NCCL flight recorder (a per-rank ring of collectives dumped on
@@ -34,6 +35,7 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -134,15 +136,18 @@ struct Entry {
   std::int64_t index = -1;
   std::int64_t step = -1;
   std::int64_t micro_batch = -1;
+  bool step_checked = false;  ///< the position came from a plan every rank shares (see set_position)
   State state = State::issued;
   double issued_s = 0;
-  double ended_s = -1;  ///< completed or failed; -1 while issued
+  double ended_s = -1;   ///< completed or failed; -1 while issued
+  double waited_s = -1;  ///< when a wait for it began (-1: nobody waited yet); recorder memory only
 
-  /// Whether two ranks issued the same collective: operation, dtype, element count, context, index
-  /// and step (not the micro-batch, whose count may differ between ranks in a step).
+  /// Whether two ranks issued the same collective: operation, dtype, element count, context, index,
+  /// and the step when both ranks' steps are checked (not the micro-batch, whose count may differ
+  /// between ranks in a step).
   [[nodiscard]] bool same_call(const Entry& o) const noexcept {
     return seq == o.seq && op == o.op && dtype == o.dtype && numel == o.numel && context == o.context &&
-           index == o.index && step == o.step;
+           index == o.index && (!step_checked || !o.step_checked || step == o.step);
   }
 };
 
@@ -191,11 +196,15 @@ class FlightRecorder {
   [[nodiscard]] int world_size() const noexcept { return world_size_; }
   [[nodiscard]] std::size_t capacity() const noexcept { return ring_.size(); }
 
-  /// The step and micro-batch the next collectives belong to (-1: unknown).
-  void set_position(std::int64_t step, std::int64_t micro_batch) noexcept {
+  /// The step and micro-batch the next collectives belong to (-1: unknown). `check_step`: every
+  /// rank gives the same step to the same collectives (a plan-driven loop: loom::Trainer over a
+  /// BatchLoader), so the step enters the fingerprint and the verdict's comparison; otherwise it is
+  /// only shown.
+  void set_position(std::int64_t step, std::int64_t micro_batch, bool check_step = false) noexcept {
     std::lock_guard lock(mutex_);
     step_ = step;
     micro_batch_ = micro_batch;
+    step_checked_ = check_step;
   }
   [[nodiscard]] std::int64_t step() const noexcept {
     std::lock_guard lock(mutex_);
@@ -218,13 +227,24 @@ class FlightRecorder {
     const double now = seconds();
     std::lock_guard lock(mutex_);
     Entry& e = ring_[static_cast<std::size_t>(next_ % static_cast<std::int64_t>(ring_.size()))];
-    e = Entry{next_, op, dtype, numel, context_, index_, step_, micro_batch_, State::issued, now, -1};
+    e = Entry{next_,         op,  dtype, numel, context_, index_, step_, micro_batch_, step_checked_,
+              State::issued, now, -1,    -1};
     fingerprint_ = mix(fingerprint_, e);
     return next_++;
   }
   /// Records a collective of tensor `t` being issued.
   std::int64_t issue(Op op, const at::Tensor& t) noexcept {
     return issue(op, t.defined() ? t.scalar_type() : c10::ScalarType::Undefined, t.defined() ? t.numel() : 0);
+  }
+
+  /// Notes that a wait for entry `seq` begins (the stuck-collective probe looks at waited entries only).
+  void waiting(std::int64_t seq) noexcept {
+    const double now = seconds();
+    std::lock_guard lock(mutex_);
+    const std::int64_t n = static_cast<std::int64_t>(ring_.size());
+    if (seq < 0 || seq >= next_ || seq < next_ - n) return;
+    Entry& e = ring_[static_cast<std::size_t>(seq % n)];
+    if (e.state == State::issued && e.waited_s < 0) e.waited_s = now;
   }
 
   /// Marks entry `seq` completed (no effect when it already left the ring or was ended).
@@ -241,15 +261,25 @@ class FlightRecorder {
     return static_cast<std::int64_t>((f ^ (f >> 20) ^ (f >> 40)) & ((1U << 20) - 1));
   }
 
-  /// The oldest collective still in the `issued` state, if any (amortised O(1)).
-  [[nodiscard]] std::optional<Entry> oldest_in_flight() const noexcept {
+  /// The oldest collective still in the `issued` state that somebody waits for, if any (a handle
+  /// never waited on is not stuck). Cost: the entries issued since the oldest open one.
+  [[nodiscard]] std::optional<Entry> oldest_waited() const noexcept {
     std::lock_guard lock(mutex_);
     const std::int64_t n = static_cast<std::int64_t>(ring_.size());
     first_open_ = std::max(first_open_, next_ - n);
     while (first_open_ < next_ && ring_[static_cast<std::size_t>(first_open_ % n)].state != State::issued)
       ++first_open_;
-    if (first_open_ >= next_) return std::nullopt;
-    return ring_[static_cast<std::size_t>(first_open_ % n)];
+    for (std::int64_t s = first_open_; s < next_; ++s) {
+      const Entry& e = ring_[static_cast<std::size_t>(s % n)];
+      if (e.state == State::issued && e.waited_s >= 0) return e;
+    }
+    return std::nullopt;
+  }
+
+  /// Collectives issued so far.
+  [[nodiscard]] std::int64_t issued_total() const noexcept {
+    std::lock_guard lock(mutex_);
+    return next_;
   }
 
   /// A copy of what the recorder holds (at most its `last` newest entries), oldest entry first.
@@ -277,19 +307,20 @@ class FlightRecorder {
   /// writes the records, collects the other ranks' and returns the verdict's text to end the error
   /// (GlooCommunicator installs loom/comm/detail/trace_exchange.hpp's).
   void set_failure_handler(std::function<std::string(const std::string&)> handler) {
+    auto h = std::make_shared<const std::function<std::string(const std::string&)>>(std::move(handler));
     std::lock_guard lock(mutex_);
-    handler_ = std::move(handler);
+    handler_ = std::move(h);
   }
   /// Runs the failure handler for `error` (its text, to append to the error), or "" without one.
   /// Never throws.
   std::string failure_report(const std::string& error) noexcept {
-    std::function<std::string(const std::string&)> handler;
+    std::shared_ptr<const std::function<std::string(const std::string&)>> handler;
     {
       std::lock_guard lock(mutex_);
       handler = handler_;
     }
     try {
-      return handler ? handler(error) : std::string{};
+      return handler && *handler ? (*handler)(error) : std::string{};
     } catch (...) {
       return {};
     }
@@ -321,7 +352,7 @@ class FlightRecorder {
                                   e.numel,
                                   static_cast<std::int64_t>(e.context),
                                   e.index,
-                                  e.step};
+                                  e.step_checked ? e.step : -1};
     for (std::int64_t w : words)
       for (int b = 0; b < 8; ++b) {
         h ^= static_cast<std::uint64_t>(w >> (8 * b)) & 0xffU;
@@ -344,7 +375,8 @@ class FlightRecorder {
   Context context_ = Context::user;
   std::int64_t index_ = -1;
   std::uint64_t fingerprint_ = kFingerprintSeed;
-  std::function<std::string(const std::string&)> handler_;
+  bool step_checked_ = false;
+  std::shared_ptr<const std::function<std::string(const std::string&)>> handler_;
 };
 
 /// The communicator's recorder, or nullptr when it keeps none (LocalCommunicator, a user's own
@@ -360,10 +392,13 @@ FlightRecorder* recorder_of(C& comm) noexcept {
 }
 
 /// Tells the communicator's recorder which step and micro-batch the rank is in (loom::Trainer does
-/// it; a loop of one's own calls it before each micro-batch). No effect without a recorder.
+/// it; a loop of one's own calls it before each micro-batch). `check_step`: see
+/// FlightRecorder::set_position — true only when every rank gives every collective the same step
+/// (a rank that joins other ranks' remaining steps at the end of an epoch, Accumulator::end_epoch,
+/// does not know them). No effect without a recorder.
 template <class C>
-void set_position(C& comm, std::int64_t step, std::int64_t micro_batch) noexcept {
-  if (FlightRecorder* r = recorder_of(comm)) r->set_position(step, micro_batch);
+void set_position(C& comm, std::int64_t step, std::int64_t micro_batch, bool check_step = false) noexcept {
+  if (FlightRecorder* r = recorder_of(comm)) r->set_position(step, micro_batch, check_step);
 }
 
 /// While alive, the collectives of `comm` are recorded as issued by `context` (with `index`, e.g. a

@@ -155,11 +155,14 @@ class Trainer {
     }
     epoch_ = epoch;
     step_divisors_.clear();
+    // A planned source gives every rank every step (joined when it has no batch there), so the
+    // flight recorder may compare the ranks' steps; other sources may end ranks at different steps.
+    planned_ = PlannedBatchSource<Loader>;
     if constexpr (PlannedBatchSource<Loader>) {
       if (sixteen_bit_ && !failed)
         for (const auto& step : loader.sampler().plan().steps)
           step_divisors_.push_back(std::clamp<int64_t>(step.num_samples, 1, kMaxLossDivisor));
-      trace::set_position(*comm_, 0, 0);
+      trace::set_position(*comm_, 0, 0, planned_);
       trace::Scope scope(*comm_, trace::Context::sampler_check);
       check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch), failed);
     } else if (failed) {
@@ -411,7 +414,7 @@ class Trainer {
     check_between_calls();
     current_step_ = batch.step;
     // The flight recorder's position: this batch's step and its micro-batch number in the step.
-    trace::set_position(*comm_, batch.step, accumulator_.window_micro_batches());
+    trace::set_position(*comm_, batch.step, accumulator_.window_micro_batches(), planned_);
     current_ = std::move(batch);
     ++batch_number_;
     backward_done_ = false;
@@ -421,7 +424,7 @@ class Trainer {
     check_between_calls();
     guard_.restore(reducer_.parameters(), "Trainer::epoch");
     current_step_ = step;
-    trace::set_position(*comm_, step, 0);
+    trace::set_position(*comm_, step, 0, planned_);
     last_ = accumulator_.join_step(loss_divisor(step));
     apply(last_);
   }
@@ -475,6 +478,7 @@ class Trainer {
   std::function<void(const SyncResult&)> on_step_;
   int64_t epoch_ = 0;
   int64_t current_step_ = 0;
+  bool planned_ = false;  // the running epoch's source is a PlannedBatchSource (flight recorder steps checked)
   int64_t batch_number_ = 0;
   int64_t steps_ = 0;
   int64_t skipped_ = 0;

@@ -62,6 +62,7 @@ struct GlooConnection {
   std::string device;                             ///< the device's address and why (GlooDeviceChoice)
   c10::intrusive_ptr<c10d::Store> store;          ///< the communicator's prefixed store
   c10::intrusive_ptr<c10d::Store> side;           ///< a second connection to it (or `store` itself)
+  int index = 0;                                  ///< n of the prefix "loom/gloo/<n>"
 };
 
 /// Connects this rank's Gloo process group to its `world_size - 1` peers through `store` (prefixed
@@ -76,8 +77,9 @@ inline GlooConnection connect_gloo(c10::intrusive_ptr<c10d::Store> store, int ra
                                    const std::string& master_addr) {
   GlooConnection connection;
   const auto start = std::chrono::steady_clock::now();
-  const auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
-      fmt::format("loom/gloo/{}", next_in_process(Counted::gloo_communicator)), std::move(store));
+  connection.index = static_cast<int>(next_in_process(Counted::gloo_communicator));
+  const auto prefixed =
+      c10::make_intrusive<c10d::PrefixStore>(fmt::format("loom/gloo/{}", connection.index), std::move(store));
   c10::intrusive_ptr<c10d::Store> side = prefixed;
   if (world_size > 1) {
     try {

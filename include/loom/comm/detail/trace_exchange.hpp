@@ -80,20 +80,28 @@ class TraceExchange {
   /// `store` itself); both may be null (then only this rank's file is written). `folder`: where the
   /// record files go (empty: default_trace_folder()).
   /// `abort`: breaks the communicator (every pending collective of every rank fails at once); the
-  /// stuck-collective probe calls it on a proven conflict.
+  /// stuck-collective probe calls it on a proven conflict. `communicator`: the communicator's number
+  /// in its process (0, 1, ...): the records of communicator n > 0 go to the subfolder "comm<n>".
   TraceExchange(std::shared_ptr<trace::FlightRecorder> recorder, c10::intrusive_ptr<c10d::Store> store,
                 c10::intrusive_ptr<c10d::Store> side, std::chrono::milliseconds timeout, std::string folder,
-                std::function<void()> abort = {})
+                std::function<void()> abort = {}, int communicator = 0)
       : recorder_(std::move(recorder)),
         store_(std::move(store)),
-        side_(std::move(side)),
+        side_(side ? std::move(side) : store_),
+        subfolder_(communicator > 0 ? fmt::format("comm{}", communicator) : std::string{}),
         collect_wait_(std::min(timeout, kCollectWait)),
         probe_after_(
             std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::seconds(1), std::chrono::seconds(5))),
         folder_(folder.empty() ? default_trace_folder() : std::move(folder)),
         abort_(std::move(abort)) {
-    live().add(this);
     if (recorder_->world_size() > 1 && side_) watcher_ = std::thread([this] { watch(); });
+    try {
+      live().add(this);
+    } catch (...) {
+      stop_.store(true);
+      if (watcher_.joinable()) watcher_.join();
+      throw;
+    }
   }
 
   TraceExchange(const TraceExchange&) = delete;
@@ -107,10 +115,11 @@ class TraceExchange {
 
   [[nodiscard]] trace::FlightRecorder& recorder() noexcept { return *recorder_; }
 
-  /// The folder the record files go to.
+  /// The folder the record files go to (the trace folder, or its subfolder "comm<n>" for the
+  /// process's communicator n > 0).
   [[nodiscard]] std::string folder() const {
     std::lock_guard lock(mutex_);
-    return folder_;
+    return subfolder_.empty() ? folder_ : (std::filesystem::path(folder_) / subfolder_).string();
   }
   /// Changes it; empty: default_trace_folder().
   void set_folder(std::string folder) {
@@ -123,14 +132,21 @@ class TraceExchange {
   /// verdict in `verdict` when given. Never throws.
   std::string on_failure(const std::string& error, trace::Verdict* verdict = nullptr) noexcept {
     try {
+      std::error_code ec;
+      const std::string where = std::filesystem::absolute(folder(), ec).lexically_normal().string();
+      // One exchange per communicator: a later failure would compare this rank's new record with the
+      // others' old ones (a communicator that failed is to be destroyed; docs/comm.md).
+      if (reported_.exchange(true))
+        return fmt::format("; flight recorder: the records of this communicator's first failure are in {}", where);
       const int me = recorder_->rank();
       const int world = recorder_->world_size();
-      request(error, store_);
+      const c10::intrusive_ptr<c10d::Store>& store = side_;
+      request(error, store);
       post(error);
       // The verdict reads this rank as it is now (its record may have been posted earlier, on another
       // rank's request, while the collective that failed here was still in flight).
       std::vector<trace::Record> records{recorder_->snapshot(error)};
-      if (store_ && world > 1) {
+      if (store && world > 1) {
         bool store_gone = false;
         std::vector<bool> have(static_cast<std::size_t>(world), false);
         have[static_cast<std::size_t>(me)] = true;
@@ -140,8 +156,8 @@ class TraceExchange {
             if (have[static_cast<std::size_t>(q)]) continue;
             try {
               const std::string key = rank_key(q);
-              if (!store_->check({key})) continue;
-              const auto value = store_->get(key);
+              if (!store->check({key})) continue;
+              const auto value = store->get(key);
               records.push_back(trace::parse_record(std::string(value.begin(), value.end()), key));
               have[static_cast<std::size_t>(q)] = true;
             } catch (const DataError&) {
@@ -158,8 +174,6 @@ class TraceExchange {
       }
       trace::Verdict v = trace::first_divergence(records, world);
       linger();
-      std::error_code ec;
-      const std::string where = std::filesystem::absolute(folder(), ec).lexically_normal().string();
       std::string text =
           fmt::format("; flight recorder: {}; records in {} (read them with: loom-trace {})", v.text, where, where);
       if (!written_.empty()) text += written_;
@@ -178,11 +192,11 @@ class TraceExchange {
   /// After collecting: stays until every rank that posted a record has collected too (at most
   /// kCollectWait), so that the rank hosting the store does not exit under the others' reads.
   void linger() noexcept {
-    if (!store_ || recorder_->world_size() <= 1) return;
+    if (!side_ || recorder_->world_size() <= 1) return;
     try {
-      store_->add(kCollectedKey, 1);
+      side_->add(kCollectedKey, 1);
       const auto until = std::chrono::steady_clock::now() + collect_wait_;
-      while (std::chrono::steady_clock::now() < until && store_->add(kCollectedKey, 0) < store_->add(kPostedKey, 0))
+      while (std::chrono::steady_clock::now() < until && side_->add(kCollectedKey, 0) < side_->add(kPostedKey, 0))
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
     } catch (const std::exception&) {
     }
@@ -240,19 +254,21 @@ class TraceExchange {
     std::terminate_handler previous_ = nullptr;
   };
   static Live& live() {
-    static Live l;
+    static Live& l = *new Live;  // never destroyed: a std::terminate during exit may still use it
     return l;
   }
 
   /// The stuck-collective probe (see the header comment); runs on the watcher thread.
   void probe() {
-    const auto open = recorder_->oldest_in_flight();
+    const auto open = recorder_->oldest_waited();
     if (!open) return;
-    const double stuck = recorder_->seconds() - open->issued_s;
+    const double stuck = recorder_->seconds() - open->waited_s;
     if (stuck < std::chrono::duration<double>(probe_after_).count()) return;
     const auto now = std::chrono::steady_clock::now();
-    if (open->seq != probed_seq_) {
+    const std::int64_t total = recorder_->issued_total();
+    if (open->seq != probed_seq_ || total != probed_total_) {
       probed_seq_ = open->seq;
+      probed_total_ = total;
       side_->set(probe_key(recorder_->rank()), bytes(trace::to_text(recorder_->snapshot("probe", kProbeEntries))));
     } else if (now - last_probe_read_ < std::chrono::milliseconds(500)) {
       return;
@@ -299,6 +315,7 @@ class TraceExchange {
 
   /// The watcher thread: step 2 when another rank asks.
   void watch() noexcept {
+    int failures = 0;  // consecutive store errors
     while (!stop_.load()) {
       try {
         if (side_->check({kRequestKey})) {
@@ -307,8 +324,9 @@ class TraceExchange {
           return;
         }
         probe();
+        failures = 0;
       } catch (const std::exception&) {
-        return;  // the store went away: the job is over
+        if (++failures >= 20) return;  // the store went away: the job is over
       }
       for (int i = 0; i < 5 && !stop_.load(); ++i) std::this_thread::sleep_for(kPollInterval / 5);
     }
@@ -317,6 +335,7 @@ class TraceExchange {
   std::shared_ptr<trace::FlightRecorder> recorder_;
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Store> side_;
+  std::string subfolder_;
   std::chrono::milliseconds collect_wait_;
   std::chrono::milliseconds probe_after_;
   mutable std::mutex mutex_;  // folder_
@@ -326,6 +345,8 @@ class TraceExchange {
   std::string written_;
   std::function<void()> abort_;
   std::int64_t probed_seq_ = -1;  // watcher thread only
+  std::int64_t probed_total_ = -1;
+  std::atomic<bool> reported_{false};
   std::chrono::steady_clock::time_point last_probe_read_{};
   std::atomic<bool> stop_{false};
   std::thread watcher_;

@@ -117,7 +117,8 @@ class ReducerState {
     // the meta: ranks whose collectives differed are found in finish_window, with no collective of its own.
     trace::FlightRecorder* recorder = trace::recorder_of(*comm_);
     fingerprint_ = recorder != nullptr ? recorder->take_fingerprint() : 0;
-    WindowMeta::write(meta_, plan, fingerprint_);
+    WindowMeta::write(meta_, plan,
+                      recorder != nullptr ? std::optional<std::int64_t>(fingerprint_) : std::optional<std::int64_t>());
     trace::Scope scope(*comm_, trace::Context::reducer_window);
     meta_work_ = start(meta_);
   }

@@ -1,8 +1,9 @@
 // loom/reduce/detail/window_summary.hpp — what the ranks tell each other about a synchronising
 // window, encoded and decoded here only:
 // - the window meta, one int64 row per rank summed by an all-reduce started in prepare_backward:
-//   [samples, final, leaving, loss divisor d, d^2, votes, fingerprint f, f^2] (f: the flight
-//   recorder's 20-bit fingerprint of the collectives this rank issued since its previous window);
+//   [samples, final, leaving, loss divisor d, d^2, votes, fingerprint f, f^2, has f] (f: the flight
+//   recorder's 20-bit fingerprint of the collectives this rank issued since its previous window;
+//   has f: 1 when the rank's communicator keeps a flight recorder);
 // - the window summary, the one host read of finish_window: the summed meta, then per bucket its
 //   used-flags (summed over ranks) and its inf/NaN verdict, then (clipping) the squared global norm.
 //
@@ -73,17 +74,19 @@ struct WindowMeta {
     voters,
     fingerprint_sum,
     fingerprint_squares,
+    fingerprinted,
     kLength
   };
 
-  /// This rank's row for `plan` and fingerprint `f` (0 without a flight recorder).
-  static std::array<std::int64_t, kLength> encode(const BackwardPlan& plan, std::int64_t f) {
-    const std::int64_t d = plan.loss_divisor;
-    return {plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d, d > 0 ? 1 : 0, f, f * f};
+  /// This rank's row for `plan` and fingerprint `f` (std::nullopt without a flight recorder).
+  static std::array<std::int64_t, kLength> encode(const BackwardPlan& plan, std::optional<std::int64_t> f) {
+    const std::int64_t d = plan.loss_divisor, g = f.value_or(0);
+    return {
+        plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d, d > 0 ? 1 : 0, g, g * g, f ? 1 : 0};
   }
 
   /// Writes this rank's row for `plan` and fingerprint `f` into `meta` (int64 [kLength], on any device).
-  static void write(at::Tensor& meta, const BackwardPlan& plan, std::int64_t f) {
+  static void write(at::Tensor& meta, const BackwardPlan& plan, std::optional<std::int64_t> f) {
     const auto row = encode(plan, f);
     if (meta.is_cpu())
       std::copy(row.begin(), row.end(), meta.data_ptr<std::int64_t>());
@@ -105,20 +108,22 @@ struct WindowCounts {
   std::int64_t voters = 0;               ///< ranks that gave a loss divisor
   std::int64_t fingerprint_sum = 0;      ///< sum of the ranks' fingerprints
   std::int64_t fingerprint_squares = 0;  ///< sum of their squares
+  std::int64_t fingerprinted = 0;        ///< ranks that sent a fingerprint (a flight recorder)
 
   /// From the summed row (int64 or float64 values, exact).
   template <class T>
   static WindowCounts decode(const T* row) {
     auto at = [&](WindowMeta::Field f) { return static_cast<std::int64_t>(row[f]); };
-    return {at(WindowMeta::samples),         at(WindowMeta::final_ranks),        at(WindowMeta::leaving_ranks),
-            at(WindowMeta::divisor_sum),     at(WindowMeta::divisor_squares),    at(WindowMeta::voters),
-            at(WindowMeta::fingerprint_sum), at(WindowMeta::fingerprint_squares)};
+    return {at(WindowMeta::samples),         at(WindowMeta::final_ranks),         at(WindowMeta::leaving_ranks),
+            at(WindowMeta::divisor_sum),     at(WindowMeta::divisor_squares),     at(WindowMeta::voters),
+            at(WindowMeta::fingerprint_sum), at(WindowMeta::fingerprint_squares), at(WindowMeta::fingerprinted)};
   }
 
-  /// Whether some rank's fingerprint differs from `mine` on `world_size` ranks (see WindowMeta). The
+  /// Whether some rank's fingerprint differs from `mine` on `world_size` ranks (see WindowMeta). Only
+  /// checked when every rank sent one (a rank without a flight recorder makes the check moot). The
   /// sums are exact while world_size * 2^40 < 2^53 (world sizes up to 8192); larger jobs are not checked.
   [[nodiscard]] bool fingerprints_differ(std::int64_t mine, int world_size) const {
-    if (world_size > 8192) return false;
+    if (world_size > 8192 || fingerprinted != world_size) return false;
     return fingerprint_squares - 2 * mine * fingerprint_sum + static_cast<std::int64_t>(world_size) * mine * mine != 0;
   }
 
