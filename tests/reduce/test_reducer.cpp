@@ -108,7 +108,8 @@ TEST_CASE(
   REQUIRE(comm.calls().size() == 1);  // the sample count leaves before backward
   CHECK(comm.calls()[0].name == "all_reduce_async");
   CHECK((comm.calls()[0].dtype == torch::kLong));
-  CHECK(comm.calls()[0].numel == 6);  // [window samples, final, leaving, loss divisor, its square, its vote]
+  CHECK(comm.calls()[0].numel == 9);  // [window samples, final, leaving, loss divisor, its square, its vote,
+                                      //  fingerprint, its square, has a fingerprint]
   model.loss_sum(loom::test::batch_x(4, 4, at::kFloat), loom::test::batch_y(4, 4, at::kFloat)).backward();
   // All four buckets were launched by the hooks, during backward, in bucket order, without waiting
   // for the count (each is divided to the average after it comes back).

@@ -55,6 +55,13 @@
 //      Consequence: a write to a closed pipe (`./train | head`) fails with EPIPE instead of killing
 //      the program, as in every Python program.
 //
+// Flight recorder (GlooOptions::flight_recorder, on by default): every public collective is recorded
+//      (loom/trace/recorder.hpp) with the loom part, step and micro-batch that issued it, and every
+//      error above ends with the verdict of loom/comm/detail/trace_exchange.hpp: each live rank writes
+//      its record file to GlooOptions::trace_folder and the error names the first rank that went its
+//      own way. It keeps a watcher thread and a second store connection per communicator (one store
+//      check per 100 ms), and installs a std::terminate handler for the process (it posts the dying
+//      rank's record, then calls the handler it replaced). docs/debugging.md is the field guide.
 // Throws: loom::InvalidArgument (undefined / non-contiguous / unsupported-dtype tensor, bad root),
 //         loom::ConfigError (a network interface this host does not have), loom::CommError (backend
 //         failure, metadata mismatch, a peer that failed to join), loom::TimeoutError (see above).
