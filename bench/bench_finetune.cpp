@@ -359,35 +359,30 @@ void print_ratio(int nproc) {
               med, sorted.front(), sorted.back(), sorted.size(), med >= 1.2 ? "met" : "NOT-met");
 }
 
+/// One RATIO line of throughputs: per run, `top`'s samples/s over `bottom`'s at `nproc` ranks.
+void print_rate_ratio(const char* label, Method top, Method bottom, int nproc, double goal) {
+  const auto t = g_rates.find({top, nproc});
+  const auto b = g_rates.find({bottom, nproc});
+  if (t == g_rates.end() || b == g_rates.end()) return;
+  std::vector<double> ratios;
+  for (std::size_t i = 0; i < std::min(t->second.size(), b->second.size()); ++i)
+    ratios.push_back(t->second[i] / b->second[i]);
+  if (ratios.empty()) return;
+  std::sort(ratios.begin(), ratios.end());
+  const double med = ratios[ratios.size() / 2];
+  std::printf("RATIO %s/ranks:%d median=%.3f min=%.3f max=%.3f n=%zu goal>=%.2f %s\n", label, nproc, med,
+              ratios.front(), ratios.back(), ratios.size(), goal, med >= goal ? "met" : "NOT-met");
+}
+
 /// The cost of ReducerOptions::deterministic: per run, its samples/s over floating loom's (goal:
 /// at most 1.3x the step time, i.e. >= 1 / 1.3).
 void print_deterministic_ratio(int nproc) {
-  const auto det = g_rates.find({Method::loom_deterministic, nproc});
-  const auto flt = g_rates.find({Method::loom, nproc});
-  if (det == g_rates.end() || flt == g_rates.end()) return;
-  std::vector<double> ratios;
-  for (std::size_t i = 0; i < std::min(det->second.size(), flt->second.size()); ++i)
-    ratios.push_back(det->second[i] / flt->second[i]);
-  if (ratios.empty()) return;
-  std::sort(ratios.begin(), ratios.end());
-  const double med = ratios[ratios.size() / 2], goal = 1.0 / 1.3;
-  std::printf("RATIO throughput_deterministic_vs_float/ranks:%d median=%.3f min=%.3f max=%.3f n=%zu goal>=%.2f %s\n",
-              nproc, med, ratios.front(), ratios.back(), ratios.size(), goal, med >= goal ? "met" : "NOT-met");
+  print_rate_ratio("throughput_deterministic_vs_float", Method::loom_deterministic, Method::loom, nproc, 1.0 / 1.3);
 }
 
 /// The flight recorder's cost: loom's samples/s over loom_no_recorder's, per run (goal >= 0.99).
 void print_recorder_ratio(int nproc) {
-  const auto with = g_rates.find({Method::loom, nproc});
-  const auto without = g_rates.find({Method::loom_no_recorder, nproc});
-  if (with == g_rates.end() || without == g_rates.end()) return;
-  std::vector<double> ratios;
-  for (std::size_t i = 0; i < std::min(with->second.size(), without->second.size()); ++i)
-    ratios.push_back(with->second[i] / without->second[i]);
-  if (ratios.empty()) return;
-  std::sort(ratios.begin(), ratios.end());
-  const double med = ratios[ratios.size() / 2], goal = 0.99;
-  std::printf("RATIO throughput_recorder_vs_none/ranks:%d median=%.3f min=%.3f max=%.3f n=%zu goal>=%.2f %s\n", nproc,
-              med, ratios.front(), ratios.back(), ratios.size(), goal, med >= goal ? "met" : "NOT-met");
+  print_rate_ratio("throughput_recorder_vs_none", Method::loom, Method::loom_no_recorder, nproc, 0.99);
 }
 
 /// Reads --runs= --target= --max-epochs= --ranks= --device= --data= --curve= and removes them from argv.
