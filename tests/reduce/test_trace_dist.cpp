@@ -220,10 +220,12 @@ TEST_SUITE("dist") {
 
   TEST_CASE("flight recorder: rank 2 stalls outside any collective (a stuck fetch): named at the timeout") {
     loom::test::TempDir dir;
-    const auto seen = run_job(dir.path, std::chrono::seconds(2), [](SkippingComm& comm, int step) {
-      if (comm.rank() == 2 && step == kFaultStep) std::this_thread::sleep_for(std::chrono::seconds(6));
+    // An 8 s timeout: the others collect records for an eighth of it (1 s), ample for rank 2's
+    // watcher thread to answer while its main thread sleeps.
+    const auto seen = run_job(dir.path, std::chrono::seconds(8), [](SkippingComm& comm, int step) {
+      if (comm.rank() == 2 && step == kFaultStep) std::this_thread::sleep_for(std::chrono::seconds(12));
     });
-    check_job(dir.path, seen, 10.0,
+    check_job(dir.path, seen, 14.0,
               {"timed out", "rank 2 did not issue", "it was not in a collective", "at step 2",
                "ranks 0, 1 issued all_reduce", "(reducer window, step 3"});
   }

@@ -227,8 +227,11 @@ class FlightRecorder {
     const double now = seconds();
     std::lock_guard lock(mutex_);
     Entry& e = ring_[static_cast<std::size_t>(next_ % static_cast<std::int64_t>(ring_.size()))];
-    e = Entry{next_,         op,  dtype, numel, context_, index_, step_, micro_batch_, step_checked_,
-              State::issued, now, -1,    -1};
+    // The bucket-order broadcast (at a rank's first backward after the first window) and the generator
+    // loader's agreement (per batch of the loader) come at points that need not share a step between
+    // ranks: their step is shown, never compared.
+    const bool checked = step_checked_ && context_ != Context::bucket_order && context_ != Context::generator_loader;
+    e = Entry{next_, op, dtype, numel, context_, index_, step_, micro_batch_, checked, State::issued, now, -1, -1};
     fingerprint_ = mix(fingerprint_, e);
     return next_++;
   }

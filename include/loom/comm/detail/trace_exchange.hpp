@@ -10,10 +10,12 @@
 //     (<folder>/loom-trace-rank<r>.txt) and posts the record's text as "loom_trace/rank/<r>". The
 //     watcher runs beside the training thread, so a rank blocked outside any collective (a stalled
 //     generator, a stuck fetch) still answers, with its last collective and the time since.
-//  3. The failing rank posts its own record, waits for the others' (at most kCollectWait, less
-//     when the timeout is shorter), and appends first_divergence's verdict and the folder to its error;
-//     then it stays until every rank that posted has collected too (at most kCollectWait again), so
-//     that the rank hosting the store does not take it away under the others' reads.
+//  3. The failing rank posts its own record, waits for the others' (at most collect_wait: an eighth
+//     of the timeout, between 250 ms and 1 s), and appends first_divergence's verdict and the folder
+//     to its error; then it stays until every rank that posted has collected too (at most
+//     collect_wait again), so that the rank hosting the store does not take it away under the
+//     others' reads. The store requests run on a helper thread, so a store that cannot be reached
+//     delays the error by 2 x collect_wait at most.
 // Records are written once per communicator (the first failure's); later failures still get the
 // verdict. Everything here is best effort and never throws: a store that is gone (its host exited)
 // leaves the ranks that can still write their own files, and the verdict names the ranks missing.
@@ -35,6 +37,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
@@ -66,14 +69,14 @@ inline std::string default_trace_folder() {
 }
 
 /// One communicator's side of the protocol (see the header comment).
-class TraceExchange {
+class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
  public:
   static constexpr const char* kRequestKey = "loom_trace/request";
   static constexpr const char* kRequestsKey = "loom_trace/requests";
   static constexpr const char* kPostedKey = "loom_trace/posted";
   static constexpr const char* kCollectedKey = "loom_trace/collected";
   static constexpr std::chrono::milliseconds kPollInterval{100};
-  static constexpr std::chrono::milliseconds kCollectWait{3000};
+  static constexpr std::chrono::milliseconds kCollectWait{1000};
   static constexpr std::size_t kProbeEntries = 64;
 
   /// `store`: the communicator's prefixed store; `side`: a second connection to the same keys (or
@@ -89,7 +92,7 @@ class TraceExchange {
         store_(std::move(store)),
         side_(side ? std::move(side) : store_),
         subfolder_(communicator > 0 ? fmt::format("comm{}", communicator) : std::string{}),
-        collect_wait_(std::min(timeout, kCollectWait)),
+        collect_wait_(std::clamp<std::chrono::milliseconds>(timeout / 8, std::chrono::milliseconds(250), kCollectWait)),
         probe_after_(
             std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::seconds(1), std::chrono::seconds(5))),
         folder_(folder.empty() ? default_trace_folder() : std::move(folder)),
@@ -128,8 +131,10 @@ class TraceExchange {
   }
 
   /// Steps 1 and 3 of the protocol for a failure described by `error`: returns the text to append to
-  /// the error ("; flight recorder: <verdict>; records: <folder>/loom-trace-rank*.txt ..."), and the
-  /// verdict in `verdict` when given. Never throws.
+  /// the error ("; flight recorder: <verdict>; records in <folder> ..."), and the verdict in `verdict`
+  /// when given. The store's requests run on a helper thread: this call returns after at most
+  /// 2 x collect_wait (the collection, then the linger), even when the store cannot be reached (a
+  /// link that went down blocks a store request up to its timeout). Never throws.
   std::string on_failure(const std::string& error, trace::Verdict* verdict = nullptr) noexcept {
     try {
       std::error_code ec;
@@ -138,6 +143,45 @@ class TraceExchange {
       // others' old ones (a communicator that failed is to be destroyed; docs/comm.md).
       if (reported_.exchange(true))
         return fmt::format("; flight recorder: the records of this communicator's first failure are in {}", where);
+      struct Outcome {
+        std::mutex m;
+        std::condition_variable cv;
+        bool done = false;
+        trace::Verdict v;
+      };
+      auto out = std::make_shared<Outcome>();
+      std::thread([self = shared_from_this(), out, error] {
+        trace::Verdict v = self->exchange(error);
+        {
+          std::lock_guard lock(out->m);
+          out->v = std::move(v);
+          out->done = true;
+        }
+        out->cv.notify_all();
+      }).detach();
+      std::unique_lock lock(out->m);
+      if (!out->cv.wait_for(lock, 2 * collect_wait_ + std::chrono::milliseconds(100), [&] { return out->done; }))
+        return fmt::format(
+            "; flight recorder: no verdict (the job's store did not answer within {:.3f} s); this rank's record is in "
+            "{}",
+            std::chrono::duration<double>(2 * collect_wait_).count(), where);
+      std::string text = fmt::format("; flight recorder: {}; records in {} (read them with: loom-trace {})",
+                                     out->v.text, where, where);
+      {
+        std::lock_guard post_lock(post_mutex_);
+        text += written_;
+      }
+      if (verdict != nullptr) *verdict = std::move(out->v);
+      return text;
+    } catch (const std::exception& e) {
+      return fmt::format("; flight recorder: no verdict ({})", e.what());
+    }
+  }
+
+  /// Steps 1 and 3 on the calling thread: asks, posts this rank's record, collects the others' (at
+  /// most collect_wait, or until the store fails), lingers, and returns the verdict. Never throws.
+  trace::Verdict exchange(const std::string& error) noexcept {
+    try {
       const int me = recorder_->rank();
       const int world = recorder_->world_size();
       const c10::intrusive_ptr<c10d::Store>& store = side_;
@@ -171,16 +215,13 @@ class TraceExchange {
           if (std::chrono::steady_clock::now() >= until) break;
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
         }
+        if (!store_gone) linger();
       }
-      trace::Verdict v = trace::first_divergence(records, world);
-      linger();
-      std::string text =
-          fmt::format("; flight recorder: {}; records in {} (read them with: loom-trace {})", v.text, where, where);
-      if (!written_.empty()) text += written_;
-      if (verdict != nullptr) *verdict = std::move(v);
-      return text;
+      return trace::first_divergence(records, world);
     } catch (const std::exception& e) {
-      return fmt::format("; flight recorder: no verdict ({})", e.what());
+      trace::Verdict v;
+      v.text = fmt::format("no verdict ({})", e.what());
+      return v;
     }
   }
 
@@ -190,7 +231,7 @@ class TraceExchange {
   static std::string probe_key(int q) { return fmt::format("loom_trace/probe/{}", q); }
 
   /// After collecting: stays until every rank that posted a record has collected too (at most
-  /// kCollectWait), so that the rank hosting the store does not exit under the others' reads.
+  /// collect_wait), so that the rank hosting the store does not exit under the others' reads.
   void linger() noexcept {
     if (!side_ || recorder_->world_size() <= 1) return;
     try {

@@ -158,7 +158,8 @@ class ReducerState {
     r.ranks_leaving = counts.leaving_ranks;
     // A rank leaving its loop closes its window as it is: its report comes first.
     const bool divisors_differ = r.ranks_leaving == 0 && counts.divisors_differ();
-    const bool diverged = counts.fingerprints_differ(fingerprint_, world);
+    // A rank leaving its loop closes its window wherever it is (its report comes first, as above).
+    const bool diverged = r.ranks_leaving == 0 && counts.fingerprints_differ(fingerprint_, world);
     bool non_finite = summary.non_finite;
     if (clip && !no_samples) {
       const double total = std::sqrt(*summary.squared_norm);
