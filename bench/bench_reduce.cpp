@@ -38,7 +38,7 @@
 // sweep from it). One intra-op thread per rank. Run: build-dir/bench/bench_reduce.
 //
 // `bench_reduce --cuda` measures the reducer on a GPU at world size 1 over NCCL (see run_cuda).
-// `bench_reduce --overhead=loom|hand|trainer|lowlevel` runs one of the training loops compared by
+// `bench_reduce --overhead=loom|hand|trainer|lowlevel|recorder|norecorder` runs one of the training loops compared by
 // instruction count in scripts/callgrind_overhead.sh (one process, no benchmark framework).
 #include <algorithm>
 #include <cstdio>
@@ -57,9 +57,8 @@
 #include <loom/comm/local.hpp>
 #include <loom/compat.hpp>
 #include <loom/config.hpp>
-#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
-
+#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
 #include <loom/comm/nccl.hpp>
 #endif
 #include <loom/launch/spawn.hpp>
@@ -705,6 +704,25 @@ extern "C" __attribute__((noinline)) void loom_overhead_trainer_loop(torch::nn::
   trainer_epoch(net, trainer, loader, 1);
 }
 
+using GlooOverheadTrainer = loom::Trainer<loom::GlooCommunicator, torch::optim::SGD>;
+
+/// The flight recorder's cost: the Trainer loop above over a GlooCommunicator of one rank (its
+/// collectives go through c10d's Gloo process group, and the recorder sees every one of them),
+/// with GlooOptions::flight_recorder on or off. Only the calling thread's instructions are counted
+/// (callgrind counts per thread), which is where the recorder does its work (issue, waiting,
+/// complete, the fingerprint); one rank has no watcher thread to count.
+extern "C" __attribute__((noinline)) void loom_overhead_recorder_loop(torch::nn::Sequential& net,
+                                                                      GlooOverheadTrainer& trainer,
+                                                                      OverheadLoader& loader) {
+  for (loom::Batch& b : trainer.epoch(loader, 1)) trainer.backward(mlp_mean_loss(net, b), b);
+}
+
+extern "C" __attribute__((noinline)) void loom_overhead_norecorder_loop(torch::nn::Sequential& net,
+                                                                        GlooOverheadTrainer& trainer,
+                                                                        OverheadLoader& loader) {
+  for (loom::Batch& b : trainer.epoch(loader, 1)) trainer.backward(mlp_mean_loss(net, b), b);
+}
+
 extern "C" __attribute__((noinline)) void loom_overhead_lowlevel_loop(torch::nn::Sequential& net, LowLevel& l,
                                                                       const OverheadSamples& d,
                                                                       torch::optim::SGD& sgd) {
@@ -788,8 +806,21 @@ int run_overhead(const std::string& which) {
     LowLevel l(comm, d, net);
     lowlevel_epoch(net, l, d, sgd, 0);
     loom_overhead_lowlevel_loop(net, l, d, sgd);
+  } else if (which == "recorder" || which == "norecorder") {  // epoch 0 warms up; epoch 1 is measured
+    OverheadSamples d;
+    loom::GlooCommunicator comm(c10::make_intrusive<c10d::HashStore>(), 0, 1,
+                                {.flight_recorder = which == "recorder"});
+    OverheadLoader loader(comm, d.shapes, overhead_fetch(d), kOverheadPlan);
+    GlooOverheadTrainer trainer(comm, *net, sgd);
+    for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(mlp_mean_loss(net, b), b);
+    if (which == "recorder")
+      loom_overhead_recorder_loop(net, trainer, loader);
+    else
+      loom_overhead_norecorder_loop(net, trainer, loader);
+    const loom::trace::FlightRecorder* r = comm.flight_recorder();
+    std::printf("collectives recorded: %lld\n", r != nullptr ? static_cast<long long>(r->snapshot("count").issued_total) : -1LL);
   } else {
-    std::fprintf(stderr, "bench_reduce: --overhead=loom, hand, trainer or lowlevel\n");
+    std::fprintf(stderr, "bench_reduce: --overhead=loom, hand, trainer, lowlevel, recorder or norecorder\n");
     return 2;
   }
   for (const auto& p : net->parameters()) checksum += p.sum().item<double>();

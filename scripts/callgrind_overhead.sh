@@ -2,7 +2,8 @@
 # Composition overhead of loom::Accumulator + loom::Reducer, by instruction count under callgrind
 # (deterministic, unlike wall time on a shared machine).
 #
-# Runs `bench_reduce --overhead=loom` and `--overhead=hand` under valgrind --tool=callgrind,
+# Runs `bench_reduce --overhead=loom` and `--overhead=hand` (then trainer / lowlevel and recorder /
+# norecorder) under valgrind --tool=callgrind,
 # collecting only inside loom_overhead_loom_loop / loom_overhead_hand_loop (the same 40
 # micro-batches of an MLP, an optimizer step every 4; see bench/bench_reduce.cpp), and prints the
 # two instruction counts and their ratio. Goal: loom / hand <= 1.01.
@@ -57,3 +58,13 @@ printf '  low-level loop      : %14s\n' "$lowlevel"
 printf '  loom::Trainer loop  : %14s\n' "$trainer"
 echo "  ratio trainer / low-level: $ratio2 (goal <= 1.01)"
 awk -v r="$ratio2" 'BEGIN {exit !(r <= 1.01)}' && echo "goal met" || echo "goal NOT met"
+# The flight recorder (docs/debugging.md): the same Trainer loop over a GlooCommunicator of one rank,
+# GlooOptions::flight_recorder on against off. Counts the training thread (the recorder's work is
+# there: one entry, the fingerprint fold and three state changes per collective).
+recorder=$(count recorder)
+norecorder=$(count norecorder)
+ratio3=$(awk -v a="$recorder" -v b="$norecorder" 'BEGIN {printf "%.4f", a / b}')
+printf '  Gloo, recorder off  : %14s\n' "$norecorder"
+printf '  Gloo, recorder on   : %14s\n' "$recorder"
+echo "  ratio recorder on / off: $ratio3 (goal <= 1.01)"
+awk -v r="$ratio3" 'BEGIN {exit !(r <= 1.01)}' && echo "goal met" || echo "goal NOT met"
