@@ -49,6 +49,7 @@
 #include <vector>
 
 #include <benchmark/benchmark.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -57,7 +58,6 @@
 #include <loom/comm/local.hpp>
 #include <loom/compat.hpp>
 #include <loom/config.hpp>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
 #include <loom/comm/nccl.hpp>
 #endif
@@ -808,8 +808,7 @@ int run_overhead(const std::string& which) {
     loom_overhead_lowlevel_loop(net, l, d, sgd);
   } else if (which == "recorder" || which == "norecorder") {  // epoch 0 warms up; epoch 1 is measured
     OverheadSamples d;
-    loom::GlooCommunicator comm(c10::make_intrusive<c10d::HashStore>(), 0, 1,
-                                {.flight_recorder = which == "recorder"});
+    loom::GlooCommunicator comm(c10::make_intrusive<c10d::HashStore>(), 0, 1, {.flight_recorder = which == "recorder"});
     OverheadLoader loader(comm, d.shapes, overhead_fetch(d), kOverheadPlan);
     GlooOverheadTrainer trainer(comm, *net, sgd);
     for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(mlp_mean_loss(net, b), b);
@@ -818,7 +817,8 @@ int run_overhead(const std::string& which) {
     else
       loom_overhead_norecorder_loop(net, trainer, loader);
     const loom::trace::FlightRecorder* r = comm.flight_recorder();
-    std::printf("collectives recorded: %lld\n", r != nullptr ? static_cast<long long>(r->snapshot("count").issued_total) : -1LL);
+    std::printf("collectives recorded: %lld\n",
+                r != nullptr ? static_cast<long long>(r->snapshot("count").issued_total) : -1LL);
   } else {
     std::fprintf(stderr, "bench_reduce: --overhead=loom, hand, trainer, lowlevel, recorder or norecorder\n");
     return 2;
