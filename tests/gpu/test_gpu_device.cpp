@@ -34,6 +34,8 @@
 #include <loom/cuda/stream.hpp>
 #include <loom/cuda/transfer.hpp>
 #include <loom/launch/spawn.hpp>
+#include <loom/trace/record_file.hpp>
+#include <loom/trace/recorder.hpp>
 #if LOOM_TORCH_HAS_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -121,12 +123,15 @@ int wait_child(pid_t pid, std::chrono::seconds limit) {
 // ---- child processes -----------------------------------------------------------------------
 
 /// A collective queued behind a 6 s stall with a 2 s timeout must raise TimeoutError naming
-/// the collective and rank, abort the communicator, and refuse later collectives.
+/// the collective and rank, abort the communicator, and refuse later collectives; the error ends
+/// with the flight recorder's text and this rank's record file holds the failed all_reduce.
 int child_timeout_collective() {
   auto store = c10::make_intrusive<c10d::HashStore>();
+  const auto folder = std::filesystem::temp_directory_path() / fmt::format("loom-gpu-trace-{}", getpid());
+  std::filesystem::remove_all(folder);
   // The timeout bounds the init too: 2 s, since a cold NCCL 2.28 init at world size 1 took over
   // 300 ms on an H200 once; the stall (6 s) stays well beyond it.
-  loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 2000ms});
+  loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 2000ms, .trace_folder = folder.string()});
   auto producer = loom::cuda::Stream::create(0);
   loom::cuda::DeviceBuffer buf(0, 256 * sizeof(float));
   static int stall_ms = 6000;
@@ -143,6 +148,14 @@ int child_timeout_collective() {
     // The timeout ended the wait, not the stall: seconds_waited() is taken before the abort, which
     // itself can block until the stall ends (ncclCommAbort waits for the device).
     if (e.seconds_waited() > 5.0) std::_Exit(5);
+    if (std::string(e.what()).find("; flight recorder: ") == std::string::npos) std::_Exit(6);
+    const auto records = loom::trace::read_folder(folder);
+    if (records.size() != 1 || records[0].entries.size() != 1) std::_Exit(7);
+    const loom::trace::Entry& entry = records[0].entries[0];
+    if (entry.op != loom::trace::Op::all_reduce || entry.numel != 256 || entry.dtype != at::kFloat ||
+        entry.state != loom::trace::State::failed)
+      std::_Exit(8);
+    std::filesystem::remove_all(folder);
   }
   try {
     comm.barrier();
@@ -289,6 +302,50 @@ TEST_CASE("NCCL all_reduce at world size 1: every dtype and op leaves exact valu
       CHECK(same_bits(to_host<T>(d, n), values));
     }
   });
+}
+
+TEST_CASE("NCCL flight recorder: every collective recorded with its loom context, dtype, count and state") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  loom::NcclCommunicator comm(store, 0, 1, {.device = 0, .timeout = 60s, .trace_capacity = 8});
+  REQUIRE(comm.flight_recorder() != nullptr);
+  loom::cuda::DeviceBuffer buf(0, 64 * sizeof(double));
+  loom::cuda::DeviceBuffer gathered(0, 64 * sizeof(double));
+  loom::trace::set_position(comm, 5, 2, true);
+  {
+    loom::trace::Scope scope(comm, loom::trace::Context::reducer_bucket, 3);
+    comm.all_reduce(buf.get(), 64, at::kDouble, loom::ReduceOp::sum, nullptr);
+  }
+  comm.broadcast(buf.get(), 7, at::kInt, 0, nullptr);
+  auto pending = comm.all_gather_async(buf.get(), gathered.get(), 16, at::kFloat, nullptr);
+  comm.barrier();
+  const loom::trace::Record before = comm.flight_recorder()->snapshot();
+  pending.wait();
+  const loom::trace::Record after = comm.flight_recorder()->snapshot();
+  REQUIRE(after.entries.size() == 4);
+  const auto& e = after.entries;
+  CHECK(e[0].seq == 0);
+  CHECK(e[0].op == loom::trace::Op::all_reduce);
+  CHECK((e[0].dtype == at::kDouble));
+  CHECK(e[0].numel == 64);
+  CHECK(e[0].context == loom::trace::Context::reducer_bucket);
+  CHECK(e[0].index == 3);
+  CHECK(e[0].step == 5);
+  CHECK(e[0].micro_batch == 2);
+  CHECK(e[1].op == loom::trace::Op::broadcast);
+  CHECK((e[1].dtype == at::kInt));
+  CHECK(e[1].numel == 7);
+  CHECK(e[1].context == loom::trace::Context::user);
+  CHECK(e[2].op == loom::trace::Op::all_gather);
+  CHECK(e[2].numel == 16);
+  CHECK(e[3].op == loom::trace::Op::barrier);
+  CHECK((e[3].dtype == c10::ScalarType::Undefined));
+  for (const auto& entry : e) CHECK(entry.state == loom::trace::State::completed);
+  CHECK(before.entries.at(2).state == loom::trace::State::issued);  // not waited for yet
+  CHECK(after.issued_total == 4);
+
+  loom::NcclCommunicator quiet(store, 0, 1, {.device = 0, .timeout = 60s, .flight_recorder = false});
+  CHECK(quiet.flight_recorder() == nullptr);
+  CHECK(quiet.trace_folder().empty());
 }
 
 TEST_CASE("NCCL collectives start only after the producer stream's work (slow producer)") {

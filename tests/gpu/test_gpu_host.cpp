@@ -1,15 +1,18 @@
 // GPU path, host side: everything about loom/comm/nccl.hpp and loom/cuda/*.hpp that needs no
 // GPU (dtype and op mapping, error messages for forced error codes, the unique-id exchange
-// through a c10d store, tensor checks) runs here on every machine; the behaviour without a device
+// through a c10d store, tensor checks, the flight recorder's verdict on NCCL's errors) runs here on every machine; the behaviour without a device
 // (a clear loom::CudaError, not a crash) is checked where no device exists.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <filesystem>
 #include <mutex>
 #include <set>
 #include <string>
 #include <thread>
+#include <unistd.h>
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -21,6 +24,7 @@
 #include <loom/cuda/pinned.hpp>
 #include <loom/cuda/stream.hpp>
 #include <loom/cuda/transfer.hpp>
+#include <loom/trace/record_file.hpp>
 
 namespace {
 ncclUniqueId patterned_id(uint8_t seed) {
@@ -508,5 +512,93 @@ TEST_CASE("NCCL lifecycle through the seam: finalize then destroy; abort after d
   {
     std::lock_guard lk(FakeNccl::table_mutex);
     CHECK(FakeNccl::live.count(c) == 0);
+  }
+}
+
+namespace {
+/// A flight recorder with one issued all_reduce entry and its exchange without a store (as an
+/// NcclCommunicator built from a unique id keeps): a failure writes this rank's record only.
+struct RecordedFailure {
+  std::filesystem::path folder;
+  std::shared_ptr<loom::detail::TraceExchange> trace;
+  std::int64_t seq = -1;
+  explicit RecordedFailure(const std::string& name)
+      : folder(std::filesystem::temp_directory_path() / fmt::format("loom-gpu-host-{}-{}", name, getpid())) {
+    std::filesystem::remove_all(folder);
+    auto recorder = std::make_shared<loom::trace::FlightRecorder>(0, 1, "host:1", 16);
+    trace = std::make_shared<loom::detail::TraceExchange>(recorder, nullptr, nullptr, std::chrono::seconds(2),
+                                                          folder.string());
+    seq = recorder->issue(loom::trace::Op::all_reduce, c10::ScalarType::Float, 256);
+    recorder->waiting(seq);
+  }
+  ~RecordedFailure() { std::filesystem::remove_all(folder); }
+  /// What rethrow_with_flight_record makes of `error`.
+  template <class E>
+  std::exception_ptr rethrown(E error) {
+    try {
+      loom::detail::rethrow_with_flight_record(std::make_exception_ptr(std::move(error)), *trace, seq);
+    } catch (...) {
+      return std::current_exception();
+    }
+    return nullptr;
+  }
+};
+}  // namespace
+
+TEST_CASE("NCCL errors carry the flight recorder's verdict: the type, code and fields stay, the record is written") {
+  SUBCASE("TimeoutError: same collective, rank and seconds; the detail, then the verdict") {
+    RecordedFailure f("timeout");
+    const loom::TimeoutError original("all_reduce", 0, 2.5, "its CUDA event did not complete; timeout 2000 ms");
+    const std::exception_ptr e = f.rethrown(original);
+    try {
+      std::rethrow_exception(e);
+    } catch (const loom::TimeoutError& t) {
+      CHECK(t.collective() == "all_reduce");
+      CHECK(t.rank() == 0);
+      CHECK(t.seconds_waited() == 2.5);
+      const std::string what = t.what();
+      CHECK(what.rfind(std::string(original.what()) + "; flight recorder: ", 0) == 0);
+      CHECK(what.find("records in ") != std::string::npos);
+    }
+    const auto file = f.folder / "loom-trace-rank0.txt";
+    REQUIRE(std::filesystem::exists(file));
+    const auto records = loom::trace::read_folder(f.folder);
+    REQUIRE(records.size() == 1);
+    REQUIRE(records[0].entries.size() == 1);
+    CHECK(records[0].entries[0].op == loom::trace::Op::all_reduce);
+    CHECK(records[0].entries[0].numel == 256);
+    CHECK(records[0].entries[0].state == loom::trace::State::failed);
+    CHECK(records[0].reason.find("all_reduce timed out on rank 0 after 2.500 s") != std::string::npos);
+  }
+  SUBCASE("TimeoutError without a detail: the verdict is the detail") {
+    RecordedFailure f("timeout-bare");
+    const std::exception_ptr e = f.rethrown(loom::TimeoutError("barrier", 0, 1.0));
+    try {
+      std::rethrow_exception(e);
+    } catch (const loom::TimeoutError& t) {
+      CHECK(std::string(t.what()).rfind("loom: barrier timed out on rank 0 after 1.000 s: flight recorder: ", 0) == 0);
+    }
+  }
+  SUBCASE("NcclError keeps its code; CommError stays a CommError; a later failure points to the first one's records") {
+    RecordedFailure f("nccl");
+    const std::exception_ptr e = f.rethrown(loom::NcclError(ncclUnhandledCudaError, "ncclAllReduce failed"));
+    try {
+      std::rethrow_exception(e);
+    } catch (const loom::NcclError& n) {
+      CHECK(n.code() == ncclUnhandledCudaError);
+      CHECK(std::string(n.what()).rfind("loom: ncclAllReduce failed; flight recorder: ", 0) == 0);
+    }
+    const std::exception_ptr again = f.rethrown(loom::CommError("the NCCL communicator was aborted earlier"));
+    CHECK_THROWS_WITH_AS(
+        std::rethrow_exception(again),
+        doctest::Contains("aborted earlier; flight recorder: the records of this communicator's first failure are in"),
+        loom::CommError);
+  }
+  SUBCASE("anything but a CommError passes unchanged, and the entry is not marked failed") {
+    RecordedFailure f("other");
+    const std::exception_ptr e = f.rethrown(loom::InvalidArgument("all_reduce: unsupported dtype Bool"));
+    CHECK_THROWS_WITH_AS(std::rethrow_exception(e), "loom: all_reduce: unsupported dtype Bool", loom::InvalidArgument);
+    CHECK(f.trace->recorder().snapshot().entries.at(0).state == loom::trace::State::issued);
+    CHECK_FALSE(std::filesystem::exists(f.folder));
   }
 }

@@ -104,6 +104,8 @@
 #include <loom/comm/detail/gloo_peers.hpp>
 #include <loom/comm/detail/trace_exchange.hpp>
 #include <loom/detail/exception_text.hpp>
+#include <loom/detail/host_and_pid.hpp>
+#include <loom/detail/process_counter.hpp>
 #include <loom/error.hpp>
 #include <loom/launch/environment.hpp>
 #include <loom/launch/rendezvous.hpp>
@@ -316,7 +318,7 @@ class GlooCommunicator {
         [peers] {
           if (auto p = peers.lock()) p->shutdown_connections();
         },
-        connection.index);
+        static_cast<int>(detail::next_in_process(detail::Counted::flight_recorder)));
     std::weak_ptr<detail::TraceExchange> weak = trace_;
     recorder->set_failure_handler([weak](const std::string& error) {
       auto t = weak.lock();

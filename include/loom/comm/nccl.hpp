@@ -24,6 +24,16 @@
 //   // without a CUDA LibTorch: raw device pointers, count, dtype and the producing stream
 //   comm.all_reduce(ptr, n, at::kFloat, loom::ReduceOp::sum, my_stream);
 //
+// Flight recorder (NcclOptions::flight_recorder, on by default): every collective is recorded
+//      (loom/trace/recorder.hpp) with the loom part, step and micro-batch that issued it, and every
+//      CommError of a collective (timeout, abort, NCCL's asynchronous error) ends with the verdict of
+//      loom/comm/detail/trace_exchange.hpp: each live rank writes its record file to
+//      NcclOptions::trace_folder and the error names the first rank that went its own way. The
+//      exchange needs the job's store: a communicator built from a unique id, or from a store it
+//      does not own (the c10d::Store& constructor), writes this rank's record only. A collective
+//      stuck longer than a twentieth of the timeout (1-5 s) while another rank's record holds a
+//      different call under the same number aborts the communicator at once (the stuck-collective
+//      probe). docs/debugging.md is the field guide.
 // Shape: collectives take dense contiguous tensors (or buffers) of float32, float64, bfloat16,
 //        float16, int32 or int64 on the communicator's device; all_gather returns world_size()
 //        tensors of the input's shape.
@@ -59,6 +69,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 #include <nccl.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <loom/comm/communicator.hpp>
@@ -66,13 +77,17 @@
 #include <loom/comm/detail/nccl_state.hpp>
 #include <loom/comm/detail/nccl_tensor.hpp>
 #include <loom/comm/detail/nccl_unique_id.hpp>
+#include <loom/comm/detail/store_side.hpp>
+#include <loom/comm/detail/trace_exchange.hpp>
 #include <loom/cuda/buffer.hpp>
 #include <loom/cuda/device.hpp>
 #include <loom/cuda/error.hpp>
 #include <loom/cuda/stream.hpp>
+#include <loom/detail/host_and_pid.hpp>
 #include <loom/detail/process_counter.hpp>
 #include <loom/launch/environment.hpp>
 #include <loom/launch/rendezvous.hpp>
+#include <loom/trace/recorder.hpp>
 
 #if LOOM_TORCH_HAS_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -102,7 +117,44 @@ struct NcclOptions {
   std::string name{};
   /// Sleep between polls once a wait has spun for a while.
   std::chrono::microseconds poll_interval{50};
+  /// Keep a flight recorder (docs/debugging.md); false: no record, no fingerprint in the reducer's
+  /// window, no watcher thread.
+  bool flight_recorder = true;
+  /// Flight-record entries kept (the last collectives; 64 bytes each).
+  std::size_t trace_capacity = trace::FlightRecorder::kDefaultCapacity;
+  /// Where a failure writes the record files; empty: LOOM_TRACE_DIR, else "loom-trace" in the working
+  /// folder (docs/debugging.md).
+  std::string trace_folder{};
 };
+
+namespace detail {
+
+/// Rethrows the CommError `error` of flight-record entry `seq` with the flight recorder's verdict
+/// appended (TimeoutError stays a TimeoutError, NcclError keeps its code); any other exception
+/// propagates unchanged.
+[[noreturn]] inline void rethrow_with_flight_record(const std::exception_ptr& error, TraceExchange& trace,
+                                                    std::int64_t seq) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const TimeoutError& e) {
+    trace.recorder().fail(seq);
+    const std::string text = e.what();
+    const std::string verdict = trace.on_failure(text);
+    // TimeoutError's message is "<collective> timed out on rank <r> after <s> s: <detail>".
+    const std::string head = TimeoutError(e.collective(), e.rank(), e.seconds_waited()).what();
+    std::string detail = text.size() > head.size() + 2 ? text.substr(head.size() + 2) : std::string{};
+    detail += detail.empty() && verdict.rfind("; ", 0) == 0 ? verdict.substr(2) : verdict;
+    throw TimeoutError(e.collective(), e.rank(), e.seconds_waited(), detail);
+  } catch (const NcclError& e) {
+    trace.recorder().fail(seq);
+    throw NcclError(e.code(), e.what() + trace.on_failure(e.what()));
+  } catch (const CommError& e) {
+    trace.recorder().fail(seq);
+    throw CommError(e.what() + trace.on_failure(e.what()));
+  }
+}
+
+}  // namespace detail
 
 /// The handle of an asynchronous NCCL collective; models loom::WorkHandle. Copies refer to the
 /// same collective (like c10d::Work handles), so containers of handles work as with any value.
@@ -116,17 +168,29 @@ struct NcclOptions {
 /// communicator is aborted first); loom::NcclError for an asynchronous NCCL failure.
 class NcclWork {
  public:
+  /// `trace`, `seq`: the communicator's flight recorder and this collective's entry in it (none:
+  /// empty and -1).
   NcclWork(std::shared_ptr<detail::NcclState> state, cuda::Event done, std::string_view collective,
-           std::chrono::steady_clock::time_point start, at::Tensor keep_alive = {})
+           std::chrono::steady_clock::time_point start, at::Tensor keep_alive = {},
+           std::weak_ptr<detail::TraceExchange> trace = {}, std::int64_t seq = -1)
       : state_(std::move(state)),
         pending_(std::make_shared<Pending>(
-            Pending{std::move(done), std::string(collective), start, std::move(keep_alive)})) {}
+            Pending{std::move(done), std::string(collective), start, std::move(keep_alive), std::move(trace), seq})) {}
 
   /// Blocks the host until the collective finished, at most the communicator's timeout after it
-  /// was issued; then aborts the communicator and throws loom::TimeoutError.
+  /// was issued; then aborts the communicator and throws loom::TimeoutError (with the flight
+  /// recorder's verdict, see the file comment).
   void wait() {
     if (pending_->finished) return;
-    state_->wait_event([this] { return pending_->done.query(); }, pending_->collective, pending_->start);
+    const std::shared_ptr<detail::TraceExchange> trace = pending_->trace.lock();  // null once the communicator is gone
+    if (trace) trace->recorder().waiting(pending_->seq);
+    try {
+      state_->wait_event([this] { return pending_->done.query(); }, pending_->collective, pending_->start);
+    } catch (const CommError&) {
+      if (!trace) throw;
+      detail::rethrow_with_flight_record(std::current_exception(), *trace, pending_->seq);
+    }
+    if (trace) trace->recorder().complete(pending_->seq);
     pending_->finished = true;
     pending_->keep = at::Tensor();
   }
@@ -146,7 +210,9 @@ class NcclWork {
     cuda::Event done;
     std::string collective;
     std::chrono::steady_clock::time_point start;
-    at::Tensor keep;  // the buffer the collective reads/writes, alive until it finished
+    at::Tensor keep;                             // the buffer the collective reads/writes, alive until it finished
+    std::weak_ptr<detail::TraceExchange> trace;  // the communicator's flight recorder
+    std::int64_t seq = -1;                       // this collective's flight-record entry
     bool finished = false;
   };
   std::shared_ptr<detail::NcclState> state_;
@@ -172,19 +238,32 @@ class NcclCommunicator {
       : NcclCommunicator(rendezvous(env, {.timeout = options.timeout}), env.rank, env.world_size,
                          with_default_device(std::move(options), env.local_rank)) {}
 
-  /// Joins the group through a shared store handle (kept alive by the communicator).
+  /// Joins the group through a shared store handle (kept alive by the communicator; the flight
+  /// recorder's exchange runs over it too). Throws loom::InvalidArgument when `store` is null.
   NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, NcclOptions options = {})
-      : NcclCommunicator(*store, rank, world_size, std::move(options)) {
-    state_->store = std::move(store);
-  }
+      : NcclCommunicator(exchange_id(checked(store), rank, world_size, options), rank, world_size, options, store) {}
 
-  /// Joins the group `rank` of `world_size` through `store` (the unique id is exchanged there).
+  /// Joins the group `rank` of `world_size` through `store` (the unique id is exchanged there). The
+  /// communicator does not own `store`, so its flight recorder writes this rank's record only.
   NcclCommunicator(c10d::Store& store, int rank, int world_size, NcclOptions options = {})
-      : NcclCommunicator(exchange_id(store, rank, world_size, options), rank, world_size, options) {}
+      : NcclCommunicator(exchange_id(store, rank, world_size, options), rank, world_size, options, {}) {}
 
-  /// Joins the group with a unique id the caller distributed itself (e.g. over MPI).
+  /// Joins the group with a unique id the caller distributed itself (e.g. over MPI); without a
+  /// store, the flight recorder writes this rank's record only.
   NcclCommunicator(const ncclUniqueId& id, int rank, int world_size, NcclOptions options = {})
+      : NcclCommunicator(Joined{id, -1}, rank, world_size, std::move(options), {}) {}
+
+ private:
+  /// The unique id, and the communicator's number in this process (-1: not known, no store keys).
+  struct Joined {
+    ncclUniqueId id;
+    std::int64_t n = -1;
+  };
+
+  NcclCommunicator(const Joined& joined, int rank, int world_size, NcclOptions options,
+                   c10::intrusive_ptr<c10d::Store> store)
       : state_(std::make_shared<detail::NcclState>()) {
+    const ncclUniqueId& id = joined.id;
     check_rank(rank, world_size);
     auto& s = *state_;
     s.site = {rank, world_size, options.device >= 0 ? options.device : cuda::current_device()};
@@ -211,8 +290,11 @@ class NcclCommunicator {
     if (rc == ncclInProgress || options.nonblocking)
       s.poll_in_progress("ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__,
                          "nccl_init", start);
+    s.store = store;
+    if (options.flight_recorder) start_flight_recorder(options, std::move(store), joined.n);
   }
 
+ public:
   NcclCommunicator(NcclCommunicator&&) noexcept = default;
   NcclCommunicator& operator=(NcclCommunicator&&) noexcept = default;
   NcclCommunicator(const NcclCommunicator&) = delete;
@@ -236,6 +318,18 @@ class NcclCommunicator {
   [[nodiscard]] ncclComm_t native_handle() const {
     std::lock_guard lk(state_->mutex);
     return state_->comm;
+  }
+  /// This communicator's flight recorder: the last NcclOptions::trace_capacity collectives, written
+  /// to the trace folder on a failure (loom/trace/recorder.hpp, docs/debugging.md). Null when moved
+  /// from or built with NcclOptions::flight_recorder = false.
+  [[nodiscard]] trace::FlightRecorder* flight_recorder() const noexcept {
+    return trace_ ? &trace_->recorder() : nullptr;
+  }
+  /// Where a failure writes the record files (NcclOptions::trace_folder's rule).
+  [[nodiscard]] std::string trace_folder() const { return trace_ ? trace_->folder() : std::string{}; }
+  /// Changes it; empty: the default rule (e.g. `comm.set_trace_folder(run_dir + "/loom-trace")`).
+  void set_trace_folder(std::string folder) {
+    if (trace_) trace_->set_folder(std::move(folder));
   }
   /// True after abort() or after a timeout/failure aborted the communicator (any thread).
   [[nodiscard]] bool aborted() const noexcept { return state_->phase.load() == detail::NcclState::Phase::aborted; }
@@ -307,10 +401,15 @@ class NcclCommunicator {
     const ncclDataType_t type = detail::to_nccl_dtype(dtype, collective);
     check_pointer(data, count, collective);
     cuda::DeviceGuard on(s.site.device);
-    auto start = begin(collective, after);
-    s.run([&](ncclComm_t c) { return ncclAllReduce(data, data, count, type, detail::to_nccl_op(op), c, stream()); },
-          "ncclAllReduce(data, data, count, dtype, op, comm, stream)", __FILE__, __LINE__, collective, start);
-    return finish(collective, start, std::move(keep_alive));
+    // The barrier is recorded as Gloo records it: no tensor of the caller's.
+    const std::int64_t seq = collective == "barrier" ? record(trace::Op::barrier, c10::ScalarType::Undefined, 0)
+                                                     : record(trace::Op::all_reduce, dtype, count);
+    return recorded(seq, [&] {
+      auto start = begin(collective, after);
+      s.run([&](ncclComm_t c) { return ncclAllReduce(data, data, count, type, detail::to_nccl_op(op), c, stream()); },
+            "ncclAllReduce(data, data, count, dtype, op, comm, stream)", __FILE__, __LINE__, collective, start);
+      return finish(collective, start, std::move(keep_alive), seq);
+    });
   }
 
   /// Broadcast of `count` elements at `data` from `root`, in place, after `after`. Blocks.
@@ -327,10 +426,13 @@ class NcclCommunicator {
     detail::check_root(root, world_size(), "broadcast");
     check_pointer(data, count, "broadcast");
     cuda::DeviceGuard on(s.site.device);
-    auto start = begin("broadcast", after);
-    s.run([&](ncclComm_t c) { return ncclBroadcast(data, data, count, type, root, c, stream()); },
-          "ncclBroadcast(data, data, count, dtype, root, comm, stream)", __FILE__, __LINE__, "broadcast", start);
-    return finish("broadcast", start, std::move(keep_alive));
+    const std::int64_t seq = record(trace::Op::broadcast, dtype, count);
+    return recorded(seq, [&] {
+      auto start = begin("broadcast", after);
+      s.run([&](ncclComm_t c) { return ncclBroadcast(data, data, count, type, root, c, stream()); },
+            "ncclBroadcast(data, data, count, dtype, root, comm, stream)", __FILE__, __LINE__, "broadcast", start);
+      return finish("broadcast", start, std::move(keep_alive), seq);
+    });
   }
 
   /// Gathers `count` elements at `send` from every rank into `recv` (world_size() * count
@@ -347,10 +449,13 @@ class NcclCommunicator {
     check_pointer(send, count, "all_gather");
     check_pointer(recv, count, "all_gather");
     cuda::DeviceGuard on(s.site.device);
-    auto start = begin("all_gather", after);
-    s.run([&](ncclComm_t c) { return ncclAllGather(send, recv, count, type, c, stream()); },
-          "ncclAllGather(send, recv, count, dtype, comm, stream)", __FILE__, __LINE__, "all_gather", start);
-    return finish("all_gather", start, std::move(keep_alive));
+    const std::int64_t seq = record(trace::Op::all_gather, dtype, count);
+    return recorded(seq, [&] {
+      auto start = begin("all_gather", after);
+      s.run([&](ncclComm_t c) { return ncclAllGather(send, recv, count, type, c, stream()); },
+            "ncclAllGather(send, recv, count, dtype, comm, stream)", __FILE__, __LINE__, "all_gather", start);
+      return finish("all_gather", start, std::move(keep_alive), seq);
+    });
   }
 
   // ---- lifecycle ------------------------------------------------------------------------------
@@ -384,9 +489,14 @@ class NcclCommunicator {
       throw InvalidArgument(fmt::format("NcclCommunicator: rank {} is outside [0, {})", rank, world_size));
   }
 
-  static ncclUniqueId exchange_id(c10d::Store& store, int rank, int world_size, const NcclOptions& options) {
+  static c10d::Store& checked(const c10::intrusive_ptr<c10d::Store>& store) {
+    if (!store) throw InvalidArgument("NcclCommunicator: the store is null");
+    return *store;
+  }
+
+  static Joined exchange_id(c10d::Store& store, int rank, int world_size, const NcclOptions& options) {
     check_rank(rank, world_size);
-    const auto n = detail::next_in_process(detail::Counted::nccl_communicator);
+    const auto n = static_cast<std::int64_t>(detail::next_in_process(detail::Counted::nccl_communicator));
     const std::string key = fmt::format("{}/{}/unique_id", options.store_prefix, n);
     if (rank == 0) {
       ncclUniqueId id{};
@@ -395,9 +505,59 @@ class NcclCommunicator {
         detail::throw_nccl_error(rc, "ncclGetUniqueId(&id)", __FILE__, __LINE__, nullptr,
                                  {rank, world_size, options.device});
       detail::publish_unique_id(store, key, id);
-      return id;
+      return {id, n};
     }
-    return detail::fetch_unique_id(store, key, rank, options.timeout);
+    return {detail::fetch_unique_id(store, key, rank, options.timeout), n};
+  }
+
+  /// The flight recorder and its exchange; the exchange's keys live under "<store_prefix>/<n>/" in
+  /// `store` (none without a store: then a failure writes this rank's record only).
+  void start_flight_recorder(const NcclOptions& options, c10::intrusive_ptr<c10d::Store> store, std::int64_t n) {
+    const detail::NcclSite& site = state_->site;
+    c10::intrusive_ptr<c10d::Store> prefixed;
+    c10::intrusive_ptr<c10d::Store> side;
+    if (store && n >= 0) {
+      prefixed =
+          c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}/{}", options.store_prefix, n), std::move(store));
+      try {
+        side = detail::second_connection(prefixed, options.timeout);
+      } catch (const std::exception&) {
+        side = prefixed;  // no second connection: the watcher shares the first (NCCL does not wait on it)
+      }
+    }
+    auto recorder = std::make_shared<trace::FlightRecorder>(site.rank, site.world_size, detail::host_and_pid(),
+                                                            options.trace_capacity);
+    std::weak_ptr<detail::NcclState> state = state_;
+    trace_ = std::make_shared<detail::TraceExchange>(
+        recorder, std::move(prefixed), std::move(side), options.timeout, options.trace_folder,
+        [state] {
+          if (auto s = state.lock())
+            s->abort("the flight recorder found that the ranks issued different collectives under one number");
+        },
+        static_cast<int>(detail::next_in_process(detail::Counted::flight_recorder)));
+    std::weak_ptr<detail::TraceExchange> weak = trace_;
+    recorder->set_failure_handler([weak](const std::string& error) {
+      auto t = weak.lock();
+      return t ? t->on_failure(error) : std::string{};
+    });
+  }
+
+  /// The flight-record entry of a collective (-1 without a recorder).
+  std::int64_t record(trace::Op op, c10::ScalarType dtype, std::size_t count) noexcept {
+    return trace_ ? trace_->recorder().issue(op, dtype, static_cast<std::int64_t>(count)) : -1;
+  }
+
+  /// Runs `start` (which enqueues collective `seq` and returns its handle); a CommError from it
+  /// (the communicator aborted earlier, NCCL refused the call, a non-blocking enqueue timed out)
+  /// marks the entry failed and carries the flight recorder's verdict.
+  template <class Start>
+  NcclWork recorded(std::int64_t seq, Start&& start) {
+    if (!trace_) return start();
+    try {
+      return start();
+    } catch (const CommError&) {
+      detail::rethrow_with_flight_record(std::current_exception(), *trace_, seq);
+    }
   }
 
   void check_tensor(const at::Tensor& t, std::string_view collective) const {
@@ -438,13 +598,15 @@ class NcclCommunicator {
     return std::chrono::steady_clock::now();
   }
 
-  NcclWork finish(std::string_view collective, std::chrono::steady_clock::time_point start, at::Tensor keep_alive) {
+  NcclWork finish(std::string_view collective, std::chrono::steady_clock::time_point start, at::Tensor keep_alive,
+                  std::int64_t seq) {
     cuda::Event done(state_->site.device);
     done.record(stream());
-    return NcclWork(state_, std::move(done), collective, start, std::move(keep_alive));
+    return NcclWork(state_, std::move(done), collective, start, std::move(keep_alive), trace_, seq);
   }
 
   std::shared_ptr<detail::NcclState> state_;
+  std::shared_ptr<detail::TraceExchange> trace_;  // the flight recorder and its dump on failure (null: none)
 };
 
 static_assert(AsyncCommunicator<NcclCommunicator>, "NcclCommunicator must model loom::AsyncCommunicator");

@@ -19,11 +19,13 @@
 namespace loom::detail {
 
 /// What is counted: each kind has its own count.
-enum class Counted : std::size_t { rendezvous = 0, gloo_communicator = 1, nccl_communicator = 2 };
+/// flight_recorder counts the communicators (Gloo and NCCL together) that keep a flight recorder: the
+/// n-th writes its records to the trace folder's subfolder "comm<n>" (the first: the folder itself).
+enum class Counted : std::size_t { rendezvous = 0, gloo_communicator = 1, nccl_communicator = 2, flight_recorder = 3 };
 
 /// This process's count of `what` before this call (0 for the first), then counts one more.
 inline std::uint64_t next_in_process(Counted what) noexcept {
-  static std::array<std::atomic<std::uint64_t>, 3> counts{};
+  static std::array<std::atomic<std::uint64_t>, 4> counts{};
   return counts[static_cast<std::size_t>(what)].fetch_add(1);
 }
 

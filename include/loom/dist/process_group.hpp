@@ -100,8 +100,9 @@ struct ProcessGroupOptions {
   /// Bound on the rendezvous and every collective; unset: the environment variable LOOM_TIMEOUT
   /// (seconds, e.g. 600 or 2.5), else loom::kDefaultTimeout (300 s). See process_group_timeout.
   std::optional<std::chrono::milliseconds> timeout{};
-  std::string interface {};     ///< Gloo: network interface (GlooOptions::interface)
-  bool flight_recorder = true;  ///< Gloo: keep a flight recorder (GlooOptions::flight_recorder, docs/debugging.md)
+  std::string interface {};  ///< Gloo: network interface (GlooOptions::interface)
+  bool flight_recorder =
+      true;  ///< keep a flight recorder (GlooOptions / NcclOptions::flight_recorder, docs/debugging.md)
 };
 
 /// The timeout a ProcessGroup with `options` uses: options.timeout when set, else LOOM_TIMEOUT
@@ -211,7 +212,7 @@ class ProcessGroup {
     return env_;
   }
   /// The flight recorder of the held communicator (loom/trace/recorder.hpp), or nullptr when it keeps
-  /// none (the one-process LocalCommunicator, NCCL for now).
+  /// none (the one-process LocalCommunicator, or flight_recorder = false).
   [[nodiscard]] trace::FlightRecorder* flight_recorder() const noexcept {
     return visit([](auto& c) { return trace::recorder_of(c); });
   }
@@ -300,7 +301,7 @@ class ProcessGroup {
         const RankDevice d = rank_cuda_device(env, cuda_device_count(), visible ? visible : "");
         device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d.ordinal));
         return Variant(std::in_place_type<NcclCommunicator>, env,
-                       NcclOptions{.device = d.ordinal, .timeout = *o.timeout});
+                       NcclOptions{.device = d.ordinal, .timeout = *o.timeout, .flight_recorder = o.flight_recorder});
       }
 #endif
       default: device_ = c10::Device(c10::kCPU); return Variant(std::in_place_type<LocalCommunicator>, *o.timeout);

@@ -11,7 +11,6 @@
 #if LOOM_HAS_GLOO && defined(USE_C10D_GLOO)
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -20,7 +19,6 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unistd.h>
 #include <utility>
 #include <vector>
 
@@ -35,18 +33,12 @@
 #include <loom/comm/detail/gloo_join.hpp>
 #include <loom/comm/detail/gloo_peers.hpp>
 #include <loom/detail/exception_text.hpp>
+#include <loom/detail/host_and_pid.hpp>
 #include <loom/detail/process_counter.hpp>
 #include <loom/error.hpp>
 #include <loom/launch/rendezvous.hpp>
 
 namespace loom::detail {
-
-/// "host:pid", for error messages that must say which process failed.
-inline std::string host_and_pid() {
-  std::array<char, 256> host{};
-  if (gethostname(host.data(), host.size() - 1) != 0) host[0] = '?';
-  return fmt::format("{}:{}", host.data(), static_cast<long>(getpid()));
-}
 
 /// True when a Gloo message says a peer's socket went away.
 inline bool mentions_peer_gone(const std::string& text) {
@@ -83,7 +75,7 @@ inline GlooConnection connect_gloo(c10::intrusive_ptr<c10d::Store> store, int ra
   c10::intrusive_ptr<c10d::Store> side = prefixed;
   if (world_size > 1) {
     try {
-      side = JoinWatch::side_channel(prefixed, timeout);
+      side = second_connection(prefixed, timeout);
     } catch (const std::exception&) {
       side = prefixed;  // no second connection: failures are still seen, once Gloo's waits end
     }

@@ -6,7 +6,7 @@
 // first failing rank's line is kept; "loom_join/failures" counts them). The other ranks connect on a
 // helper thread and meanwhile look for that key every 20 ms; when it appears they stop waiting and
 // throw loom::CommError naming the failed rank and its error, instead of waiting for their timeout.
-// They look through a second connection to the store (JoinWatch::side_channel), because Gloo's own
+// They look through a second connection to the store (detail::second_connection, loom/comm/detail/store_side.hpp), because Gloo's own
 // waits hold the first one (c10d's TCPStore serialises a client's requests, a wait included). Every
 // rank that gives up this way (the failed one and those that read its line) stays until every rank
 // has read the line or failed itself ("loom_join/seen" + "loom_join/failures" = world size), at most
@@ -35,6 +35,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <loom/comm/detail/store_side.hpp>
+
 namespace loom::detail {
 
 /// The join-failure protocol of one communicator's construction (see the header comment).
@@ -47,7 +49,7 @@ class JoinWatch {
   static constexpr std::chrono::milliseconds kPollInterval{20};
 
   /// `store`: the communicator's (prefixed) store. `side`: a second connection to the same keys (see
-  /// side_channel), or `store` itself when the store needs none.
+  /// second_connection), or `store` itself when the store needs none.
   JoinWatch(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Store> side, int world_size)
       : store_(std::move(store)), side_(std::move(side)), world_size_(world_size) {}
 
@@ -94,37 +96,7 @@ class JoinWatch {
     }
   }
 
-  /// A second client connection with the same key prefixes as `store`, when `store` is (a chain of
-  /// PrefixStores over) a c10d::TCPStore; otherwise `store` itself (in-process stores do not hold a
-  /// lock while waiting).
-  static c10::intrusive_ptr<c10d::Store> side_channel(const c10::intrusive_ptr<c10d::Store>& store,
-                                                      std::chrono::milliseconds timeout) {
-    std::vector<std::string> prefixes;  // outermost first
-    c10::intrusive_ptr<c10d::Store> base = store;
-    while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(base.get())) {
-      prefixes.push_back((*prefix).*(&PrefixOf::prefix_));
-      base = prefix->getUnderlyingStore();
-    }
-    auto* tcp = dynamic_cast<c10d::TCPStore*>(base.get());
-    if (tcp == nullptr) return store;
-    c10d::TCPStoreOptions opts;
-    opts.port = tcp->getPort();
-    opts.isServer = false;
-    opts.waitWorkers = false;
-    opts.timeout = timeout;
-    c10::intrusive_ptr<c10d::Store> side = c10::make_intrusive<c10d::TCPStore>(tcp->getHost(), opts);
-    for (auto it = prefixes.rbegin(); it != prefixes.rend(); ++it)
-      side = c10::make_intrusive<c10d::PrefixStore>(*it, side);
-    return side;
-  }
-
  private:
-  // Named access to c10d::PrefixStore's protected prefix (a pointer to member taken through a class
-  // that makes it public; never instantiated).
-  struct PrefixOf : c10d::PrefixStore {
-    using c10d::PrefixStore::prefix_;
-  };
-
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Store> side_;
   int world_size_ = 1;

@@ -1,5 +1,6 @@
 // loom/comm/detail/trace_exchange.hpp — when a collective fails, every rank writes its flight
-// record and the failing rank names the first divergence (used by GlooCommunicator).
+// record and the failing rank names the first divergence (used by GlooCommunicator and
+// NcclCommunicator).
 //
 // Protocol, over the communicator's own (prefixed) c10d::Store, never over the broken process group:
 //  1. The rank whose collective fails (timeout, mismatch, a peer gone, a fingerprint that differs)
@@ -84,7 +85,8 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
   /// record files go (empty: default_trace_folder()).
   /// `abort`: breaks the communicator (every pending collective of every rank fails at once); the
   /// stuck-collective probe calls it on a proven conflict. `communicator`: the communicator's number
-  /// in its process (0, 1, ...): the records of communicator n > 0 go to the subfolder "comm<n>".
+  /// among this process's communicators with a flight recorder (0, 1, ...; Counted::flight_recorder):
+  /// the records of communicator n > 0 go to the subfolder "comm<n>".
   TraceExchange(std::shared_ptr<trace::FlightRecorder> recorder, c10::intrusive_ptr<c10d::Store> store,
                 c10::intrusive_ptr<c10d::Store> side, std::chrono::milliseconds timeout, std::string folder,
                 std::function<void()> abort = {}, int communicator = 0)
