@@ -210,6 +210,7 @@ int child_watchdog_abort() {
   } catch (const loom::CommError& e) {
     if (std::string(e.what()).find("aborted earlier") == std::string::npos) std::_Exit(6);
   }
+  std::filesystem::remove_all(loom::detail::default_trace_folder());  // the abort's record
   std::cout << "watchdog_abort: OK" << std::endl;
   std::_Exit(0);  // the stalled stream still holds work of the aborted communicator
 }
@@ -266,6 +267,9 @@ int child_two_ranks(int rank, const std::string& store_path) {
 
 int loom_gpu_test_child(int argc, char** argv) {
   const std::string mode = argv[0];
+  // A failing collective writes its flight record (docs/debugging.md): into /tmp, not the test's folder.
+  const auto traces = std::filesystem::temp_directory_path() / fmt::format("loom-gpu-trace-child-{}", getpid());
+  setenv("LOOM_TRACE_DIR", traces.c_str(), 1);
   try {
     if (mode == "timeout_collective") return child_timeout_collective();
     if (mode == "timeout_init") return child_timeout_init();

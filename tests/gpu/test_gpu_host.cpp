@@ -526,7 +526,8 @@ struct RecordedFailure {
       : folder(std::filesystem::temp_directory_path() / fmt::format("loom-gpu-host-{}-{}", name, getpid())) {
     std::filesystem::remove_all(folder);
     auto recorder = std::make_shared<loom::trace::FlightRecorder>(0, 1, "host:1", 16);
-    trace = std::make_shared<loom::detail::TraceExchange>(recorder, nullptr, nullptr, std::chrono::seconds(2),
+    trace = std::make_shared<loom::detail::TraceExchange>(recorder, c10::intrusive_ptr<c10d::Store>{},
+                                                          c10::intrusive_ptr<c10d::Store>{}, std::chrono::seconds(2),
                                                           folder.string());
     seq = recorder->issue(loom::trace::Op::all_reduce, c10::ScalarType::Float, 256);
     recorder->waiting(seq);
@@ -593,6 +594,17 @@ TEST_CASE("NCCL errors carry the flight recorder's verdict: the type, code and f
         std::rethrow_exception(again),
         doctest::Contains("aborted earlier; flight recorder: the records of this communicator's first failure are in"),
         loom::CommError);
+  }
+  SUBCASE("CudaError keeps its code") {
+    RecordedFailure f("cuda");
+    const std::exception_ptr e = f.rethrown(loom::CudaError(cudaErrorIllegalAddress, "cudaEventQuery(event) failed"));
+    try {
+      std::rethrow_exception(e);
+    } catch (const loom::CudaError& c) {
+      CHECK(c.code() == cudaErrorIllegalAddress);
+      CHECK(std::string(c.what()).rfind("loom: cudaEventQuery(event) failed; flight recorder: ", 0) == 0);
+    }
+    CHECK(f.trace->recorder().snapshot().entries.at(0).state == loom::trace::State::failed);
   }
   SUBCASE("anything but a CommError passes unchanged, and the entry is not marked failed") {
     RecordedFailure f("other");

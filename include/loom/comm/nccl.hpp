@@ -130,7 +130,7 @@ struct NcclOptions {
 namespace detail {
 
 /// Rethrows the CommError `error` of flight-record entry `seq` with the flight recorder's verdict
-/// appended (TimeoutError stays a TimeoutError, NcclError keeps its code); any other exception
+/// appended (TimeoutError stays a TimeoutError, NcclError and CudaError keep their codes); any other exception
 /// propagates unchanged.
 [[noreturn]] inline void rethrow_with_flight_record(const std::exception_ptr& error, TraceExchange& trace,
                                                     std::int64_t seq) {
@@ -148,6 +148,9 @@ namespace detail {
   } catch (const NcclError& e) {
     trace.recorder().fail(seq);
     throw NcclError(e.code(), e.what() + trace.on_failure(e.what()));
+  } catch (const CudaError& e) {
+    trace.recorder().fail(seq);
+    throw CudaError(e.code(), e.what() + trace.on_failure(e.what()));
   } catch (const CommError& e) {
     trace.recorder().fail(seq);
     throw CommError(e.what() + trace.on_failure(e.what()));
@@ -174,21 +177,28 @@ class NcclWork {
            std::chrono::steady_clock::time_point start, at::Tensor keep_alive = {},
            std::weak_ptr<detail::TraceExchange> trace = {}, std::int64_t seq = -1)
       : state_(std::move(state)),
-        pending_(std::make_shared<Pending>(
-            Pending{std::move(done), std::string(collective), start, std::move(keep_alive), std::move(trace), seq})) {}
+        pending_(std::make_shared<Pending>(Pending{std::move(done), std::string(collective), start,
+                                                   std::move(keep_alive), std::move(trace), seq, nullptr, false})) {}
 
   /// Blocks the host until the collective finished, at most the communicator's timeout after it
   /// was issued; then aborts the communicator and throws loom::TimeoutError (with the flight
   /// recorder's verdict, see the file comment).
+  /// After a failure every wait() (on this handle or a copy) rethrows the same error.
   void wait() {
     if (pending_->finished) return;
+    if (pending_->error) std::rethrow_exception(pending_->error);
     const std::shared_ptr<detail::TraceExchange> trace = pending_->trace.lock();  // null once the communicator is gone
     if (trace) trace->recorder().waiting(pending_->seq);
     try {
-      state_->wait_event([this] { return pending_->done.query(); }, pending_->collective, pending_->start);
-    } catch (const CommError&) {
-      if (!trace) throw;
-      detail::rethrow_with_flight_record(std::current_exception(), *trace, pending_->seq);
+      try {
+        state_->wait_event([this] { return pending_->done.query(); }, pending_->collective, pending_->start);
+      } catch (const CommError&) {
+        if (!trace) throw;
+        detail::rethrow_with_flight_record(std::current_exception(), *trace, pending_->seq);
+      }
+    } catch (...) {
+      pending_->error = std::current_exception();
+      throw;
     }
     if (trace) trace->recorder().complete(pending_->seq);
     pending_->finished = true;
@@ -196,7 +206,15 @@ class NcclWork {
   }
   /// Whether the collective has finished (no blocking). After an abort it may be true for a
   /// collective whose wait() then throws CommError (the data is not known to be complete).
-  [[nodiscard]] bool is_completed() const { return pending_->finished || pending_->done.query(); }
+  /// A collective seen complete here is marked completed in the flight record too (a handle only
+  /// polled, or only used through block(), is never waited for).
+  [[nodiscard]] bool is_completed() const {
+    if (pending_->finished) return true;
+    if (!pending_->done.query()) return false;
+    if (state_->phase.load() == detail::NcclState::Phase::live)
+      if (const auto trace = pending_->trace.lock()) trace->recorder().complete(pending_->seq);
+    return true;
+  }
   /// Makes `stream` wait for the collective on the GPU; the host does not block (no timeout:
   /// call wait() or is_completed() somewhere to notice a hang).
   void block(cudaStream_t stream) const { pending_->done.block(stream); }
@@ -213,6 +231,7 @@ class NcclWork {
     at::Tensor keep;                             // the buffer the collective reads/writes, alive until it finished
     std::weak_ptr<detail::TraceExchange> trace;  // the communicator's flight recorder
     std::int64_t seq = -1;                       // this collective's flight-record entry
+    std::exception_ptr error;                    // the first wait()'s error, rethrown by later waits
     bool finished = false;
   };
   std::shared_ptr<detail::NcclState> state_;
@@ -379,7 +398,6 @@ class NcclCommunicator {
   /// timeout().
   void barrier() {
     auto& s = *state_;
-    s.ensure_live("barrier");
     if (!s.barrier_word) s.barrier_word.emplace(s.site.device, sizeof(int32_t));
     all_reduce_async(s.barrier_word->get(), 1, c10::ScalarType::Int, ReduceOp::sum, stream(), {}, "barrier").wait();
   }

@@ -7,9 +7,9 @@
 
 #include <array>
 #include <string>
+#include <unistd.h>
 
 #include <fmt/format.h>
-#include <unistd.h>
 
 namespace loom::detail {
 
