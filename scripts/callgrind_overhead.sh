@@ -40,31 +40,23 @@ count() {  # $1 = loom | hand
   awk '/^summary:/ {print $2}' "$out/$1.out"
 }
 
-loom=$(count loom)
-hand=$(count hand)
-ratio=$(awk -v a="$loom" -v b="$hand" 'BEGIN {printf "%.4f", a / b}')
+compare() {  # WITH BASELINE WITH_LABEL BASELINE_LABEL RATIO_LABEL: counts both loops, prints the ratio
+  local with base ratio
+  with=$(count "$1")
+  base=$(count "$2")
+  ratio=$(awk -v a="$with" -v b="$base" 'BEGIN {printf "%.4f", a / b}')
+  printf '  %-22s: %14s\n' "$4" "$base" "$3" "$with"
+  echo "  ratio $5: $ratio (goal <= 1.01)"
+  awk -v r="$ratio" 'BEGIN {exit !(r <= 1.01)}' && echo "  goal met" || echo "  goal NOT met"
+}
+
 echo "instructions (Ir) in the measured loop:"
-printf '  hand-written loop : %15s\n' "$hand"
-printf '  accumulator+reducer: %14s\n' "$loom"
-echo "  ratio loom / hand  : $ratio (goal <= 1.01)"
-awk -v r="$ratio" 'BEGIN {exit !(r <= 1.01)}' && echo "goal met" || echo "goal NOT met"
+compare loom hand "accumulator+reducer" "hand-written loop" "loom / hand"
 # The short path (loom::Trainer + BatchLoader) against the same protocol written over the
 # low-level layer (GlobalBatchSampler + collate_sampled + Accumulator + Reducer): one epoch of
 # 48 batches of 32, 4 batches per step, after a warm-up epoch.
-trainer=$(count trainer)
-lowlevel=$(count lowlevel)
-ratio2=$(awk -v a="$trainer" -v b="$lowlevel" 'BEGIN {printf "%.4f", a / b}')
-printf '  low-level loop      : %14s\n' "$lowlevel"
-printf '  loom::Trainer loop  : %14s\n' "$trainer"
-echo "  ratio trainer / low-level: $ratio2 (goal <= 1.01)"
-awk -v r="$ratio2" 'BEGIN {exit !(r <= 1.01)}' && echo "goal met" || echo "goal NOT met"
+compare trainer lowlevel "loom::Trainer loop" "low-level loop" "trainer / low-level"
 # The flight recorder (docs/debugging.md): the same Trainer loop over a GlooCommunicator of one rank,
 # GlooOptions::flight_recorder on against off. Counts the training thread (the recorder's work is
 # there: one entry, the fingerprint fold and three state changes per collective).
-recorder=$(count recorder)
-norecorder=$(count norecorder)
-ratio3=$(awk -v a="$recorder" -v b="$norecorder" 'BEGIN {printf "%.4f", a / b}')
-printf '  Gloo, recorder off  : %14s\n' "$norecorder"
-printf '  Gloo, recorder on   : %14s\n' "$recorder"
-echo "  ratio recorder on / off: $ratio3 (goal <= 1.01)"
-awk -v r="$ratio3" 'BEGIN {exit !(r <= 1.01)}' && echo "goal met" || echo "goal NOT met"
+compare recorder norecorder "Gloo, recorder on" "Gloo, recorder off" "recorder on / off"
