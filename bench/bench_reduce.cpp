@@ -6,8 +6,10 @@
 //     flat         one all-reduce of one preallocated flat buffer of the same bytes: the limit
 //     loom         loom::Reducer (25 MiB buckets, 1 MiB first, averaging + inf/NaN scan) on
 //                  gradients marked ready by hand (mark_all_ready), so only the reduction is timed
-//     loom_deterministic  the same with ReducerOptions::deterministic (int64 grid sums; its
-//                  wire_bytes counter: the bytes its all-reduces carry)
+//     loom_deterministic  the same with ReducerOptions::deterministic (grid sums on the int32
+//                  wire, int64 for a bucket that does not fit it; its wire_bytes counter: the
+//                  bytes its all-reduces carried per step, wide_buckets: buckets sent again as
+//                  int64 per step)
 //   the same gradients delivered by a backward pass (a custom autograd function whose backward
 //   returns them), so that a reducer driven by autograd hooks can be compared:
 //     backward_only  the backward alone (AccumulateGrad adds into .grad): subtract it
@@ -292,8 +294,9 @@ std::int64_t bytes_of(const std::vector<std::vector<std::int64_t>>& shapes) {
 struct Variant {
   virtual ~Variant() = default;
   virtual void step() = 0;
-  std::int64_t bytes = 0;       // gradient bytes reduced per step (0: not a reduction benchmark)
-  std::int64_t wire_bytes = 0;  // bytes one rank's all-reduces carry per step, when they differ from `bytes`
+  std::int64_t bytes = 0;          // gradient bytes reduced per step (0: not a reduction benchmark)
+  std::int64_t wire_bytes = 0;     // bytes one rank's all-reduces carry per step, when they differ from `bytes`
+  std::int64_t wide_buckets = -1;  // deterministic reducer: buckets sent again as int64 in the last step
 };
 
 // One blocking all-reduce (and divide) per gradient tensor: the naive loop.
@@ -318,7 +321,7 @@ struct Flat : Variant {
 };
 
 // loom::Reducer on gradients marked ready by hand: only the reduction is timed. `deterministic`:
-// ReducerOptions::deterministic (int64 sums; it refuses average = world_size, so it averages by
+// ReducerOptions::deterministic (integer sums; it refuses average = world_size, so it averages by
 // samples with one sample per rank, which divides by the same 2).
 struct LoomMarked : Variant {
   std::vector<at::Tensor> params;
@@ -330,12 +333,6 @@ struct LoomMarked : Variant {
         reducer(*g_comm, {.params = params},
                 {.average = exact ? loom::Average::samples : loom::Average::world_size, .deterministic = exact}) {
     bytes = bytes_of(shapes);
-    if (exact) {
-      std::int64_t elements = 0, tensors = 0;
-      for (const auto& b : reducer.bucket_params()) tensors += static_cast<std::int64_t>(b.size());
-      for (const auto& p : params) elements += p.numel();
-      wire_bytes = 8 * (elements + 3 * tensors + 2 * static_cast<std::int64_t>(reducer.bucket_params().size()));
-    }
     reducer.prepare_backward({.sync = false});  // gradients become bucket views
     for (auto& p : params) p.mutable_grad().fill_(1e-3f);
     step();  // the one-time bucket rebuild happens at the next window
@@ -343,7 +340,25 @@ struct LoomMarked : Variant {
   void step() override {
     reducer.prepare_backward({.sync = true, .window_samples = deterministic ? 1 : 32});
     reducer.mark_all_ready();
-    reducer.finish_window();
+    const loom::Reduction r = reducer.finish_window();
+    if (!deterministic) return;
+    // The bytes this step's all-reduces carried (the window meta's small all-reduce left out): each
+    // bucket's int32 wire [elements | tail of 4 n + 1 | wide flag], and, for the buckets sent again
+    // (the largest ones counted, an upper bound), its int64 [elements | tail].
+    std::int64_t narrow = 0;
+    std::vector<std::int64_t> wide;
+    for (const auto& b : reducer.bucket_params()) {
+      std::int64_t elements = 0;
+      for (std::size_t i : b) elements += params[i].numel();
+      const auto n = static_cast<std::int64_t>(b.size());
+      narrow += 4 * (elements + 4 * n + 2);
+      wide.push_back(8 * (elements + 4 * n + 1));
+    }
+    std::sort(wide.rbegin(), wide.rend());
+    wire_bytes = narrow;
+    for (std::int64_t i = 0; i < r.grid_wide_buckets && i < static_cast<std::int64_t>(wide.size()); ++i)
+      wire_bytes += wide[static_cast<std::size_t>(i)];
+    wide_buckets = r.grid_wide_buckets;
   }
 };
 
@@ -509,6 +524,7 @@ void run_variant(benchmark::State& state, std::int64_t id) {
   v.step();  // untimed warm-up
   for (auto _ : state) v.step();
   if (v.wire_bytes > 0) state.counters["wire_bytes"] = static_cast<double>(v.wire_bytes);
+  if (v.wide_buckets >= 0) state.counters["wide_buckets"] = static_cast<double>(v.wide_buckets);
   if (v.bytes > 0) {
     state.counters["bytes"] = static_cast<double>(v.bytes);
     state.counters["algbw_GBps"] =

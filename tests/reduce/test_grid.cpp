@@ -109,12 +109,48 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and turns back to the same bits") {
+  CHECK(d::wire_limit(1) == 2147483647);
+  CHECK(d::wire_limit(2) == 1073741823);
+  CHECK(d::wire_limit(3) == 715827882);  // 3 x 715827882 = 2147483646 <= 2^31 - 1
+  CHECK(d::wire_limit(8) == 268435455);
+  const std::int64_t limit = d::wire_limit(3);
+  std::vector<std::int64_t> q{0, 1, -1, limit, -limit, 123456789, -987654};
+  std::vector<std::int32_t> w(q.size(), 77);
+  CHECK(d::narrow_to_wire_cpu(q.data(), w.data(), static_cast<std::int64_t>(q.size()), limit));
+  CHECK(std::equal(q.begin(), q.end(), w.begin()));
+  for (std::int64_t over : {limit + 1, -limit - 1, std::int64_t{1} << 40}) {
+    std::vector<std::int64_t> q2 = q;
+    q2[3] = over;
+    CAPTURE(over);
+    CHECK_FALSE(d::narrow_to_wire_cpu(q2.data(), w.data(), static_cast<std::int64_t>(q2.size()), limit));
+  }
+  // More elements than one parallel chunk (2^16), the value out of range in the last one.
+  std::vector<std::int64_t> many(200000, -5);
+  std::vector<std::int32_t> wm(many.size());
+  CHECK(d::narrow_to_wire_cpu(many.data(), wm.data(), 200000, limit));
+  CHECK(std::all_of(wm.begin(), wm.end(), [](std::int32_t v) { return v == -5; }));
+  many[199999] = limit + 1;
+  CHECK_FALSE(d::narrow_to_wire_cpu(many.data(), wm.data(), 200000, limit));
+
+  // The same integers as int32 or int64 turn back to the same bits and the same largest magnitude.
+  std::vector<float> out64(q.size()), out32(q.size());
+  bool bad64 = false, bad32 = false;
+  std::vector<std::int32_t> w2(q.size());
+  REQUIRE(d::narrow_to_wire_cpu(q.data(), w2.data(), static_cast<std::int64_t>(q.size()), limit));
+  const auto n = static_cast<std::int64_t>(q.size());
+  CHECK(d::dequantize_cpu(q.data(), out64.data(), n, 20, 3.0, 7.0, bad64) == limit);
+  CHECK(d::dequantize_cpu(w2.data(), out32.data(), n, 20, 3.0, 7.0, bad32) == limit);
+  CHECK(std::memcmp(out64.data(), out32.data(), out64.size() * sizeof(float)) == 0);
+  CHECK(out64[5] == static_cast<float>(123456789.0 * std::ldexp(1.0, -20) * 3.0 / 7.0));
+}
+
 TEST_CASE("grid: the exponent rule, by hand") {
-  CHECK(d::next_grid_exponent(32, std::int64_t{600} << 32, false) == 22);  // 42 bits -> aimed at 32
-  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 31, false) == 32);    // 32 bits: unchanged
+  CHECK(d::next_grid_exponent(32, std::int64_t{600} << 32, false) == 16);  // 42 bits -> aimed at 26
+  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, false) == 32);    // 26 bits: unchanged
   CHECK(d::next_grid_exponent(32, 1, false) == 40);                        // rises by at most 8
   CHECK(d::next_grid_exponent(32, 0, false) == 32);                        // nothing to go by
-  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 31, true) == 30);     // near the limit: 2 lower
+  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, true) == 30);     // near the limit: 2 lower
   CHECK(d::backed_off_grid_exponent(32) == 16);
   CHECK(d::next_grid_exponent(d::kGridMaxExponent, 1, false) == d::kGridMaxExponent);
 }
@@ -213,9 +249,39 @@ TEST_CASE("deterministic reducer: error against float64 within C x 2^-(e+1) / N,
   check(b.grad(), ref_b, "b");
   // b[0] (5e-12 in sum) is below half a grid step per contribution: each rounded to 0.
   CHECK(b.grad()[0].item<float>() == 0.0f);
+  // a's sum 600 x 2^32 is far above the int32 wire (W = 1: 2^31 - 1): the bucket went again as int64.
+  CHECK(r.grid_wide_buckets == 1);
   // The next exponents, by hand: a's largest sum is 600 = 10 bits -> 600 x 2^32 has 42 bits, aimed
-  // at 32: e = 22. b's largest is 1.25 x 2^32 (33 bits): e = 31.
-  CHECK(reducer.grid_exponents() == std::vector<int>{22, 31});
+  // at 26: e = 16. b's largest is 1.25 x 2^32 (33 bits): e = 25.
+  REQUIRE(reducer.grid_exponents() == std::vector<int>{16, 25});
+
+  // The same window again on those grids: every sum fits the int32 wire (600 x 2^16 < 2^31), and
+  // the error bound is each parameter's own: C x 2^-(e+1) / N.
+  a.mutable_grad().zero_();
+  b.mutable_grad().zero_();
+  for (int c = 0; c < contributions; ++c) {
+    const float k = 1.0f + 0.1f * static_cast<float>(c);
+    reducer.prepare_backward({.sync = c == contributions - 1, .window_samples = static_cast<std::int64_t>(n)});
+    contribute(reducer, 0, a, torch::tensor({1e-8f * k, 3e-3f * k, -7.5f * k, 120.0f}));
+    contribute(reducer, 1, b, torch::tensor({1e-12f * k, 5e-6f * k, 0.25f}));
+  }
+  const auto r2 = reducer.finish_window();
+  REQUIRE(r2.reduced);
+  CHECK(r2.grid_wide_buckets == 0);
+  auto check_on = [&](const at::Tensor& got, const std::vector<double>& ref, int e, const char* name) {
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      const double want = ref[i] / n;
+      const double bound = contributions * std::ldexp(1.0, -(e + 1)) / n + std::abs(want) * std::ldexp(1.0, -24);
+      const double err = std::abs(got[static_cast<std::int64_t>(i)].item<double>() - want);
+      CHECK_MESSAGE(err <= bound, fmt::format("{}[{}]: {} against {} (error {:.3g}, bound {:.3g})", name, i,
+                                              got[static_cast<std::int64_t>(i)].item<double>(), want, err, bound));
+    }
+  };
+  check_on(a.grad(), ref_a, 16, "a");
+  check_on(b.grad(), ref_b, 25, "b");
+  // a[0] (5e-8 in sum) is below half a grid step of 2^-16 per contribution: each rounded to 0.
+  CHECK(a.grad()[0].item<float>() == 0.0f);
+  CHECK(reducer.grid_exponents() == std::vector<int>{16, 25});  // the sums landed at 26 bits
 }
 
 TEST_CASE("deterministic reducer: a contribution too large for its grid skips the step on the grid's next exponent") {
@@ -298,8 +364,9 @@ TEST_CASE("deterministic reducer: bfloat16 buckets (the ATen path) and float16 i
   CHECK(torch::equal(a.grad().to(torch::kFloat), torch::tensor({0.1875f, 0.5f, -0.5f})));  // (x + y) / 4
   CHECK(torch::equal(b.grad().to(torch::kFloat), torch::tensor({0.09375f, 0.5f})));
   CHECK_FALSE(c.grad().defined());  // unused everywhere, undefined before: stays undefined
-  // Largest sums 2 (a: 2 x 2^32 has 34 bits) and 2 (b): e = 30; c had nothing: 32.
-  CHECK(reducer.grid_exponents() == std::vector<int>{30, 30, 32});
+  // Largest sums 2 (a: 2 x 2^32 has 34 bits, aimed at 26) and 2 (b): e = 24; c had nothing: 32.
+  CHECK(reducer.grid_exponents() == std::vector<int>{24, 24, 32});
+  CHECK(r.grid_wide_buckets == 0);  // a bfloat16 bucket's integers travel as int64
 
   // A contribution over the limit on the ATen path: 2048 >= 2^10 at e = 32.
   auto big = bf({2048.0f});

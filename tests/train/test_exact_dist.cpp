@@ -137,7 +137,7 @@ void train(loom::GlooCommunicator& comm, const fs::path& dir, int steps, const s
     reducer.load_grid_exponents(exponents);
   }
   loom::Accumulator acc(reducer, {.micro_batches_per_step = 0});  // steps come from the plan
-  int done = 0, idle_steps = 0;
+  int done = 0, idle_steps = 0, wide_windows = 0;
   while (done < steps) {
     auto item = sampler.next();
     if (!item) {
@@ -161,6 +161,7 @@ void train(loom::GlooCommunicator& comm, const fs::path& dir, int steps, const s
     }
     if (!step.boundary) continue;
     if (!step.apply) throw std::runtime_error("a step was not applied");
+    if (step.grid_wide_buckets > 0) ++wide_windows;
     sgd.step();
     loom::zero_grad(sgd, loom::GradReset::zero);
     ++done;
@@ -169,6 +170,7 @@ void train(loom::GlooCommunicator& comm, const fs::path& dir, int steps, const s
     throw std::runtime_error("rank 3 of 4 was never idle (the plan no longer leaves a rank idle)");
   if (comm.rank() == 0) {
     write_file(dir / fmt::format("params.{}", tag), hex_of(params));
+    write_file(dir / fmt::format("wide.{}", tag), fmt::format("{} {}", wide_windows, done));
     write_file(dir / "checkpoint.params", hex_of(params));
     write_file(dir / "checkpoint.buffers", hex_of({net.running_mean, net.running_var}));
     torch::save(sgd, (dir / "checkpoint.sgd").string());
@@ -196,11 +198,22 @@ TEST_SUITE("dist") {
   TEST_CASE("deterministic: an epoch and 2 steps on 1, 2, 3 and 4 ranks give identical weight bytes") {
     const int steps = static_cast<int>(loom::plan_epoch(shapes(), kPlan, 0).steps.size()) + 2;
     REQUIRE(steps > 8);
-    std::map<int, std::string> bytes;
+    std::map<int, std::string> bytes, wide;
     for (int w : {1, 2, 3, 4}) {
       TempDir dir("loom-exact");
       run(w, dir.path, steps, "run");
       bytes[w] = read_file(dir.path / "params.run");
+      wide[w] = read_file(dir.path / "wide.run");
+      MESSAGE(fmt::format("W = {}: windows with a bucket on the int64 wire, of all: {}", w, wide[w]));
+    }
+    // Both wires were taken (the first window's grid, 2^-32, is too fine for the int32 wire), so the
+    // identity below also covers windows whose wire differs between world sizes.
+    for (int w : {1, 4}) {
+      std::istringstream in(wide[w]);
+      int wide_windows = 0, windows = 0;
+      in >> wide_windows >> windows;
+      CHECK(wide_windows > 0);
+      CHECK(wide_windows < windows);
     }
     CHECK(bytes[2] == bytes[1]);
     CHECK(bytes[3] == bytes[1]);

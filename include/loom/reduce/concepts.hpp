@@ -68,6 +68,10 @@ struct Reduction {
   /// ReducerOptions::deterministic only: a gradient contribution was too large for its parameter's
   /// integer grid; every rank skips the step (gradients zeroed) and that grid is made coarser.
   bool grid_overflow = false;
+  /// ReducerOptions::deterministic only: buckets whose integers did not fit the int32 wire on some
+  /// rank this window and were all-reduced again as int64 (one more all-reduce each; the sums are
+  /// the same integers, so the gradient is the same). Common in a first window and on many ranks.
+  std::int64_t grid_wide_buckets = 0;
 };
 
 /// A box that reduces gradients across ranks at step boundaries.

@@ -65,8 +65,11 @@ struct ReducerOptions {
   /// order. Grid: one exponent per parameter, from the previous window's reduced maximum (the first
   /// window: step 2^-32); a contribution too large for its grid makes every rank skip the step
   /// together (Reduction::grid_overflow) with a 2^16-times coarser grid for that parameter. Costs
-  /// int64 buckets beside the floating ones (8 bytes per element more memory, twice float32's wire
-  /// bytes). Needs average = samples or none (world_size divides by the world size) and no wire_dtype.
+  /// int64 buckets beside the floating ones (8 bytes per element more memory, 12 on the CPU with
+  /// the int32 wire). A CPU bucket travels as int32 when every rank's integers fit (float32's wire
+  /// bytes), else it is sent again as int64 (Reduction::grid_wide_buckets); the sums are the same
+  /// integers either way. Needs average = samples or none (world_size divides by the world size)
+  /// and no wire_dtype.
   /// What else a bit-identical run needs (same intra-op threads, deterministic kernels): docs/elastic.md.
   bool deterministic = false;
 };

@@ -19,6 +19,7 @@
 
 #include <loom/reduce/buckets.hpp>
 #include <loom/reduce/detail/exact.hpp>
+#include <loom/reduce/detail/scale.hpp>
 #include <loom/reduce/options.hpp>
 #include <loom/reduce/parameters.hpp>
 
@@ -85,6 +86,8 @@ struct GradBucket {
   at::Tensor qhead;
   at::Tensor qtail;
   at::Tensor qflags_host;  // deterministic mode, bucket on a GPU: pinned staging of [used n | contributions n]
+  at::Tensor qwire;        // deterministic mode, float32/float64 bucket on the CPU: the int32 wire
+                           // [gradients | GridTail | wide flag] (exact.hpp), else undefined
   std::vector<std::size_t> slots;
   std::size_t pending = 0;
   bool ready = false;
@@ -167,6 +170,7 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
       b.qhead = b.qflat.narrow(0, 0, total);
       b.qtail = b.qflat.narrow(0, total, GridTail::length(n));
       if (!first.is_cpu()) b.qflags_host = at::empty({2 * n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+      if (has_fused_scan(b.flat)) b.qwire = at::empty({b.qflat.numel() + 1}, opts.dtype(at::kInt));
     }
     if (!first.is_cpu())
       b.flags_host = at::empty(

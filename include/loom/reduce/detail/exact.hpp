@@ -8,6 +8,11 @@
 //
 // Shape: an integer bucket is int64 [gradients | GridTail]; a slot is the same element range
 //        [offset, offset + numel) as in the floating bucket, whatever the parameter's strides.
+// Wire:  a bucket on the CPU travels as int32 [gradients | GridTail | wide flag] when every value of
+//        every rank is at most wire_limit(world size) in magnitude (so the int32 sum cannot wrap);
+//        a rank whose values do not fit sets the wide flag, and when the reduced flag is set every
+//        rank all-reduces the bucket again as int64. Either wire gives the same integer sums, so the
+//        choice (which depends on the world size) does not change the result, only the bytes.
 // Units: the grid step of a parameter is 2^-e gradient units; "grid units" are multiples of it.
 // Bounds: one contribution must stay below 2^42 grid units (kGridLimit) and a window may hold at
 //         most 2^20 contributions per element over all ranks, so no int64 sum can overflow. Each
@@ -27,6 +32,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -43,10 +49,14 @@ inline constexpr double kGridLimit = 4398046511104.0;
 inline constexpr double kGridNear = 1099511627776.0;
 /// The most contributions (backward passes, over all ranks) one window may sum: 2^20.
 inline constexpr std::int64_t kGridMaxContributions = std::int64_t{1} << 20;
-/// The bit length the rule aims the reduced sum's largest magnitude at: 10 bits (1024x) below the
-/// limit, so a gradient may grow 1024-fold from one window to the next before it overflows.
-inline constexpr int kGridTargetBits = 32;
-/// Every parameter's first exponent: grid step 2^-32 (2.3e-10), contributions up to 2^10 = 1024.
+/// The bit length the rule aims the reduced sum's largest magnitude at: 16 bits (65536x) below the
+/// limit, so a gradient may grow 65536-fold from one window to the next before it overflows, and 5
+/// bits below int32's range, so on W ranks the int32 wire holds sums up to 32 / W times the target
+/// (a rank's partial sum up to 2^31 / W) before a bucket travels as int64. Grid step: 2^-26 of the
+/// previous window's largest reduced magnitude (float32's spacing there is 2^-23).
+inline constexpr int kGridTargetBits = 26;
+/// Every parameter's first exponent: grid step 2^-32 (2.3e-10), contributions up to 2^10 = 1024
+/// (on the int32 wire up to 0.5 / W: a first window of larger gradients travels as int64).
 inline constexpr int kGridInitialExponent = 32;
 /// After an overflow, the exponent of each parameter that overflowed drops by this much (2^16 coarser).
 inline constexpr int kGridBackoff = 16;
@@ -142,6 +152,28 @@ inline void quantize_add_aten(at::Tensor g, at::Tensor q, int exponent, at::Tens
   g.zero_();
 }
 
+/// The largest magnitude a rank's value may have on the int32 wire of `world_size` ranks:
+/// floor((2^31 - 1) / world_size), so a sum over the ranks stays within int32.
+inline std::int64_t wire_limit(int world_size) {
+  return std::int64_t{std::numeric_limits<std::int32_t>::max()} / std::max(world_size, 1);
+}
+
+/// Copies q[0, n) to the int32 wire w[0, n) (CPU). Returns true when every |q[i]| <= limit; false
+/// when one is larger (then w holds wrapped values that must not be used: the bucket goes as int64).
+inline bool narrow_to_wire_cpu(const std::int64_t* q, std::int32_t* w, std::int64_t n, std::int64_t limit) {
+  std::atomic<bool> fits{true};
+  at::parallel_for(0, n, std::int64_t{1} << 16, [&](std::int64_t begin, std::int64_t end) {
+    bool ok = true;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const std::int64_t v = q[i];
+      ok &= (v <= limit) & (v >= -limit);
+      w[i] = static_cast<std::int32_t>(v);  // modulo 2^32 (C++20); used only when ok
+    }
+    if (!ok) fits.store(false, std::memory_order_relaxed);
+  });
+  return fits.load();
+}
+
 /// The factor that turns a reduced integer back: 2^-exponent x multiplier / divisor, in float64
 /// (the same operations on every rank).
 inline double grid_factor(int exponent, double multiplier, double divisor) {
@@ -149,11 +181,12 @@ inline double grid_factor(int exponent, double multiplier, double divisor) {
 }
 
 /// Turns a reduced integer slot back: out[i] = T(float64(q[i]) x grid_factor(...)), one float64
-/// multiplication per element. Returns the largest |q[i]| (the next exponent's input);
-/// `non_finite` is set when a result is not finite in T.
-template <class T>
-std::int64_t dequantize_cpu(const std::int64_t* q, T* out, std::int64_t n, int exponent, double multiplier,
-                            double divisor, bool& non_finite) {
+/// multiplication per element; q is int64 or the int32 wire (the same integers give the same bits).
+/// Returns the largest |q[i]| (the next exponent's input); `non_finite` is set when a result is not
+/// finite in T.
+template <class T, class I>
+std::int64_t dequantize_cpu(const I* q, T* out, std::int64_t n, int exponent, double multiplier, double divisor,
+                            bool& non_finite) {
   const double factor = grid_factor(exponent, multiplier, divisor);
   std::uint64_t largest = 0;
   bool bad = false;

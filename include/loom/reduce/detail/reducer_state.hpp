@@ -150,7 +150,8 @@ class ReducerState {
     // every rank reaches the same verdict; a sum that overflowed is caught too).
     const bool clip = options_.max_grad_norm.has_value();
     GridVerdict grid;
-    const WindowSummary summary = options_.deterministic ? reduce_on_grid(clip, grid) : reduce_floating(clip);
+    const WindowSummary summary =
+        options_.deterministic ? reduce_on_grid(clip, grid, r.grid_wide_buckets) : reduce_floating(clip);
     const WindowCounts& counts = summary.counts;
     const bool no_samples = options_.average == Average::samples && counts.samples == 0;
     r.global_samples = counts.samples;
@@ -407,7 +408,16 @@ class ReducerState {
     trace::Scope scope(*comm_, trace::Context::reducer_bucket, static_cast<std::int64_t>(bi));
     if (options_.deterministic) {
       write_grid_tail(b);
-      works_[bi] = start(b.qflat);
+      if (b.qwire.defined()) {
+        // The int32 wire when this rank's integers fit it; the last element tells every rank
+        // whether some rank's did not (then the bucket goes again as int64 in reduce_on_grid).
+        const std::int64_t len = b.qflat.numel();
+        auto* w = b.qwire.data_ptr<std::int32_t>();
+        w[len] = narrow_to_wire_cpu(b.qflat.data_ptr<std::int64_t>(), w, len, wire_limit(comm_->world_size())) ? 0 : 1;
+        works_[bi] = start(b.qwire);
+      } else {
+        works_[bi] = start(b.qflat);
+      }
       b.launched = true;
       return;
     }
@@ -509,7 +519,7 @@ class ReducerState {
   /// sample count (average = samples) or 1 (none); then decides the verdicts and the next grid
   /// exponents from the reduced integers, which are the same on every rank. Host reads: none on
   /// the CPU; on a GPU one for the window meta, one for the tails and maxima, one more for clipping.
-  WindowSummary reduce_on_grid(bool clip, GridVerdict& verdict) {
+  WindowSummary reduce_on_grid(bool clip, GridVerdict& verdict, std::int64_t& wide_buckets) {
     const at::Tensor m = meta_.is_cpu() ? meta_ : host_read(meta_);
     WindowSummary summary;
     summary.counts = WindowCounts::decode(m.data_ptr<std::int64_t>());
@@ -527,15 +537,33 @@ class ReducerState {
       auto& b = buckets_[bi];
       const auto n = static_cast<std::int64_t>(b.slots.size());
       if (b.qflat.is_cpu() && has_fused_scan(b.flat)) {
+        // The int32 wire's sums, unless some rank's integers did not fit it: then every rank (the
+        // flag is the reduced one) sends the bucket again as int64, in bucket order.
+        bool narrow = b.qwire.defined();
+        const std::int64_t len = b.qflat.numel();
+        if (narrow && b.qwire.data_ptr<std::int32_t>()[len] > 0) {
+          trace::Scope scope(*comm_, trace::Context::reducer_bucket, static_cast<std::int64_t>(bi));
+          Work wide = start(b.qflat);
+          wide.wait();
+          ++wide_buckets;
+          narrow = false;
+        }
+        if (narrow) {
+          const std::int32_t* wt = b.qwire.data_ptr<std::int32_t>() + (len - GridTail::length(n));
+          std::copy(wt, wt + GridTail::length(n), b.qtail.data_ptr<std::int64_t>());
+        }
         auto& v = info[bi];
         v.assign(static_cast<std::size_t>(n + 1), 0);
         bool bad = false;
         AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_grid_dequantize", [&] {
           for (std::int64_t j = 0; j < n; ++j) {
             const auto& s = slots_[b.slots[static_cast<std::size_t>(j)]];
-            v[static_cast<std::size_t>(j)] = dequantize_cpu(
-                b.qflat.data_ptr<std::int64_t>() + s.offset, b.flat.data_ptr<scalar_t>() + s.offset,
-                param(b.slots[static_cast<std::size_t>(j)]).numel(), s.grid_exponent, multiplier, divisor, bad);
+            const std::int64_t numel = param(b.slots[static_cast<std::size_t>(j)]).numel();
+            scalar_t* out = b.flat.data_ptr<scalar_t>() + s.offset;
+            v[static_cast<std::size_t>(j)] = narrow ? dequantize_cpu(b.qwire.data_ptr<std::int32_t>() + s.offset, out,
+                                                                     numel, s.grid_exponent, multiplier, divisor, bad)
+                                                    : dequantize_cpu(b.qflat.data_ptr<std::int64_t>() + s.offset, out,
+                                                                     numel, s.grid_exponent, multiplier, divisor, bad);
           }
         });
         if (b.main && !bad) bad = !at::isfinite(b.head.to(b.param_dtype)).all().template item<bool>();
