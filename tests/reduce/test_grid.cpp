@@ -133,6 +133,22 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
   many[199999] = limit + 1;
   CHECK_FALSE(d::narrow_to_wire_cpu(many.data(), wm.data(), 200000, limit));
 
+  // Quantizing straight onto the wire: `first` ignores what q held, the wire gets the new sums, and
+  // `wide` says when one is above the limit (here 10 at exponent 0: limit 10 fits, 11 does not).
+  std::vector<float> g1{3.0f, -10.0f, 0.5f, 2.5f};
+  std::vector<std::int64_t> q1(4, 1000);
+  std::vector<std::int32_t> w1(4, 77);
+  auto f1 = d::quantize_add_cpu(g1.data(), q1.data(), 4, 0, /*first=*/true, w1.data(), 10);
+  CHECK(q1 == std::vector<std::int64_t>{3, -10, 0, 2});  // half to even: 0.5 -> 0, 2.5 -> 2
+  CHECK(w1 == std::vector<std::int32_t>{3, -10, 0, 2});
+  CHECK_FALSE(f1.wide);
+  std::vector<float> g2{8.0f, 0.0f, 0.0f, 0.0f};
+  auto f2 = d::quantize_add_cpu(g2.data(), q1.data(), 4, 0, /*first=*/false, w1.data(), 10);
+  CHECK(q1 == std::vector<std::int64_t>{11, -10, 0, 2});
+  CHECK(w1[0] == 11);
+  CHECK(f2.wide);
+  CHECK(std::all_of(g2.begin(), g2.end(), [](float v) { return v == 0.0f; }));
+
   // The same integers as int32 or int64 turn back to the same bits and the same largest magnitude.
   std::vector<float> out64(q.size()), out32(q.size());
   bool bad64 = false, bad32 = false;
@@ -142,7 +158,32 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
   CHECK(d::dequantize_cpu(q.data(), out64.data(), n, 20, 3.0, 7.0, bad64) == limit);
   CHECK(d::dequantize_cpu(w2.data(), out32.data(), n, 20, 3.0, 7.0, bad32) == limit);
   CHECK(std::memcmp(out64.data(), out32.data(), out64.size() * sizeof(float)) == 0);
-  CHECK(out64[5] == static_cast<float>(123456789.0 * std::ldexp(1.0, -20) * 3.0 / 7.0));
+  CHECK(out64[5] == static_cast<float>(123456789.0 * (std::ldexp(1.0, -20) * 3.0 / 7.0)));
+
+  // Longer than the int32 loop's blocks of 8 (1003 = 125 blocks and 3 left), both signs, the
+  // largest magnitude in a block's lane and then in the rest; and results that overflow float32.
+  at::manual_seed(11);
+  at::Tensor big = torch::randint(-(std::int64_t{1} << 30), std::int64_t{1} << 30, {1003}, torch::kLong);
+  for (std::int64_t where : {std::int64_t{517}, std::int64_t{1001}}) {
+    at::Tensor qq = big.clone();
+    qq[where] = -(std::int64_t{1} << 31) + 1;
+    at::Tensor ww = qq.to(torch::kInt);
+    for (int e : {20, -120}) {  // -120: 2^120 x 2^30 overflows float32
+      at::Tensor o64 = torch::empty({1003}, torch::kFloat), o32 = torch::empty({1003}, torch::kFloat);
+      bool b64 = false, b32 = false;
+      const auto l64 = d::dequantize_cpu(qq.data_ptr<std::int64_t>(), o64.data_ptr<float>(), 1003, e, 1.0, 3.0, b64);
+      const auto l32 = d::dequantize_cpu(ww.data_ptr<std::int32_t>(), o32.data_ptr<float>(), 1003, e, 1.0, 3.0, b32);
+      CAPTURE(where);
+      CAPTURE(e);
+      CHECK(l64 == (std::int64_t{1} << 31) - 1);
+      CHECK(l32 == l64);
+      CHECK(b64 == (e < 0));
+      CHECK(b32 == b64);
+      CHECK(bytes_of({o64}) == bytes_of({o32}));
+      CHECK(o32[where].item<float>() ==
+            static_cast<float>(static_cast<double>(-(std::int64_t{1} << 31) + 1) * (std::ldexp(1.0, -e) * 1.0 / 3.0)));
+    }
+  }
 }
 
 TEST_CASE("grid: the exponent rule, by hand") {

@@ -206,8 +206,8 @@ TEST_SUITE("dist") {
       wide[w] = read_file(dir.path / "wide.run");
       MESSAGE(fmt::format("W = {}: windows with a bucket on the int64 wire, of all: {}", w, wide[w]));
     }
-    // Both wires were taken (the first window's grid, 2^-32, is too fine for the int32 wire), so the
-    // identity below also covers windows whose wire differs between world sizes.
+    // Both wires were taken: the first window's grid, 2^-32, is too fine for the int32 wire, so its
+    // bucket went again as int64; the later windows' sums (aimed at 2^26) fit the int32 wire.
     for (int w : {1, 4}) {
       std::istringstream in(wide[w]);
       int wide_windows = 0, windows = 0;

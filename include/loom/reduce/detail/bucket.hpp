@@ -66,6 +66,7 @@ struct GradSlot {
   bool was_undefined = false;   // its .grad() was undefined when the window began
   int grid_exponent = kGridInitialExponent;  // deterministic mode: the grid step is 2^-grid_exponent
   std::int64_t window_contributions = 0;     // deterministic mode: gradients put on the grid this window
+  bool wire_fits = true;  // deterministic mode, int32 wire: the slot's sums fit it after its latest contribution
 };
 
 /// One flat bucket: the unit of an all-reduce.

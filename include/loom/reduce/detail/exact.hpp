@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -87,6 +88,7 @@ struct GridFlags {
   bool non_finite = false;  ///< an element was inf or NaN (not added)
   bool overflow = false;    ///< an element was at or above kGridLimit grid units (not added)
   bool near = false;        ///< an element was at or above kGridNear grid units
+  bool wide = false;        ///< a sum written to the int32 wire was above its limit (with a wire only)
 };
 
 /// x rounded to the nearest integer, half to even, for |x| < 2^51 (here |x| < 2^42): adding and
@@ -103,36 +105,60 @@ inline double round_to_integer(double x) {
 #endif
 }
 
-/// Adds round(g[i] x 2^exponent) to q[i] for i in [0, n) and sets g[i] to 0 (CPU, float/double).
-/// `g x 2^exponent` is exact in float64 (a power-of-two scaling of a float32 or float64 value, away
-/// from float64's subnormals); rounding is to nearest, half to even (round_to_integer). Elements that are not finite or not below the limit are left out and flagged.
-template <class T>
-GridFlags quantize_add_cpu(T* g, std::int64_t* q, std::int64_t n, int exponent) {
+/// The loop of quantize_add_cpu: kFirst writes q[i] = round(...) instead of adding to it (the
+/// slot's first contribution of a window, so q need not be zeroed first); kWire also writes the
+/// new q[i] to the int32 wire w[i] and flags `wide` when one is above `limit` in magnitude.
+template <class T, bool kFirst, bool kWire>
+GridFlags quantize_loop(T* g, std::int64_t* q, std::int32_t* w, std::int64_t n, int exponent, std::int64_t limit) {
   const double scale = std::ldexp(1.0, exponent);
-  std::atomic<bool> non_finite{false}, overflow{false}, near{false};
+  std::atomic<bool> non_finite{false}, overflow{false}, near{false}, wide{false};
   at::parallel_for(0, n, std::int64_t{1} << 16, [&](std::int64_t begin, std::int64_t end) {
-    bool bad = false, over = false, close = false;
+    bool bad = false, over = false, close = false, fits = true;
     for (std::int64_t i = begin; i < end; ++i) {
       const T v = g[i];
       g[i] = T(0);
+      std::int64_t add = 0;
       if (!std::isfinite(v)) {
         bad = true;
-        continue;
+      } else {
+        const double x = static_cast<double>(v) * scale;
+        const double a = std::abs(x);
+        if (!(a < kGridLimit)) {
+          over = true;
+        } else {
+          if (a >= kGridNear) close = true;
+          add = static_cast<std::int64_t>(round_to_integer(x));
+        }
       }
-      const double x = static_cast<double>(v) * scale;
-      const double a = std::abs(x);
-      if (!(a < kGridLimit)) {
-        over = true;
-        continue;
+      const std::int64_t sum = kFirst ? add : q[i] + add;
+      q[i] = sum;
+      if constexpr (kWire) {
+        fits &= (sum <= limit) & (sum >= -limit);
+        w[i] = static_cast<std::int32_t>(sum);  // modulo 2^32 (C++20); used only when it fits
       }
-      if (a >= kGridNear) close = true;
-      q[i] += static_cast<std::int64_t>(round_to_integer(x));
     }
     if (bad) non_finite.store(true, std::memory_order_relaxed);
     if (over) overflow.store(true, std::memory_order_relaxed);
     if (close) near.store(true, std::memory_order_relaxed);
+    if (!fits) wide.store(true, std::memory_order_relaxed);
   });
-  return {non_finite.load(), overflow.load(), near.load()};
+  return {non_finite.load(), overflow.load(), near.load(), wide.load()};
+}
+
+/// Adds round(g[i] x 2^exponent) to q[i] for i in [0, n) and sets g[i] to 0 (CPU, float/double);
+/// `first`: sets q[i] to it instead (q's old values are ignored). With a wire `w` (non-null), also
+/// writes each new q[i] to w[i] as int32 and sets GridFlags::wide when some |q[i]| > `limit`.
+/// `g x 2^exponent` is exact in float64 (a power-of-two scaling of a float32 or float64 value, away
+/// from float64's subnormals); rounding is to nearest, half to even (round_to_integer). Elements that
+/// are not finite or not below the limit are left out (add 0) and flagged.
+template <class T>
+GridFlags quantize_add_cpu(T* g, std::int64_t* q, std::int64_t n, int exponent, bool first = false,
+                           std::int32_t* w = nullptr, std::int64_t limit = 0) {
+  if (w != nullptr)
+    return first ? quantize_loop<T, true, true>(g, q, w, n, exponent, limit)
+                 : quantize_loop<T, false, true>(g, q, w, n, exponent, limit);
+  return first ? quantize_loop<T, true, false>(g, q, w, n, exponent, limit)
+               : quantize_loop<T, false, false>(g, q, w, n, exponent, limit);
 }
 
 /// The same as quantize_add_cpu with ATen ops on any device, for 1-D `g` (floating) and `q`
@@ -188,6 +214,38 @@ template <class T, class I>
 std::int64_t dequantize_cpu(const I* q, T* out, std::int64_t n, int exponent, double multiplier, double divisor,
                             bool& non_finite) {
   const double factor = grid_factor(exponent, multiplier, divisor);
+  if constexpr (std::is_same_v<I, std::int32_t>) {
+    // Blocks of 8 with per-lane maxima and flags, a form compilers vectorize at -O2; int32 values are
+    // exact in float64, so the largest magnitude is taken there.
+    constexpr int kBlock = 8;
+    double big[kBlock] = {};
+    int bad_lane[kBlock] = {};
+    std::int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {
+      for (int k = 0; k < kBlock; ++k) {
+        const double d = static_cast<double>(q[i + k]);
+        big[k] = std::max(big[k], std::abs(d));
+        const T r = static_cast<T>(d * factor);
+        out[i + k] = r;
+        bad_lane[k] |= !(std::abs(r) <= std::numeric_limits<T>::max());  // inf or NaN
+      }
+    }
+    double largest = 0;
+    int bad = 0;
+    for (int k = 0; k < kBlock; ++k) {
+      largest = std::max(largest, big[k]);
+      bad |= bad_lane[k];
+    }
+    for (; i < n; ++i) {
+      const double d = static_cast<double>(q[i]);
+      largest = std::max(largest, std::abs(d));
+      const T r = static_cast<T>(d * factor);
+      out[i] = r;
+      bad |= !(std::abs(r) <= std::numeric_limits<T>::max());
+    }
+    if (bad != 0) non_finite = true;
+    return static_cast<std::int64_t>(largest);
+  }
   std::uint64_t largest = 0;
   bool bad = false;
   for (std::int64_t i = 0; i < n; ++i) {

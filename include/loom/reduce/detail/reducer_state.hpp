@@ -329,7 +329,9 @@ class ReducerState {
     check_parameter_set(list_, slot_of_param_, slots_, buckets_, accumulators_);
     if (order_.phase() == BucketOrder::Phase::pending) try_rebuild();
     if (options_.deterministic) {
-      for (auto& b : buckets_) b.qflat.zero_();
+      // A slot's integers are written by its first contribution (or zeroed when it leaves without
+      // one): only the tail and the ATen path's buckets need zeros here.
+      for (auto& b : buckets_) (b.qwire.defined() ? b.qtail : b.qflat).zero_();
       for (auto& s : slots_) s.window_contributions = 0;
     }
     for (auto& b : buckets_) {
@@ -411,9 +413,23 @@ class ReducerState {
       if (b.qwire.defined()) {
         // The int32 wire when this rank's integers fit it; the last element tells every rank
         // whether some rank's did not (then the bucket goes again as int64 in reduce_on_grid).
-        const std::int64_t len = b.qflat.numel();
+        // Each slot's wire was written with its latest contribution; a slot without one is zeros.
+        const std::int64_t len = b.qflat.numel(), tail = GridTail::length(static_cast<std::int64_t>(b.slots.size()));
         auto* w = b.qwire.data_ptr<std::int32_t>();
-        w[len] = narrow_to_wire_cpu(b.qflat.data_ptr<std::int64_t>(), w, len, wire_limit(comm_->world_size())) ? 0 : 1;
+        auto* q = b.qflat.data_ptr<std::int64_t>();
+        bool fits = true;
+        for (std::size_t k : b.slots) {
+          const auto& s = slots_[k];
+          if (s.window_contributions > 0) {
+            fits = fits && s.wire_fits;
+            continue;
+          }
+          const std::int64_t numel = param(k).numel();
+          std::fill(q + s.offset, q + s.offset + numel, std::int64_t{0});
+          std::fill(w + s.offset, w + s.offset + numel, std::int32_t{0});
+        }
+        fits = narrow_to_wire_cpu(q + (len - tail), w + (len - tail), tail, wire_limit(comm_->world_size())) && fits;
+        w[len] = fits ? 0 : 1;
         works_[bi] = start(b.qwire);
       } else {
         works_[bi] = start(b.qflat);
@@ -479,13 +495,15 @@ class ReducerState {
     const auto n = static_cast<std::int64_t>(b.slots.size());
     const auto j = static_cast<std::int64_t>(s.flag);
     const std::int64_t numel = param(k).numel();
-    ++s.window_contributions;
+    const bool first = s.window_contributions++ == 0;
     if (b.qflat.is_cpu() && has_fused_scan(b.flat)) {
       GridFlags f;
+      std::int32_t* wire = b.qwire.defined() ? b.qwire.data_ptr<std::int32_t>() + s.offset : nullptr;
       AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_grid_quantize", [&] {
         f = quantize_add_cpu(b.flat.data_ptr<scalar_t>() + s.offset, b.qflat.data_ptr<std::int64_t>() + s.offset, numel,
-                             s.grid_exponent);
+                             s.grid_exponent, first && wire != nullptr, wire, wire_limit(comm_->world_size()));
       });
+      s.wire_fits = !f.wide;
       auto* t = b.qtail.data_ptr<std::int64_t>();
       if (f.non_finite) t[GridTail::non_finite(n)] = 1;
       if (f.overflow) t[GridTail::overflow(n, j)] = 1;
