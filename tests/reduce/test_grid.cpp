@@ -425,7 +425,9 @@ TEST_CASE("deterministic reducer: bfloat16 buckets (the ATen path) and float16 i
   contribute(half_reducer, 0, h, torch::tensor({1.5f}).to(torch::kHalf));
   half_reducer.prepare_backward({.sync = true, .window_samples = 2});
   contribute(half_reducer, 0, h, torch::tensor({0.5f}).to(torch::kHalf));
-  REQUIRE(half_reducer.finish_window().reduced);
+  const auto rh = half_reducer.finish_window();
+  REQUIRE(rh.reduced);
+  CHECK(rh.grid_wide_buckets == 1);  // 2 x 2^32 on the first grid: above the int32 wire's 2^31 - 1
   CHECK((h.grad().scalar_type() == torch::kHalf));
   CHECK(h.grad().item<float>() == 1.0f);
 }

@@ -52,9 +52,10 @@ inline constexpr double kGridNear = 1099511627776.0;
 inline constexpr std::int64_t kGridMaxContributions = std::int64_t{1} << 20;
 /// The bit length the rule aims the reduced sum's largest magnitude at: 16 bits (65536x) below the
 /// limit, so a gradient may grow 65536-fold from one window to the next before it overflows, and 5
-/// bits below int32's range, so on W ranks the int32 wire holds sums up to 32 / W times the target
-/// (a rank's partial sum up to 2^31 / W) before a bucket travels as int64. Grid step: 2^-26 of the
-/// previous window's largest reduced magnitude (float32's spacing there is 2^-23).
+/// bits below int32's range: on W ranks a rank's partial sum may reach 2^31 / W on the int32 wire,
+/// so a bucket stays on it while its sums grow less than 32-fold when the ranks hold alike shares
+/// (each about 1 / W of the sum), and less than 32 / W-fold when one rank holds all of it. Grid
+/// step: 2^-26 of the previous window's largest reduced magnitude (float32's spacing there is 2^-23).
 inline constexpr int kGridTargetBits = 26;
 /// Every parameter's first exponent: grid step 2^-32 (2.3e-10), contributions up to 2^10 = 1024
 /// (on the int32 wire up to 0.5 / W: a first window of larger gradients travels as int64).
@@ -254,7 +255,7 @@ std::int64_t dequantize_cpu(const I* q, T* out, std::int64_t n, int exponent, do
     largest = std::max(largest, m);
     const T r = static_cast<T>(static_cast<double>(v) * factor);
     out[i] = r;
-    if (!std::isfinite(r)) bad = true;
+    if (!(std::abs(r) <= std::numeric_limits<T>::max())) bad = true;  // inf or NaN, as the int32 loop tests it
   }
   if (bad) non_finite = true;
   return static_cast<std::int64_t>(std::min<std::uint64_t>(largest, std::uint64_t{1} << 62));
