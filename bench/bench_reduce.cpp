@@ -294,6 +294,7 @@ std::int64_t bytes_of(const std::vector<std::vector<std::int64_t>>& shapes) {
 struct Variant {
   virtual ~Variant() = default;
   virtual void step() = 0;
+  virtual void finish() {}         // after the timed steps: fill in the counters below that need a look back
   std::int64_t bytes = 0;          // gradient bytes reduced per step (0: not a reduction benchmark)
   std::int64_t wire_bytes = 0;     // bytes one rank's all-reduces carry per step, when they differ from `bytes`
   std::int64_t wide_buckets = -1;  // deterministic reducer: buckets sent again as int64 in the last step
@@ -341,10 +342,13 @@ struct LoomMarked : Variant {
     reducer.prepare_backward({.sync = true, .window_samples = deterministic ? 1 : 32});
     reducer.mark_all_ready();
     const loom::Reduction r = reducer.finish_window();
+    if (deterministic) wide_buckets = r.grid_wide_buckets;
+  }
+  void finish() override {
     if (!deterministic) return;
-    // The bytes this step's all-reduces carried (the window meta's small all-reduce left out): each
-    // bucket's int32 wire [elements | tail of 4 n + 1 | wide flag], and, for the buckets sent again
-    // (the largest ones counted, an upper bound), its int64 [elements | tail].
+    // The bytes the last step's all-reduces carried (the window meta's small all-reduce left out):
+    // each bucket's int32 wire [elements | tail of 4 n + 1 | wide flag], and, for the buckets sent
+    // again (the largest ones counted, an upper bound), its int64 [elements | tail].
     std::int64_t narrow = 0;
     std::vector<std::int64_t> wide;
     for (const auto& b : reducer.bucket_params()) {
@@ -356,9 +360,8 @@ struct LoomMarked : Variant {
     }
     std::sort(wide.rbegin(), wide.rend());
     wire_bytes = narrow;
-    for (std::int64_t i = 0; i < r.grid_wide_buckets && i < static_cast<std::int64_t>(wide.size()); ++i)
+    for (std::int64_t i = 0; i < wide_buckets && i < static_cast<std::int64_t>(wide.size()); ++i)
       wire_bytes += wide[static_cast<std::size_t>(i)];
-    wide_buckets = r.grid_wide_buckets;
   }
 };
 
@@ -523,6 +526,7 @@ void run_variant(benchmark::State& state, std::int64_t id) {
   Variant& v = variant(id);
   v.step();  // untimed warm-up
   for (auto _ : state) v.step();
+  v.finish();
   if (v.wire_bytes > 0) state.counters["wire_bytes"] = static_cast<double>(v.wire_bytes);
   if (v.wide_buckets >= 0) state.counters["wide_buckets"] = static_cast<double>(v.wide_buckets);
   if (v.bytes > 0) {
