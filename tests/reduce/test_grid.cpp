@@ -133,20 +133,34 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
   many[199999] = limit + 1;
   CHECK_FALSE(d::narrow_to_wire_cpu(many.data(), wm.data(), 200000, limit));
 
-  // Quantizing straight onto the wire: `first` ignores what q held, the wire gets the new sums, and
-  // `wide` says when one is above the limit (here 10 at exponent 0: limit 10 fits, 11 does not).
+  // Quantizing straight onto the wire: without sums the wire gets the rounded gradient, with sums
+  // their total; neither the gradient nor the sums change, and `wide` says when one is above the
+  // limit (here 10 at exponent 0: limit 10 fits, 11 does not).
   std::vector<float> g1{3.0f, -10.0f, 0.5f, 2.5f};
-  std::vector<std::int64_t> q1(4, 1000);
   std::vector<std::int32_t> w1(4, 77);
-  auto f1 = d::quantize_add_cpu(g1.data(), q1.data(), 4, 0, /*first=*/true, w1.data(), 10);
-  CHECK(q1 == std::vector<std::int64_t>{3, -10, 0, 2});  // half to even: 0.5 -> 0, 2.5 -> 2
-  CHECK(w1 == std::vector<std::int32_t>{3, -10, 0, 2});
+  auto f1 = d::quantize_to_wire_cpu(g1.data(), nullptr, w1.data(), 4, 0, 10);
+  CHECK(w1 == std::vector<std::int32_t>{3, -10, 0, 2});  // half to even: 0.5 -> 0, 2.5 -> 2
   CHECK_FALSE(f1.wide);
-  std::vector<float> g2{8.0f, 0.0f, 0.0f, 0.0f};
-  auto f2 = d::quantize_add_cpu(g2.data(), q1.data(), 4, 0, /*first=*/false, w1.data(), 10);
-  CHECK(q1 == std::vector<std::int64_t>{11, -10, 0, 2});
+  CHECK(g1 == std::vector<float>{3.0f, -10.0f, 0.5f, 2.5f});
+  std::vector<float> g2{8.0f, 0.0f, 1.5f, 0.0f};
+  const std::vector<std::int64_t> sums{3, -10, 0, 2};
+  std::vector<std::int64_t> q1 = sums;
+  auto f2 = d::quantize_to_wire_cpu(g2.data(), q1.data(), w1.data(), 4, 0, 10);
   CHECK(w1[0] == 11);
+  CHECK(w1[1] == -10);
+  CHECK(w1[2] == 2);  // 1.5 -> 2
   CHECK(f2.wide);
+  CHECK(q1 == sums);
+  CHECK(g2[0] == 8.0f);
+  // The int64 resend from the same gradient and sums: the wire's integers without the int32 limit,
+  // the gradient kept; without keep_gradient it is zeroed.
+  auto f3 = d::quantize_add_cpu(g2.data(), q1.data(), 4, 0, /*first=*/false, /*keep_gradient=*/true);
+  CHECK(q1 == std::vector<std::int64_t>{11, -10, 2, 2});
+  CHECK_FALSE(f3.wide);
+  CHECK(g2 == std::vector<float>{8.0f, 0.0f, 1.5f, 0.0f});
+  std::vector<std::int64_t> q2(4, 1000);
+  d::quantize_add_cpu(g2.data(), q2.data(), 4, 0, /*first=*/true);
+  CHECK(q2 == std::vector<std::int64_t>{8, 0, 2, 0});
   CHECK(std::all_of(g2.begin(), g2.end(), [](float v) { return v == 0.0f; }));
 
   // The same integers as int32 or int64 turn back to the same bits and the same largest magnitude.
@@ -253,13 +267,49 @@ TEST_CASE("deterministic reducer: the gradient's bytes do not depend on the orde
   CHECK((floating[1] != floating[0] || floating[2] != floating[0]));
 }
 
+TEST_CASE("deterministic reducer: a micro-batch is one contribution, whichever micro-batch ends the window") {
+  // Micro-batch A runs two backward passes of 0.4 each (autograd adds them: 0.8), B one of 2. On
+  // the grid 2^0 a micro-batch's gradient is rounded once: A gives round(0.8) = 1, B 2, so the
+  // window's sum is 3 in either order (rounding each 0.4 alone would give 0 + 0 + 2). The last
+  // micro-batch of a window goes onto the int32 wire straight from its floating gradient, the
+  // earlier ones onto the int64 sums: both round the same sum. overlap = false: with one slot per
+  // bucket, A's second backward would otherwise arrive after its bucket left.
+  for (bool a_last : {false, true}) {
+    CAPTURE(a_last);
+    auto a = param({0.0f});
+    loom::LocalCommunicator comm;
+    loom::Reducer reducer(comm, {.names = {"a"}, .params = {a}}, {.overlap = false, .deterministic = true});
+    reducer.load_grid_exponents({0});
+    auto run_a = [&](bool sync) {
+      reducer.prepare_backward({.sync = sync, .window_samples = 1});
+      (a * 0.4f).sum().backward();
+      (a * 0.4f).sum().backward();
+    };
+    auto run_b = [&](bool sync) {
+      reducer.prepare_backward({.sync = sync, .window_samples = 1});
+      (a * 2.0f).sum().backward();
+    };
+    if (a_last) {
+      run_b(false);
+      run_a(true);
+    } else {
+      run_a(false);
+      run_b(true);
+    }
+    const auto r = reducer.finish_window();
+    REQUIRE(r.reduced);
+    CHECK(r.grid_wide_buckets == 0);
+    CHECK(a.grad().item<float>() == 3.0f);
+  }
+}
+
 TEST_CASE("deterministic reducer: error against float64 within C x 2^-(e+1) / N, magnitudes 1e-12..600 in one bucket") {
   auto a = param({0, 0, 0, 0}), b = param({0, 0, 0});
   loom::LocalCommunicator comm;
   loom::Reducer reducer(comm, {.names = {"a", "b"}, .params = {a, b}}, {.deterministic = true});
   REQUIRE(reducer.bucket_params().size() == 1);
   REQUIRE(reducer.grid_exponents() == std::vector<int>{32, 32});
-  // 5 contributions (backward passes) of each, window of N = 3 samples.
+  // 5 contributions (micro-batches) of each, window of N = 3 samples.
   const int contributions = 5;
   const double n = 3;
   std::vector<double> ref_a(4, 0.0), ref_b(3, 0.0);
@@ -454,6 +504,17 @@ TEST_CASE("deterministic reducer: the rules of the floating mode hold (stale gra
     (a * 3).sum().backward();
     REQUIRE(reducer.finish_window().reduced);
     CHECK(a.grad().item<float>() == 5.0f);
+  }
+  SUBCASE("a gradient replaced by hand between micro-batches counts as replaced (as floating mode)") {
+    auto a = param({1.0f});
+    loom::Reducer reducer(comm, {.names = {"a"}, .params = {a}}, {.deterministic = true});
+    reducer.prepare_backward({.sync = false, .window_samples = 1});
+    (a * 2).sum().backward();
+    a.mutable_grad() = a.grad() * 0.5;  // 1, a new tensor
+    reducer.prepare_backward({.sync = true, .window_samples = 1});
+    (a * 3).sum().backward();
+    REQUIRE(reducer.finish_window().reduced);
+    CHECK(a.grad().item<float>() == 4.0f);  // 1 + 3, as floating mode: not 2 + 1 + 3
   }
   SUBCASE("a second gradient after the bucket left is refused by name, before the integers in flight change") {
     auto a = param({1.0f});

@@ -58,7 +58,7 @@ struct ReducerOptions {
   bool detect_non_finite = true;          ///< scan for inf/NaN and report Reduction::non_finite (the caller skips)
   std::optional<double> max_grad_norm{};  ///< clip by the global L2 norm (after averaging and unscaling)
   bool broadcast_buffers = true;          ///< copy rank 0's buffers to every rank at each step boundary
-  /// Bit-identical gradients on any number of ranks: each backward's gradient of a parameter is put
+  /// Bit-identical gradients on any number of ranks: each micro-batch's gradient of a parameter is put
   /// on a power-of-two grid as int64 before it is added to anything, summed as integers locally and
   /// across ranks, and turned back once per window (reduce/detail/exact.hpp), so the reduced
   /// gradient does not depend on the world size, on which rank ran which micro-batch, or on their
@@ -69,7 +69,13 @@ struct ReducerOptions {
   /// the int32 wire). A CPU bucket travels as int32 when every rank's integers fit (float32's wire
   /// bytes), else it is sent again as int64 (Reduction::grid_wide_buckets); the sums are the same
   /// integers either way. Needs average = samples or none (world_size divides by the world size)
-  /// and no wire_dtype.
+  /// and no wire_dtype. The unit put on the grid is the micro-batch (all backward passes between
+  /// two prepare_backward calls, added by autograd in floating point): for bit-identical runs a
+  /// micro-batch must hold the same backward passes on any world size (the Accumulator and the
+  /// Trainer plan them so). Inside a window .grad() is zeroed at each prepare_backward (the
+  /// micro-batch is on the grid); a float32/float64 parameter with a gradient in the last
+  /// micro-batch has no .grad() from the moment its CPU bucket is sent until finish_window (the
+  /// floating gradient stays in the bucket for a possible int64 resend).
   /// What else a bit-identical run needs (same intra-op threads, deterministic kernels): docs/elastic.md.
   bool deterministic = false;
 };

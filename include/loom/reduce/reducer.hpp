@@ -58,6 +58,9 @@
 //     float16/bfloat16 parameters with float32_accumulation: inside a window their p.grad() holds
 //     only what the next hook (or mark_ready) moves into the float32 slot, so a gradient written by
 //     hand is assigned (`p.mutable_grad() = g`) and adds to the window's sum when marked ready.
+//     And deterministic mode: each micro-batch's gradient goes onto the integer grid (and .grad()
+//     is zeroed) at the next prepare_backward; once a CPU bucket has been sent its parameters have
+//     no .grad() until finish_window (ReducerOptions::deterministic).
 //   The parameter set is fixed at construction: at the first prepare_backward of every window the
 //     reducer checks that no frozen parameter became trainable (or the reverse), that dtypes,
 //     devices and shapes are unchanged, and that every parameter still has the gradient

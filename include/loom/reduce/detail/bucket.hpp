@@ -65,8 +65,10 @@ struct GradSlot {
   bool fired = false;           // a gradient arrived during the current sync backward
   bool was_undefined = false;   // its .grad() was undefined when the window began
   int grid_exponent = kGridInitialExponent;  // deterministic mode: the grid step is 2^-grid_exponent
-  std::int64_t window_contributions = 0;     // deterministic mode: gradients put on the grid this window
-  bool wire_fits = true;  // deterministic mode, int32 wire: the slot's sums fit it after its latest contribution
+  std::int64_t window_contributions = 0;     // deterministic mode: micro-batches put on the grid this window
+  bool grid_pending = false;  // deterministic mode: `view` holds the current micro-batch's gradient, not yet on the grid
+  bool grid_sums = false;     // deterministic mode: the int64 sums hold this window's earlier contributions
+  bool grad_detached = false;  // deterministic mode, int32 wire: .grad() was taken off `view` when the bucket left
 };
 
 /// One flat bucket: the unit of an all-reduce.

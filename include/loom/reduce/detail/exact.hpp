@@ -1,6 +1,7 @@
 // loom/reduce/detail/exact.hpp — the arithmetic of the deterministic reducer
-// (ReducerOptions::deterministic): every backward's gradient of a parameter is put on that
-// parameter's power-of-two grid as int64 (q = round(g x 2^e)) before it is added to anything, the
+// (ReducerOptions::deterministic): every micro-batch's gradient of a parameter (what autograd
+// accumulated between two prepare_backward calls) is put on that parameter's power-of-two grid as
+// int64 (q = round(g x 2^e)) before it is added to anything else, the
 // integers are summed on the rank and across ranks (integer addition is exact and associative, so
 // the sum does not depend on how many ranks there are or in which order the micro-batches came), and
 // the sum is turned back to floating point once per window. Also: the rule that moves each grid
@@ -12,13 +13,16 @@
 //        every rank is at most wire_limit(world size) in magnitude (so the int32 sum cannot wrap);
 //        a rank whose values do not fit sets the wide flag, and when the reduced flag is set every
 //        rank all-reduces the bucket again as int64. Either wire gives the same integer sums, so the
-//        choice (which depends on the world size) does not change the result, only the bytes.
+//        choice (which depends on the world size) does not change the result, only the bytes. The
+//        window's last micro-batch goes from its floating gradient (plus the int64 sums of the
+//        earlier ones) straight onto the wire (quantize_to_wire_cpu), leaving both unchanged for
+//        the int64 resend (quantize_add_cpu with keep_gradient).
 // Units: the grid step of a parameter is 2^-e gradient units; "grid units" are multiples of it.
 // Bounds: one contribution must stay below 2^42 grid units (kGridLimit) and a window may hold at
 //         most 2^20 contributions per element over all ranks, so no int64 sum can overflow. Each
 //         contribution is rounded to the nearest grid point (half to even): the reduced sum of an
 //         element differs from the exact sum of its contributions by at most C x 2^-(e+1), C the
-//         number of contributions (backward passes that delivered the parameter's gradient, over
+//         number of contributions (micro-batches that delivered the parameter's gradient, over
 //         all ranks); turning the sum back adds the usual roundings of a multiply, a divide and
 //         the cast to the parameter's dtype (and, for a sum above 2^53 grid units, the rounding of
 //         the integer to float64): float64(Q) x (2^-e x multiplier / divisor), then the cast.
@@ -48,7 +52,7 @@ inline constexpr double kGridLimit = 4398046511104.0;
 /// Contributions at or above this many grid units (2^40, within 4x of the limit) are counted as
 /// near the limit: the next window's grid is made coarser before they overflow it.
 inline constexpr double kGridNear = 1099511627776.0;
-/// The most contributions (backward passes, over all ranks) one window may sum: 2^20.
+/// The most contributions (micro-batches, over all ranks) one window may sum: 2^20.
 inline constexpr std::int64_t kGridMaxContributions = std::int64_t{1} << 20;
 /// The bit length the rule aims the reduced sum's largest magnitude at: 16 bits (65536x) below the
 /// limit, so a gradient may grow 65536-fold from one window to the next before it overflows, and 5
@@ -89,7 +93,7 @@ struct GridFlags {
   bool non_finite = false;  ///< an element was inf or NaN (not added)
   bool overflow = false;    ///< an element was at or above kGridLimit grid units (not added)
   bool near = false;        ///< an element was at or above kGridNear grid units
-  bool wide = false;        ///< a sum written to the int32 wire was above its limit (with a wire only)
+  bool wide = false;        ///< a sum written to the int32 wire was above its limit (quantize_to_wire_cpu only)
 };
 
 /// x rounded to the nearest integer, half to even, for |x| < 2^51 (here |x| < 2^42): adding and
@@ -106,18 +110,26 @@ inline double round_to_integer(double x) {
 #endif
 }
 
-/// The loop of quantize_add_cpu: kFirst writes q[i] = round(...) instead of adding to it (the
-/// slot's first contribution of a window, so q need not be zeroed first); kWire also writes the
-/// new q[i] to the int32 wire w[i] and flags `wide` when one is above `limit` in magnitude.
-template <class T, bool kFirst, bool kWire>
-GridFlags quantize_loop(T* g, std::int64_t* q, std::int32_t* w, std::int64_t n, int exponent, std::int64_t limit) {
+/// What a pass of quantize_loop writes besides reading the gradient g.
+enum class GridWrite {
+  sums,       ///< q[i] = base + round(...), g[i] = 0 (a contribution before the synchronising backward)
+  wire,       ///< w[i] = int32(base + round(...)); g and q unchanged; wide when one is above the limit
+  sums_keep,  ///< q[i] = base + round(...); g unchanged (the int64 resend of a bucket whose wire overflowed)
+};
+
+/// The loop of the CPU quantizers: each element's contribution round(g[i] x 2^exponent) is added to
+/// base = q[i] (kFirst: base = 0, q not read) and written as kWrite says.
+template <class T, bool kFirst, GridWrite kWrite>
+GridFlags quantize_loop(std::conditional_t<kWrite == GridWrite::sums, T, const T>* g,
+                        std::conditional_t<kWrite == GridWrite::wire, const std::int64_t, std::int64_t>* q,
+                        std::int32_t* w, std::int64_t n, int exponent, std::int64_t limit) {
   const double scale = std::ldexp(1.0, exponent);
   std::atomic<bool> non_finite{false}, overflow{false}, near{false}, wide{false};
   at::parallel_for(0, n, std::int64_t{1} << 16, [&](std::int64_t begin, std::int64_t end) {
     bool bad = false, over = false, close = false, fits = true;
     for (std::int64_t i = begin; i < end; ++i) {
       const T v = g[i];
-      g[i] = T(0);
+      if constexpr (kWrite == GridWrite::sums) g[i] = T(0);
       std::int64_t add = 0;
       if (!std::isfinite(v)) {
         bad = true;
@@ -132,10 +144,11 @@ GridFlags quantize_loop(T* g, std::int64_t* q, std::int32_t* w, std::int64_t n, 
         }
       }
       const std::int64_t sum = kFirst ? add : q[i] + add;
-      q[i] = sum;
-      if constexpr (kWire) {
+      if constexpr (kWrite == GridWrite::wire) {
         fits &= (sum <= limit) & (sum >= -limit);
         w[i] = static_cast<std::int32_t>(sum);  // modulo 2^32 (C++20); used only when it fits
+      } else {
+        q[i] = sum;
       }
     }
     if (bad) non_finite.store(true, std::memory_order_relaxed);
@@ -147,19 +160,30 @@ GridFlags quantize_loop(T* g, std::int64_t* q, std::int32_t* w, std::int64_t n, 
 }
 
 /// Adds round(g[i] x 2^exponent) to q[i] for i in [0, n) and sets g[i] to 0 (CPU, float/double);
-/// `first`: sets q[i] to it instead (q's old values are ignored). With a wire `w` (non-null), also
-/// writes each new q[i] to w[i] as int32 and sets GridFlags::wide when some |q[i]| > `limit`.
+/// `first`: sets q[i] to it instead (q's old values are ignored); `keep_gradient`: leaves g as it is.
 /// `g x 2^exponent` is exact in float64 (a power-of-two scaling of a float32 or float64 value, away
 /// from float64's subnormals); rounding is to nearest, half to even (round_to_integer). Elements that
 /// are not finite or not below the limit are left out (add 0) and flagged.
 template <class T>
 GridFlags quantize_add_cpu(T* g, std::int64_t* q, std::int64_t n, int exponent, bool first = false,
-                           std::int32_t* w = nullptr, std::int64_t limit = 0) {
-  if (w != nullptr)
-    return first ? quantize_loop<T, true, true>(g, q, w, n, exponent, limit)
-                 : quantize_loop<T, false, true>(g, q, w, n, exponent, limit);
-  return first ? quantize_loop<T, true, false>(g, q, w, n, exponent, limit)
-               : quantize_loop<T, false, false>(g, q, w, n, exponent, limit);
+                           bool keep_gradient = false) {
+  if (keep_gradient)
+    return first ? quantize_loop<T, true, GridWrite::sums_keep>(g, q, nullptr, n, exponent, 0)
+                 : quantize_loop<T, false, GridWrite::sums_keep>(g, q, nullptr, n, exponent, 0);
+  return first ? quantize_loop<T, true, GridWrite::sums>(g, q, nullptr, n, exponent, 0)
+               : quantize_loop<T, false, GridWrite::sums>(g, q, nullptr, n, exponent, 0);
+}
+
+/// Writes base[i] + round(g[i] x 2^exponent) to the int32 wire w[i] for i in [0, n) (CPU,
+/// float/double), base the int64 sums `q` of earlier contributions or 0 when `q` is null; g and q
+/// are not changed. Elements are rounded, left out and flagged as by quantize_add_cpu;
+/// GridFlags::wide is set when some sum is above `limit` in magnitude (then w holds wrapped values
+/// that must not be used: the bucket goes as int64, quantize_add_cpu(..., keep_gradient = true)).
+template <class T>
+GridFlags quantize_to_wire_cpu(const T* g, const std::int64_t* q, std::int32_t* w, std::int64_t n, int exponent,
+                               std::int64_t limit) {
+  return q == nullptr ? quantize_loop<T, true, GridWrite::wire>(g, nullptr, w, n, exponent, limit)
+                      : quantize_loop<T, false, GridWrite::wire>(g, q, w, n, exponent, limit);
 }
 
 /// The same as quantize_add_cpu with ATen ops on any device, for 1-D `g` (floating) and `q`

@@ -100,6 +100,17 @@ class ReducerState {
     check_backward_plan(plan, comm_->world_size());
     at::NoGradGuard no_grad;
     if (window_ == WindowState::closed) begin_window();
+    if (options_.deterministic)  // the previous micro-batch's gradients go on the grid before this one adds to them
+      for (std::size_t k = 0; k < slots_.size(); ++k) {
+        auto& s = slots_[k];
+        if (!s.grid_pending) continue;
+        auto& g = param(k).mutable_grad();
+        if (!buckets_[s.bucket].main && g.defined() && !aliases(g, s.view)) {  // replaced by hand since: it counts
+          s.view.copy_(g);
+          g = s.view;
+        }
+        quantize_slot(k);
+      }
     for (auto& s : slots_) s.fired = false;
     if (!plan.sync) return;
     window_ = plan.final ? WindowState::final_flush : WindowState::synchronising;
@@ -186,6 +197,7 @@ class ReducerState {
       auto& s = slots_[k];
       const bool main = buckets_[s.bucket].main;
       auto& g = param(k).mutable_grad();
+      reattach_grad(s, g);
       if (summary.used[k]) {
         if (main) g = s.view.to(param(k).scalar_type());
         continue;
@@ -214,7 +226,7 @@ class ReducerState {
           loss_divisor_, counts.voters, counts.mean_divisor()));
     if (grid.too_many_contributions)
       throw InvalidArgument(fmt::format(
-          "Reducer::finish_window: deterministic mode sums at most {} gradient contributions (backward passes) of a "
+          "Reducer::finish_window: deterministic mode sums at most {} gradient contributions (micro-batches) of a "
           "parameter per window over all ranks; this window had {} (gradients zeroed, the step not applied)",
           kGridMaxContributions, grid.contributions));
     if (options_.broadcast_buffers && world > 1 && !list_.buffers.empty()) {
@@ -247,6 +259,7 @@ class ReducerState {
     std::lock_guard lock(mutex_);
     at::NoGradGuard no_grad;
     if (window_ == WindowState::closed) throw Error("Reducer::mark_ready: call prepare_backward() first");
+    check_not_late(slots_[slot_of_param_[param_index]]);  // its .grad() may be off the slot (launch)
     auto& g = param(slot_of_param_[param_index]).mutable_grad();
     if (!g.defined())
       throw InvalidArgument(fmt::format("Reducer::mark_ready: {} has no gradient", list_.describe(param_index)));
@@ -332,7 +345,14 @@ class ReducerState {
       // A slot's integers are written by its first contribution (or zeroed when it leaves without
       // one): only the tail and the ATen path's buckets need zeros here.
       for (auto& b : buckets_) (b.qwire.defined() ? b.qtail : b.qflat).zero_();
-      for (auto& s : slots_) s.window_contributions = 0;
+      for (std::size_t k = 0; k < slots_.size(); ++k) {
+        auto& s = slots_[k];
+        reattach_grad(s, param(k).mutable_grad());  // a window that ended in an error
+        s.window_contributions = 0;
+        s.grid_pending = false;
+        s.grid_sums = false;
+        s.grad_detached = false;
+      }
     }
     for (auto& b : buckets_) {
       const bool all_undefined =
@@ -365,8 +385,7 @@ class ReducerState {
   void mark_ready_locked(std::size_t k) {
     auto& s = slots_[k];
     auto& g = param(k).mutable_grad();
-    if (options_.deterministic && synchronising() && s.fired && buckets_[s.bucket].launched)
-      throw InvalidArgument(late_gradient_message(s));  // before the in-flight integers are touched
+    check_not_late(s);  // before the in-flight integers are touched
     if (buckets_[s.bucket].main) {  // float32 accumulation: add this backward's 16-bit gradient, free it
       at::NoGradGuard no_grad;
       if (g.defined()) s.view.add_(g);
@@ -379,7 +398,9 @@ class ReducerState {
         s.view.zero_();
       g = s.view;
     }
-    if (options_.deterministic && window_ != WindowState::closed) quantize_slot(k);
+    // Deterministic mode: the slot collects this backward's gradients (autograd adds a second one in
+    // place) and goes on the grid once, at the next prepare_backward or when its bucket leaves.
+    if (options_.deterministic && window_ != WindowState::closed) s.grid_pending = true;
     s.used = true;
     order_.record(s);
     if (!synchronising()) return;
@@ -409,29 +430,50 @@ class ReducerState {
     }
     trace::Scope scope(*comm_, trace::Context::reducer_bucket, static_cast<std::int64_t>(bi));
     if (options_.deterministic) {
-      write_grid_tail(b);
       if (b.qwire.defined()) {
         // The int32 wire when this rank's integers fit it; the last element tells every rank
-        // whether some rank's did not (then the bucket goes again as int64 in reduce_on_grid).
-        // Each slot's wire was written with its latest contribution; a slot without one is zeros.
+        // whether some rank's did not (then the bucket goes again as int64 in reduce_on_grid). A
+        // slot with this backward's gradient goes onto the wire from the floating slot (plus its
+        // earlier sums), leaving both as they are for that resend; a slot without one sends its sums.
         const std::int64_t len = b.qflat.numel(), tail = GridTail::length(static_cast<std::int64_t>(b.slots.size()));
+        const std::int64_t limit = wire_limit(comm_->world_size());
         auto* w = b.qwire.data_ptr<std::int32_t>();
         auto* q = b.qflat.data_ptr<std::int64_t>();
         bool fits = true;
         for (std::size_t k : b.slots) {
-          const auto& s = slots_[k];
-          if (s.window_contributions > 0) {
-            fits = fits && s.wire_fits;
-            continue;
-          }
+          auto& s = slots_[k];
           const std::int64_t numel = param(k).numel();
-          std::fill(q + s.offset, q + s.offset + numel, std::int64_t{0});
-          std::fill(w + s.offset, w + s.offset + numel, std::int32_t{0});
+          if (s.grid_pending) {
+            ++s.window_contributions;
+            GridFlags f;
+            AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_grid_wire", [&] {
+              f = quantize_to_wire_cpu(b.flat.data_ptr<scalar_t>() + s.offset, s.grid_sums ? q + s.offset : nullptr,
+                                       w + s.offset, numel, s.grid_exponent, limit);
+            });
+            note_grid_flags(b, s, f);
+            fits = fits && !f.wide;
+            // The slot is the source of an int64 resend: a gradient arriving after the bucket left
+            // (refused in mark_ready_locked) must not reach it, so .grad() leaves the slot until
+            // finish_window.
+            auto& g = param(k).mutable_grad();
+            if (!b.main && g.defined() && aliases(g, s.view)) {
+              g.reset();
+              s.grad_detached = true;
+            }
+          } else if (s.grid_sums) {
+            fits = narrow_to_wire_cpu(q + s.offset, w + s.offset, numel, limit) && fits;
+          } else {
+            std::fill(w + s.offset, w + s.offset + numel, std::int32_t{0});
+          }
         }
-        fits = narrow_to_wire_cpu(q + (len - tail), w + (len - tail), tail, wire_limit(comm_->world_size())) && fits;
+        write_grid_tail(b);
+        fits = narrow_to_wire_cpu(q + (len - tail), w + (len - tail), tail, limit) && fits;
         w[len] = fits ? 0 : 1;
         works_[bi] = start(b.qwire);
       } else {
+        for (std::size_t k : b.slots)
+          if (slots_[k].grid_pending) quantize_slot(k);
+        write_grid_tail(b);
         works_[bi] = start(b.qflat);
       }
       b.launched = true;
@@ -456,6 +498,13 @@ class ReducerState {
       comm_->all_reduce(t, ReduceOp::sum);
       return Work{};
     }
+  }
+
+  /// Deterministic mode: refuses a gradient of slot s that arrives in the synchronising backward
+  /// after its bucket left. Throws: loom::InvalidArgument naming the parameter.
+  void check_not_late(const GradSlot& s) const {
+    if (options_.deterministic && synchronising() && s.fired && buckets_[s.bucket].launched)
+      throw InvalidArgument(late_gradient_message(s));
   }
 
   /// The error for a gradient that arrives in the synchronising backward after its bucket left.
@@ -486,33 +535,42 @@ class ReducerState {
     std::int64_t contributions = 0;       // the largest per-rank contribution count, summed over ranks
   };
 
-  /// Deterministic mode, after a gradient of slot k arrived (the slot holds this backward's gradient,
-  /// plus a gradient the parameter held when the window began): adds it to the slot's integers on
-  /// the slot's grid and zeroes the floating slot, flagging inf/NaN and overflow in the bucket's tail.
+  /// Deterministic mode: adds the backward's gradient that slot k holds (plus a gradient the
+  /// parameter held when the window began) to the slot's integers on the slot's grid and zeroes the
+  /// floating slot, flagging inf/NaN and overflow in the bucket's tail.
   void quantize_slot(std::size_t k) {
     auto& s = slots_[k];
     auto& b = buckets_[s.bucket];
     const auto n = static_cast<std::int64_t>(b.slots.size());
     const auto j = static_cast<std::int64_t>(s.flag);
     const std::int64_t numel = param(k).numel();
-    const bool first = s.window_contributions++ == 0;
+    ++s.window_contributions;
+    s.grid_pending = false;
+    const bool first = !s.grid_sums;  // the first contribution writes the sums (a bucket's are not zeroed)
+    s.grid_sums = true;
     if (b.qflat.is_cpu() && has_fused_scan(b.flat)) {
       GridFlags f;
-      std::int32_t* wire = b.qwire.defined() ? b.qwire.data_ptr<std::int32_t>() + s.offset : nullptr;
       AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_grid_quantize", [&] {
         f = quantize_add_cpu(b.flat.data_ptr<scalar_t>() + s.offset, b.qflat.data_ptr<std::int64_t>() + s.offset, numel,
-                             s.grid_exponent, first && wire != nullptr, wire, wire_limit(comm_->world_size()));
+                             s.grid_exponent, first);
       });
-      s.wire_fits = !f.wide;
-      auto* t = b.qtail.data_ptr<std::int64_t>();
-      if (f.non_finite) t[GridTail::non_finite(n)] = 1;
-      if (f.overflow) t[GridTail::overflow(n, j)] = 1;
-      if (f.near) t[GridTail::near(n, j)] = 1;
+      note_grid_flags(b, s, f);
       return;
     }
     quantize_add_aten(b.flat.narrow(0, s.offset, numel), b.qflat.narrow(0, s.offset, numel), s.grid_exponent,
                       b.qtail.narrow(0, GridTail::non_finite(n), 1), b.qtail.narrow(0, GridTail::overflow(n, j), 1),
                       b.qtail.narrow(0, GridTail::near(n, j), 1));
+  }
+
+  /// Deterministic mode, a bucket on the CPU: what putting slot s's contribution on the grid found,
+  /// into the bucket's tail.
+  static void note_grid_flags(GradBucket& b, const GradSlot& s, const GridFlags& f) {
+    const auto n = static_cast<std::int64_t>(b.slots.size());
+    const auto j = static_cast<std::int64_t>(s.flag);
+    auto* t = b.qtail.data_ptr<std::int64_t>();
+    if (f.non_finite) t[GridTail::non_finite(n)] = 1;
+    if (f.overflow) t[GridTail::overflow(n, j)] = 1;
+    if (f.near) t[GridTail::near(n, j)] = 1;
   }
 
   /// Deterministic mode: this rank's used-flags and contribution counts into bucket b's tail. A
@@ -560,6 +618,20 @@ class ReducerState {
         bool narrow = b.qwire.defined();
         const std::int64_t len = b.qflat.numel();
         if (narrow && b.qwire.data_ptr<std::int32_t>()[len] > 0) {
+          // This rank's int64 sums of the window, from the floating slots the wire was written from.
+          auto* q = b.qflat.data_ptr<std::int64_t>();
+          for (std::size_t k : b.slots) {
+            const auto& s = slots_[k];
+            const std::int64_t numel = param(k).numel();
+            if (s.grid_pending) {
+              AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_grid_widen", [&] {
+                quantize_add_cpu(b.flat.data_ptr<scalar_t>() + s.offset, q + s.offset, numel, s.grid_exponent,
+                                 /*first=*/!s.grid_sums, /*keep_gradient=*/true);
+              });
+            } else if (!s.grid_sums) {
+              std::fill(q + s.offset, q + s.offset + numel, std::int64_t{0});
+            }
+          }
           trace::Scope scope(*comm_, trace::Context::reducer_bucket, static_cast<std::int64_t>(bi));
           Work wide = start(b.qflat);
           wide.wait();
@@ -687,6 +759,7 @@ class ReducerState {
   void discard_window() {
     for (std::size_t k = 0; k < slots_.size(); ++k) {
       auto& s = slots_[k];
+      reattach_grad(s, param(k).mutable_grad());
       if (s.used)
         s.view.zero_();
       else if (s.was_undefined)
@@ -696,6 +769,13 @@ class ReducerState {
     }
     meta_work_.reset();
     close_window();
+  }
+
+  /// A gradient taken off its slot when its bucket left (launch) becomes the slot again.
+  static void reattach_grad(GradSlot& s, at::Tensor& g) {
+    if (!s.grad_detached) return;
+    g = s.view;
+    s.grad_detached = false;
   }
 
   void close_window() {
