@@ -163,6 +163,61 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
   CHECK(q2 == std::vector<std::int64_t>{8, 0, 2, 0});
   CHECK(std::all_of(g2.begin(), g2.end(), [](float v) { return v == 0.0f; }));
 
+  // Straight onto the wire from float32 without sums (4 at a time on x86-64, pieces with a value
+  // outside the limit redone one by one) against a naive reference: std::nearbyint per element,
+  // flags by definition. 20011 elements (not a multiple of 4, several pieces), magnitudes from
+  // 1e-9 to 3e3 grid units; then a NaN, an inf, a near-limit and an overflowing value.
+  {
+    const std::int64_t count = 20011, wlimit = d::wire_limit(2);
+    const int e = 20;
+    at::manual_seed(5);
+    auto base = (at::rand({count}, at::kDouble) * 2 - 1) * at::pow(10.0, at::rand({count}, at::kDouble) * 12 - 9);
+    std::vector<float> gv(static_cast<std::size_t>(count));
+    for (std::int64_t i = 0; i < count; ++i)
+      gv[static_cast<std::size_t>(i)] = static_cast<float>(base[i].item<double>() * std::ldexp(1.0, -e));
+    gv[7] = 0.5f * static_cast<float>(std::ldexp(1.0, -e));  // a tie: rounds to 0 (even)
+    gv[8] = 1.5f * static_cast<float>(std::ldexp(1.0, -e));  // rounds to 2
+    auto check_against_naive = [&](const std::vector<float>& gin) {
+      std::vector<std::int32_t> wv(gin.size(), 7);
+      const auto f = d::quantize_to_wire_cpu(gin.data(), nullptr, wv.data(), count, e, wlimit);
+      bool bad = false, over = false, close = false, wide = false;
+      for (std::size_t i = 0; i < gin.size(); ++i) {
+        if (!std::isfinite(gin[i])) {
+          bad = true;
+          continue;
+        }
+        const double x = std::ldexp(static_cast<double>(gin[i]), e);
+        if (std::abs(x) >= std::ldexp(1.0, 42)) {
+          over = true;
+          continue;
+        }
+        if (std::abs(x) >= std::ldexp(1.0, 40)) close = true;
+        const double r = std::nearbyint(x);
+        if (std::abs(r) > static_cast<double>(wlimit)) {
+          wide = true;
+          continue;
+        }
+        if (wv[i] != static_cast<std::int32_t>(r)) {
+          FAIL_CHECK(fmt::format("element {}: wire {} against {}", i, wv[i], r));
+          break;
+        }
+      }
+      CHECK(f.non_finite == bad);
+      CHECK(f.overflow == over);
+      CHECK(f.near == close);
+      CHECK(f.wide == wide);
+      return wide;
+    };
+    CHECK_FALSE(check_against_naive(gv));
+    std::vector<float> odd = gv;
+    odd[5000] = std::numeric_limits<float>::quiet_NaN();
+    odd[9001] = std::numeric_limits<float>::infinity();
+    odd[12000] = static_cast<float>(std::ldexp(1.0, 41 - e));      // near the limit
+    odd[15003] = static_cast<float>(-std::ldexp(1.0, 43 - e));     // above it
+    odd[20010] = static_cast<float>(std::ldexp(3.0, 30 - e));      // above the wire's limit, last element
+    CHECK(check_against_naive(odd));
+  }
+
   // The same integers as int32 or int64 turn back to the same bits and the same largest magnitude.
   std::vector<float> out64(q.size()), out32(q.size());
   bool bad64 = false, bad32 = false;

@@ -44,6 +44,10 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#if defined(__SSE2__) && !defined(__FAST_MATH__)
+#include <emmintrin.h>
+#endif
+
 namespace loom::detail {
 
 /// A contribution's magnitude must stay below this many grid units (2^42), so that 2^20 of them
@@ -117,6 +121,41 @@ enum class GridWrite {
   sums_keep,  ///< q[i] = base + round(...); g unchanged (the int64 resend of a bucket whose wire overflowed)
 };
 
+#if defined(__SSE2__) && !defined(__FAST_MATH__)
+/// The common case of quantize_to_wire_cpu on x86-64: float32 gradients [begin, end) with no
+/// earlier sums, 4 at a time (SSE2; compilers leave the scalar loop unvectorized). Writes w[i] =
+/// round_to_integer(g[i] x scale) — the same float64 operations, so the same integers — and
+/// returns true when every one is at most `limit` in magnitude. That also rules out inf/NaN,
+/// overflow and near-limit elements (all far above any int32 limit), so false sends the caller
+/// to the scalar loop for the range, which finds the exact flags (rare: a grid that is too fine).
+inline bool wire_from_float_sse2(const float* g, std::int32_t* w, std::int64_t begin, std::int64_t end, double scale,
+                                 double limit) {
+  const __m128d s = _mm_set1_pd(scale), shift = _mm_set1_pd(6755399441055744.0), lim = _mm_set1_pd(limit);
+  const __m128d sign = _mm_set1_pd(-0.0);
+  __m128d outside = _mm_setzero_pd();  // lanes where !(|r| <= limit), NaN included
+  std::int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    const __m128 v = _mm_loadu_ps(g + i);
+    __m128d r0 = _mm_mul_pd(_mm_cvtps_pd(v), s);
+    __m128d r1 = _mm_mul_pd(_mm_cvtps_pd(_mm_movehl_ps(v, v)), s);
+    r0 = _mm_sub_pd(_mm_add_pd(r0, shift), shift);
+    r1 = _mm_sub_pd(_mm_add_pd(r1, shift), shift);
+    outside = _mm_or_pd(outside, _mm_cmpnle_pd(_mm_andnot_pd(sign, r0), lim));
+    outside = _mm_or_pd(outside, _mm_cmpnle_pd(_mm_andnot_pd(sign, r1), lim));
+    // Lanes outside the limit convert to 0x80000000; they are not used (the caller redoes the range).
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w + i), _mm_unpacklo_epi64(_mm_cvtpd_epi32(r0), _mm_cvtpd_epi32(r1)));
+  }
+  bool fits = _mm_movemask_pd(outside) == 0;
+  for (; i < end; ++i) {
+    const double r = round_to_integer(static_cast<double>(g[i]) * scale);
+    const bool ok = std::abs(r) <= limit;
+    w[i] = ok ? static_cast<std::int32_t>(r) : 0;
+    fits = fits && ok;
+  }
+  return fits;
+}
+#endif
+
 /// The loop of the CPU quantizers: each element's contribution round(g[i] x 2^exponent) is added to
 /// base = q[i] (kFirst: base = 0, q not read) and written as kWrite says.
 template <class T, bool kFirst, GridWrite kWrite>
@@ -127,30 +166,45 @@ GridFlags quantize_loop(std::conditional_t<kWrite == GridWrite::sums, T, const T
   std::atomic<bool> non_finite{false}, overflow{false}, near{false}, wide{false};
   at::parallel_for(0, n, std::int64_t{1} << 16, [&](std::int64_t begin, std::int64_t end) {
     bool bad = false, over = false, close = false, fits = true;
-    for (std::int64_t i = begin; i < end; ++i) {
-      const T v = g[i];
-      if constexpr (kWrite == GridWrite::sums) g[i] = T(0);
-      std::int64_t add = 0;
-      if (!std::isfinite(v)) {
-        bad = true;
-      } else {
-        const double x = static_cast<double>(v) * scale;
-        const double a = std::abs(x);
-        if (!(a < kGridLimit)) {
-          over = true;
+    auto range = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t i = from; i < to; ++i) {
+        const T v = g[i];
+        if constexpr (kWrite == GridWrite::sums) g[i] = T(0);
+        std::int64_t add = 0;
+        if (!std::isfinite(v)) {
+          bad = true;
         } else {
-          if (a >= kGridNear) close = true;
-          add = static_cast<std::int64_t>(round_to_integer(x));
+          const double x = static_cast<double>(v) * scale;
+          const double a = std::abs(x);
+          if (!(a < kGridLimit)) {
+            over = true;
+          } else {
+            if (a >= kGridNear) close = true;
+            add = static_cast<std::int64_t>(round_to_integer(x));
+          }
+        }
+        const std::int64_t sum = kFirst ? add : q[i] + add;
+        if constexpr (kWrite == GridWrite::wire) {
+          fits &= (sum <= limit) & (sum >= -limit);
+          w[i] = static_cast<std::int32_t>(sum);  // modulo 2^32 (C++20); used only when it fits
+        } else {
+          q[i] = sum;
         }
       }
-      const std::int64_t sum = kFirst ? add : q[i] + add;
-      if constexpr (kWrite == GridWrite::wire) {
-        fits &= (sum <= limit) & (sum >= -limit);
-        w[i] = static_cast<std::int32_t>(sum);  // modulo 2^32 (C++20); used only when it fits
-      } else {
-        q[i] = sum;
+    };
+#if defined(__SSE2__) && !defined(__FAST_MATH__)
+    if constexpr (kWrite == GridWrite::wire && kFirst && std::is_same_v<T, float>) {
+      constexpr std::int64_t kPiece = 4096;  // a piece with a value outside the limit is redone by `range`
+      for (std::int64_t from = begin; from < end; from += kPiece) {
+        const std::int64_t to = std::min(end, from + kPiece);
+        if (!wire_from_float_sse2(g, w, from, to, scale, static_cast<double>(limit))) range(from, to);
       }
+    } else {
+      range(begin, end);
     }
+#else
+    range(begin, end);
+#endif
     if (bad) non_finite.store(true, std::memory_order_relaxed);
     if (over) overflow.store(true, std::memory_order_relaxed);
     if (close) near.store(true, std::memory_order_relaxed);
@@ -239,6 +293,38 @@ template <class T, class I>
 std::int64_t dequantize_cpu(const I* q, T* out, std::int64_t n, int exponent, double multiplier, double divisor,
                             bool& non_finite) {
   const double factor = grid_factor(exponent, multiplier, divisor);
+#if defined(__SSE2__) && !defined(__FAST_MATH__)
+  if constexpr (std::is_same_v<I, std::int32_t> && std::is_same_v<T, float>) {
+    // 4 at a time with the maxima and flags in registers (the blocked loop below keeps its lane
+    // arrays in memory): the same float64 multiplication and cast, so the same bits.
+    const __m128d f = _mm_set1_pd(factor), sign_d = _mm_set1_pd(-0.0);
+    const __m128 sign_s = _mm_set1_ps(-0.0f), max_s = _mm_set1_ps(std::numeric_limits<float>::max());
+    __m128d big = _mm_setzero_pd();
+    __m128 bad4 = _mm_setzero_ps();
+    std::int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+      const __m128d d0 = _mm_cvtepi32_pd(v), d1 = _mm_cvtepi32_pd(_mm_shuffle_epi32(v, 0xee));
+      big = _mm_max_pd(big, _mm_max_pd(_mm_andnot_pd(sign_d, d0), _mm_andnot_pd(sign_d, d1)));
+      const __m128 r = _mm_movelh_ps(_mm_cvtpd_ps(_mm_mul_pd(d0, f)), _mm_cvtpd_ps(_mm_mul_pd(d1, f)));
+      _mm_storeu_ps(out + i, r);
+      bad4 = _mm_or_ps(bad4, _mm_cmpnle_ps(_mm_andnot_ps(sign_s, r), max_s));  // inf or NaN
+    }
+    double lanes[2];
+    _mm_storeu_pd(lanes, big);
+    double largest = std::max(lanes[0], lanes[1]);
+    bool bad = _mm_movemask_ps(bad4) != 0;
+    for (; i < n; ++i) {
+      const double d = static_cast<double>(q[i]);
+      largest = std::max(largest, std::abs(d));
+      const float r = static_cast<float>(d * factor);
+      out[i] = r;
+      bad = bad || !(std::abs(r) <= std::numeric_limits<float>::max());
+    }
+    if (bad) non_finite = true;
+    return static_cast<std::int64_t>(largest);
+  }
+#endif
   if constexpr (std::is_same_v<I, std::int32_t>) {
     // Blocks of 8 with per-lane maxima and flags, a form compilers vectorize at -O2; int32 values are
     // exact in float64, so the largest magnitude is taken there.
