@@ -212,9 +212,9 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
     std::vector<float> odd = gv;
     odd[5000] = std::numeric_limits<float>::quiet_NaN();
     odd[9001] = std::numeric_limits<float>::infinity();
-    odd[12000] = static_cast<float>(std::ldexp(1.0, 41 - e));      // near the limit
-    odd[15003] = static_cast<float>(-std::ldexp(1.0, 43 - e));     // above it
-    odd[20010] = static_cast<float>(std::ldexp(3.0, 30 - e));      // above the wire's limit, last element
+    odd[12000] = static_cast<float>(std::ldexp(1.0, 41 - e));   // near the limit
+    odd[15003] = static_cast<float>(-std::ldexp(1.0, 43 - e));  // above it
+    odd[20010] = static_cast<float>(std::ldexp(3.0, 30 - e));   // above the wire's limit, last element
     CHECK(check_against_naive(odd));
   }
 

@@ -66,8 +66,8 @@ struct GradSlot {
   bool was_undefined = false;   // its .grad() was undefined when the window began
   int grid_exponent = kGridInitialExponent;  // deterministic mode: the grid step is 2^-grid_exponent
   std::int64_t window_contributions = 0;     // deterministic mode: micro-batches put on the grid this window
-  bool grid_pending = false;  // deterministic mode: `view` holds the current micro-batch's gradient, not yet on the grid
-  bool grid_sums = false;     // deterministic mode: the int64 sums hold this window's earlier contributions
+  bool grid_pending = false;   // deterministic mode: `view` holds this micro-batch's gradient, not on the grid yet
+  bool grid_sums = false;      // deterministic mode: the int64 sums hold this window's earlier contributions
   bool grad_detached = false;  // deterministic mode, int32 wire: .grad() was taken off `view` when the bucket left
 };
 

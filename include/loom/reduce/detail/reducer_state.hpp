@@ -385,7 +385,7 @@ class ReducerState {
   void mark_ready_locked(std::size_t k) {
     auto& s = slots_[k];
     auto& g = param(k).mutable_grad();
-    check_not_late(s);  // before the in-flight integers are touched
+    check_not_late(s);              // before the in-flight integers are touched
     if (buckets_[s.bucket].main) {  // float32 accumulation: add this backward's 16-bit gradient, free it
       at::NoGradGuard no_grad;
       if (g.defined()) s.view.add_(g);
