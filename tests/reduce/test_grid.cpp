@@ -177,9 +177,10 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
       gv[static_cast<std::size_t>(i)] = static_cast<float>(base[i].item<double>() * std::ldexp(1.0, -e));
     gv[7] = 0.5f * static_cast<float>(std::ldexp(1.0, -e));  // a tie: rounds to 0 (even)
     gv[8] = 1.5f * static_cast<float>(std::ldexp(1.0, -e));  // rounds to 2
-    auto check_against_naive = [&](const std::vector<float>& gin) {
+    auto check_against_naive = [&](const std::vector<float>& gin, std::int64_t lim) {
       std::vector<std::int32_t> wv(gin.size(), 7);
-      const auto f = d::quantize_to_wire_cpu(gin.data(), nullptr, wv.data(), count, e, wlimit);
+      const auto f =
+          d::quantize_to_wire_cpu(gin.data(), nullptr, wv.data(), static_cast<std::int64_t>(gin.size()), e, lim);
       bool bad = false, over = false, close = false, wide = false;
       for (std::size_t i = 0; i < gin.size(); ++i) {
         if (!std::isfinite(gin[i])) {
@@ -193,7 +194,7 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
         }
         if (std::abs(x) >= std::ldexp(1.0, 40)) close = true;
         const double r = std::nearbyint(x);
-        if (std::abs(r) > static_cast<double>(wlimit)) {
+        if (std::abs(r) > static_cast<double>(lim)) {
           wide = true;
           continue;
         }
@@ -208,14 +209,28 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
       CHECK(f.wide == wide);
       return wide;
     };
-    CHECK_FALSE(check_against_naive(gv));
+    CHECK_FALSE(check_against_naive(gv, wlimit));
     std::vector<float> odd = gv;
     odd[5000] = std::numeric_limits<float>::quiet_NaN();
     odd[9001] = std::numeric_limits<float>::infinity();
     odd[12000] = static_cast<float>(std::ldexp(1.0, 41 - e));   // near the limit
     odd[15003] = static_cast<float>(-std::ldexp(1.0, 43 - e));  // above it
     odd[20010] = static_cast<float>(std::ldexp(3.0, 30 - e));   // above the wire's limit, last element
-    CHECK(check_against_naive(odd));
+    CHECK(check_against_naive(odd, wlimit));
+    // Only one value above the wire's limit (2^30 > 2^30 - 1 grid units), inside a 4-lane group.
+    std::vector<float> one_wide = gv;
+    one_wide[101] = static_cast<float>(std::ldexp(1.0, 30 - e));
+    CHECK(check_against_naive(one_wide, wlimit));
+    // At the limit exactly (1000 here): 1000, -1000 and the tie 1000.5 (to 1000) fit, in lanes of
+    // groups the vector loop keeps; 1001 does not.
+    std::vector<float> at_limit(8195, static_cast<float>(std::ldexp(0.25, -e)));
+    at_limit[40] = static_cast<float>(std::ldexp(1000.0, -e));
+    at_limit[41] = static_cast<float>(std::ldexp(-1000.0, -e));
+    at_limit[42] = static_cast<float>(std::ldexp(1000.5, -e));
+    at_limit[5003] = static_cast<float>(std::ldexp(-999.5, -e));  // a tie to -1000
+    CHECK_FALSE(check_against_naive(at_limit, 1000));
+    at_limit[43] = static_cast<float>(std::ldexp(1001.0, -e));
+    CHECK(check_against_naive(at_limit, 1000));
   }
 
   // The same integers as int32 or int64 turn back to the same bits and the same largest magnitude.
