@@ -398,8 +398,8 @@ class ReducerState {
         s.view.zero_();
       g = s.view;
     }
-    // Deterministic mode: the slot collects this backward's gradients (autograd adds a second one in
-    // place) and goes on the grid once, at the next prepare_backward or when its bucket leaves.
+    // Deterministic mode: the slot collects this micro-batch's gradients (autograd adds a second one
+    // in place) and goes on the grid once, at the next prepare_backward or when its bucket leaves.
     if (options_.deterministic && window_ != WindowState::closed) s.grid_pending = true;
     s.used = true;
     order_.record(s);
@@ -433,7 +433,7 @@ class ReducerState {
       if (b.qwire.defined()) {
         // The int32 wire when this rank's integers fit it; the last element tells every rank
         // whether some rank's did not (then the bucket goes again as int64 in reduce_on_grid). A
-        // slot with this backward's gradient goes onto the wire from the floating slot (plus its
+        // slot with this micro-batch's gradient goes onto the wire from the floating slot (plus its
         // earlier sums), leaving both as they are for that resend; a slot without one sends its sums.
         const std::int64_t len = b.qflat.numel(), tail = GridTail::length(static_cast<std::int64_t>(b.slots.size()));
         const std::int64_t limit = wire_limit(comm_->world_size());
@@ -535,7 +535,7 @@ class ReducerState {
     std::int64_t contributions = 0;       // the largest per-rank contribution count, summed over ranks
   };
 
-  /// Deterministic mode: adds the backward's gradient that slot k holds (plus a gradient the
+  /// Deterministic mode: adds the micro-batch's gradient that slot k holds (plus a gradient the
   /// parameter held when the window began) to the slot's integers on the slot's grid and zeroes the
   /// floating slot, flagging inf/NaN and overflow in the bucket's tail.
   void quantize_slot(std::size_t k) {
