@@ -30,9 +30,17 @@
 // Timeouts: a collective not finished within `timeout()` (a peer never called it) throws
 //      loom::TimeoutError naming the collective, the rank and the seconds waited; a peer that exited
 //      or crashed closes its connection and the survivors get the same TimeoutError at once (the
-//      collective can never complete). The message names the peer ("peer rank 2") when Gloo's error
-//      names one of this rank's connections (a closed or reset socket), or when there is only one
-//      peer; a plain timeout in a larger job names no peer (Gloo does not say which one was silent).
+//      collective can never complete). Gloo fails at once what it has queued on a connection that
+//      ended, but not a receive whose message it was in the middle of reading (that one waits for
+//      the timeout), so a wait also looks at this rank's Gloo connections every 50 ms: when one was
+//      closed 1 s ago and the collective still waits, loom throws that TimeoutError itself (the
+//      second lets a collective whose data had all arrived end by itself, e.g. when a peer finished
+//      its last collective and exited first). Gloo's worker thread then still waits until the
+//      timeout, so that process group is left to the process instead of being destroyed (its
+//      destructor would join the thread first): its threads and buffers stay until the process
+//      exits. The message names the peer ("peer rank 2") when Gloo's error names one of this rank's
+//      connections (a closed or reset socket), or when there is only one peer; a plain timeout in a
+//      larger job names no peer (Gloo does not say which one was silent).
 //      To read Gloo's socket addresses, construction ends with two small all-to-alls (64 bytes per
 //      socket of the group; see loom/comm/detail/gloo_peers.hpp).
 //      After a TimeoutError or CommError the communicator is broken: destroy it (c10d behaves the same).
@@ -83,10 +91,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -178,26 +189,23 @@ class GlooWork {
     const auto start = std::chrono::steady_clock::now();
     const std::shared_ptr<detail::TraceExchange> trace = s.trace.lock();  // null once the communicator is gone
     if (trace) trace->recorder().waiting(s.seq);
+    // Gloo enforces the timeout itself; the margin only guards against a stuck worker thread.
+    const auto deadline = start + s.timeout + std::chrono::seconds(5);
+    if (const std::string lost = wait_watching_connections(s, deadline); !lost.empty()) {
+      // Gloo will not end this collective before its timeout: leave the process group's destructor
+      // (which would join the worker thread still waiting in it) to the process; see the header.
+      if (auto group = s.group.lock()) (void)group.release();
+      fail(s, lost, start, trace);
+    }
     try {
-      // Gloo enforces the timeout itself; the margin only guards against a stuck worker thread.
-      s.work->wait(s.timeout + std::chrono::seconds(5));
+      s.work->wait(
+          std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
+                   std::chrono::milliseconds(1)));
       s.done = true;
       if (trace && s.completes_entry) trace->recorder().complete(s.seq);
       if (s.finish) s.finish();
     } catch (const std::exception& e) {
-      const std::string text = detail::exception_text(e);
-      const double waited = detail::seconds_since(start);
-      const double since_issue = detail::seconds_since(s.issued);
-      // The communicator is broken now: end every connection, so the peers fail at once naming
-      // this rank, and this rank's queued collectives do not wait for their timeouts.
-      if (s.peers) s.peers->shutdown_connections();
-      std::string verdict;
-      if (trace) {
-        trace->recorder().fail(s.seq);
-        verdict = trace->on_failure(what_of(error_for(s, text, waited, since_issue, "")));
-      }
-      s.error = error_for(s, text, waited, since_issue, verdict);
-      std::rethrow_exception(s.error);
+      fail(s, detail::exception_text(e), start, trace);
     }
   }
 
@@ -217,9 +225,10 @@ class GlooWork {
     std::chrono::milliseconds timeout{0};
     std::function<void()> finish;
     std::shared_ptr<const detail::GlooPeerTable> peers;
-    std::weak_ptr<detail::TraceExchange> trace;  ///< the communicator's flight recorder and dump
-    std::int64_t seq = -1;                       ///< this collective's flight-record entry
-    bool completes_entry = true;                 ///< false for the metadata check's gather
+    c10::weak_intrusive_ptr<c10d::ProcessGroupGloo> group;  ///< the process group that runs it
+    std::weak_ptr<detail::TraceExchange> trace;             ///< the communicator's flight recorder and dump
+    std::int64_t seq = -1;                                  ///< this collective's flight-record entry
+    bool completes_entry = true;                            ///< false for the metadata check's gather
     std::chrono::steady_clock::time_point issued{};
     bool done = false;
     std::exception_ptr error;
@@ -227,11 +236,80 @@ class GlooWork {
 
   GlooWork(c10::intrusive_ptr<c10d::Work> work, std::string collective, int rank, int world_size,
            std::chrono::milliseconds timeout, std::function<void()> finish,
-           std::shared_ptr<const detail::GlooPeerTable> peers, std::shared_ptr<detail::TraceExchange> trace,
-           std::int64_t seq)
+           std::shared_ptr<const detail::GlooPeerTable> peers, const c10::intrusive_ptr<c10d::ProcessGroupGloo>& group,
+           std::shared_ptr<detail::TraceExchange> trace, std::int64_t seq)
       : state_(std::make_shared<State>(State{std::move(work), std::move(collective), rank, world_size, timeout,
-                                             std::move(finish), std::move(peers), std::move(trace), seq, true,
-                                             std::chrono::steady_clock::now(), false, nullptr})) {}
+                                             std::move(finish), std::move(peers),
+                                             c10::weak_intrusive_ptr<c10d::ProcessGroupGloo>(group), std::move(trace),
+                                             seq, true, std::chrono::steady_clock::now(), false, nullptr})) {}
+
+  /// How often a wait looks at the connections, and how long a collective may still end by itself
+  /// once one of them was closed.
+  static constexpr auto kWatchInterval = std::chrono::milliseconds(50);
+  static constexpr auto kClosedGrace = std::chrono::milliseconds(1000);
+
+  /// Waits until the collective finished (successfully or not: wait() then reads which) or `deadline`,
+  /// and returns ""; or returns the text of the failure when one of this rank's Gloo connections was
+  /// closed and the collective still had not finished kClosedGrace later. Gloo closes a connection
+  /// after an error on it and fails the operations it has queued there, but not a receive whose
+  /// message it was reading when the connection ended (gloo/transport/tcp/pair.cc, signalException):
+  /// that one would wait for the whole timeout.
+  static std::string wait_watching_connections(State& s, std::chrono::steady_clock::time_point deadline) {
+    if (!s.peers || s.peers->connections() == 0 || s.work->isCompleted()) return {};
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      future = s.work->getFuture();
+    } catch (const std::exception&) {
+      return {};  // a work without a future: Gloo's own wait alone
+    }
+    if (!future) return {};
+    struct Done {
+      std::mutex m;
+      std::condition_variable cv;
+      bool done = false;
+    };
+    auto done = std::make_shared<Done>();
+    future->addCallback([done](c10::ivalue::Future&) {
+      {
+        std::lock_guard<std::mutex> lock(done->m);
+        done->done = true;
+      }
+      done->cv.notify_all();
+    });
+    std::optional<std::chrono::steady_clock::time_point> closed_at;
+    std::unique_lock<std::mutex> lock(done->m);
+    while (!done->cv.wait_for(lock, kWatchInterval, [&] { return done->done; })) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return {};
+      const auto closed = s.peers->closed_connection();
+      if (!closed) continue;
+      if (!closed_at) closed_at = now;
+      if (now - *closed_at < kClosedGrace) continue;
+      return fmt::format(
+          "Connection closed by peer [{}]:{} (seen by loom: Gloo closed this rank's connection to it after an error "
+          "{:.3f} s ago, and the collective still waits on it)",
+          closed->remote.ip, closed->remote.port, std::chrono::duration<double>(now - *closed_at).count());
+    }
+    return {};
+  }
+
+  /// Records the failure (text: Gloo's or loom's), ends every connection of this rank, and throws the
+  /// loom error.
+  [[noreturn]] static void fail(State& s, const std::string& text, std::chrono::steady_clock::time_point start,
+                                const std::shared_ptr<detail::TraceExchange>& trace) {
+    const double waited = detail::seconds_since(start);
+    const double since_issue = detail::seconds_since(s.issued);
+    // The communicator is broken now: end every connection, so the peers fail at once naming
+    // this rank, and this rank's queued collectives do not wait for their timeouts.
+    if (s.peers) s.peers->shutdown_connections();
+    std::string verdict;
+    if (trace) {
+      trace->recorder().fail(s.seq);
+      verdict = trace->on_failure(what_of(error_for(s, text, waited, since_issue, "")));
+    }
+    s.error = error_for(s, text, waited, since_issue, verdict);
+    std::rethrow_exception(s.error);
+  }
 
   static std::string what_of(const std::exception_ptr& e) {
     try {
@@ -447,8 +525,8 @@ class GlooCommunicator {
 
   GlooWork make_work(const char* collective, c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
                      std::int64_t seq, bool completes_entry = true) {
-    GlooWork w(std::move(work), collective, rank_, world_size_, options_.timeout, std::move(finish), peers_, trace_,
-               seq);
+    GlooWork w(std::move(work), collective, rank_, world_size_, options_.timeout, std::move(finish), peers_, pg_,
+               trace_, seq);
     w.state_->completes_entry = completes_entry;
     return w;
   }

@@ -219,6 +219,19 @@ class GlooPeerTable {
     }
   }
 
+  /// The first of this rank's recorded Gloo connections whose descriptor no longer holds it (closed,
+  /// or its number reused by another file), or nullopt when every one is still open. Gloo closes a
+  /// connection's socket only after an error on it (the peer closed or reset it, a read or write
+  /// failed, a timeout) or when the process group is destroyed, so a closed one means this
+  /// communicator can complete no collective any more. Cost: two system calls per connection.
+  [[nodiscard]] std::optional<GlooProcessSocket> closed_connection() const {
+    for (const auto& sock : sockets_) {
+      const auto now = read_socket(sock.fd);
+      if (!now || *now != sock) return sock;
+    }
+    return std::nullopt;
+  }
+
   /// Adds a socket address of `peer_rank` (tests, and build()).
   void add(const sockaddr_storage& ss, int peer_rank) { add_name(socket_name(ss), peer_rank); }
 
