@@ -266,3 +266,34 @@ TEST_CASE("GlooCommunicator: abort() on a live rank ends its peers' pending coll
     CHECK((peer == 0 || peer == 3 - r));
   }
 }
+
+TEST_CASE(
+    "GlooCommunicator: destroying it drops its last reference to the process group, also after a peer died (nothing "
+    "still runs)") {
+  // The process group is left to the process (one reference kept) only when a broken communicator
+  // still has a collective running in Gloo (include/loom/comm/gloo.hpp, "Destroying a broken communicator"); here none runs:
+  // rank 0's all_reduce failed at once through Gloo's own error on rank 1's closed connection.
+  loom::spawn(2,
+              [](const loom::Environment& env) {
+                c10::weak_intrusive_ptr<c10d::ProcessGroupGloo> group{c10::intrusive_ptr<c10d::ProcessGroupGloo>()};
+                std::string what = "no error";
+                {
+                  loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20), .check_metadata = false});
+                  group = c10::weak_intrusive_ptr<c10d::ProcessGroupGloo>(comm.process_group());
+                  auto t = torch::full({1024}, 1.0f);
+                  comm.all_reduce(t, loom::ReduceOp::sum);
+                  comm.barrier();
+                  if (env.rank == 1) return;  // destroys a healthy communicator, then exits
+                  try {
+                    comm.all_reduce(t, loom::ReduceOp::sum);
+                  } catch (const loom::TimeoutError& e) {
+                    what = e.what();
+                  }
+                }
+                if (env.rank == 1) return;
+                if (what.find("peer rank 1 closed its connection") == std::string::npos)
+                  throw std::runtime_error("rank 0's all_reduce did not fail naming rank 1: " + what);
+                if (!group.expired()) throw std::runtime_error("rank 0's process group outlived its communicator");
+              },
+              {.timeout = std::chrono::seconds(60)});
+}

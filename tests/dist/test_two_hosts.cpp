@@ -10,7 +10,7 @@
 //   2. the same with GLOO_SOCKET_IFNAME set to each host's interface;
 //   3. the link goes down mid-training: each rank throws loom::TimeoutError naming the collective,
 //      its rank and its peer, within the timeout + 1 s;
-//   4. the peer is killed with SIGKILL: the survivor throws within 3 s, naming the peer (its Gloo
+//   4. the peer is killed with SIGKILL: the survivor throws within 4 s, naming the peer (its Gloo
 //      timeout is 20 s);
 //   4b. the same, three times, while the peer sends over a link limited to 20 Mbit/s (tc), so the
 //      survivor is in the middle of reading a message when the connection ends;
@@ -560,9 +560,11 @@ struct Suite {
           "rank 0's error names the collective and its rank: " + rep["what"]);
     check(rep["what"].find("peer rank 1") != std::string::npos, "rank 0's error names peer rank 1: " + rep["what"]);
     const double after = rep.count("t_error") ? (std::stoll(rep["t_error"]) - t_kill) / 1e9 : 1e9;
-    // 3 s: loom's watch of the connections (GlooWork::kClosedGrace, 1 s) when Gloo leaves a receive
-    // waiting, plus the flight recorder's exchange (at most 1 s with a peer that posts nothing).
-    check(after <= 3.0, fmt::format("rank 0 threw {:.3f} s after the kill (bound 3 s)", after));
+    // 4 s: loom's watch of the connections (GlooWork::kClosedGrace, 1 s, and a 50 ms tick) when Gloo
+    // leaves a receive waiting, plus the flight recorder's exchange (at most 1 s with a peer that posts
+    // nothing), plus up to 0.4 s for the link's queue (case 4b), plus 0.2 s in the communicator's
+    // destructor (a collective still running in Gloo; include/loom/comm/gloo.hpp), plus a busy machine.
+    check(after <= 4.0, fmt::format("rank 0 threw {:.3f} s after the kill (bound 4 s)", after));
     fmt::print("    rank 0: {:.3f} s after the kill: {}\n", after, rep["what"].substr(0, 300));
     end(name, logs);
   }
@@ -601,7 +603,8 @@ struct Suite {
       check(rep["what"].find("peer rank 1 closed its connection") != std::string::npos,
             fmt::format("kill {}: rank 0's error says peer rank 1 closed its connection: {}", k, rep["what"]));
       const double after = rep.count("t_error") ? (std::stoll(rep["t_error"]) - t_kill) / 1e9 : 1e9;
-      check(after <= 3.0, fmt::format("kill {}: rank 0 threw {:.3f} s after the kill (bound 3 s)", k, after));
+      check(after <= 4.0,
+            fmt::format("kill {}: rank 0 threw {:.3f} s after the kill (bound 4 s, as case 4)", k, after));
       fmt::print("    kill {}: rank 0 {:.3f} s after the kill: {}\n", k, after, rep["what"].substr(0, 300));
     }
     hosts.rate("");

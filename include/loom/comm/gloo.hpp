@@ -32,13 +32,12 @@
 //      or crashed closes its connection and the survivors get the same TimeoutError at once (the
 //      collective can never complete). Gloo fails at once what it has queued on a connection that
 //      ended, but not a receive whose message it was in the middle of reading (that one waits for
-//      the timeout), so a wait also looks at this rank's Gloo connections every 50 ms: when one was
-//      closed 1 s ago and the collective still waits, loom throws that TimeoutError itself (the
-//      second lets a collective whose data had all arrived end by itself, e.g. when a peer finished
-//      its last collective and exited first). Gloo's worker thread then still waits until the
-//      timeout, so that process group is left to the process instead of being destroyed (its
-//      destructor would join the thread first): its threads and buffers stay until the process
-//      exits. The message names the peer ("peer rank 2") when Gloo's error names one of this rank's
+//      the timeout), so a wait also looks at this rank's Gloo connections every 50 ms: when Gloo
+//      closed one and the collective still waits 1 s later, loom throws that TimeoutError itself
+//      (the second lets a collective whose data had all arrived end by itself). While other
+//      connections stay open it waits longer, until no data arrived on them for a tenth of the
+//      timeout (at least 1 s; a broadcast: until its peers are gone): a peer that finished the
+//      collective and exited leaves the others to end it. The message names the peer ("peer rank 2") when Gloo's error names one of this rank's
 //      connections (a closed or reset socket), or when there is only one peer; a plain timeout in a
 //      larger job names no peer (Gloo does not say which one was silent).
 //      To read Gloo's socket addresses, construction ends with two small all-to-alls (64 bytes per
@@ -47,6 +46,12 @@
 //      A collective that fails also shuts down every connection of the communicator on this rank, so
 //      the peers' pending collectives fail at once with an error naming this rank, rather than at
 //      their timeout (loom/comm/detail/gloo_peers.hpp).
+//      Destroying a broken communicator (a collective failed, abort(), or Gloo closed one of its
+//      connections) while Gloo still runs one of its collectives 200 ms later
+//      (such a receive waits until the timeout) does not destroy its process group, whose destructor
+//      would join that worker thread: the group is left to the process, with its threads, its sockets
+//      and its store connection (on the rank that hosts the store, the store itself and MASTER_PORT)
+//      until the process exits; a new rendezvous in the same process then needs another MASTER_PORT.
 // Construction: the Gloo device's address follows GlooOptions::interface's rule (GLOO_SOCKET_IFNAME,
 //      loopback masters, the local address that routes to MASTER_ADDR when this host's name resolves
 //      to loopback; loom/comm/detail/gloo_device.hpp). A rank whose construction fails writes its
@@ -90,6 +95,7 @@
 #else
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -167,6 +173,86 @@ inline c10d::ReduceOp::RedOpType to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
+/// What a GlooCommunicator and its GlooWorks share about its process group: whether one of its
+/// collectives failed (or abort() was called), and how many of its collectives Gloo still runs.
+struct GlooGroupState {
+  std::atomic<bool> broken{false};
+  std::mutex m;
+  std::condition_variable cv;
+  std::int64_t running = 0;
+
+  /// True when no collective runs any more, waiting at most `wait` for that.
+  bool drained(std::chrono::milliseconds wait) {
+    std::unique_lock<std::mutex> lock(m);
+    return cv.wait_for(lock, wait, [&] { return running == 0; });
+  }
+};
+
+/// Counts `work` in `state->running` until its future completes (with a result or an error). A work
+/// without a future is not counted.
+inline void track_running(const std::shared_ptr<GlooGroupState>& state, const c10::intrusive_ptr<c10d::Work>& work) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work->getFuture();
+  } catch (const std::exception&) {
+    return;
+  }
+  if (!future) return;
+  {
+    std::lock_guard<std::mutex> lock(state->m);
+    ++state->running;
+  }
+  future->addCallback([state](c10::ivalue::Future& f) {
+    if (f.hasError()) state->broken = true;
+    {
+      std::lock_guard<std::mutex> lock(state->m);
+      --state->running;
+    }
+    state->cv.notify_all();
+  });
+}
+
+/// A GlooCommunicator's process group. Destroying it (or assigning over it) destroys the process
+/// group, as an intrusive_ptr would, except when the communicator is broken (a collective failed,
+/// abort(), or Gloo closed one of its connections) and Gloo still runs one of its collectives 200 ms
+/// later: ~ProcessGroupGloo would then join a worker thread that may wait in Gloo until its timeout,
+/// so the process group is left to the process instead (see the header).
+class GlooGroup {
+ public:
+  GlooGroup() = default;
+  GlooGroup(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, std::shared_ptr<const GlooPeerTable> peers)
+      : state_(std::make_shared<GlooGroupState>()), peers_(std::move(peers)), pg_(std::move(pg)) {}
+  GlooGroup(GlooGroup&&) noexcept = default;
+  GlooGroup& operator=(GlooGroup&& other) noexcept {
+    if (this != &other) {
+      leave();
+      state_ = std::move(other.state_);
+      peers_ = std::move(other.peers_);
+      pg_ = std::move(other.pg_);
+    }
+    return *this;
+  }
+  GlooGroup(const GlooGroup&) = delete;
+  GlooGroup& operator=(const GlooGroup&) = delete;
+  ~GlooGroup() { leave(); }
+
+  c10d::ProcessGroupGloo* operator->() const noexcept { return pg_.get(); }
+  explicit operator bool() const noexcept { return static_cast<bool>(pg_); }
+  [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& get() const noexcept { return pg_; }
+  [[nodiscard]] const std::shared_ptr<GlooGroupState>& state() const noexcept { return state_; }
+
+ private:
+  void leave() noexcept {
+    if (!pg_ || !state_) return;
+    const bool broken = state_->broken.load() || (peers_ && peers_->now().closed);
+    if (broken && !state_->drained(std::chrono::milliseconds(200))) (void)pg_.release();
+  }
+
+  std::shared_ptr<GlooGroupState> state_;
+  std::shared_ptr<const GlooPeerTable> peers_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+};
+
 }  // namespace detail
 
 /// A pending Gloo collective; `wait()` finishes it (and applies avg's division / bfloat16's
@@ -191,12 +277,13 @@ class GlooWork {
     if (trace) trace->recorder().waiting(s.seq);
     // Gloo enforces the timeout itself; the margin only guards against a stuck worker thread.
     const auto deadline = start + s.timeout + std::chrono::seconds(5);
-    if (const std::string lost = wait_watching_connections(s, deadline); !lost.empty()) {
-      // Gloo will not end this collective before its timeout: leave the process group's destructor
-      // (which would join the worker thread still waiting in it) to the process; see the header.
-      if (auto group = s.group.lock()) (void)group.release();
-      fail(s, lost, start, trace);
+    std::string lost;
+    try {
+      lost = wait_watching_connections(s, deadline);
+    } catch (const std::exception&) {
+      // (allocation failures) Gloo's own wait below still ends the collective.
     }
+    if (!lost.empty()) fail(s, lost, start, trace);
     try {
       s.work->wait(
           std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
@@ -225,10 +312,10 @@ class GlooWork {
     std::chrono::milliseconds timeout{0};
     std::function<void()> finish;
     std::shared_ptr<const detail::GlooPeerTable> peers;
-    c10::weak_intrusive_ptr<c10d::ProcessGroupGloo> group;  ///< the process group that runs it
-    std::weak_ptr<detail::TraceExchange> trace;             ///< the communicator's flight recorder and dump
-    std::int64_t seq = -1;                                  ///< this collective's flight-record entry
-    bool completes_entry = true;                            ///< false for the metadata check's gather
+    std::shared_ptr<detail::GlooGroupState> group;  ///< the communicator's failure flag and running count
+    std::weak_ptr<detail::TraceExchange> trace;     ///< the communicator's flight recorder and dump
+    std::int64_t seq = -1;                          ///< this collective's flight-record entry
+    bool completes_entry = true;                    ///< false for the metadata check's gather
     std::chrono::steady_clock::time_point issued{};
     bool done = false;
     std::exception_ptr error;
@@ -236,24 +323,25 @@ class GlooWork {
 
   GlooWork(c10::intrusive_ptr<c10d::Work> work, std::string collective, int rank, int world_size,
            std::chrono::milliseconds timeout, std::function<void()> finish,
-           std::shared_ptr<const detail::GlooPeerTable> peers, const c10::intrusive_ptr<c10d::ProcessGroupGloo>& group,
+           std::shared_ptr<const detail::GlooPeerTable> peers, std::shared_ptr<detail::GlooGroupState> group,
            std::shared_ptr<detail::TraceExchange> trace, std::int64_t seq)
       : state_(std::make_shared<State>(State{std::move(work), std::move(collective), rank, world_size, timeout,
-                                             std::move(finish), std::move(peers),
-                                             c10::weak_intrusive_ptr<c10d::ProcessGroupGloo>(group), std::move(trace),
+                                             std::move(finish), std::move(peers), std::move(group), std::move(trace),
                                              seq, true, std::chrono::steady_clock::now(), false, nullptr})) {}
 
-  /// How often a wait looks at the connections, and how long a collective may still end by itself
+  /// How often a wait looks at the connections; how long a collective may still end by itself
   /// once one of them was closed.
   static constexpr auto kWatchInterval = std::chrono::milliseconds(50);
   static constexpr auto kClosedGrace = std::chrono::milliseconds(1000);
 
   /// Waits until the collective finished (successfully or not: wait() then reads which) or `deadline`,
-  /// and returns ""; or returns the text of the failure when one of this rank's Gloo connections was
-  /// closed and the collective still had not finished kClosedGrace later. Gloo closes a connection
-  /// after an error on it and fails the operations it has queued there, but not a receive whose
-  /// message it was reading when the connection ended (gloo/transport/tcp/pair.cc, signalException):
-  /// that one would wait for the whole timeout.
+  /// and returns ""; or returns the text of the failure when Gloo closed one of this rank's
+  /// connections and the collective did not end by itself: kClosedGrace later when no connection is
+  /// left open (two ranks, or every peer gone), else only once no data arrived on the open ones for
+  /// a tenth of the timeout (at least kClosedGrace; a broadcast: never): a peer that finished the
+  /// collective and exited leaves the others to end it. Gloo fails the operations it has queued on a connection that ended,
+  /// but not a receive whose message it was reading then (gloo/transport/tcp/pair.cc,
+  /// signalException): that one would wait for the whole timeout.
   static std::string wait_watching_connections(State& s, std::chrono::steady_clock::time_point deadline) {
     if (!s.peers || s.peers->connections() == 0 || s.work->isCompleted()) return {};
     c10::intrusive_ptr<c10::ivalue::Future> future;
@@ -276,21 +364,30 @@ class GlooWork {
       }
       done->cv.notify_all();
     });
+    const auto quiet_needed = std::max<std::chrono::milliseconds>(kClosedGrace, s.timeout / 10);
+    const bool broadcast = s.collective == "broadcast";
     std::optional<std::chrono::steady_clock::time_point> closed_at;
     std::unique_lock<std::mutex> lock(done->m);
-    while (!done->cv.wait_for(lock, kWatchInterval, [&] { return done->done; })) {
+    for (;;) {
+      if (done->cv.wait_for(lock, kWatchInterval, [&] { return done->done; })) return {};
+      lock.unlock();  // the completion callback must not wait for the checks
       const auto now = std::chrono::steady_clock::now();
       if (now >= deadline) return {};
-      const auto closed = s.peers->closed_connection();
-      if (!closed) continue;
+      const auto connections = s.peers->now();
+      lock.lock();
+      if (!connections.closed) continue;
       if (!closed_at) closed_at = now;
       if (now - *closed_at < kClosedGrace) continue;
+      // A broadcast's receivers may finish and exit before a slow one joined: with connections left,
+      // only the peers gone can say it will not end.
+      if (connections.open > 0 && (broadcast || std::chrono::milliseconds(connections.quiet_ms) < quiet_needed))
+        continue;
       return fmt::format(
           "Connection closed by peer [{}]:{} (seen by loom: Gloo closed this rank's connection to it after an error "
           "{:.3f} s ago, and the collective still waits on it)",
-          closed->remote.ip, closed->remote.port, std::chrono::duration<double>(now - *closed_at).count());
+          connections.closed->remote.ip, connections.closed->remote.port,
+          std::chrono::duration<double>(now - *closed_at).count());
     }
-    return {};
   }
 
   /// Records the failure (text: Gloo's or loom's), ends every connection of this rank, and throws the
@@ -301,6 +398,7 @@ class GlooWork {
     const double since_issue = detail::seconds_since(s.issued);
     // The communicator is broken now: end every connection, so the peers fail at once naming
     // this rank, and this rank's queued collectives do not wait for their timeouts.
+    if (s.group) s.group->broken = true;
     if (s.peers) s.peers->shutdown_connections();
     std::string verdict;
     if (trace) {
@@ -384,7 +482,7 @@ class GlooCommunicator {
     detail::ignore_sigpipe_if_default();  // before Gloo opens a socket; see the header comment
     auto connection = detail::connect_gloo(std::move(store), rank, world_size, options_.interface, options_.threads,
                                            options_.timeout, master_addr);
-    pg_ = std::move(connection.pg);
+    pg_ = detail::GlooGroup(std::move(connection.pg), connection.peers);
     peers_ = std::move(connection.peers);
     device_ = std::move(connection.device);
     if (!options_.flight_recorder) return;
@@ -422,7 +520,7 @@ class GlooCommunicator {
   /// host memory; Debian's LibTorch is CPU-only.)
   [[nodiscard]] c10::Device device() const noexcept { return c10::Device(c10::kCPU); }
   /// The underlying c10d process group (for c10d APIs loom does not wrap).
-  [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_; }
+  [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const noexcept { return pg_.get(); }
   /// This communicator's flight recorder: the last GlooOptions::trace_capacity collectives, written
   /// to the trace folder on a failure (loom/trace/recorder.hpp, docs/debugging.md). Null when moved
   /// from or built with GlooOptions::flight_recorder = false.
@@ -445,6 +543,7 @@ class GlooCommunicator {
   /// time, e.g. from a watchdog or when this rank decides to stop (like NcclCommunicator::abort). A
   /// failing collective does the same by itself. Afterwards only destroying the communicator is legal.
   void abort() const noexcept {
+    if (pg_) pg_.state()->broken = true;
     if (peers_) peers_->shutdown_connections();
   }
 
@@ -525,8 +624,9 @@ class GlooCommunicator {
 
   GlooWork make_work(const char* collective, c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
                      std::int64_t seq, bool completes_entry = true) {
-    GlooWork w(std::move(work), collective, rank_, world_size_, options_.timeout, std::move(finish), peers_, pg_,
-               trace_, seq);
+    if (pg_) detail::track_running(pg_.state(), work);
+    GlooWork w(std::move(work), collective, rank_, world_size_, options_.timeout, std::move(finish), peers_,
+               pg_ ? pg_.state() : nullptr, trace_, seq);
     w.state_->completes_entry = completes_entry;
     return w;
   }
@@ -598,7 +698,7 @@ class GlooCommunicator {
   int rank_ = 0;
   int world_size_ = 1;
   GlooOptions options_;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  detail::GlooGroup pg_;  ///< the process group (left to the process when broken with a collective still running)
   std::shared_ptr<const detail::GlooPeerTable> peers_;  ///< which peer a Gloo error's socket address is
   std::string device_;                                  ///< device_description()
   std::shared_ptr<detail::TraceExchange> trace_;        ///< the flight recorder and its dump on failure

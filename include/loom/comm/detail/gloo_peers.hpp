@@ -50,6 +50,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <optional>
 #include <signal.h>
 #include <string>
@@ -219,17 +220,32 @@ class GlooPeerTable {
     }
   }
 
-  /// The first of this rank's recorded Gloo connections whose descriptor no longer holds it (closed,
-  /// or its number reused by another file), or nullopt when every one is still open. Gloo closes a
-  /// connection's socket only after an error on it (the peer closed or reset it, a read or write
-  /// failed, a timeout) or when the process group is destroyed, so a closed one means this
-  /// communicator can complete no collective any more. Cost: two system calls per connection.
-  [[nodiscard]] std::optional<GlooProcessSocket> closed_connection() const {
+  /// This rank's recorded Gloo connections now: the first one whose descriptor no longer holds it
+  /// (closed, or its number reused by another file), how many are still open, and the milliseconds
+  /// since data last arrived on any open one (TCP_INFO's tcpi_last_data_recv; UINT32_MAX when none
+  /// is open or none can be read). Gloo closes a connection's socket after an error on it (the peer
+  /// closed or reset it, a read or write failed, a timeout) and when it reads the end of a peer that
+  /// exited, and when the process group is destroyed. Cost: three system calls per connection.
+  struct Now {
+    std::optional<GlooProcessSocket> closed;
+    std::size_t open = 0;
+    std::uint32_t quiet_ms = UINT32_MAX;
+  };
+  [[nodiscard]] Now now() const {
+    Now out;
     for (const auto& sock : sockets_) {
-      const auto now = read_socket(sock.fd);
-      if (!now || *now != sock) return sock;
+      const auto current = read_socket(sock.fd);
+      if (!current || *current != sock) {
+        if (!out.closed) out.closed = sock;
+        continue;
+      }
+      ++out.open;
+      tcp_info info{};
+      socklen_t len = sizeof(info);
+      if (::getsockopt(sock.fd, IPPROTO_TCP, TCP_INFO, &info, &len) == 0)
+        out.quiet_ms = std::min(out.quiet_ms, static_cast<std::uint32_t>(info.tcpi_last_data_recv));
     }
-    return std::nullopt;
+    return out;
   }
 
   /// Adds a socket address of `peer_rank` (tests, and build()).
