@@ -271,8 +271,10 @@ TEST_CASE(
     "GlooCommunicator: destroying it drops its last reference to the process group, also after a peer died (nothing "
     "still runs)") {
   // The process group is left to the process (one reference kept) only when a broken communicator
-  // still has a collective running in Gloo (include/loom/comm/gloo.hpp, "Destroying a broken communicator"); here none runs:
-  // rank 0's all_reduce failed at once through Gloo's own error on rank 1's closed connection.
+  // still has a collective running in Gloo (include/loom/comm/gloo.hpp, "Destroying a broken
+  // communicator"); here none runs: rank 0's all_reduce failed at once through Gloo's own error on
+  // rank 1's closed connection. (With the weak reference held, the destructor itself runs when the
+  // weak reference goes; expired() says loom kept no reference.)
   loom::spawn(2,
               [](const loom::Environment& env) {
                 c10::weak_intrusive_ptr<c10d::ProcessGroupGloo> group{c10::intrusive_ptr<c10d::ProcessGroupGloo>()};

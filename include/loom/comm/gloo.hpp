@@ -37,9 +37,10 @@
 //      (the second lets a collective whose data had all arrived end by itself). While other
 //      connections stay open it waits longer, until no data arrived on them for a tenth of the
 //      timeout (at least 1 s; a broadcast: until its peers are gone): a peer that finished the
-//      collective and exited leaves the others to end it. The message names the peer ("peer rank 2") when Gloo's error names one of this rank's
-//      connections (a closed or reset socket), or when there is only one peer; a plain timeout in a
-//      larger job names no peer (Gloo does not say which one was silent).
+//      collective and exited leaves the others to end it. The message names the peer ("peer rank 2")
+//      when Gloo's error names one of this rank's connections (a closed or reset socket), or when
+//      there is only one peer; a plain timeout in a larger job names no peer (Gloo does not say which
+//      one was silent).
 //      To read Gloo's socket addresses, construction ends with two small all-to-alls (64 bytes per
 //      socket of the group; see loom/comm/detail/gloo_peers.hpp).
 //      After a TimeoutError or CommError the communicator is broken: destroy it (c10d behaves the same).
@@ -339,9 +340,9 @@ class GlooWork {
   /// connections and the collective did not end by itself: kClosedGrace later when no connection is
   /// left open (two ranks, or every peer gone), else only once no data arrived on the open ones for
   /// a tenth of the timeout (at least kClosedGrace; a broadcast: never): a peer that finished the
-  /// collective and exited leaves the others to end it. Gloo fails the operations it has queued on a connection that ended,
-  /// but not a receive whose message it was reading then (gloo/transport/tcp/pair.cc,
-  /// signalException): that one would wait for the whole timeout.
+  /// collective and exited leaves the others to end it. Gloo fails the operations it has queued on
+  /// a connection that ended, but not a receive whose message it was reading then
+  /// (gloo/transport/tcp/pair.cc, signalException): that one would wait for the whole timeout.
   static std::string wait_watching_connections(State& s, std::chrono::steady_clock::time_point deadline) {
     if (!s.peers || s.peers->connections() == 0 || s.work->isCompleted()) return {};
     c10::intrusive_ptr<c10::ivalue::Future> future;
