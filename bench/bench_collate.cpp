@@ -253,6 +253,8 @@ void BM_sweep_loom(benchmark::State& state) {
   pass();  // untimed: maps the pool's buffers
   for (auto _ : state) pass();
   state.SetBytesProcessed(state.iterations() * in.bytes);
+  state.counters["pool_buffers"] = static_cast<double>(pool->size());
+  state.counters["pool_allocations"] = static_cast<double>(pool->allocations());
 }
 
 // The floor for pad-to-max: each sample's bytes into its row of one of 8 reused batch buffers

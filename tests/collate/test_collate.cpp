@@ -138,19 +138,23 @@ TEST_CASE("exact-shape buckets: hand-computed assignment, data, targets, determi
 }
 
 TEST_CASE("exact-shape buckets equal the naive map-and-stack collate on random shapes") {
-  std::mt19937 rng(5);
-  std::uniform_int_distribution<int64_t> hw(2, 5);
-  std::vector<Sample> samples;
-  for (int64_t i = 0; i < 300; ++i) samples.emplace_back(traced(i, {3, hw(rng), hw(rng)}), i % 7);
-  for (int64_t bs : {1, 5, 8}) {
-    auto mine = run_collator(samples, loom::ShapeBucketOptions{.max_samples = bs});
-    auto ref = loom_ref::map_and_stack(samples, bs);
-    // The reference emits full groups as they fill and leftovers in first-seen order, like loom.
-    REQUIRE(mine.size() == ref.size());
-    for (std::size_t k = 0; k < ref.size(); ++k) {
-      CHECK(mine[k].indices == ref[k].indices);
-      CHECK(torch::equal(mine[k].data, ref[k].data));
-      CHECK(torch::equal(mine[k].targets, ref[k].targets));
+  // 16 shapes (the planner's index of buckets grows once), and 144 (it grows four times).
+  for (const auto& [lo, hi] : {std::pair<int64_t, int64_t>{2, 5}, std::pair<int64_t, int64_t>{1, 12}}) {
+    CAPTURE(hi);
+    std::mt19937 rng(5);
+    std::uniform_int_distribution<int64_t> hw(lo, hi);
+    std::vector<Sample> samples;
+    for (int64_t i = 0; i < 600; ++i) samples.emplace_back(traced(i, {3, hw(rng), hw(rng)}), i % 7);
+    for (int64_t bs : {1, 5, 8}) {
+      auto mine = run_collator(samples, loom::ShapeBucketOptions{.max_samples = bs});
+      auto ref = loom_ref::map_and_stack(samples, bs);
+      // The reference emits full groups as they fill and leftovers in first-seen order, like loom.
+      REQUIRE(mine.size() == ref.size());
+      for (std::size_t k = 0; k < ref.size(); ++k) {
+        CHECK(mine[k].indices == ref[k].indices);
+        CHECK(torch::equal(mine[k].data, ref[k].data));
+        CHECK(torch::equal(mine[k].targets, ref[k].targets));
+      }
     }
   }
 }

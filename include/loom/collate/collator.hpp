@@ -125,7 +125,10 @@ class BucketCollator {
     const BucketPlanner::Bucket& bucket = planner_.buckets()[*id];
     const BucketPlanner::Placement p = planner_.place(*id, index, data.sizes(), emitter());
     if (bucket.fixed) {
-      if (p.slot == 0) st.open.emplace(layout(st, bucket.key), bucket.capacity, storage_);
+      if (p.slot == 0) {
+        if (!st.fixed_layout) st.fixed_layout = layout(st, bucket.key);  // the same for every batch of the bucket
+        st.open.emplace(*st.fixed_layout, bucket.capacity, storage_);
+      }
       st.open->write(p.slot, data, read.target);
     } else {
       st.staged.push(data, read.target);  // copied now: the caller may overwrite its tensors as soon as push() returns
@@ -178,8 +181,9 @@ class BucketCollator {
     c10::ScalarType target_dtype = c10::ScalarType::Undefined;
     std::vector<int64_t> target_shape;
     detail::ElementPattern pad;
-    std::optional<detail::BatchWriter> open;  // fixed buckets: the open batch (capacity rows)
-    detail::StagedSamples staged;             // kAny buckets: copies of the samples waiting for their batch to close
+    std::optional<detail::BatchLayout> fixed_layout;  // fixed buckets: the layout of their batches, made once
+    std::optional<detail::BatchWriter> open;          // fixed buckets: the open batch (capacity rows)
+    detail::StagedSamples staged;  // kAny buckets: copies of the samples waiting for their batch to close
   };
 
   void check_types(Store& st, std::size_t id, int64_t index, const at::Tensor& data, const detail::TargetValue& t) {

@@ -38,7 +38,6 @@
 #include <limits>
 #include <optional>
 #include <span>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -48,7 +47,6 @@
 
 #include <loom/collate/batch_rules.hpp>
 #include <loom/collate/options.hpp>
-#include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
@@ -68,14 +66,6 @@ struct PlannedBatch {
 };
 
 namespace detail {
-
-struct VectorHash {
-  std::size_t operator()(const std::vector<int64_t>& v) const noexcept {
-    Fnv1a f;
-    for (int64_t x : v) f.add(static_cast<std::uint64_t>(x));
-    return static_cast<std::size_t>(f.value());
-  }
-};
 
 inline int64_t checked_mul(int64_t a, int64_t b, int64_t index, c10::IntArrayRef shape) {
   int64_t r = 0;
@@ -98,8 +88,6 @@ class BucketPlanner {
  public:
   /// kAny marks a dimension padded to the batch's largest size in a bucket key.
   static constexpr int64_t kAny = 0;
-  /// Up to this many buckets, a sample's bucket is found by comparing keys (no hashing).
-  static constexpr std::size_t kLinearSearch = 16;
 
   /// A bucket: its key and the samples waiting in it.
   struct Bucket {
@@ -153,6 +141,7 @@ class BucketPlanner {
     ++stats_.samples_in;
     check_shape(index, shape);
     key_scratch_.assign(shape.begin(), shape.end());
+    std::uint64_t hash = 0;
     int64_t alone = 1;  // padded numel of the sample in a batch of its own
     for (std::size_t d = 0; d < shape.size(); ++d) {
       const DimPadding* p = pad_index_[d] < 0 ? nullptr : &config_.pad[static_cast<std::size_t>(pad_index_[d])];
@@ -172,6 +161,7 @@ class BucketPlanner {
         }
       }
       key_scratch_[d] = k;
+      hash = (hash ^ static_cast<std::uint64_t>(k)) * 0x9E3779B97F4A7C15ULL;  // Fibonacci hashing's multiplier
       alone = detail::checked_mul(alone, k == kAny ? shape[d] : k, index, shape);
     }
     if (config_.max_elements && alone > *config_.max_elements) {
@@ -184,15 +174,18 @@ class BucketPlanner {
           "truncated: raise max_elements or set on_oversize = OversizePolicy::skip",
           index, fmt::join(shape, ", "), alone, *config_.max_elements));
     }
-    if (last_bucket_ < buckets_.size() && buckets_[last_bucket_].key == key_scratch_) return last_bucket_;
-    if (buckets_.size() <= kLinearSearch) {  // few buckets: comparing keys beats hashing
-      for (std::size_t i = 0; i < buckets_.size(); ++i)
-        if (buckets_[i].key == key_scratch_) return last_bucket_ = i;
-      return last_bucket_ = create_bucket();
+    hash ^= hash >> 32;
+    if (last_bucket_ < buckets_.size() && hashes_[last_bucket_] == hash &&
+        same_key(buckets_[last_bucket_].key, key_scratch_))
+      return last_bucket_;
+    // One probe in the usual case, whatever the number of buckets; comparing keys one bucket after
+    // another instead costs a mispredicted branch per bucket when the shapes come shuffled.
+    const std::size_t mask = table_.size() - 1;
+    for (std::size_t i = hash & mask; table_[i] != 0; i = (i + 1) & mask) {
+      const std::size_t id = table_[i] - 1;
+      if (hashes_[id] == hash && same_key(buckets_[id].key, key_scratch_)) return last_bucket_ = id;
     }
-    auto found = lookup_.find(key_scratch_);
-    if (found != lookup_.end()) return last_bucket_ = found->second;
-    return last_bucket_ = create_bucket();
+    return last_bucket_ = create_bucket(hash);
   }
 
   /// Places a sample (already validated by bucket_of) in bucket `id`; first emits, through
@@ -266,6 +259,15 @@ class BucketPlanner {
     return batch_rules(o);
   }
 
+  // Key equality inline: the first dimension that differs usually decides, and a call to memcmp
+  // (what std::vector's == becomes) costs more than the comparison on keys of a few dimensions.
+  static bool same_key(const std::vector<int64_t>& a, const std::vector<int64_t>& b) noexcept {
+    if (a.size() != b.size()) return false;
+    for (std::size_t d = 0; d < a.size(); ++d)
+      if (a[d] != b[d]) return false;
+    return true;
+  }
+
   static PlannedBatch make_planned(const Bucket& b, int64_t count, c10::IntArrayRef padded) {
     PlannedBatch pb;
     pb.indices.assign(b.indices.begin(), b.indices.begin() + count);
@@ -309,7 +311,7 @@ class BucketPlanner {
     }
   }
 
-  std::size_t create_bucket() {
+  std::size_t create_bucket(std::uint64_t hash) {
     Bucket b;
     b.id = buckets_.size();
     b.key = key_scratch_;
@@ -329,8 +331,21 @@ class BucketPlanner {
     }
     if (!b.fixed) b.any_max.assign(any_dims_.size(), 0);
     buckets_.push_back(std::move(b));
-    lookup_.emplace(key_scratch_, buckets_.size() - 1);
+    hashes_.push_back(hash);
+    if (2 * buckets_.size() > table_.size()) {  // at most half full: probes stay short
+      table_.assign(2 * table_.size(), 0);
+      for (std::size_t id = 0; id < buckets_.size(); ++id) insert(id);
+    } else {
+      insert(buckets_.size() - 1);
+    }
     return buckets_.size() - 1;
+  }
+
+  void insert(std::size_t id) {
+    const std::size_t mask = table_.size() - 1;
+    std::size_t i = hashes_[id] & mask;
+    while (table_[i] != 0) i = (i + 1) & mask;
+    table_[i] = id + 1;
   }
 
   // Padded elements of the bucket's pending samples plus `shape` in one batch (kAny buckets).
@@ -386,7 +401,10 @@ class BucketPlanner {
   std::vector<int> pad_index_;     // per sample dim: index into config_.pad, or -1
   std::vector<int64_t> any_dims_;  // sample dims padded to the batch max, ascending
   std::vector<Bucket> buckets_;
-  std::unordered_map<std::vector<int64_t>, std::size_t, detail::VectorHash> lookup_;
+  // The buckets' index: open addressing with linear probing on a hash of the key; an entry is a
+  // bucket id + 1 (0 = empty). The size is a power of two, at least twice the number of buckets.
+  std::vector<std::size_t> table_ = std::vector<std::size_t>(16, 0);
+  std::vector<std::uint64_t> hashes_;  // per bucket: the hash of its key
   std::size_t last_bucket_ = std::numeric_limits<std::size_t>::max();
   std::vector<int64_t> key_scratch_;
   std::vector<int64_t> padded_scratch_;

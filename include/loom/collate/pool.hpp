@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -57,8 +58,10 @@ namespace detail {
 /// `block.narrow(0, offset_bytes, n).view(dtype).view(sizes)` gives (a normal tensor, also under
 /// InferenceMode, as a view of a normal tensor is), built directly instead of through three
 /// dispatched ATen calls (a batch's fixed cost at small batch sizes); unlike a view it has its own
-/// version counter. Throws loom::Error when the start is not aligned to dtype's size (an
-/// allocator's block at an odd storage offset) or the bytes run past the block.
+/// version counter. Under InferenceMode it turns the mode off while the tensor is made (a guard
+/// that costs two thread-local writes, so only then). Throws loom::Error when the start is not
+/// aligned to dtype's size (an allocator's block at an odd storage offset) or the bytes run past
+/// the block.
 inline at::Tensor carve(const at::Tensor& block, int64_t offset_bytes, c10::ScalarType dtype, c10::IntArrayRef sizes) {
   const auto item = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t numel = 1;
@@ -69,7 +72,8 @@ inline at::Tensor carve(const at::Tensor& block, int64_t offset_bytes, c10::Scal
         fmt::format("batch storage: {} bytes of {} at byte {} of a {}-byte buffer at storage offset {} "
                     "(the allocator's buffers must start aligned to the element size)",
                     numel * item, c10::toString(dtype), offset_bytes, block.numel(), block.storage_offset()));
-  const c10::InferenceMode normal_tensor(false);
+  std::optional<c10::InferenceMode> normal_tensor;
+  if (c10::InferenceMode::is_enabled()) normal_tensor.emplace(false);
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
       c10::Storage(block.storage()), c10::DispatchKeySet(c10::computeDispatchKey(dtype, at::kStrided, block.device())),
       c10::scalarTypeToTypeMeta(dtype));

@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <utility>
 
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
 #include <range/v3/functional/bind_back.hpp>
 #include <range/v3/iterator/default_sentinel.hpp>
 #include <range/v3/iterator/operations.hpp>
@@ -61,32 +63,45 @@ class BucketView : public ranges::view_base {
     Projection proj;
 
     State(V& base, const Options& o, const Projection& p)
-        : it(ranges::begin(base)), end(ranges::end(base)), collator(o, p), proj(p) {}
+        : it(ranges::begin(base)), end(ranges::end(base)), collator(o, p), proj(p) {
+      prefetch_first();
+    }
 
     // For in-memory inputs (a forward range of lvalues, e.g. a std::vector of samples) the tensors'
-    // metadata (TensorImpl: dtype, sizes, storage pointer) is usually cold in cache, and touching
-    // it costs a memory round trip per sample. Prefetching the next sample's TensorImpl (its first
-    // four cache lines) while this one is copied hides that (bench_collate's collate_mixed; the
-    // figures with and without it are in docs/benchmarks.md, "Collation"). Never used for ranges
-    // that compute their elements (that would compute them twice).
+    // metadata is usually cold in cache: each sample costs two dependent memory round trips, its
+    // TensorImpl (dtype, sizes) and then its StorageImpl (the data pointer), before its copy can
+    // start. The view prefetches the TensorImpl (its first four cache lines) of the sample two
+    // ahead and, through the TensorImpl prefetched one sample earlier, the StorageImpl of the next
+    // one, so both arrive while this sample is copied (bench_collate's collate_mixed and sweep; the
+    // figures are in docs/benchmarks.md, "Collation"). Never used for ranges that compute their
+    // elements (that would compute them twice).
     static constexpr bool kPrefetch = ranges::forward_range<V> &&
                                       std::is_lvalue_reference_v<ranges::range_reference_t<V>> &&
                                       std::is_reference_v<decltype(std::declval<const Projection&>().data(
                                           std::declval<ranges::range_reference_t<V>>()))>;
 
+    static void prefetch_lines(const char* p, int lines) {
+      for (int i = 0; i < lines; ++i) __builtin_prefetch(p + 64 * i);
+      // GCC 12 finds a function of prefetches free of side effects (prefetches do not count) and
+      // deletes its call; an empty volatile asm that uses the pointer keeps it.
+      asm volatile("" : : "r"(p));
+    }
+
     void prefetch_next() {
       if constexpr (kPrefetch) {
         auto next = ranges::next(it);
-        if (next != end) {
-          const auto* impl = reinterpret_cast<const char*>(proj.data(*next).unsafeGetTensorImpl());
-          __builtin_prefetch(impl);
-          __builtin_prefetch(impl + 64);
-          __builtin_prefetch(impl + 128);
-          __builtin_prefetch(impl + 192);
-          // GCC 12 finds this function free of side effects (prefetches do not count) and deletes
-          // the call; an empty volatile asm that uses the pointer keeps it.
-          asm volatile("" : : "r"(impl));
-        }
+        if (next == end) return;
+        const c10::TensorImpl* impl = proj.data(*next).unsafeGetTensorImpl();
+        if (const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl(); storage != nullptr)
+          prefetch_lines(reinterpret_cast<const char*>(storage), 2);
+        if (++next == end) return;
+        prefetch_lines(reinterpret_cast<const char*>(proj.data(*next).unsafeGetTensorImpl()), 4);
+      }
+    }
+
+    void prefetch_first() {
+      if constexpr (kPrefetch) {
+        if (it != end) prefetch_lines(reinterpret_cast<const char*>(proj.data(*it).unsafeGetTensorImpl()), 4);
       }
     }
 

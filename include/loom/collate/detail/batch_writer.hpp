@@ -32,9 +32,9 @@
 
 namespace loom::detail {
 
-/// One tensor to carve from a batch buffer.
+/// One tensor to carve from a batch buffer (`sizes` views the caller's array, alive for the call).
 struct StoragePart {
-  std::vector<int64_t> sizes;
+  c10::IntArrayRef sizes;
   c10::ScalarType dtype;
   at::Tensor* out;
 };
@@ -87,12 +87,12 @@ struct BatchLayout {
 class BatchWriter {
  public:
   BatchWriter(const BatchLayout& layout, int64_t rows, const StorageSource& storage)
-      : padded_(layout.padded), pad_(layout.pad), es_(c10::elementSize(layout.dtype)) {
-    const std::vector<int64_t> sizes = with_leading(rows, padded_);
+      : padded_(layout.padded.begin(), layout.padded.end()), pad_(layout.pad), es_(c10::elementSize(layout.dtype)) {
+    const ShapeVector sizes = with_leading(rows, padded_);
     const bool integer = layout.target_kind == TargetValue::Kind::integer;
     const bool targets = layout.target_kind != TargetValue::Kind::none;
-    std::vector<int64_t> tsizes;
-    if (targets) tsizes = integer ? std::vector<int64_t>{rows} : with_leading(rows, layout.target_shape);
+    ShapeVector tsizes;
+    if (targets) tsizes = integer ? ShapeVector{rows} : with_leading(rows, layout.target_shape);
     const c10::ScalarType tdtype = integer ? c10::ScalarType::Long : layout.target_dtype;
     if (layout.mask && targets)
       storage.get({{sizes, layout.dtype, &data_}, {sizes, c10::ScalarType::Bool, &mask_}, {tsizes, tdtype, &targets_}});
@@ -151,7 +151,7 @@ class BatchWriter {
   }
 
  private:
-  std::vector<int64_t> padded_;
+  ShapeVector padded_;
   ElementPattern pad_;
   std::size_t es_;
   at::Tensor data_, mask_, targets_;

@@ -17,6 +17,7 @@
 #include <ATen/Dispatch.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -147,12 +148,15 @@ inline void write_row(std::byte* dst, bool* mask_dst, const std::byte* src, c10:
   }
 }
 
+/// A shape held inline up to 6 dimensions (no heap allocation for a batch of samples of up to 5).
+using ShapeVector = c10::SmallVector<int64_t, 6>;
+
 /// {n, rest...}: a batch shape from its row count and a row shape.
-inline std::vector<int64_t> with_leading(int64_t n, c10::IntArrayRef rest) {
-  std::vector<int64_t> v;
+inline ShapeVector with_leading(int64_t n, c10::IntArrayRef rest) {
+  ShapeVector v;
   v.reserve(rest.size() + 1);
   v.push_back(n);
-  v.insert(v.end(), rest.begin(), rest.end());
+  v.append(rest.begin(), rest.end());
   return v;
 }
 
