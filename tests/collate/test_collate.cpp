@@ -138,8 +138,9 @@ TEST_CASE("exact-shape buckets: hand-computed assignment, data, targets, determi
 }
 
 TEST_CASE("exact-shape buckets equal the naive map-and-stack collate on random shapes") {
-  // 16 shapes (the planner's index of buckets grows once), and 144 (it grows four times).
-  for (const auto& [lo, hi] : {std::pair<int64_t, int64_t>{2, 5}, std::pair<int64_t, int64_t>{1, 12}}) {
+  // 16 shapes (the planner's index of buckets grows once), and 144 (it grows five times).
+  for (const auto& range : {std::pair<int64_t, int64_t>{2, 5}, std::pair<int64_t, int64_t>{1, 12}}) {
+    const int64_t lo = range.first, hi = range.second;
     CAPTURE(hi);
     std::mt19937 rng(5);
     std::uniform_int_distribution<int64_t> hw(lo, hi);

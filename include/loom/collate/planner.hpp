@@ -330,15 +330,22 @@ class BucketPlanner {
       b.capacity = std::min(b.capacity, cap);
     }
     if (!b.fixed) b.any_max.assign(any_dims_.size(), 0);
+    // Everything that may throw (allocation) comes before the first change, so a bad_alloc leaves
+    // buckets_, hashes_ and table_ as they were.
+    const std::size_t n = buckets_.size() + 1;
+    std::vector<std::size_t> grown;
+    if (2 * n > table_.size()) grown.assign(2 * table_.size(), 0);  // at most half full: probes stay short
+    if (buckets_.capacity() < n) buckets_.reserve(2 * n);
+    if (hashes_.capacity() < n) hashes_.reserve(2 * n);
     buckets_.push_back(std::move(b));
     hashes_.push_back(hash);
-    if (2 * buckets_.size() > table_.size()) {  // at most half full: probes stay short
-      table_.assign(2 * table_.size(), 0);
-      for (std::size_t id = 0; id < buckets_.size(); ++id) insert(id);
+    if (!grown.empty()) {
+      table_.swap(grown);
+      for (std::size_t id = 0; id < n; ++id) insert(id);
     } else {
-      insert(buckets_.size() - 1);
+      insert(n - 1);
     }
-    return buckets_.size() - 1;
+    return n - 1;
   }
 
   void insert(std::size_t id) {

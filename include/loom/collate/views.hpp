@@ -9,7 +9,9 @@
 //
 // The views are lazy and single-pass: each step pulls samples from the input only until a batch
 // closes, and the end of the input flushes the partial buckets. They accept single-pass input
-// ranges (generators, istream views) and never read an input element twice. Iterating a view a
+// ranges (generators, istream views) and never read an input element twice (for in-memory ranges
+// of samples held by reference, they look ahead at the next two elements' tensor metadata only to
+// prefetch it; see State::prefetch_next). Iterating a view a
 // second time is not supported (begin() may be called once). The batches are the same, in the
 // same order, as a BucketCollator given the same samples would emit (they are built by one).
 //
@@ -99,9 +101,12 @@ class BucketView : public ranges::view_base {
       }
     }
 
+    // Before the first sample: the TensorImpls of the first two (prefetch_next reads the second's).
     void prefetch_first() {
       if constexpr (kPrefetch) {
-        if (it != end) prefetch_lines(reinterpret_cast<const char*>(proj.data(*it).unsafeGetTensorImpl()), 4);
+        auto at = it;
+        for (int k = 0; k < 2 && at != end; ++k, ++at)
+          prefetch_lines(reinterpret_cast<const char*>(proj.data(*at).unsafeGetTensorImpl()), 4);
       }
     }
 
