@@ -1,6 +1,7 @@
 // loom/reduce/buckets.hpp (pure assignment rule) and the concepts of loom/reduce and
 // loom/accumulate: which types model them and which do not.
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -8,6 +9,7 @@
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/reduce/buckets.hpp>
+#include <loom/reduce/detail/window_meta.hpp>
 #include <loom/reduce/reducer.hpp>
 
 #include "support/recording_communicator.hpp"
@@ -91,6 +93,88 @@ TEST_CASE("assign_buckets: bad input names the value") {
                        doctest::Contains("first_bucket_cap_bytes = 0"), loom::InvalidArgument);
   std::vector<std::size_t> short_order = {0, 1};
   CHECK_THROWS_AS(loom::assign_buckets(s, short_order), loom::InvalidArgument);
+}
+
+TEST_CASE("MetaLimbs: bits per limb by dtype and world size, limbs per row") {
+  using loom::detail::MetaLimbs;
+  CHECK(MetaLimbs::bits(at::kFloat, 1) == 24);
+  CHECK(MetaLimbs::bits(at::kFloat, 2) == 23);
+  CHECK(MetaLimbs::bits(at::kFloat, 3) == 22);  // ceil(log2 3) = 2
+  CHECK(MetaLimbs::bits(at::kDouble, 8) == 50);
+  CHECK(MetaLimbs::bits(at::kHalf, 8) == 8);
+  CHECK(MetaLimbs::bits(at::kBFloat16, 128) == 1);
+  CHECK(MetaLimbs::bits(at::kBFloat16, 129) == 0);  // no room: the meta goes on its own
+  CHECK(MetaLimbs::bits(at::kLong, 2) == 0);
+  CHECK(MetaLimbs::count(24) == 3 + 1 + 1 + 1 + 2 + 1 + 1 + 2 + 1);
+  CHECK(MetaLimbs::count(11) == 6 + 1 + 1 + 2 + 4 + 1 + 2 + 4 + 1);
+  CHECK(MetaLimbs::count(1) == 63 + 1 + 1 + 21 + 41 + 1 + 20 + 40 + 1);
+}
+
+namespace {
+
+/// The limbs of `rows` (one per rank) summed in dtype T, rank by rank in a shuffled order with a
+/// rounding to T after every addition (what an all-reduce may do), then decoded both ways (host
+/// and tensor ops); checks both against the int64 sum of the rows.
+template <class T>
+void check_limbs_sum(const std::vector<loom::detail::WindowMeta::Row>& rows, at::ScalarType dtype, std::mt19937& rng) {
+  using loom::detail::MetaLimbs;
+  using Row = loom::detail::WindowMeta::Row;
+  const int world = static_cast<int>(rows.size());
+  const int bits = MetaLimbs::bits(dtype, world);
+  REQUIRE(bits >= 1);
+  const auto n = static_cast<std::size_t>(MetaLimbs::count(bits));
+  std::vector<std::vector<T>> limbs(rows.size(), std::vector<T>(n));
+  for (std::size_t r = 0; r < rows.size(); ++r) MetaLimbs::encode(rows[r], bits, limbs[r].data());
+  std::vector<std::size_t> order(rows.size());
+  for (std::size_t r = 0; r < order.size(); ++r) order[r] = r;
+  std::vector<T> sum(n, static_cast<T>(0.0));
+  for (std::size_t k = 0; k < n; ++k) {
+    std::shuffle(order.begin(), order.end(), rng);
+    for (std::size_t r : order) sum[k] = static_cast<T>(static_cast<double>(sum[k]) + static_cast<double>(limbs[r][k]));
+  }
+  Row expected{};
+  for (const Row& row : rows)
+    for (std::size_t f = 0; f < row.size(); ++f) expected[f] += row[f];
+  CHECK(MetaLimbs::decode(sum.data(), bits) == expected);
+  auto summed = at::empty({static_cast<std::int64_t>(n)}, at::TensorOptions().dtype(dtype));
+  for (std::size_t k = 0; k < n; ++k) summed[static_cast<std::int64_t>(k)] = static_cast<double>(sum[k]);
+  auto meta = at::empty({loom::detail::WindowMeta::kLength}, at::kLong);
+  MetaLimbs::decode(summed, MetaLimbs::tables(bits, at::kCPU), meta);
+  for (std::size_t f = 0; f < expected.size(); ++f)
+    CHECK(meta[static_cast<std::int64_t>(f)].item<std::int64_t>() == expected[f]);
+}
+
+}  // namespace
+
+TEST_CASE("MetaLimbs: the window meta summed as limbs in float32/float64/float16/bfloat16 is the int64 sum") {
+  using loom::detail::WindowMeta;
+  std::mt19937 rng(11);
+  for (int world : {1, 2, 3, 7, 8, 100}) {
+    // Random rows within every field's range (samples small enough that their sum fits an int64),
+    // and the largest rows (every limb at its maximum 2^b - 1).
+    std::vector<WindowMeta::Row> random_rows, largest_rows;
+    for (int r = 0; r < world; ++r) {
+      auto draw = [&](std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(0, hi)(rng); };
+      const std::int64_t d = draw(std::int64_t{1} << 20), f = draw((std::int64_t{1} << 20) - 1);
+      random_rows.push_back(
+          {draw((std::int64_t{1} << 56) - 1), draw(1), draw(1), d, d * d, d > 0 ? 1 : 0, f, f * f, 1});
+      largest_rows.push_back({(std::int64_t{1} << 56) - 1, 1, 1, std::int64_t{1} << 20, std::int64_t{1} << 40, 1,
+                              (std::int64_t{1} << 20) - 1,
+                              ((std::int64_t{1} << 20) - 1) * ((std::int64_t{1} << 20) - 1), 1});
+    }
+    INFO("world size ", world);
+    for (const auto* rows : {&random_rows, &largest_rows}) {
+      check_limbs_sum<float>(*rows, at::kFloat, rng);
+      check_limbs_sum<double>(*rows, at::kDouble, rng);
+      check_limbs_sum<c10::Half>(*rows, at::kHalf, rng);
+      check_limbs_sum<c10::BFloat16>(*rows, at::kBFloat16, rng);
+    }
+  }
+  // A field outside its width is a loom bug, never a silently wrong sum.
+  WindowMeta::Row bad{};
+  bad[WindowMeta::fingerprint_sum] = std::int64_t{1} << 20;
+  std::vector<float> out(static_cast<std::size_t>(loom::detail::MetaLimbs::count(23)));
+  CHECK_THROWS_AS(loom::detail::MetaLimbs::encode(bad, 23, out.data()), loom::Error);
 }
 
 TEST_CASE("concepts: GradientReducer models and non-models") {

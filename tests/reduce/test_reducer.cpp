@@ -1,5 +1,6 @@
 // loom::Reducer in one process: LocalCommunicator and the recording archetypes. Multi-rank
 // behaviour is in test_reduce_dist.cpp and tests/accumulate/test_field_dist.cpp (real processes over Gloo).
+#include <optional>
 #include <sstream>
 
 #include <doctest/doctest.h>
@@ -89,8 +90,7 @@ TEST_CASE("Reducer + Accumulator in one process: micro-batches [2, 3, 5] give th
   }
 }
 
-TEST_CASE(
-    "Reducer: no collective before the boundary; at the boundary one count all-reduce then the buckets, from hooks") {
+TEST_CASE("Reducer: no collective before the boundary; at the boundary one all-reduce per bucket, from hooks, as DDP") {
   loom::test::Mlp model(at::kFloat);
   loom::test::AsyncRecordingCommunicator comm;
   // Tiny caps: 4 buckets (b2, w2, b1, w1 in reverse registration order).
@@ -105,32 +105,86 @@ TEST_CASE(
 
   auto mb2 = acc.micro_batch(4);
   REQUIRE(mb2.boundary());
-  REQUIRE(comm.calls().size() == 1);  // the sample count leaves before backward
-  CHECK(comm.calls()[0].name == "all_reduce_async");
-  CHECK((comm.calls()[0].dtype == torch::kLong));
-  CHECK(comm.calls()[0].numel == 9);  // [window samples, final, leaving, loss divisor, its square, its vote,
-                                      //  fingerprint, its square, has a fingerprint]
+  CHECK(comm.calls().empty());  // the window meta rides in the first bucket: nothing before backward
   model.loss_sum(loom::test::batch_x(4, 4, at::kFloat), loom::test::batch_y(4, 4, at::kFloat)).backward();
-  // All four buckets were launched by the hooks, during backward, in bucket order, without waiting
-  // for the count (each is divided to the average after it comes back).
-  REQUIRE(comm.calls().size() == 5);
-  const std::vector<std::int64_t> numels = {loom::test::kOut + 1, loom::test::kOut * loom::test::kHidden + 1,
+  // All four buckets were launched by the hooks, during backward, in bucket order. The first also
+  // carries the window meta as float32 limbs of 24 bits on one rank: samples 3 limbs, final 1,
+  // leaving 1, loss divisor 1, its square 2, vote 1, fingerprint 1, its square 2, has one 1 = 13.
+  REQUIRE(comm.calls().size() == 4);
+  const std::vector<std::int64_t> numels = {loom::test::kOut + 1 + 13, loom::test::kOut * loom::test::kHidden + 1,
                                             loom::test::kHidden + 1, loom::test::kHidden * loom::test::kIn + 1};
   for (std::size_t k = 0; k < 4; ++k) {
-    CHECK(comm.calls()[k + 1].name == "all_reduce_async");
-    CHECK(comm.calls()[k + 1].numel == numels[k]);  // gradient elements + one used-flag
-    CHECK((comm.calls()[k + 1].dtype == torch::kFloat));
+    CHECK(comm.calls()[k].name == "all_reduce_async");
+    CHECK(comm.calls()[k].numel == numels[k]);  // gradient elements + one used-flag (+ the meta's limbs)
+    CHECK((comm.calls()[k].dtype == torch::kFloat));
   }
   auto step = mb2.finish();
   CHECK(step.apply);
   CHECK(step.global_samples == 8);
-  // finish_window: the count first, then the buckets in launch order.
-  REQUIRE(comm.calls().size() == 10);
-  CHECK(comm.calls()[5].name == "wait");
-  CHECK(comm.calls()[5].id == comm.calls()[0].id);
-  for (std::size_t k = 0; k < 4; ++k) CHECK(comm.calls()[6 + k].id == comm.calls()[1 + k].id);
-  CHECK(count(comm.calls(), "wait") == 5);
-  CHECK(count(comm.calls(), "all_reduce_async") == 5);
+  // finish_window: waits for the buckets in launch order.
+  REQUIRE(comm.calls().size() == 8);
+  for (std::size_t k = 0; k < 4; ++k) {
+    CHECK(comm.calls()[4 + k].name == "wait");
+    CHECK(comm.calls()[4 + k].id == comm.calls()[k].id);
+  }
+  CHECK(count(comm.calls(), "wait") == 4);
+  CHECK(count(comm.calls(), "all_reduce_async") == 4);
+}
+
+TEST_CASE("Reducer: the window meta goes on its own where the first bucket's dtype has no room for it") {
+  // bfloat16 (8 significand bits) on 512 ranks: a limb's sum would need 9 bits more than it has.
+  // Deterministic mode sends it on its own too (its buckets are integers on a grid).
+  loom::test::Mlp model(at::kBFloat16);
+  loom::test::AsyncRecordingCommunicator comm(0, 512);
+  loom::Reducer reducer(comm, model.list(),
+                        {.bucket_cap_bytes = 4,
+                         .first_bucket_cap_bytes = 4,
+                         .float32_accumulation = false,
+                         .check_parameters = false,
+                         .broadcast_parameters = false});
+  reducer.prepare_backward({.sync = true, .window_samples = 3});
+  REQUIRE(comm.calls().size() == 1);  // the meta leaves before backward
+  CHECK((comm.calls()[0].dtype == torch::kLong));
+  CHECK(comm.calls()[0].numel == 9);  // [window samples, final, leaving, loss divisor, its square, its vote,
+                                      //  fingerprint, its square, has a fingerprint]
+  model.loss_sum(loom::test::batch_x(0, 3, at::kBFloat16), loom::test::batch_y(0, 3, at::kBFloat16)).backward();
+  REQUIRE(comm.calls().size() == 5);
+  CHECK(comm.calls()[1].numel == loom::test::kOut + 1);  // the first bucket: gradients + used-flags only
+  CHECK((comm.calls()[1].dtype == torch::kBFloat16));
+  auto r = reducer.finish_window();
+  CHECK(r.reduced);
+  CHECK(r.global_samples == 3 * 512);  // the recording communicator's other ranks hold the same values
+}
+
+TEST_CASE("Reducer: a final flush with nothing anywhere leaves every gradient as it was, after one all-reduce") {
+  // The flush's verdict needs the window meta, which rides in the first bucket: that bucket goes
+  // (its unused slots zeroed for the sum), the verdict is "nothing to do", and every slot gets back
+  // the gradient it held before the window.
+  for (bool compressed : {false, true}) {
+    loom::test::Mlp model(at::kFloat);
+    std::vector<at::Tensor> before;
+    for (std::size_t k = 0; k < model.params.size(); ++k) {
+      if (k == 1) continue;  // one parameter without a gradient: it stays without one
+      model.params[k].mutable_grad() = torch::full_like(model.params[k], 0.25 * static_cast<double>(k + 1));
+    }
+    for (const auto& p : model.params) before.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    loom::test::AsyncRecordingCommunicator comm;
+    std::optional<c10::ScalarType> wire;
+    if (compressed) wire = at::kHalf;
+    loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4, .wire_dtype = wire});
+    reducer.prepare_backward({.sync = true, .final = true, .window_samples = 0});
+    auto r = reducer.finish_window();
+    CHECK(r.all_final);
+    CHECK_FALSE(r.reduced);
+    REQUIRE(comm.calls().size() == 2);  // the first bucket, and its wait
+    CHECK(comm.calls()[0].name == "all_reduce_async");
+    CHECK(comm.calls()[1].name == "wait");
+    for (std::size_t k = 0; k < model.params.size(); ++k) {
+      INFO("parameter ", k, compressed ? " (float16 wire)" : "");
+      REQUIRE(model.params[k].grad().defined() == before[k].defined());
+      if (before[k].defined()) CHECK(model.params[k].grad().equal(before[k]));
+    }
+  }
 }
 
 TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blocking communicator works too") {
@@ -139,10 +193,11 @@ TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blockin
   loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4, .overlap = false});
   reducer.prepare_backward({.sync = true, .window_samples = 3});
   model.loss_sum(loom::test::batch_x(0, 3, at::kFloat), loom::test::batch_y(0, 3, at::kFloat)).backward();
-  CHECK(comm.calls().size() == 1);  // only the count
+  CHECK(comm.calls().empty());  // nothing before finish_window
   auto r = reducer.finish_window();
   CHECK(r.reduced);
-  CHECK(count(comm.calls(), "all_reduce_async") == 5);
+  CHECK(r.global_samples == 3);
+  CHECK(count(comm.calls(), "all_reduce_async") == 4);
 
   loom::test::Mlp model2(at::kFloat);
   loom::test::RecordingCommunicator blocking;
@@ -151,11 +206,13 @@ TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blockin
   model2.loss_sum(loom::test::batch_x(0, 3, at::kFloat), loom::test::batch_y(0, 3, at::kFloat)).backward();
   auto rr = r2.finish_window();
   CHECK(rr.reduced);
-  REQUIRE(blocking.calls().size() == 2);
-  CHECK((blocking.calls()[0].dtype == torch::kLong));
-  CHECK(blocking.calls()[1].name == "all_reduce");
-  CHECK((blocking.calls()[1].dtype == torch::kHalf));               // compressed on the wire
-  CHECK(blocking.calls()[1].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4);  // one bucket: 32 gradients + 4 used-flags
+  CHECK(rr.global_samples == 3);
+  REQUIRE(blocking.calls().size() == 1);
+  CHECK(blocking.calls()[0].name == "all_reduce");
+  CHECK((blocking.calls()[0].dtype == torch::kHalf));  // compressed on the wire, the meta with it
+  // One bucket: 32 gradients + 4 used-flags + the meta as float16 limbs of 11 bits (samples 6,
+  // final 1, leaving 1, divisor 2, its square 4, vote 1, fingerprint 2, its square 4, has one 1).
+  CHECK(blocking.calls()[0].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4 + 22);
   // Same gradient as the uncompressed model, to float16 precision.
   CHECK(loom::test::max_relative_error(model2.grads(), model.grads()) < 1e-2);
 }

@@ -173,13 +173,18 @@ TEST_SUITE("dist") {
 
   TEST_CASE("flight recorder: rank 2 issues one collective more at step 3") {
     loom::test::TempDir dir;
-    const auto seen = run_job(dir.path, std::chrono::seconds(60), [](SkippingComm& comm, int step) {
-      if (comm.rank() != 2 || step != kFaultStep) return;
-      auto t = torch::ones({4});
-      comm.all_reduce(t, loom::ReduceOp::sum);
-    });
+    const auto seen = run_job(
+        dir.path, std::chrono::seconds(60),
+        [](SkippingComm& comm, int step) {
+          if (comm.rank() != 2 || step != kFaultStep) return;
+          auto t = torch::ones({4});
+          comm.all_reduce(t, loom::ReduceOp::sum);
+        },
+        /*rank2_may_die=*/true);
+    // Its all-reduce of 4 elements meets the others' first bucket (which carries the window meta).
     check_job(dir.path, seen, 20.0,
-              {"rank 2 issued all_reduce", "(user, step 3", "ranks 0, 1 issued all_reduce", "(reducer window, step 3"});
+              {"rank 2 issued all_reduce", "(user, step 3", "Float x 4)", "ranks 0, 1 issued all_reduce",
+               "(reducer bucket 0, step 3"});
   }
 
   TEST_CASE("flight recorder: the ranks' tensors differ in shape (user code, step 3)") {
@@ -212,8 +217,8 @@ TEST_SUITE("dist") {
       if (comm.rank() == 2 && step >= kFaultStep) loom::trace::set_position(comm, step + 1, 0, /*check_step=*/true);
     });
     check_job(dir.path, seen, 20.0,
-              {"fingerprints differ", "rank 2 issued all_reduce", "(reducer window, step 4",
-               "ranks 0, 1 issued all_reduce", "(reducer window, step 3"});
+              {"fingerprints differ", "rank 2 issued all_reduce", "(reducer bucket 0, step 4",
+               "ranks 0, 1 issued all_reduce", "(reducer bucket 0, step 3"});
     // Every rank found it in the same window.
     CHECK(contains(seen[2].error, "fingerprints differ"));
   }
@@ -227,6 +232,6 @@ TEST_SUITE("dist") {
     });
     check_job(dir.path, seen, 14.0,
               {"timed out", "rank 2 did not issue", "it was not in a collective", "at step 2",
-               "ranks 0, 1 issued all_reduce", "(reducer window, step 3"});
+               "ranks 0, 1 issued all_reduce", "(reducer bucket 0, step 3"});
   }
 }

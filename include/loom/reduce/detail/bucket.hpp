@@ -1,8 +1,9 @@
 // loom/reduce/detail/bucket.hpp — a reducer's memory: flat buckets whose slots are the
 // parameters' gradients, per-gradient bookkeeping, and the allocation of buckets for an order.
 //
-// Shape: a bucket's `flat` is [gradients | one used-flag per gradient], one
-//        dtype and device; each slot is a tensor sharing `flat`'s storage with its parameter's shape.
+// Shape: a bucket's `flat` is [gradients | one used-flag per gradient | the window meta's limbs
+//        (window_meta.hpp; the first bucket only, floating mode)], one dtype and device; each slot is
+//        a tensor sharing `flat`'s storage with its parameter's shape.
 //        A float32-accumulated bucket (`main`) holds float16/bfloat16 parameters' gradients in float32.
 #pragma once
 
@@ -17,9 +18,11 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/grad_mode.h>
 
+#include <loom/error.hpp>
 #include <loom/reduce/buckets.hpp>
 #include <loom/reduce/detail/exact.hpp>
 #include <loom/reduce/detail/scale.hpp>
+#include <loom/reduce/detail/window_meta.hpp>
 #include <loom/reduce/options.hpp>
 #include <loom/reduce/parameters.hpp>
 
@@ -73,7 +76,7 @@ struct GradSlot {
 
 /// One flat bucket: the unit of an all-reduce.
 struct GradBucket {
-  at::Tensor flat;    // [head: the gradients | tail: one used-flag per gradient]
+  at::Tensor flat;    // [head: the gradients | tail: one used-flag per gradient | meta: the window meta's limbs]
   bool main = false;  // float32 slots for 16-bit parameters: .grad() is moved into the slot, never a view of it
   c10::ScalarType param_dtype = c10::ScalarType::Float;  // the dtype of the bucket's parameters
   at::Tensor head;
@@ -81,10 +84,12 @@ struct GradBucket {
   at::Tensor wire;  // compressed copy of flat (wire_dtype), or undefined
   at::Tensor wire_head;
   at::Tensor wire_tail;
+  int meta_bits = 0;      // bits per limb of the window meta carried after the used-flags (0: not carried)
+  at::Tensor meta;        // the limbs: MetaLimbs::count(meta_bits) elements of flat, or of wire when compressed
   at::Tensor wire_div;    // float32 [1]: the world size, the pre-division of a compressed bucket
   at::Tensor bad;         // float32 [1] on the bucket's device: inf/NaN in the reduced bucket (device path)
   bool bad_host = false;  // the same verdict, computed on the host (CPU path)
-  at::Tensor flags_host;  // pinned staging for the used-flags of a bucket on a GPU
+  at::Tensor flags_host;  // pinned staging for the used-flags (and the meta's limbs) of a bucket on a GPU
   at::Tensor qflat;       // deterministic mode: int64 [gradients on the grid | GridTail], else undefined
   at::Tensor qhead;
   at::Tensor qtail;
@@ -97,18 +102,21 @@ struct GradBucket {
   bool launched = false;
 };
 
-/// Writes bucket `b`'s tail: one used-flag per gradient (1: a gradient arrived in this window). A
-/// bucket on a GPU stages them in pinned memory and copies them without waiting.
-inline void write_used_flags(GradBucket& b, const std::vector<GradSlot>& slots) {
+/// Writes bucket `b`'s tail: one used-flag per gradient (1: a gradient arrived in this window), then,
+/// when the bucket carries the window meta (b.meta_bits > 0), the limbs of `row` (this rank's row,
+/// required then). A bucket on a GPU stages them in pinned memory and copies them without waiting.
+inline void write_used_flags(GradBucket& b, const std::vector<GradSlot>& slots, const WindowMeta::Row* row) {
   const auto n = b.slots.size();
-  auto fill = [&](auto* p) {
-    using T = std::remove_pointer_t<decltype(p)>;
-    for (std::size_t j = 0; j < n; ++j) p[j] = slots[b.slots[j]].used ? T(1) : T(0);
-  };
-  at::Tensor tail = b.wire.defined() ? b.wire_tail : b.tail;
+  const at::Tensor& carrier = b.wire.defined() ? b.wire : b.flat;
+  const std::int64_t limbs = b.meta_bits > 0 ? MetaLimbs::count(b.meta_bits) : 0;
+  LOOM_ASSERT(limbs == 0 || row != nullptr, "a bucket carrying the window meta needs this rank's row");
+  at::Tensor tail = carrier.narrow(0, b.head.numel(), static_cast<std::int64_t>(n) + limbs);
   at::Tensor dst = tail.is_cpu() ? tail : b.flags_host;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst.scalar_type(), "loom_write_flags",
-                                  [&] { fill(dst.data_ptr<scalar_t>()); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst.scalar_type(), "loom_write_flags", [&] {
+    scalar_t* p = dst.data_ptr<scalar_t>();
+    for (std::size_t j = 0; j < n; ++j) p[j] = slots[b.slots[j]].used ? scalar_t(1) : scalar_t(0);
+    if (limbs > 0) MetaLimbs::encode(*row, b.meta_bits, p + n);
+  });
   if (!tail.is_cpu()) tail.copy_(b.flags_host, /*non_blocking=*/true);
 }
 
@@ -141,10 +149,12 @@ inline std::vector<std::vector<std::size_t>> assign_slots(const ParameterList& l
 
 /// Allocates buckets for `assignment` (slot indices), points each slot of `slots` at its memory and
 /// moves every defined gradient of a non-float32 slot into it (a float32 slot takes its gradient at
-/// the window's start). `world_size`: the pre-division of a compressed bucket.
+/// the window's start). `world_size`: the pre-division of a compressed bucket. `carry_meta`: the
+/// first bucket carries the window meta's limbs when its wire dtype has room for them on
+/// `world_size` ranks (MetaLimbs::bits >= 1; GradBucket::meta_bits says whether it does).
 inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<std::size_t>>& assignment,
                                                 std::vector<GradSlot>& slots, const ParameterList& list,
-                                                const ReducerOptions& options, int world_size) {
+                                                const ReducerOptions& options, int world_size, bool carry_meta) {
   auto param = [&](std::size_t k) -> const at::Tensor& { return list.params[slots[k].param]; };
   at::NoGradGuard no_grad;
   std::vector<GradBucket> fresh(assignment.size());
@@ -157,15 +167,22 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
     const auto n = static_cast<std::int64_t>(b.slots.size());
     b.main = accumulates_in_float32(options, first);
     b.param_dtype = first.scalar_type();
-    const auto opts = at::TensorOptions().dtype(b.main ? at::kFloat : first.scalar_type()).device(first.device());
-    b.flat = at::zeros({total + n}, opts);
+    const c10::ScalarType dtype = b.main ? at::kFloat : first.scalar_type();
+    const auto opts = at::TensorOptions().dtype(dtype).device(first.device());
+    const bool compressed = options.wire_dtype && dtype == at::kFloat;
+    const c10::ScalarType wire_dtype = compressed ? *options.wire_dtype : dtype;
+    if (carry_meta && bi == 0 && !options.deterministic) b.meta_bits = MetaLimbs::bits(wire_dtype, world_size);
+    const std::int64_t limbs = b.meta_bits > 0 ? MetaLimbs::count(b.meta_bits) : 0;
+    b.flat = at::zeros({total + n + limbs}, opts);
     b.head = b.flat.narrow(0, 0, total);
     b.tail = b.flat.narrow(0, total, n);
+    if (!compressed) b.meta = b.flat.narrow(0, total + n, limbs);
     b.bad = at::zeros({1}, opts.dtype(at::kFloat));
-    if (options.wire_dtype && b.flat.scalar_type() == at::kFloat) {
-      b.wire = at::empty({total + n}, opts.dtype(*options.wire_dtype));
+    if (compressed) {
+      b.wire = at::empty({total + n + limbs}, opts.dtype(*options.wire_dtype));
       b.wire_head = b.wire.narrow(0, 0, total);
       b.wire_tail = b.wire.narrow(0, total, n);
+      b.meta = b.wire.narrow(0, total + n, limbs);
       b.wire_div = at::full({1}, static_cast<double>(world_size), opts);
     }
     if (options.deterministic) {
@@ -176,9 +193,7 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
       if (has_fused_scan(b.flat)) b.qwire = at::empty({b.qflat.numel() + 1}, opts.dtype(at::kInt));
     }
     if (!first.is_cpu())
-      b.flags_host = at::empty(
-          {n},
-          at::TensorOptions().dtype(b.wire.defined() ? *options.wire_dtype : b.flat.scalar_type()).pinned_memory(true));
+      b.flags_host = at::empty({n + limbs}, at::TensorOptions().dtype(wire_dtype).pinned_memory(true));
     std::int64_t offset = 0;
     std::size_t flag = 0;
     for (std::size_t k : b.slots) {

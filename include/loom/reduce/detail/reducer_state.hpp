@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
@@ -74,8 +75,8 @@ class ReducerState {
         slots_.back().param = i;
       }
     order_ = BucketOrder(slots_.size(), options_.rebuild_buckets);
-    rebuild_buckets();
     meta_ = at::zeros({WindowMeta::kLength}, at::TensorOptions().dtype(at::kLong).device(device_));
+    rebuild_buckets();
     for (std::size_t k = 0; k < slots_.size(); ++k) {
       auto acc = torch::autograd::impl::grad_accumulator(param(k));
       LOOM_ASSERT(acc != nullptr, list_.describe(slots_[k].param));
@@ -128,8 +129,11 @@ class ReducerState {
     // the meta: ranks whose collectives differed are found in finish_window, with no collective of its own.
     trace::FlightRecorder* recorder = trace::recorder_of(*comm_);
     fingerprint_ = recorder != nullptr ? recorder->take_fingerprint() : 0;
-    WindowMeta::write(meta_, plan,
-                      recorder != nullptr ? std::optional<std::int64_t>(fingerprint_) : std::optional<std::int64_t>());
+    meta_row_ = WindowMeta::encode(
+        plan, recorder != nullptr ? std::optional<std::int64_t>(fingerprint_) : std::optional<std::int64_t>());
+    meta_ready_ = false;
+    if (carries_meta()) return;  // the row rides in the first bucket's all-reduce
+    WindowMeta::write(meta_, meta_row_);
     trace::Scope scope(*comm_, trace::Context::reducer_window);
     meta_work_ = start(meta_);
   }
@@ -141,6 +145,11 @@ class ReducerState {
     at::NoGradGuard no_grad;
     Reduction r;
     const int world = comm_->world_size();
+    if (carries_meta() && window_ == WindowState::final_flush) {
+      // The flush's verdict below needs the meta: the first bucket goes (and comes back) first.
+      if (next_launch_ == 0) launch(next_launch_++);
+      wait_bucket(0);
+    }
     wait_meta();  // started before backward: long done unless nothing was sent yet
     if (window_ == WindowState::final_flush) {
       // A flush without backward: skip the buckets when every rank flushes and nobody has a sample.
@@ -331,10 +340,34 @@ class ReducerState {
     if (in_hook_) ++reads_.in_hooks;
   }
 
-  /// Buckets for the current order; every defined gradient moves into its slot.
+  /// Buckets for the current order; every defined gradient moves into its slot. The first bucket
+  /// carries the window meta when its dtype has room (floating mode).
   void rebuild_buckets() {
     buckets_ = allocate_buckets(assign_slots(list_, slots_, order_.order(), options_), slots_, list_, options_,
-                                comm_->world_size());
+                                comm_->world_size(), /*carry_meta=*/true);
+    if (carries_meta() && !(buckets_.front().meta.is_cpu() && meta_.is_cpu()))
+      meta_tables_ = MetaLimbs::tables(buckets_.front().meta_bits, device_);
+  }
+
+  /// Whether the window meta rides in the first bucket's all-reduce (else it is an all-reduce of its own).
+  bool carries_meta() const noexcept { return !buckets_.empty() && buckets_.front().meta_bits > 0; }
+
+  /// Waits (on the host) for bucket bi's all-reduce if it is still in flight; the first bucket's also
+  /// gives the summed window meta (meta_) when it carries it.
+  void wait_bucket(std::size_t bi) {
+    if (!works_[bi]) return;
+    works_[bi]->wait();
+    works_[bi].reset();
+    if (bi != 0 || !carries_meta() || meta_ready_) return;
+    const auto& b = buckets_.front();
+    if (b.meta.is_cpu() && meta_.is_cpu()) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.meta.scalar_type(), "loom_meta_decode", [&] {
+        WindowMeta::write(meta_, MetaLimbs::decode(b.meta.data_ptr<scalar_t>(), b.meta_bits));
+      });
+    } else {
+      MetaLimbs::decode(b.meta, meta_tables_, meta_);
+    }
+    meta_ready_ = true;
   }
 
   /// First prepare_backward of a window: every gradient becomes its bucket slot.
@@ -479,7 +512,7 @@ class ReducerState {
       b.launched = true;
       return;
     }
-    write_used_flags(b, slots_);
+    write_used_flags(b, slots_, &meta_row_);
     at::Tensor* target = &b.flat;
     if (b.wire.defined()) {
       // Compressed: divided by the world size while cast (the loss scale stays on the wire); the
@@ -521,7 +554,7 @@ class ReducerState {
   /// then the window's one host read: counts, used-flags, verdicts, squared norm.
   WindowSummary reduce_floating(bool clip) {
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
-      works_[bi]->wait();
+      wait_bucket(bi);  // the first one also gives meta_ when it carries it
       average_.apply(buckets_[bi], meta_, options_.detect_non_finite);
     }
     count_host_read();
@@ -766,6 +799,8 @@ class ReducerState {
         param(k).mutable_grad().reset();
       else if (buckets_[s.bucket].main)  // the gradient it held before the window
         param(k).mutable_grad() = (s.saved.defined() ? s.saved : s.view).to(param(k).scalar_type());
+      else if (s.saved.defined())  // its bucket left (the first, carrying the meta): the slot was zeroed
+        s.view.copy_(s.saved);
     }
     meta_work_.reset();
     close_window();
@@ -804,9 +839,12 @@ class ReducerState {
   std::vector<GradBucket> buckets_;
   BucketOrder order_;
   std::vector<std::optional<Work>> works_;
-  std::optional<Work> meta_work_;
-  at::Tensor meta_;               // the window meta (WindowMeta) on device_
-  std::int64_t fingerprint_ = 0;  // this rank's flight-recorder fingerprint in the open window's meta
+  std::optional<Work> meta_work_;  // the window meta's own all-reduce (when the first bucket does not carry it)
+  at::Tensor meta_;                // the window meta (WindowMeta) on device_: this rank's row, then the sum
+  WindowMeta::Row meta_row_{};     // this rank's row of the open synchronising window
+  bool meta_ready_ = false;        // meta_ holds the window's sum (decoded from the first bucket)
+  std::pair<at::Tensor, at::Tensor> meta_tables_;  // MetaLimbs::tables for a first bucket off the host
+  std::int64_t fingerprint_ = 0;                   // this rank's flight-recorder fingerprint in the open window's meta
   WindowAverage average_;
   std::vector<GradAccumulatorPtr> accumulators_;
   std::vector<std::uintptr_t> keys_;

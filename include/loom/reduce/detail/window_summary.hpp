@@ -1,9 +1,7 @@
 // loom/reduce/detail/window_summary.hpp — what the ranks tell each other about a synchronising
-// window, encoded and decoded here only:
-// - the window meta, one int64 row per rank summed by an all-reduce started in prepare_backward:
-//   [samples, final, leaving, loss divisor d, d^2, votes, fingerprint f, f^2, has f] (f: the flight
-//   recorder's 20-bit fingerprint of the collectives this rank issued since its previous window;
-//   has f: 1 when the rank's communicator keeps a flight recorder);
+// window, decoded here:
+// - the window meta (window_meta.hpp), one int64 row per rank, summed over the ranks in the first
+//   bucket's all-reduce or (deterministic mode, or a first bucket too narrow) an all-reduce of its own;
 // - the window summary, the one host read of finish_window: the summed meta, then per bucket its
 //   used-flags (summed over ranks) and its inf/NaN verdict, then (clipping) the squared global norm.
 //
@@ -28,6 +26,7 @@
 #include <loom/reduce/concepts.hpp>
 #include <loom/reduce/detail/bucket.hpp>
 #include <loom/reduce/detail/scale.hpp>
+#include <loom/reduce/detail/window_meta.hpp>
 
 namespace loom::detail {
 
@@ -57,46 +56,6 @@ inline void check_backward_plan(const BackwardPlan& plan, int world_size) {
         "sums their squares, which must stay below 2^53 (use a divisor <= {})",
         plan.loss_divisor, world_size, static_cast<std::int64_t>(std::sqrt(kExactInDouble / world_size))));
 }
-
-/// The window meta: this rank's row, and the positions of its fields. Summed over ranks, `final`
-/// and `leaving` count the ranks that set them. A rank with a loss divisor d >= 1 votes: the sums
-/// of d and d^2 over the n voters tell every rank alike whether they all used the same d
-/// ((sum d)^2 == n * sum d^2 only then), and that d (sum d / n) is every rank's, voters or not.
-/// The fingerprints f_r (in [0, 2^20)) work alike: each rank finds sum (f_r - f_mine)^2 =
-/// sum f^2 - 2 f_mine sum f + n f_mine^2, zero only when every rank's f is its own.
-struct WindowMeta {
-  enum Field : std::int64_t {
-    samples,
-    final_ranks,
-    leaving_ranks,
-    divisor_sum,
-    divisor_squares,
-    voters,
-    fingerprint_sum,
-    fingerprint_squares,
-    fingerprinted,
-    kLength
-  };
-
-  /// This rank's row for `plan` and fingerprint `f` (std::nullopt without a flight recorder).
-  static std::array<std::int64_t, kLength> encode(const BackwardPlan& plan, std::optional<std::int64_t> f) {
-    const std::int64_t d = plan.loss_divisor, g = f.value_or(0);
-    return {
-        plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d, d > 0 ? 1 : 0, g, g * g, f ? 1 : 0};
-  }
-
-  /// Writes this rank's row for `plan` and fingerprint `f` into `meta` (int64 [kLength], on any device).
-  static void write(at::Tensor& meta, const BackwardPlan& plan, std::optional<std::int64_t> f) {
-    const auto row = encode(plan, f);
-    if (meta.is_cpu())
-      std::copy(row.begin(), row.end(), meta.data_ptr<std::int64_t>());
-    else
-      meta.copy_(at::tensor(std::vector<std::int64_t>(row.begin(), row.end()), at::kLong), /*non_blocking=*/false);
-  }
-
-  /// The one-element slice of `meta` holding `field`.
-  static at::Tensor slice(const at::Tensor& meta, Field field) { return meta.narrow(0, field, 1); }
-};
 
 /// The window meta summed over the ranks, decoded.
 struct WindowCounts {
