@@ -590,7 +590,7 @@ void print_ratios(const std::map<std::string, std::vector<double>>& t) {
   std::printf("\n");
   print_ratio(t, "loom_vs_flat", "reduce_resnet50/flat", "reduce_resnet50/loom", 0.95);
   print_ratio(t, "loom_vs_per_tensor", "reduce_resnet50/per_tensor", "reduce_resnet50/loom", 2.5);
-  print_ratio(t, "loom_hooks_vs_ddp", "reduce_resnet50/ddp", "reduce_resnet50/loom_hooks", 1.1);
+  print_ratio(t, "loom_hooks_vs_ddp", "reduce_resnet50/ddp", "reduce_resnet50/loom_hooks", 1.05);
   // Deterministic mode's cost: floating loom's time over deterministic loom's (goal: at most 1.3x
   // slower, i.e. a ratio >= 1 / 1.3).
   print_ratio(t, "float_vs_deterministic", "reduce_resnet50/loom", "reduce_resnet50/loom_deterministic", 1.0 / 1.3);

@@ -80,7 +80,8 @@ std::string line_starting(const std::string& out, const std::string& prefix) {
 /// key=value pairs of a line (values parsed as doubles).
 std::map<std::string, double> fields(const std::string& line) {
   std::map<std::string, double> m;
-  static const std::regex kv(R"(([a-z_]+)=(-?[0-9.]+(?:e[-+]?[0-9]+)?))");
+  // A whole token only: a hex hash such as weights_fnv1a=4e41775fd3d1ab35 is not a number.
+  static const std::regex kv(R"(([a-z_0-9]+)=(-?[0-9.]+(?:e[-+]?[0-9]+)?)(?=\s|$))");
   for (auto it = std::sregex_iterator(line.begin(), line.end(), kv); it != std::sregex_iterator(); ++it)
     m[(*it)[1].str()] = std::stod((*it)[2].str());
   return m;

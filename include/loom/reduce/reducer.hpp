@@ -41,8 +41,8 @@
 //     bucket leaves, as it is, once every gradient in it arrived in the synchronising backward: a
 //     hook never waits for anything. finish_window waits for the buckets in that order and, while
 //     later ones are still in flight, divides each reduced sum to the average (by the global
-//     sample count, which a small all-reduce started before backward delivered, or by the world
-//     size; times 1 / loss scale) and scans it for inf/NaN in the same pass.
+//     sample count, which the first bucket carries with it, or by the world size; times 1 / loss
+//     scale) and scans it for inf/NaN in the same pass.
 //   A gradient that arrives twice in the synchronising backward (two backward passes before
 //     finish_window, reentrant checkpointing, mark_ready after adding to a gradient by hand) is
 //     exact while its bucket has not left: the arrivals add up in the slot and the sum is divided
@@ -119,11 +119,16 @@
 //     use loss scaling). A rank whose window holds no loss (a join, an end-of-epoch flush with
 //     nothing left) passes d = 0 and takes the others' d. Ranks whose d >= 1 differ: every rank
 //     throws loom::InvalidArgument from finish_window after the collectives (gradients zeroed),
-//     found from the voters' number, sum and sum of squares of d in the window's count all-reduce.
-//   Sample count and join: each window's sync backward starts one small int64 all-reduce of
-//     [window samples, final flag, leaving flag, d, d^2, d >= 1] before backward runs; a final flush
-//     (end of epoch) that finds every rank final and no sample anywhere stops without touching the
-//     buckets.
+//     found from the voters' number, sum and sum of squares of d in the window meta.
+//   Sample count and join (the window meta): each rank's [window samples, final flag, leaving
+//     flag, d, d^2, d >= 1, flight-recorder fingerprint f, f^2, has f] is summed over the ranks in
+//     the first bucket's all-reduce, after its used-flags, as limbs of b = p - ceil(log2 world
+//     size) bits in the bucket's wire dtype of p significand bits (24 float32, 53 float64, 11
+//     float16, 8 bfloat16): each limb's sum stays below 2^p, exact in any order, so a step issues
+//     one all-reduce per bucket, as DDP. Deterministic mode, and a first bucket without room
+//     (bfloat16 on more than 128 ranks), send it as an int64 all-reduce of its own before backward
+//     (trace context "reducer window"). A final flush (end of epoch) sends the first bucket first;
+//     when it finds every rank final and no sample anywhere it stops there, every gradient as it was.
 //   Leaving (BackwardPlan::leaving): a rank that abandons its loop early (loom::Trainer, on a
 //     `break`) closes one last window with the flag set; every rank's Reduction then reports
 //     ranks_leaving > 0 with its gradients zeroed, so the ranks still in that step stop with an
@@ -178,8 +183,8 @@ class Reducer {
   Reducer(Comm& comm, ParameterList params, ReducerOptions options = {})
       : state_(std::make_unique<detail::ReducerState<Comm>>(comm, std::move(params), std::move(options))) {}
 
-  /// See GradientReducer: announces whether the next backward closes the window (and starts the
-  /// window's sample-count all-reduce when it does).
+  /// See GradientReducer: announces whether the next backward closes the window (and, where the
+  /// first bucket does not carry the window meta, starts the meta's own all-reduce when it does).
   void prepare_backward(const BackwardPlan& plan) { state_->prepare_backward(plan); }
 
   /// See GradientReducer: sends the buckets not sent yet, waits for all, restores parameters

@@ -24,8 +24,9 @@
 // Fingerprint: take_fingerprint() folds the signatures (operation, dtype, element count, context,
 //   context index, and the step when it is checked) of every collective issued since the previous
 //   call into a 20-bit number;
-//   the reducer sends it in its window meta, so ranks whose collectives differ are detected at the
-//   next synchronising backward, with no collective of its own (docs/debugging.md).
+//   the reducer sends it in its window meta (inside its first bucket's all-reduce), so ranks whose
+//   collectives differ are detected at the next synchronising backward, with no collective of its
+//   own (docs/debugging.md).
 // Source: the idea of PyTorch's NCCL flight recorder (a per-rank ring of collectives dumped on
 //   failure), kept by loom's own communicators for every backend, with loom's step and context.
 #pragma once
@@ -55,7 +56,7 @@ namespace loom::trace {
 /// Which loom part issued a collective. `user` is any call outside a Scope.
 enum class Context : std::uint8_t {
   user,
-  reducer_window,       ///< the reducer's per-window meta: sample count, loss divisor, fingerprint
+  reducer_window,       ///< the reducer's window meta as an all-reduce of its own (deterministic mode, no room)
   reducer_bucket,       ///< a gradient bucket's all-reduce (index: the bucket)
   parameter_check,      ///< the reducer's check that every rank holds the same parameters
   parameter_broadcast,  ///< rank 0's parameters and buffers sent to every rank

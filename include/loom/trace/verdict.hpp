@@ -5,7 +5,7 @@
 //   auto records = loom::trace::read_folder("runs/7/trace");
 //   loom::trace::Verdict v = loom::trace::first_divergence(records, /*world_size=*/4);
 //   // v.text: "rank 2 issued all_reduce #812 (reducer bucket 3, step 41, micro-batch 0, Float x 1024)
-//   //          while ranks 0, 1, 3 issued all_reduce #812 (reducer window, step 42, Long x 8)"
+//   //          while ranks 0, 1, 3 issued all_reduce #812 (reducer bucket 0, step 42, Float x 4096)"
 //
 // Rule: the records are aligned by sequence number (each communicator numbers its collectives 0, 1,
 // 2, ... in issue order, so the same number must be the same call on every rank). The first number,

@@ -5,7 +5,8 @@
 // Units: the divisor is a sample count, the world size or 1, times n / sum d over the loss-divisor
 //        voters (see window_summary.hpp); grad_scale is 1 / loss scale.
 // Source: DDP divides each bucket by the world size before its all-reduce; loom divides after it,
-//         by a count only known once the window meta is summed, so a hook never waits for it.
+//         by a count only known once the window meta is summed (it comes back with the first
+//         bucket), so a hook never waits for it.
 #pragma once
 
 #include <algorithm>
@@ -22,7 +23,7 @@
 namespace loom::detail {
 
 /// The averaging of one synchronising window. begin() at prepare_backward, apply() per bucket in
-/// finish_window once the bucket's all-reduce and the window meta's are complete.
+/// finish_window once the bucket's all-reduce and the window meta's (the first bucket's) are complete.
 class WindowAverage {
  public:
   /// Starts a window: the sum over `world_size` ranks becomes the mean by `average`, times

@@ -150,7 +150,7 @@ class ReducerState {
       if (next_launch_ == 0) launch(next_launch_++);
       wait_bucket(0);
     }
-    wait_meta();  // started before backward: long done unless nothing was sent yet
+    wait_meta();  // its own all-reduce, started before backward: long done unless nothing was sent yet
     if (window_ == WindowState::final_flush) {
       // A flush without backward: skip the buckets when every rank flushes and nobody has a sample.
       const at::Tensor m = host_read(meta_);
@@ -780,7 +780,7 @@ class ReducerState {
     return summary;
   }
 
-  /// Waits (on the host) for the window's count all-reduce, started in prepare_backward.
+  /// Waits (on the host) for the window meta's own all-reduce (started in prepare_backward), if any.
   void wait_meta() {
     if (meta_work_) {
       meta_work_->wait();
