@@ -1,6 +1,8 @@
 // loom/reduce/buckets.hpp (pure assignment rule) and the concepts of loom/reduce and
 // loom/accumulate: which types model them and which do not.
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -132,10 +134,12 @@ void check_limbs_sum(const std::vector<loom::detail::WindowMeta::Row>& rows, at:
     std::shuffle(order.begin(), order.end(), rng);
     for (std::size_t r : order) sum[k] = static_cast<T>(static_cast<double>(sum[k]) + static_cast<double>(limbs[r][k]));
   }
-  Row expected{};
+  Row expected{};  // the int64 all-reduce's sum: modulo 2^64
   for (const Row& row : rows)
-    for (std::size_t f = 0; f < row.size(); ++f) expected[f] += row[f];
-  CHECK(MetaLimbs::decode(sum.data(), bits) == expected);
+    for (std::size_t f = 0; f < row.size(); ++f)
+      expected[f] =
+          static_cast<std::int64_t>(static_cast<std::uint64_t>(expected[f]) + static_cast<std::uint64_t>(row[f]));
+  CHECK(MetaLimbs::decode(sum.data(), bits, world) == expected);
   auto summed = at::empty({static_cast<std::int64_t>(n)}, at::TensorOptions().dtype(dtype));
   for (std::size_t k = 0; k < n; ++k) summed[static_cast<std::int64_t>(k)] = static_cast<double>(sum[k]);
   auto meta = at::empty({loom::detail::WindowMeta::kLength}, at::kLong);
@@ -151,15 +155,16 @@ TEST_CASE("MetaLimbs: the window meta summed as limbs in float32/float64/float16
   std::mt19937 rng(11);
   for (int world : {1, 2, 3, 7, 8, 100}) {
     // Random rows within every field's range (samples small enough that their sum fits an int64),
-    // and the largest rows (every limb at its maximum 2^b - 1).
+    // the largest rows (every field at its width's maximum, so every limb at 2^b - 1 but a top one;
+    // samples 2^63 - 1: their sum over 2 or more ranks wraps modulo 2^64, as an int64 sum does).
     std::vector<WindowMeta::Row> random_rows, largest_rows;
     for (int r = 0; r < world; ++r) {
       auto draw = [&](std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(0, hi)(rng); };
       const std::int64_t d = draw(std::int64_t{1} << 20), f = draw((std::int64_t{1} << 20) - 1);
       random_rows.push_back(
           {draw((std::int64_t{1} << 56) - 1), draw(1), draw(1), d, d * d, d > 0 ? 1 : 0, f, f * f, 1});
-      largest_rows.push_back({(std::int64_t{1} << 56) - 1, 1, 1, std::int64_t{1} << 20, std::int64_t{1} << 40, 1,
-                              (std::int64_t{1} << 20) - 1,
+      largest_rows.push_back({std::numeric_limits<std::int64_t>::max(), 1, 1, std::int64_t{1} << 20,
+                              std::int64_t{1} << 40, 1, (std::int64_t{1} << 20) - 1,
                               ((std::int64_t{1} << 20) - 1) * ((std::int64_t{1} << 20) - 1), 1});
     }
     INFO("world size ", world);
@@ -175,6 +180,15 @@ TEST_CASE("MetaLimbs: the window meta summed as limbs in float32/float64/float16
   bad[WindowMeta::fingerprint_sum] = std::int64_t{1} << 20;
   std::vector<float> out(static_cast<std::size_t>(loom::detail::MetaLimbs::count(23)));
   CHECK_THROWS_AS(loom::detail::MetaLimbs::encode(bad, 23, out.data()), loom::Error);
+  // Sums that no ranks' rows give (the ranks all-reduced different collectives): a loom::CommError
+  // naming the value, never a row.
+  const int bits = loom::detail::MetaLimbs::bits(at::kFloat, 2);
+  std::vector<float> limbs(static_cast<std::size_t>(loom::detail::MetaLimbs::count(bits)), 1.0f);
+  CHECK(loom::detail::MetaLimbs::decode(limbs.data(), bits, 2)[WindowMeta::final_ranks] == 1);
+  for (float wrong : {-1.0f, 0.5f, std::ldexp(2.0f, 23), std::numeric_limits<float>::quiet_NaN()}) {
+    limbs[3] = wrong;
+    CHECK_THROWS_AS(loom::detail::MetaLimbs::decode(limbs.data(), bits, 2), loom::CommError);
+  }
 }
 
 TEST_CASE("concepts: GradientReducer models and non-models") {

@@ -159,32 +159,65 @@ TEST_CASE("Reducer: the window meta goes on its own where the first bucket's dty
 TEST_CASE("Reducer: a final flush with nothing anywhere leaves every gradient as it was, after one all-reduce") {
   // The flush's verdict needs the window meta, which rides in the first bucket: that bucket goes
   // (its unused slots zeroed for the sum), the verdict is "nothing to do", and every slot gets back
-  // the gradient it held before the window.
-  for (bool compressed : {false, true}) {
-    loom::test::Mlp model(at::kFloat);
+  // the gradient it held before the window. The first bucket holds b2 (no gradient: it stays
+  // without one) and w2 (a gradient); b1 and w1 are buckets of their own that never leave.
+  struct Case {
+    const char* name;
+    at::ScalarType dtype;
+    std::optional<c10::ScalarType> wire;
+  };
+  for (const Case& c : {Case{"float32", at::kFloat, std::nullopt}, Case{"float32, float16 wire", at::kFloat, at::kHalf},
+                        Case{"bfloat16 in float32 slots", at::kBFloat16, std::nullopt}}) {
+    INFO(c.name);
+    loom::test::Mlp model(c.dtype);
     std::vector<at::Tensor> before;
     for (std::size_t k = 0; k < model.params.size(); ++k) {
-      if (k == 1) continue;  // one parameter without a gradient: it stays without one
+      if (k == 3) continue;  // b2
       model.params[k].mutable_grad() = torch::full_like(model.params[k], 0.25 * static_cast<double>(k + 1));
     }
     for (const auto& p : model.params) before.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
     loom::test::AsyncRecordingCommunicator comm;
-    std::optional<c10::ScalarType> wire;
-    if (compressed) wire = at::kHalf;
-    loom::Reducer reducer(comm, model.list(), {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = 4, .wire_dtype = wire});
+    const std::size_t first_cap = 4 * (loom::test::kOut + loom::test::kOut * loom::test::kHidden);  // b2 + w2
+    loom::Reducer reducer(comm, model.list(),
+                          {.bucket_cap_bytes = 4, .first_bucket_cap_bytes = first_cap, .wire_dtype = c.wire});
+    REQUIRE(reducer.bucket_params().size() == 3);
+    REQUIRE(reducer.bucket_params()[0] == std::vector<std::size_t>{3, 2});
     reducer.prepare_backward({.sync = true, .final = true, .window_samples = 0});
     auto r = reducer.finish_window();
     CHECK(r.all_final);
     CHECK_FALSE(r.reduced);
     REQUIRE(comm.calls().size() == 2);  // the first bucket, and its wait
     CHECK(comm.calls()[0].name == "all_reduce_async");
+    CHECK(comm.calls()[0].numel == loom::test::kOut + loom::test::kOut * loom::test::kHidden + 2 +
+                                       (c.wire ? 22 : 13));  // gradients + 2 used-flags + the meta's limbs
     CHECK(comm.calls()[1].name == "wait");
     for (std::size_t k = 0; k < model.params.size(); ++k) {
-      INFO("parameter ", k, compressed ? " (float16 wire)" : "");
+      INFO("parameter ", k);
       REQUIRE(model.params[k].grad().defined() == before[k].defined());
       if (before[k].defined()) CHECK(model.params[k].grad().equal(before[k]));
     }
   }
+}
+
+TEST_CASE("Reducer: deterministic mode sends the window meta as an int64 all-reduce of its own, before backward") {
+  loom::test::Mlp model(at::kFloat);
+  loom::test::AsyncRecordingCommunicator comm;
+  loom::Reducer reducer(comm, model.list(), {.deterministic = true});
+  reducer.prepare_backward({.sync = true, .window_samples = 3});
+  REQUIRE(comm.calls().size() == 1);
+  CHECK((comm.calls()[0].dtype == torch::kLong));
+  CHECK(comm.calls()[0].numel == 9);
+  model.loss_sum(loom::test::batch_x(0, 3, at::kFloat), loom::test::batch_y(0, 3, at::kFloat)).backward();
+  auto r = reducer.finish_window();
+  CHECK(r.reduced);
+  CHECK(r.global_samples == 3);
+  // After it only the bucket's integers: the int32 wire (plus, here, its int64 resend: this first
+  // window's grid does not fit int32); the meta is never sent again.
+  int metas = 0;
+  for (const auto& call : comm.calls())
+    if (call.name == "all_reduce_async" && call.dtype == torch::kLong && call.numel == 9) ++metas;
+  CHECK(metas == 1);
+  CHECK((comm.calls()[1].dtype == torch::kInt));
 }
 
 TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blocking communicator works too") {

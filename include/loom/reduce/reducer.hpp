@@ -126,20 +126,23 @@
 //     size) bits in the bucket's wire dtype of p significand bits (24 float32, 53 float64, 11
 //     float16, 8 bfloat16): each limb's sum stays below 2^p, exact in any order, so a step issues
 //     one all-reduce per bucket, as DDP. Deterministic mode, and a first bucket without room
-//     (bfloat16 on more than 128 ranks), send it as an int64 all-reduce of its own before backward
-//     (trace context "reducer window"). A final flush (end of epoch) sends the first bucket first;
+//     (bfloat16 on more than 128 ranks, float16 on more than 1024), send it as an int64
+//     all-reduce of its own before backward (trace context "reducer window"). A final flush (end
+//     of epoch) sends the first bucket first;
 //     when it finds every rank final and no sample anywhere it stops there, every gradient as it was.
 //   Leaving (BackwardPlan::leaving): a rank that abandons its loop early (loom::Trainer, on a
 //     `break`) closes one last window with the flag set; every rank's Reduction then reports
 //     ranks_leaving > 0 with its gradients zeroed, so the ranks still in that step stop with an
 //     error instead of waiting for a rank that will not come.
 //
-// Collectives per step: 1 + number of buckets all-reduces (+ one broadcast, once, for the rebuild;
-// + the buffer broadcast when the model has buffers).
+// Collectives per step: one all-reduce per bucket (+ the window meta's own when the first bucket
+// does not carry it; + one broadcast, once, for the rebuild; + the buffer broadcast when the model
+// has buffers).
 // Shape: gradients have their parameters' shapes and strides (dense layouts kept, e.g.
 //        channels-last), dtypes float32/float64/float16/bfloat16 (16-bit ones in float32 slots, see
 //        above); frozen parameters are left out.
-//        A bucket on the wire is [gradients | one used-flag per gradient], one dtype and device.
+//        A bucket on the wire is [gradients | one used-flag per gradient (| the window meta's limbs,
+//        the first bucket)], one dtype and device.
 // Units: caps in bytes, samples in samples.
 // Throws: loom::InvalidArgument (bad options, non-floating or non-leaf trainable parameter, a
 //         parameter another live Reducer already hooks,

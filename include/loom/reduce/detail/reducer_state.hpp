@@ -362,7 +362,7 @@ class ReducerState {
     const auto& b = buckets_.front();
     if (b.meta.is_cpu() && meta_.is_cpu()) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.meta.scalar_type(), "loom_meta_decode", [&] {
-        WindowMeta::write(meta_, MetaLimbs::decode(b.meta.data_ptr<scalar_t>(), b.meta_bits));
+        WindowMeta::write(meta_, MetaLimbs::decode(b.meta.data_ptr<scalar_t>(), b.meta_bits, comm_->world_size()));
       });
     } else {
       MetaLimbs::decode(b.meta, meta_tables_, meta_);
@@ -555,6 +555,7 @@ class ReducerState {
   WindowSummary reduce_floating(bool clip) {
     for (std::size_t bi = 0; bi < buckets_.size(); ++bi) {
       wait_bucket(bi);  // the first one also gives meta_ when it carries it
+      LOOM_ASSERT(bi > 0 || !carries_meta() || meta_ready_, "the window meta was not decoded before its use");
       average_.apply(buckets_[bi], meta_, options_.detect_non_finite);
     }
     count_host_read();

@@ -12,13 +12,16 @@
 //        the ranks is an integer below 2^p: exact in that dtype in any summation order, and the
 //        fields are put back together from the summed limbs (MetaLimbs::decode). A DDP-equivalent
 //        step then issues exactly DDP's collectives (one all-reduce per bucket). Where b < 1
-//        (bfloat16 on more than 128 ranks) or in deterministic mode the row goes as its own int64
-//        all-reduce (trace context "reducer window").
+//        (bfloat16 on more than 128 ranks, float16 on more than 1024) or in deterministic mode the
+//        row goes as its own int64 all-reduce (trace context "reducer window"). The decode checks
+//        every summed limb (a whole number below world size x 2^b) on the host; a first bucket on
+//        a GPU is decoded with device ops, unchecked (no host read).
 // Units: samples; loss divisors are the BackwardPlan's (dimensionless integers).
 #pragma once
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -126,16 +129,27 @@ struct MetaLimbs {
     }
   }
 
-  /// The summed row from the summed limbs in[0, count(bits)) (host memory, any arithmetic T).
-  /// Each field is sum_i limb_i * 2^(bits i), taken modulo 2^64 like the int64 all-reduce it stands
-  /// for.
+  /// The summed row from the limbs in[0, count(bits)) summed over `world_size` ranks (host memory,
+  /// any arithmetic T). Each field is sum_i limb_i * 2^(bits i), taken modulo 2^64 like the int64
+  /// all-reduce it stands for. Throws: loom::CommError when a summed limb is not a whole number in
+  /// [0, world_size * 2^bits) — the ranks' first buckets were not the same collective (a rank that
+  /// issued another all-reduce in its place), so the sums are not the ranks' rows.
   template <class T>
-  static WindowMeta::Row decode(const T* in, int bits) {
+  static WindowMeta::Row decode(const T* in, int bits, int world_size) {
+    const double limit = std::ldexp(static_cast<double>(world_size), bits);
     WindowMeta::Row row{};
     for (std::size_t f = 0; f < kWidths.size(); ++f) {
       std::uint64_t v = 0;
-      for (std::int64_t i = 0; i < limbs_of(f, bits); ++i)
-        v += static_cast<std::uint64_t>(static_cast<double>(*in++)) << (bits * i);
+      for (std::int64_t i = 0; i < limbs_of(f, bits); ++i) {
+        const auto limb = static_cast<double>(*in++);
+        if (!(limb >= 0 && limb < limit && limb == std::floor(limb)))
+          throw CommError(fmt::format(
+              "Reducer: the window meta in the first bucket came back as {} (a sum over {} ranks of whole numbers "
+              "below 2^{}): the ranks did not all-reduce the same first bucket (a rank issued another collective in "
+              "its place?)",
+              limb, world_size, bits));
+        v += static_cast<std::uint64_t>(limb) << (bits * i);
+      }
       row[f] = static_cast<std::int64_t>(v);
     }
     return row;
