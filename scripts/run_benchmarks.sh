@@ -7,8 +7,11 @@
 # figures OUTDIR/reduce_sweep.png, OUTDIR/collate_sweep.png (scripts/plot_benchmarks.sh) and
 # OUTDIR/time_to_accuracy.png (scripts/plot_time_to_accuracy.sh, from bench_finetune's curves).
 # Run it on a quiet machine: nothing else building, load average under 1.5 (it warns otherwise);
-# the figures in docs/benchmarks.md quote the load next to each table.
-# Time: about 30 minutes on 2 cores (bench_finetune alone about 12).
+# the figures in docs/benchmarks.md quote the load next to each table. A suite keeps both cores
+# busy (bench_reduce's two ranks), so before each suite the script waits until the 1-minute load
+# average is below LOOM_BENCH_QUIET_LOAD (default 1.0) or LOOM_BENCH_QUIET_WAIT seconds have passed
+# (default 300), and writes the seconds it waited to load.txt.
+# Time: about 30 minutes on 2 cores (bench_finetune alone about 12), plus the waits.
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench-results}
@@ -22,8 +25,19 @@ warn_if_loaded() {
   l=$(cut -d' ' -f1 /proc/loadavg)
   if awk -v l="$l" 'BEGIN{exit !(l >= 1.5)}'; then echo "warning: load average $l >= 1.5: the figures will be noisy" >&2; fi
 }
+wait_quiet() {  # lets the previous suite's load decay (the 1-minute average falls by e in 60 s)
+  local waited=0 l
+  while l=$(cut -d' ' -f1 /proc/loadavg) &&
+    awk -v l="$l" -v q="${LOOM_BENCH_QUIET_LOAD:-1.0}" 'BEGIN{exit !(l >= q)}' &&
+    [ "$waited" -lt "${LOOM_BENCH_QUIET_WAIT:-300}" ]; do
+    sleep 5
+    waited=$((waited + 5))
+  done
+  echo "$1 waited ${waited} s for the load to fall" >> "$out/load.txt"
+}
 run() {  # run NAME COMMAND...
   local name=$1; shift
+  wait_quiet "$name"
   warn_if_loaded
   load "$name" before
   echo "== $name: $*" | tee "$out/$name.txt"

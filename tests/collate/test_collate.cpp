@@ -513,6 +513,39 @@ TEST_CASE("BufferPool: a dropped batch's buffer is reused; a held one is not") {
   CHECK(torch::equal(view_of_b3, traced(4, {3, 4})));
 }
 
+TEST_CASE("BufferPool::acquire_block: the buffer is busy while the block or a tensor carved from it lives") {
+  loom::BufferPool pool;
+  const void* first = nullptr;
+  {
+    loom::detail::ByteBlock block = pool.acquire_block(100);
+    CHECK(block.bytes == 100);
+    CHECK(block.offset == 0);
+    CHECK(block.storage.nbytes() == 128);  // rounded up to 64 bytes
+    first = block.storage.data_ptr().get();
+    // Held: a second request gets a new buffer.
+    const loom::detail::ByteBlock second = pool.acquire_block(100);
+    CHECK(second.storage.data_ptr().get() != first);
+    CHECK(pool.allocations() == 2);
+    // A tensor carved from the block keeps the buffer busy after the block is gone.
+    at::Tensor t = loom::detail::carve(block, 64, at::kFloat, {2, 4});
+    t.copy_(torch::arange(8, torch::kFloat).view({2, 4}));
+    CHECK(static_cast<const char*>(t.data_ptr()) == static_cast<const char*>(first) + 64);
+    block = loom::detail::ByteBlock{};
+    const loom::detail::ByteBlock third = pool.acquire_block(100);
+    CHECK(third.storage.data_ptr().get() != first);
+    CHECK(pool.allocations() == 3);
+    CHECK(torch::equal(t, torch::arange(8, torch::kFloat).view({2, 4})));
+    // The block's bytes bound what can be carved from it.
+    CHECK_THROWS_WITH_AS(loom::detail::carve(third, 64, at::kFloat, {10}),
+                         doctest::Contains("40 bytes of Float at byte 64 of a 100-byte buffer"), loom::Error);
+  }
+  // Everything dropped: the smallest free buffer that fits is reused.
+  const loom::detail::ByteBlock again = pool.acquire_block(100);
+  CHECK(pool.reuses() == 1);
+  CHECK(pool.allocations() == 3);
+  CHECK(again.storage.use_count() == 2);  // the pool's and this block's
+}
+
 TEST_CASE("BatchAllocator hook: called per batch buffer; a broken allocator is reported") {
   std::atomic<int> calls{0};
   loom::BatchAllocator counting = [&](c10::IntArrayRef sizes, c10::ScalarType dtype) {

@@ -53,33 +53,52 @@ namespace loom {
 
 namespace detail {
 
-/// A contiguous tensor of `sizes` and `dtype` over the bytes of `block` (a contiguous 1-D uint8
-/// tensor) from `offset_bytes` on, sharing its storage: what
-/// `block.narrow(0, offset_bytes, n).view(dtype).view(sizes)` gives (a normal tensor, also under
-/// InferenceMode, as a view of a normal tensor is), built directly instead of through three
-/// dispatched ATen calls (a batch's fixed cost at small batch sizes); unlike a view it has its own
-/// version counter. Under InferenceMode it turns the mode off while the tensor is made (a guard
-/// that costs two thread-local writes, so only then). Throws loom::Error when the start is not
-/// aligned to dtype's size (an allocator's block at an odd storage offset) or the bytes run past
-/// the block.
-inline at::Tensor carve(const at::Tensor& block, int64_t offset_bytes, c10::ScalarType dtype, c10::IntArrayRef sizes) {
+/// Bytes a batch's tensors are carved from: `bytes` bytes of `storage` from byte `offset` on (a
+/// pooled buffer's storage, or an allocator's uint8 tensor's). Holding it holds the storage, so a
+/// pooled buffer stays busy while a ByteBlock of it lives.
+struct ByteBlock {
+  c10::Storage storage;
+  int64_t offset = 0;  ///< in bytes, from the start of the storage
+  int64_t bytes = 0;
+};
+
+/// The ByteBlock of a contiguous 1-D uint8 tensor.
+inline ByteBlock byte_block(const at::Tensor& block) {
+  return {.storage = block.storage(), .offset = block.storage_offset(), .bytes = block.numel()};
+}
+
+/// A contiguous tensor of `sizes` and `dtype` over the bytes of `block` from `offset_bytes` on,
+/// sharing its storage: what `block.narrow(0, offset_bytes, n).view(dtype).view(sizes)` gives for a
+/// uint8 tensor (a normal tensor, also under InferenceMode, as a view of a normal tensor is), built
+/// directly instead of through three dispatched ATen calls (a batch's fixed cost at small batch
+/// sizes); unlike a view it has its own version counter. Under InferenceMode it turns the mode off
+/// while the tensor is made (a guard that costs two thread-local writes, so only then). Throws
+/// loom::Error when the start is not aligned to dtype's size (an allocator's block at an odd
+/// storage offset) or the bytes run past the block.
+inline at::Tensor carve(const ByteBlock& block, int64_t offset_bytes, c10::ScalarType dtype, c10::IntArrayRef sizes) {
   const auto item = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
-  const int64_t start = block.storage_offset() + offset_bytes;
-  if (start % item != 0 || offset_bytes < 0 || offset_bytes + numel * item > block.numel())
+  const int64_t start = block.offset + offset_bytes;
+  if (start % item != 0 || offset_bytes < 0 || offset_bytes + numel * item > block.bytes)
     throw Error(
         fmt::format("batch storage: {} bytes of {} at byte {} of a {}-byte buffer at storage offset {} "
                     "(the allocator's buffers must start aligned to the element size)",
-                    numel * item, c10::toString(dtype), offset_bytes, block.numel(), block.storage_offset()));
+                    numel * item, c10::toString(dtype), offset_bytes, block.bytes, block.offset));
   std::optional<c10::InferenceMode> normal_tensor;
   if (c10::InferenceMode::is_enabled()) normal_tensor.emplace(false);
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(block.storage()), c10::DispatchKeySet(c10::computeDispatchKey(dtype, at::kStrided, block.device())),
+      c10::Storage(block.storage),
+      c10::DispatchKeySet(c10::computeDispatchKey(dtype, at::kStrided, block.storage.device())),
       c10::scalarTypeToTypeMeta(dtype));
   t.unsafeGetTensorImpl()->set_storage_offset(start / item);
   t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
   return t;
+}
+
+/// carve over the bytes of `block`, a contiguous 1-D uint8 tensor.
+inline at::Tensor carve(const at::Tensor& block, int64_t offset_bytes, c10::ScalarType dtype, c10::IntArrayRef sizes) {
+  return carve(byte_block(block), offset_bytes, dtype, sizes);
 }
 
 }  // namespace detail
@@ -145,38 +164,42 @@ class BufferPool {
   }
 
   /// A 1-D uint8 tensor of `bytes` bytes (at the start of a pooled buffer, so 64-byte aligned when
-  /// the allocator's memory is). Collators carve a batch's data, mask and targets from one of these.
+  /// the allocator's memory is).
   [[nodiscard]] at::Tensor acquire_bytes(int64_t bytes) {
+    return detail::carve(acquire_block(bytes), 0, at::kByte, {bytes});
+  }
+
+  /// The first `bytes` bytes of a free pooled buffer (the smallest that fits, at most 4x + 4 KiB
+  /// larger), or of a new one: what acquire_bytes returns, without a tensor of its own. Collators
+  /// carve a batch's data, mask and targets from one of these. The buffer is busy while the block
+  /// or any tensor carved from it lives.
+  [[nodiscard]] detail::ByteBlock acquire_block(int64_t bytes) {
     const int64_t rounded = std::max<int64_t>(64, (bytes + 63) / 64 * 64);
-    at::Tensor block;
-    {
-      // The returned tensor is made under the lock: it holds the buffer's storage, so no other
-      // thread's acquire can take the same buffer in between.
-      std::lock_guard<std::mutex> lock(mutex_);
-      const at::Tensor* best = nullptr;
-      for (const at::Tensor& b : blocks_) {
-        if (b.storage().use_count() != 1) continue;  // someone still views it
-        const int64_t cap = b.numel();
-        if (cap < rounded || cap > 4 * rounded + 4096) continue;  // too small, or wastefully large
-        if (best == nullptr || cap < best->numel()) best = &b;
-      }
-      if (best != nullptr) {
-        block = *best;
-        ++reuses_;
-      } else {
-        block = detail::allocate_checked(options_.allocate, {rounded}, c10::ScalarType::Byte);
-        ++allocations_;
-        if (blocks_.size() < options_.max_buffers) {
-          blocks_.push_back(block);
-        } else {
-          // Full of busy buffers: evict a free one, if any, so the pool follows the workload.
-          auto free_it = std::find_if(blocks_.begin(), blocks_.end(),
-                                      [](const at::Tensor& b) { return b.storage().use_count() == 1; });
-          if (free_it != blocks_.end()) *free_it = block;
-        }
-      }
-      return detail::carve(block, 0, c10::ScalarType::Byte, {bytes});
+    // The block is made under the lock: it holds the buffer's storage, so no other thread's
+    // acquire can take the same buffer in between.
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor* best = nullptr;
+    for (const at::Tensor& b : blocks_) {
+      if (b.storage().use_count() != 1) continue;  // someone still views it
+      const int64_t cap = b.numel();
+      if (cap < rounded || cap > 4 * rounded + 4096) continue;  // too small, or wastefully large
+      if (best == nullptr || cap < best->numel()) best = &b;
     }
+    if (best != nullptr) {
+      ++reuses_;
+      return {.storage = best->storage(), .offset = best->storage_offset(), .bytes = bytes};
+    }
+    const at::Tensor block = detail::allocate_checked(options_.allocate, {rounded}, c10::ScalarType::Byte);
+    ++allocations_;
+    if (blocks_.size() < options_.max_buffers) {
+      blocks_.push_back(block);
+    } else {
+      // Full of busy buffers: evict a free one, if any, so the pool follows the workload.
+      auto free_it = std::find_if(blocks_.begin(), blocks_.end(),
+                                  [](const at::Tensor& b) { return b.storage().use_count() == 1; });
+      if (free_it != blocks_.end()) *free_it = block;
+    }
+    return {.storage = block.storage(), .offset = block.storage_offset(), .bytes = bytes};
   }
 
   /// Releases every free buffer (busy ones stay until their batches are dropped).

@@ -70,13 +70,16 @@ class BucketView : public ranges::view_base {
     }
 
     // For in-memory inputs (a forward range of lvalues, e.g. a std::vector of samples) the tensors'
-    // metadata is usually cold in cache: each sample costs two dependent memory round trips, its
-    // TensorImpl (dtype, sizes) and then its StorageImpl (the data pointer), before its copy can
-    // start. The view prefetches the TensorImpl (its first four cache lines) of the sample two
-    // ahead and, through the TensorImpl prefetched one sample earlier, the StorageImpl of the next
-    // one, so both arrive while this sample is copied (bench_collate's collate_mixed and sweep; the
-    // figures are in docs/benchmarks.md, "Collation"). Never used for ranges that compute their
-    // elements (that would compute them twice).
+    // metadata is usually cold in cache: each sample costs three dependent memory round trips, its
+    // TensorImpl (dtype, sizes), then its StorageImpl (the data pointer), then the first lines of
+    // its data, before its copy can stream. The view works three samples ahead, one step of the
+    // chain each: while sample i is copied it prefetches the TensorImpl (first four cache lines) of
+    // sample i+3, the StorageImpl of sample i+2 (through the TensorImpl prefetched one sample
+    // earlier) and the first eight cache lines of sample i+1's data (through its StorageImpl,
+    // prefetched one sample earlier), so every load of the chain has a whole sample's copy to
+    // arrive in (bench_collate's collate_mixed and sweep; the figures are in docs/benchmarks.md,
+    // "Collation"). Never used for ranges that compute their elements (that would compute them
+    // twice).
     static constexpr bool kPrefetch = ranges::forward_range<V> &&
                                       std::is_lvalue_reference_v<ranges::range_reference_t<V>> &&
                                       std::is_reference_v<decltype(std::declval<const Projection&>().data(
@@ -93,19 +96,31 @@ class BucketView : public ranges::view_base {
       if constexpr (kPrefetch) {
         auto next = ranges::next(it);
         if (next == end) return;
-        const c10::TensorImpl* impl = proj.data(*next).unsafeGetTensorImpl();
-        if (const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl(); storage != nullptr)
-          prefetch_lines(reinterpret_cast<const char*>(storage), 2);
+        {
+          const c10::TensorImpl* impl = proj.data(*next).unsafeGetTensorImpl();
+          if (const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl(); storage != nullptr) {
+            const char* data = static_cast<const char*>(storage->data_ptr().get());
+            if (data != nullptr)
+              prefetch_lines(data + impl->storage_offset() * static_cast<int64_t>(impl->dtype().itemsize()), 8);
+          }
+        }
+        if (++next == end) return;
+        {
+          const c10::TensorImpl* impl = proj.data(*next).unsafeGetTensorImpl();
+          if (const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl(); storage != nullptr)
+            prefetch_lines(reinterpret_cast<const char*>(storage), 2);
+        }
         if (++next == end) return;
         prefetch_lines(reinterpret_cast<const char*>(proj.data(*next).unsafeGetTensorImpl()), 4);
       }
     }
 
-    // Before the first sample: the TensorImpls of the first two (prefetch_next reads the second's).
+    // Before the first sample: the TensorImpls of the first three (prefetch_next reads the second's
+    // and the third's).
     void prefetch_first() {
       if constexpr (kPrefetch) {
         auto at = it;
-        for (int k = 0; k < 2 && at != end; ++k, ++at)
+        for (int k = 0; k < 3 && at != end; ++k, ++at)
           prefetch_lines(reinterpret_cast<const char*>(proj.data(*at).unsafeGetTensorImpl()), 4);
       }
     }

@@ -52,8 +52,8 @@ struct StorageSource {
   void get(std::span<const StoragePart> parts) const {
     int64_t total = 0;
     for (const StoragePart& p : parts) total += (part_bytes(p) + 63) / 64 * 64;
-    const at::Tensor block =
-        pool ? pool->acquire_bytes(total) : allocate_checked(allocate, {total}, c10::ScalarType::Byte);
+    const ByteBlock block =
+        pool ? pool->acquire_block(total) : byte_block(allocate_checked(allocate, {total}, c10::ScalarType::Byte));
     int64_t offset = 0;
     for (const StoragePart& p : parts) {
       const int64_t bytes = part_bytes(p);
