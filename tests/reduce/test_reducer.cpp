@@ -508,6 +508,47 @@ TEST_CASE("detail::scale_and_check: the one-pass average and inf/NaN scan matche
       }
     }
   }
+  // Powers of two are multiplied by their reciprocal: still bit-identical to a division, for
+  // normal, subnormal (results and inputs), signed-zero and huge values; the non-finite scan sees
+  // every lane of both loop variants (default and AVX2, when the CPU has it).
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    torch::manual_seed(7);
+    const double tiny = dtype == torch::kFloat ? 1e-38 : 1e-307;
+    auto x = torch::cat({torch::randn({5000}, torch::kDouble).to(dtype),
+                         (torch::randn({3000}, torch::kDouble) * tiny).to(dtype),  // subnormal results
+                         torch::tensor({0.0, -0.0, tiny / 4, -tiny / 3}, torch::kDouble).to(dtype),
+                         (torch::randn({1000}, torch::kDouble) * (dtype == torch::kFloat ? 1e37 : 1e307)).to(dtype)});
+    for (double d : {2.0, 4.0, 8.0, 1024.0, 0x1p40, 0x1p62}) {
+      CHECK(loom::detail::is_power_of_two_divisor(d));
+      auto t = x.clone();
+      CHECK_FALSE(loom::detail::scale_and_check(t, d, /*divide=*/true, /*check=*/true));
+      const auto ref = x / d;
+      CHECK(torch::equal(t, ref));
+      CHECK(torch::equal(torch::signbit(t), torch::signbit(ref)));
+    }
+  }
+  for (double d : {0.0, 0.5, 3.0, 6.0, 0x1p63, std::numeric_limits<double>::infinity()})
+    CHECK_FALSE(loom::detail::is_power_of_two_divisor(d));
+  {
+    std::vector<float> v(64 * 3 + 5, 1.0f);
+    for (std::size_t lane = 0; lane < v.size(); ++lane) {
+      auto w = v;
+      w[lane] = std::numeric_limits<float>::infinity();
+      CHECK(loom::detail::scale_block_loop_default<float, true>(w.data(), static_cast<std::int64_t>(w.size()), 3.0f));
+      w = v;
+      CHECK_FALSE(
+          loom::detail::scale_block_loop_default<float, false>(w.data(), static_cast<std::int64_t>(w.size()), 0.5f));
+      CHECK(w[lane] == 0.5f);
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+      if (loom::detail::cpu_has_avx2()) {
+        w = v;
+        w[lane] = std::numeric_limits<float>::quiet_NaN();
+        CHECK(loom::detail::scale_block_loop_avx2<float, true>(w.data(), static_cast<std::int64_t>(w.size()), 3.0f));
+        CHECK(w[0 == lane ? 1 : 0] == 1.0f / 3.0f);
+      }
+#endif
+    }
+  }
   // A finite value that overflows when scaled is reported too (the step must be skipped).
   auto big = torch::full({10}, 3e38f);
   CHECK(loom::detail::scale_and_check(big, 10.0, false, true));

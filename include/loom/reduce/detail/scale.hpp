@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -21,33 +22,67 @@ namespace loom::detail {
 /// Scales a tensor in place (divides by `value` when `divide`, else multiplies) and, when `check`,
 /// returns whether any result is inf or NaN — in one pass over contiguous CPU float32/float64 memory
 /// (blocks of 64 elements the compiler vectorizes; non-finite = all exponent bits set), otherwise
-/// with ATen ops (then the verdict is read to the host: use it outside hot paths only). Division is
-/// kept (not a reciprocal multiply) so a mean is exactly rounded.
+/// with ATen ops (then the verdict is read to the host: use it outside hot paths only). Division by
+/// a power of two is done as a multiplication by its reciprocal, which is exact (x / 2^k and
+/// x * 2^-k round the same real number, subnormal results included); any other divisor is divided
+/// by (not a reciprocal multiply), so a mean is exactly rounded.
 template <class T, bool Divide>
-bool scale_block_loop(T* p, std::int64_t n, T value, bool check) {
+[[gnu::always_inline]] inline bool scale_block_loop_body(T* p, std::int64_t n, T value) {
   using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
   constexpr Bits kExponent = static_cast<Bits>(sizeof(T) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
   constexpr std::int64_t kBlock = 64;
-  Bits acc[kBlock] = {};
+  Bits acc[kBlock] = {};  // lane j: all ones once a non-finite value was seen in lane j
   std::int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
     T* q = p + i;
     for (std::int64_t j = 0; j < kBlock; ++j) {
       const T y = Divide ? q[j] / value : q[j] * value;
       q[j] = y;
-      const Bits e = std::bit_cast<Bits>(y) & kExponent;
-      acc[j] = acc[j] > e ? acc[j] : e;
+      acc[j] |= (std::bit_cast<Bits>(y) & kExponent) == kExponent ? ~Bits{0} : Bits{0};
     }
   }
-  Bits worst = 0;
+  Bits bad = 0;
   for (; i < n; ++i) {
     const T y = Divide ? p[i] / value : p[i] * value;
     p[i] = y;
-    const Bits e = std::bit_cast<Bits>(y) & kExponent;
-    worst = worst > e ? worst : e;
+    bad |= (std::bit_cast<Bits>(y) & kExponent) == kExponent ? ~Bits{0} : Bits{0};
   }
-  for (std::int64_t j = 0; j < kBlock; ++j) worst = worst > acc[j] ? worst : acc[j];
-  return check && worst == kExponent;
+  for (std::int64_t j = 0; j < kBlock; ++j) bad |= acc[j];
+  return bad != 0;
+}
+
+template <class T, bool Divide>
+bool scale_block_loop_default(T* p, std::int64_t n, T value) {
+  return scale_block_loop_body<T, Divide>(p, n, value);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The same loop compiled for AVX2 (8 float32 lanes instead of SSE2's 4), taken when the CPU has
+// it: ATen's own kernels dispatch the same way, whatever the flags the user's program is built with.
+template <class T, bool Divide>
+[[gnu::target("avx2")]] bool scale_block_loop_avx2(T* p, std::int64_t n, T value) {
+  return scale_block_loop_body<T, Divide>(p, n, value);
+}
+inline bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") != 0;
+  return has;
+}
+#endif
+
+/// The loop over n elements at p; returns whether a result is inf or NaN.
+template <class T, bool Divide>
+bool scale_block_loop(T* p, std::int64_t n, T value) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (cpu_has_avx2()) return scale_block_loop_avx2<T, Divide>(p, n, value);
+#endif
+  return scale_block_loop_default<T, Divide>(p, n, value);
+}
+
+/// True when `value` is 2^k for an integer 0 <= k <= 62 (so dividing by it equals multiplying by
+/// 1 / value, a normal number in float32 and float64).
+inline bool is_power_of_two_divisor(double value) {
+  int exponent = 0;
+  return value >= 1.0 && value <= 0x1p62 && std::frexp(value, &exponent) == 0.5;
 }
 
 /// Whether scale_and_check_span takes the one-pass CPU path for `t`.
@@ -61,15 +96,19 @@ inline bool scale_and_check_span(at::Tensor& flat, std::int64_t offset, std::int
                                  bool check) {
   if (divide && value == 1.0) divide = false;
   if (has_fused_scan(flat)) {
+    if (divide && is_power_of_two_divisor(value)) {  // exact: see scale_block_loop_body
+      value = 1.0 / value;
+      divide = false;
+    }
     if (!divide && value == 1.0 && !check) return false;
     std::atomic<bool> bad{false};
     AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "loom_scale_and_check", [&] {
       scalar_t* p = flat.data_ptr<scalar_t>() + offset;
       const auto v = static_cast<scalar_t>(value);
       at::parallel_for(0, numel, std::int64_t{1} << 18, [&](std::int64_t begin, std::int64_t end) {
-        const bool found = divide ? scale_block_loop<scalar_t, true>(p + begin, end - begin, v, check)
-                                  : scale_block_loop<scalar_t, false>(p + begin, end - begin, v, check);
-        if (found) bad.store(true, std::memory_order_relaxed);
+        const bool found = divide ? scale_block_loop<scalar_t, true>(p + begin, end - begin, v)
+                                  : scale_block_loop<scalar_t, false>(p + begin, end - begin, v);
+        if (check && found) bad.store(true, std::memory_order_relaxed);
       });
     });
     return bad.load();
