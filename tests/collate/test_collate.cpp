@@ -538,6 +538,8 @@ TEST_CASE("BufferPool::acquire_block: the buffer is busy while the block or a te
     // The block's bytes bound what can be carved from it.
     CHECK_THROWS_WITH_AS(loom::detail::carve(third, 64, at::kFloat, {10}),
                          doctest::Contains("40 bytes of Float at byte 64 of a 100-byte buffer"), loom::Error);
+    CHECK_THROWS_WITH_AS(loom::detail::carve(loom::detail::ByteBlock{}, 0, at::kFloat, {0}),
+                         doctest::Contains("empty ByteBlock"), loom::Error);
   }
   // Everything dropped: the smallest free buffer that fits is reused.
   const loom::detail::ByteBlock again = pool.acquire_block(100);

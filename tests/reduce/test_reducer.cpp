@@ -516,7 +516,8 @@ TEST_CASE("detail::scale_and_check: the one-pass average and inf/NaN scan matche
     const double tiny = dtype == torch::kFloat ? 1e-38 : 1e-307;
     auto x = torch::cat({torch::randn({5000}, torch::kDouble).to(dtype),
                          (torch::randn({3000}, torch::kDouble) * tiny).to(dtype),  // subnormal results
-                         torch::tensor({0.0, -0.0, tiny / 4, -tiny / 3}, torch::kDouble).to(dtype),
+                         torch::tensor({0.0, -0.0, tiny / 64, -tiny / 48}, torch::kDouble).to(dtype),  // subnormal
+                         torch::randn({300001}, torch::kDouble).to(dtype),  // several parallel_for chunks of 2^18
                          (torch::randn({1000}, torch::kDouble) * (dtype == torch::kFloat ? 1e37 : 1e307)).to(dtype)});
     for (double d : {2.0, 4.0, 8.0, 1024.0, 0x1p40, 0x1p62}) {
       CHECK(loom::detail::is_power_of_two_divisor(d));
@@ -525,6 +526,21 @@ TEST_CASE("detail::scale_and_check: the one-pass average and inf/NaN scan matche
       const auto ref = x / d;
       CHECK(torch::equal(t, ref));
       CHECK(torch::equal(torch::signbit(t), torch::signbit(ref)));
+    }
+    // Non-finite inputs on the reciprocal path: reported when checked, not when not; results as
+    // a division gives them (inf stays inf, NaN stays NaN).
+    for (bool check : {true, false}) {
+      auto u = x.clone();
+      u[7] = std::numeric_limits<double>::infinity();
+      u[300000] = std::numeric_limits<double>::quiet_NaN();
+      CHECK(loom::detail::scale_and_check(u, 4.0, /*divide=*/true, check) == check);
+      CHECK(std::isinf(u[7].item<double>()));
+      CHECK(std::isnan(u[300000].item<double>()));
+      u[300000] = 0.0;
+      auto want = x / 4.0;
+      want[7] = std::numeric_limits<double>::infinity();
+      want[300000] = 0.0;
+      CHECK(torch::equal(u, want));
     }
   }
   for (double d : {0.0, 0.5, 3.0, 6.0, 0x1p63, std::numeric_limits<double>::infinity()})

@@ -64,6 +64,8 @@ struct ByteBlock {
 
 /// The ByteBlock of a contiguous 1-D uint8 tensor.
 inline ByteBlock byte_block(const at::Tensor& block) {
+  LOOM_ASSERT(block.defined() && block.dim() == 1 && block.scalar_type() == at::kByte && block.is_contiguous(),
+              "a batch buffer is a contiguous 1-D uint8 tensor");
   return {.storage = block.storage(), .offset = block.storage_offset(), .bytes = block.numel()};
 }
 
@@ -79,6 +81,7 @@ inline at::Tensor carve(const ByteBlock& block, int64_t offset_bytes, c10::Scala
   const auto item = static_cast<int64_t>(c10::elementSize(dtype));
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
+  if (!block.storage) throw Error("batch storage: carve from an empty ByteBlock (no storage)");
   const int64_t start = block.offset + offset_bytes;
   if (start % item != 0 || offset_bytes < 0 || offset_bytes + numel * item > block.bytes)
     throw Error(

@@ -10,9 +10,9 @@
 // The views are lazy and single-pass: each step pulls samples from the input only until a batch
 // closes, and the end of the input flushes the partial buckets. They accept single-pass input
 // ranges (generators, istream views) and never read an input element twice (for in-memory ranges
-// of samples held by reference, they look ahead at the next two elements' tensor metadata only to
-// prefetch it; see State::prefetch_next). Iterating a view a
-// second time is not supported (begin() may be called once). The batches are the same, in the
+// of samples held by reference, they look up to three elements ahead, at their tensor metadata
+// and the first bytes of the next one's data, only to prefetch them; see State::prefetch_next).
+// Iterating a view a second time is not supported (begin() may be called once). The batches are the same, in the
 // same order, as a BucketCollator given the same samples would emit (they are built by one).
 //
 // Throws: as BucketCollator (collator.hpp), from begin() and from ++; an empty input range throws
@@ -75,11 +75,11 @@ class BucketView : public ranges::view_base {
     // its data, before its copy can stream. The view works three samples ahead, one step of the
     // chain each: while sample i is copied it prefetches the TensorImpl (first four cache lines) of
     // sample i+3, the StorageImpl of sample i+2 (through the TensorImpl prefetched one sample
-    // earlier) and the first eight cache lines of sample i+1's data (through its StorageImpl,
-    // prefetched one sample earlier), so every load of the chain has a whole sample's copy to
-    // arrive in (bench_collate's collate_mixed and sweep; the figures are in docs/benchmarks.md,
-    // "Collation"). Never used for ranges that compute their elements (that would compute them
-    // twice).
+    // earlier) and the first eight cache lines of sample i+1's data (CPU samples; through its
+    // StorageImpl, prefetched one sample earlier), so every load of the chain has a whole
+    // sample's copy to arrive in (bench_collate's collate_mixed and sweep; the figures are in
+    // docs/benchmarks.md, "Collation"). Never used for ranges that compute their elements (that
+    // would compute them twice).
     static constexpr bool kPrefetch = ranges::forward_range<V> &&
                                       std::is_lvalue_reference_v<ranges::range_reference_t<V>> &&
                                       std::is_reference_v<decltype(std::declval<const Projection&>().data(
@@ -96,12 +96,17 @@ class BucketView : public ranges::view_base {
       if constexpr (kPrefetch) {
         auto next = ranges::next(it);
         if (next == end) return;
-        {
-          const c10::TensorImpl* impl = proj.data(*next).unsafeGetTensorImpl();
+        if (const c10::TensorImpl* impl = proj.data(*next).unsafeGetTensorImpl();
+            impl->device_type() == c10::DeviceType::CPU) {
           if (const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl(); storage != nullptr) {
-            const char* data = static_cast<const char*>(storage->data_ptr().get());
-            if (data != nullptr)
-              prefetch_lines(data + impl->storage_offset() * static_cast<int64_t>(impl->dtype().itemsize()), 8);
+            // A storage whose data may not be read (LibTorch 2.x throws from data_ptr()) is not
+            // prefetched: the sample's own copy reports that error, at its own push.
+            try {
+              const char* data = static_cast<const char*>(storage->data_ptr().get());
+              if (data != nullptr)
+                prefetch_lines(data + impl->storage_offset() * static_cast<int64_t>(impl->dtype().itemsize()), 8);
+            } catch (...) {  // NOLINT(bugprone-empty-catch): only a prefetch is lost
+            }
           }
         }
         if (++next == end) return;

@@ -19,13 +19,9 @@
 
 namespace loom::detail {
 
-/// Scales a tensor in place (divides by `value` when `divide`, else multiplies) and, when `check`,
-/// returns whether any result is inf or NaN — in one pass over contiguous CPU float32/float64 memory
-/// (blocks of 64 elements the compiler vectorizes; non-finite = all exponent bits set), otherwise
-/// with ATen ops (then the verdict is read to the host: use it outside hot paths only). Division by
-/// a power of two is done as a multiplication by its reciprocal, which is exact (x / 2^k and
-/// x * 2^-k round the same real number, subnormal results included); any other divisor is divided
-/// by (not a reciprocal multiply), so a mean is exactly rounded.
+/// The fused loop over n elements at p: each becomes p[i] / value (Divide) or p[i] * value, and
+/// the result says whether any of them is inf or NaN (all exponent bits set). Blocks of 64
+/// elements the compiler vectorizes, one mask lane per element of a block.
 template <class T, bool Divide>
 [[gnu::always_inline]] inline bool scale_block_loop_body(T* p, std::int64_t n, T value) {
   using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
@@ -56,9 +52,10 @@ bool scale_block_loop_default(T* p, std::int64_t n, T value) {
   return scale_block_loop_body<T, Divide>(p, n, value);
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-// The same loop compiled for AVX2 (8 float32 lanes instead of SSE2's 4), taken when the CPU has
-// it: ATen's own kernels dispatch the same way, whatever the flags the user's program is built with.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
+// The same loop compiled for AVX2 (8 float32 lanes instead of baseline x86-64's 4), taken when
+// the CPU has it, as ATen's own kernels dispatch: a program built for baseline x86-64 still gets
+// AVX2 here (one built with -mavx2 has it in both variants).
 template <class T, bool Divide>
 [[gnu::target("avx2")]] bool scale_block_loop_avx2(T* p, std::int64_t n, T value) {
   return scale_block_loop_body<T, Divide>(p, n, value);
@@ -72,7 +69,7 @@ inline bool cpu_has_avx2() {
 /// The loop over n elements at p; returns whether a result is inf or NaN.
 template <class T, bool Divide>
 bool scale_block_loop(T* p, std::int64_t n, T value) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
   if (cpu_has_avx2()) return scale_block_loop_avx2<T, Divide>(p, n, value);
 #endif
   return scale_block_loop_default<T, Divide>(p, n, value);
@@ -90,8 +87,13 @@ inline bool has_fused_scan(const at::Tensor& t) {
   return t.is_cpu() && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
 }
 
-/// scale_and_check on elements [offset, offset + numel) of a 1-D tensor, without making a view
-/// when the memory is CPU float32/float64.
+/// scale_and_check on elements [offset, offset + numel) of a 1-D tensor: scales them in place
+/// (divides by `value` when `divide`, else multiplies) and, when `check`, returns whether any
+/// result is inf or NaN. Contiguous CPU float32/float64 memory takes one pass (scale_block_loop,
+/// no view made); other tensors ATen ops (then the verdict is read to the host: use it outside
+/// hot paths only). Division by a power of two is done as a multiplication by its reciprocal,
+/// which is exact (x / 2^k and x * 2^-k round the same real number, subnormal results included);
+/// any other divisor is divided by (not a reciprocal multiply), so a mean is exactly rounded.
 inline bool scale_and_check_span(at::Tensor& flat, std::int64_t offset, std::int64_t numel, double value, bool divide,
                                  bool check) {
   if (divide && value == 1.0) divide = false;
