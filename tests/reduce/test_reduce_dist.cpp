@@ -1,8 +1,10 @@
 // loom::Reducer + loom::Accumulator over real processes (Gloo on loopback): exactness against the
 // float64 single-process reference, generators, join of uneven ranks, construction-time check and
 // broadcast, frozen parameters, clipping, TorchScript twin, rebuild agreement, wire compression.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -384,6 +386,52 @@ def forward(self, x, y):
         REQUIRE(worst <= bound);
       }
     });
+  }
+
+  TEST_CASE(
+      "average by world size on 2 and 4 ranks (divided before the all-reduce): the bits of the sum divided after it; "
+      "a sum beyond float32's range whose mean is finite is averaged; inf/NaN on one rank is reported on every rank") {
+    for (int world : {2, 4}) {
+      run_ranks(world, [world](loom::GlooCommunicator& comm) {
+        const int rank = comm.rank();
+        constexpr std::int64_t n = 300001;  // several of the loop's blocks, and a tail
+        // Rank r's gradient for window kind `k`, the same function on every rank (so each rank can
+        // compute the reference from all ranks' gradients).
+        auto gradient = [](int r, int k) {
+          torch::manual_seed(1000 * k + r);
+          if (k == 0) return torch::randn({n});  // any float32: for 2 ranks (a + b) / 2 has one rounding
+          if (k == 1)
+            return torch::randint(-1024, 1024, {n}).to(torch::kFloat).mul(std::ldexp(1.0, -10));  // exact sums
+          return torch::full({n}, 1.5f * std::ldexp(1.0f, 127));  // the sum of 2 or 4 overflows, the mean is finite
+        };
+        auto w = torch::zeros({n}).requires_grad_();
+        loom::Reducer reducer(comm, {.params = {w}}, {.average = loom::Average::world_size});
+        for (int k = 0; k < 3; ++k) {
+          if (k == 0 && world != 2) continue;
+          reducer.prepare_backward({.sync = true, .window_samples = 1});
+          (w * gradient(rank, k)).sum().backward();
+          const loom::Reduction r = reducer.finish_window();
+          REQUIRE_FALSE(r.non_finite);
+          // The reference: the ranks' sum in float64 (exact for k = 1 and 2; for k = 0 on 2 ranks
+          // a + b rounded once to float32, as Gloo's float32 sum does), then divided.
+          at::Tensor sum = torch::zeros({n}, torch::kDouble);
+          for (int q = 0; q < world; ++q) sum += gradient(q, k).to(torch::kDouble);
+          const at::Tensor want = k == 0 ? (gradient(0, 0) + gradient(1, 0)) / 2 : (sum / world).to(torch::kFloat);
+          REQUIRE(torch::equal(w.grad(), want));
+          w.mutable_grad().zero_();
+        }
+        // inf on the last rank and NaN on rank 0 in other windows: every rank skips, gradient zero.
+        for (float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+          reducer.prepare_backward({.sync = true, .window_samples = 1});
+          auto g = torch::ones({n});
+          if (rank == (std::isnan(bad) ? 0 : world - 1)) g[n - 1] = bad;
+          (w * g).sum().backward();
+          const loom::Reduction r = reducer.finish_window();
+          REQUIRE(r.non_finite);
+          REQUIRE(torch::equal(w.grad(), torch::zeros({n})));
+        }
+      });
+    }
   }
 
 }  // TEST_SUITE

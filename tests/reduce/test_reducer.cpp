@@ -110,12 +110,14 @@ TEST_CASE("Reducer: no collective before the boundary; at the boundary one all-r
   // All four buckets were launched by the hooks, during backward, in bucket order. The first also
   // carries the window meta as float32 limbs of 24 bits on one rank: samples 3 limbs, final 1,
   // leaving 1, loss divisor 1, its square 2, vote 1, fingerprint 1, its square 2, has one 1 = 13.
+  // Each ends with its range flag (a CPU float32 bucket): 1.
   REQUIRE(comm.calls().size() == 4);
-  const std::vector<std::int64_t> numels = {loom::test::kOut + 1 + 13, loom::test::kOut * loom::test::kHidden + 1,
-                                            loom::test::kHidden + 1, loom::test::kHidden * loom::test::kIn + 1};
+  const std::vector<std::int64_t> numels = {loom::test::kOut + 1 + 13 + 1,
+                                            loom::test::kOut * loom::test::kHidden + 1 + 1, loom::test::kHidden + 1 + 1,
+                                            loom::test::kHidden * loom::test::kIn + 1 + 1};
   for (std::size_t k = 0; k < 4; ++k) {
     CHECK(comm.calls()[k].name == "all_reduce_async");
-    CHECK(comm.calls()[k].numel == numels[k]);  // gradient elements + one used-flag (+ the meta's limbs)
+    CHECK(comm.calls()[k].numel == numels[k]);  // gradient elements + one used-flag (+ the meta's limbs) + range flag
     CHECK((comm.calls()[k].dtype == torch::kFloat));
   }
   auto step = mb2.finish();
@@ -188,8 +190,9 @@ TEST_CASE("Reducer: a final flush with nothing anywhere leaves every gradient as
     CHECK_FALSE(r.reduced);
     REQUIRE(comm.calls().size() == 2);  // the first bucket, and its wait
     CHECK(comm.calls()[0].name == "all_reduce_async");
-    CHECK(comm.calls()[0].numel == loom::test::kOut + loom::test::kOut * loom::test::kHidden + 2 +
-                                       (c.wire ? 22 : 13));  // gradients + 2 used-flags + the meta's limbs
+    CHECK(comm.calls()[0].numel == loom::test::kOut + loom::test::kOut * loom::test::kHidden + 2 + (c.wire ? 22 : 13) +
+                                       (!c.wire && c.dtype == at::kFloat ? 1 : 0));  // gradients + 2 used-flags +
+    // the meta's limbs (+ the range flag of a bucket neither compressed nor float32-accumulated)
     CHECK(comm.calls()[1].name == "wait");
     for (std::size_t k = 0; k < model.params.size(); ++k) {
       INFO("parameter ", k);
@@ -414,6 +417,42 @@ TEST_CASE("Reducer: inf or NaN in a gradient reports non_finite and zeroes the w
   auto r = reducer.finish_window();
   CHECK(r.non_finite);
   CHECK(torch::equal(w.grad(), torch::zeros({2})));
+}
+
+TEST_CASE("Reducer: averaging by world size or not at all on 1 rank (checked before the all-reduce)") {
+  // The bucket is checked when it is launched (WindowAverage::pre_divide) and no pass follows the
+  // all-reduce: a finite gradient is left as it is, an inf or NaN one is reported and zeroed.
+  for (auto average : {loom::Average::world_size, loom::Average::none}) {
+    CAPTURE(static_cast<int>(average));
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      auto w = torch::zeros({1000}, dtype).requires_grad_();
+      loom::LocalCommunicator comm;
+      loom::Reducer reducer(comm, {.params = {w}}, {.average = average});
+      const auto g = torch::linspace(-3e30, 3e30, 1000, dtype);
+      reducer.prepare_backward({.sync = true, .window_samples = 7});
+      (w * g).sum().backward();
+      auto r = reducer.finish_window();
+      CHECK_FALSE(r.non_finite);
+      CHECK(torch::equal(w.grad(), g));
+      for (double bad : {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+        w.mutable_grad().zero_();
+        auto b = g.clone();
+        b[999] = bad;
+        reducer.prepare_backward({.sync = true, .window_samples = 7});
+        (w * b).sum().backward();
+        r = reducer.finish_window();
+        CHECK(r.non_finite);
+        CHECK(torch::equal(w.grad(), torch::zeros({1000}, dtype)));
+      }
+      // With a loss scale the rest of the factor is applied after the all-reduce: 1 / 4 here.
+      w.mutable_grad().zero_();
+      reducer.prepare_backward({.sync = true, .window_samples = 7, .grad_scale = 0.25});
+      (w * g).sum().backward();
+      r = reducer.finish_window();
+      CHECK_FALSE(r.non_finite);
+      CHECK(torch::equal(w.grad(), g * 0.25));
+    }
+  }
 }
 
 TEST_CASE("Reducer: misuse throws loom errors naming the value") {

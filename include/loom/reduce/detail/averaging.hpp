@@ -1,16 +1,22 @@
 // loom/reduce/detail/averaging.hpp — how a reduced bucket becomes the average: the window's factor
-// (divisor by ReducerOptions::average, the voters' loss divisor multiplied back, the loss scale) and
-// its one pass over a bucket, which also scans the result for inf/NaN.
+// (divisor by ReducerOptions::average, the voters' loss divisor multiplied back, the loss scale),
+// the division before the all-reduce when part of the divisor is known then, and the one pass over a
+// reduced bucket, which also scans the result for inf/NaN.
 //
 // Units: the divisor is a sample count, the world size or 1, times n / sum d over the loss-divisor
 //        voters (see window_summary.hpp); grad_scale is 1 / loss scale.
-// Source: DDP divides each bucket by the world size before its all-reduce; loom divides after it,
-//         by a count only known once the window meta is summed (it comes back with the first
-//         bucket), so a hook never waits for it.
+// Source: DDP divides each bucket by the world size before its all-reduce. loom does the same when
+//         the average is by world size and the world size is a power of two (dividing before the
+//         sum then gives the bits of dividing after it, unless a quotient is subnormal), on CPU
+//         float32/float64 buckets, and carries a range flag in the bucket so that no pass over the
+//         reduced bucket is needed when nothing is left to multiply; any other divisor (a sample
+//         count is only known once the window meta is summed, and comes back with the first
+//         bucket) is applied after the all-reduce, so a hook never waits for it.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -35,7 +41,36 @@ class WindowAverage {
     world_size_ = world_size;
     grad_scale_ = grad_scale;
     divide_ = grad_scale == 1.0;
+    pre_divisor_ = average == Average::world_size && is_power_of_two_divisor(static_cast<double>(world_size))
+                       ? static_cast<double>(world_size)
+                   : average == Average::none ? 1.0
+                                              : 0.0;
     factors_.clear();
+  }
+
+  /// The divisor a bucket with a range flag is divided by before its all-reduce this window: the
+  /// world size when averaging by it and it is a power of two (the division is exact, see the file
+  /// comment), 1 when not averaging; 0 (no division before) otherwise. The same on every rank of
+  /// a program (it depends on the options and the world size only), as the sum requires.
+  [[nodiscard]] double pre_divisor() const { return pre_divisor_; }
+
+  /// Called when bucket `b` is launched, before its all-reduce (floating mode): a bucket with a
+  /// range flag is divided by pre_divisor() in place when that is not 0, and its range flag set to
+  /// 1 when `check` and a quotient is inf, NaN or above (largest finite value) / (2 x world size),
+  /// else 0. Below that bound the sum of the ranks' quotients cannot overflow, so a zero summed flag
+  /// says the reduced bucket is finite without reading it.
+  void pre_divide(GradBucket& b, bool check) {
+    b.pre_divided = pre_divisor_ > 0 && b.range_flag.defined();
+    if (!b.range_flag.defined()) return;
+    bool beyond = false;
+    if (b.pre_divided) {
+      const double largest = b.flat.scalar_type() == at::kFloat ? static_cast<double>(std::numeric_limits<float>::max())
+                                                                : std::numeric_limits<double>::max();
+      beyond = scale_span_fused(b.flat, 0, b.head.numel(), pre_divisor_, /*divide=*/true, check,
+                                largest / (2.0 * world_size_));
+    }
+    AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_range_flag",
+                               [&] { *b.range_flag.data_ptr<scalar_t>() = beyond ? scalar_t(1) : scalar_t(0); });
   }
 
   /// Turns bucket `b`'s all-reduced sum into the average and scans the result for inf/NaN (`check`)
@@ -51,6 +86,15 @@ class WindowAverage {
         at::mul_out(b.head, b.wire_head, at::full({1}, value, b.head.options()));
         value = 1.0;
         divide = false;
+      }
+      if (b.pre_divided) {
+        // Divided by pre_divisor() before the sum: what is left of the factor is exact (a power of
+        // two apart). Nothing left and no rank flagged a value: the bucket is the average and finite.
+        value = divide ? value / pre_divisor_ : value * pre_divisor_;
+        if (value == 1.0 && !(check && range_flagged(b))) {
+          b.bad_host = false;
+          return;
+        }
       }
       if (has_fused_scan(b.flat)) {
         b.bad_host = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide, check);
@@ -71,7 +115,10 @@ class WindowAverage {
       at::mul_out(b.head, b.wire_head, device_factor(meta, b.head, /*post_wire=*/true));
     } else {
       const at::Tensor& f = device_factor(meta, b.head, /*post_wire=*/false);
-      if (divide_)
+      if (b.pre_divided)  // a CPU bucket with the window meta on a device: the rest of the factor
+        b.head.mul_(divide_ ? f.reciprocal().mul(pre_divisor_).to(b.head.device())
+                            : f.mul(pre_divisor_).to(b.head.device()));
+      else if (divide_)
         b.head.div_(f);
       else
         b.head.mul_(f);
@@ -125,10 +172,19 @@ class WindowAverage {
     return factors_.back().value;
   }
 
+  /// Whether some rank set bucket `b`'s range flag (its summed value, read on the host).
+  static bool range_flagged(const GradBucket& b) {
+    bool flagged = false;
+    AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_range_flagged",
+                               [&] { flagged = *b.range_flag.data_ptr<scalar_t>() != scalar_t(0); });
+    return flagged;
+  }
+
   Average average_ = Average::samples;
   int world_size_ = 1;
   double grad_scale_ = 1.0;
   bool divide_ = true;           // divide by the divisor (exact) rather than multiply by grad_scale / divisor
+  double pre_divisor_ = 0.0;     // see pre_divisor()
   std::vector<Factor> factors_;  // this window's device factors
 };
 

@@ -2,8 +2,9 @@
 // parameters' gradients, per-gradient bookkeeping, and the allocation of buckets for an order.
 //
 // Shape: a bucket's `flat` is [gradients | one used-flag per gradient | the window meta's limbs
-//        (window_meta.hpp; the first bucket only, floating mode)], one dtype and device; each slot is
-//        a tensor sharing `flat`'s storage with its parameter's shape.
+//        (window_meta.hpp; the first bucket only, floating mode) | the range flag (floating mode, CPU
+//        float32/float64 buckets that are neither compressed nor float32-accumulated)], one dtype and
+//        device; each slot is a tensor sharing `flat`'s storage with its parameter's shape.
 //        A float32-accumulated bucket (`main`) holds float16/bfloat16 parameters' gradients in float32.
 #pragma once
 
@@ -76,7 +77,8 @@ struct GradSlot {
 
 /// One flat bucket: the unit of an all-reduce.
 struct GradBucket {
-  at::Tensor flat;    // [head: the gradients | tail: one used-flag per gradient | meta: the window meta's limbs]
+  at::Tensor flat;    // [head: the gradients | tail: one used-flag per gradient | meta: the window meta's limbs |
+                      //  range_flag]
   bool main = false;  // float32 slots for 16-bit parameters: .grad() is moved into the slot, never a view of it
   c10::ScalarType param_dtype = c10::ScalarType::Float;  // the dtype of the bucket's parameters
   at::Tensor head;
@@ -84,13 +86,17 @@ struct GradBucket {
   at::Tensor wire;  // compressed copy of flat (wire_dtype), or undefined
   at::Tensor wire_head;
   at::Tensor wire_tail;
-  int meta_bits = 0;      // bits per limb of the window meta carried after the used-flags (0: not carried)
-  at::Tensor meta;        // the limbs: MetaLimbs::count(meta_bits) elements of flat, or of wire when compressed
-  at::Tensor wire_div;    // float32 [1]: the world size, the pre-division of a compressed bucket
-  at::Tensor bad;         // float32 [1] on the bucket's device: inf/NaN in the reduced bucket (device path)
-  bool bad_host = false;  // the same verdict, computed on the host (CPU path)
-  at::Tensor flags_host;  // pinned staging for the used-flags (and the meta's limbs) of a bucket on a GPU
-  at::Tensor qflat;       // deterministic mode: int64 [gradients on the grid | GridTail], else undefined
+  int meta_bits = 0;         // bits per limb of the window meta carried after the used-flags (0: not carried)
+  at::Tensor meta;           // the limbs: MetaLimbs::count(meta_bits) elements of flat, or of wire when compressed
+  at::Tensor wire_div;       // float32 [1]: the world size, the pre-division of a compressed bucket
+  at::Tensor range_flag;     // the last element of flat, or undefined: when the bucket was divided before its
+                             // all-reduce (WindowAverage::pre_divisor), 1 on a rank that sent a value that is inf,
+                             // NaN or large enough that the sum might overflow, else 0; summed with the bucket
+  bool pre_divided = false;  // this window's all-reduce carried gradients already divided by the pre-divisor
+  at::Tensor bad;            // float32 [1] on the bucket's device: inf/NaN in the reduced bucket (device path)
+  bool bad_host = false;     // the same verdict, computed on the host (CPU path)
+  at::Tensor flags_host;     // pinned staging for the used-flags (and the meta's limbs) of a bucket on a GPU
+  at::Tensor qflat;          // deterministic mode: int64 [gradients on the grid | GridTail], else undefined
   at::Tensor qhead;
   at::Tensor qtail;
   at::Tensor qflags_host;  // deterministic mode, bucket on a GPU: pinned staging of [used n | contributions n]
@@ -173,10 +179,13 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
     const c10::ScalarType wire_dtype = compressed ? *options.wire_dtype : dtype;
     if (carry_meta && bi == 0 && !options.deterministic) b.meta_bits = MetaLimbs::bits(wire_dtype, world_size);
     const std::int64_t limbs = b.meta_bits > 0 ? MetaLimbs::count(b.meta_bits) : 0;
-    b.flat = at::zeros({total + n + limbs}, opts);
+    const bool ranged = !options.deterministic && !b.main && !compressed && first.is_cpu() &&
+                        (dtype == at::kFloat || dtype == at::kDouble);
+    b.flat = at::zeros({total + n + limbs + (ranged ? 1 : 0)}, opts);
     b.head = b.flat.narrow(0, 0, total);
     b.tail = b.flat.narrow(0, total, n);
     if (!compressed) b.meta = b.flat.narrow(0, total + n, limbs);
+    if (ranged) b.range_flag = b.flat.narrow(0, total + n + limbs, 1);
     b.bad = at::zeros({1}, opts.dtype(at::kFloat));
     if (compressed) {
       b.wire = at::empty({total + n + limbs}, opts.dtype(*options.wire_dtype));

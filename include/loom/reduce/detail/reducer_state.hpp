@@ -450,9 +450,11 @@ class ReducerState {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
   }
 
-  /// Zeroes the slots of unused parameters, writes the used-flags and starts the bucket's all-reduce
-  /// at once: the sum is divided to the average after it comes back (average_bucket), so a hook
-  /// never waits for the window's count. Nothing here reads a value back to the host.
+  /// Zeroes the slots of unused parameters, divides the bucket by the part of the divisor known now
+  /// (WindowAverage::pre_divide: the world size, a power of two, when averaging by it), writes the
+  /// used-flags and starts the bucket's all-reduce at once: the rest of the divisor is applied after
+  /// it comes back (WindowAverage::apply), so a hook never waits for the window's count. Nothing here
+  /// reads a value back to the host.
   void launch(std::size_t bi) {
     auto& b = buckets_[bi];
     for (std::size_t k : b.slots) {
@@ -512,6 +514,7 @@ class ReducerState {
       b.launched = true;
       return;
     }
+    average_.pre_divide(b, options_.detect_non_finite);
     write_used_flags(b, slots_, &meta_row_);
     at::Tensor* target = &b.flat;
     if (b.wire.defined()) {

@@ -11,6 +11,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -19,37 +20,51 @@
 
 namespace loom::detail {
 
+/// The signed integer as wide as T. A float's bits with the sign bit cleared, read as this integer,
+/// order as the magnitudes do: +0 < subnormals < normals < inf < NaN.
+template <class T>
+using MagnitudeBits = std::conditional_t<sizeof(T) == 4, std::int32_t, std::int64_t>;
+
+/// The magnitude bits (see MagnitudeBits) of `bound`, a finite non-negative T: a value is beyond
+/// it when its magnitude bits are greater (inf and NaN always are).
+template <class T>
+MagnitudeBits<T> magnitude_limit(T bound) {
+  return std::bit_cast<MagnitudeBits<T>>(bound) & std::numeric_limits<MagnitudeBits<T>>::max();
+}
+
 /// The fused loop over n elements at p: each becomes p[i] / value (Divide) or p[i] * value, and
-/// the result says whether any of them is inf or NaN (all exponent bits set). Blocks of 64
-/// elements the compiler vectorizes, one mask lane per element of a block.
+/// the result says whether any of them has magnitude bits above `limit` (by default T's largest
+/// finite value: whether any result is inf or NaN). Blocks of 64 elements the compiler
+/// vectorizes, one mask lane per element of a block.
 template <class T, bool Divide>
-[[gnu::always_inline]] inline bool scale_block_loop_body(T* p, std::int64_t n, T value) {
-  using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
-  constexpr Bits kExponent = static_cast<Bits>(sizeof(T) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
+[[gnu::always_inline]] inline bool scale_block_loop_body(T* p, std::int64_t n, T value, MagnitudeBits<T> limit) {
+  using Bits = MagnitudeBits<T>;
+  constexpr Bits kMagnitude = std::numeric_limits<Bits>::max();  // every bit but the sign
   constexpr std::int64_t kBlock = 64;
-  Bits acc[kBlock] = {};  // lane j: all ones once a non-finite value was seen in lane j
+  Bits acc[kBlock] = {};  // lane j: all ones once a value beyond the limit was seen in lane j
   std::int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
     T* q = p + i;
     for (std::int64_t j = 0; j < kBlock; ++j) {
       const T y = Divide ? q[j] / value : q[j] * value;
       q[j] = y;
-      acc[j] |= (std::bit_cast<Bits>(y) & kExponent) == kExponent ? ~Bits{0} : Bits{0};
+      acc[j] |= (std::bit_cast<Bits>(y) & kMagnitude) > limit ? Bits{-1} : Bits{0};
     }
   }
   Bits bad = 0;
   for (; i < n; ++i) {
     const T y = Divide ? p[i] / value : p[i] * value;
     p[i] = y;
-    bad |= (std::bit_cast<Bits>(y) & kExponent) == kExponent ? ~Bits{0} : Bits{0};
+    bad |= (std::bit_cast<Bits>(y) & kMagnitude) > limit ? Bits{-1} : Bits{0};
   }
   for (std::int64_t j = 0; j < kBlock; ++j) bad |= acc[j];
   return bad != 0;
 }
 
 template <class T, bool Divide>
-bool scale_block_loop_default(T* p, std::int64_t n, T value) {
-  return scale_block_loop_body<T, Divide>(p, n, value);
+bool scale_block_loop_default(T* p, std::int64_t n, T value,
+                              MagnitudeBits<T> limit = magnitude_limit(std::numeric_limits<T>::max())) {
+  return scale_block_loop_body<T, Divide>(p, n, value, limit);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
@@ -57,8 +72,9 @@ bool scale_block_loop_default(T* p, std::int64_t n, T value) {
 // the CPU has it, as ATen's own kernels dispatch: a program built for baseline x86-64 still gets
 // AVX2 here (one built with -mavx2 has it in both variants).
 template <class T, bool Divide>
-[[gnu::target("avx2")]] bool scale_block_loop_avx2(T* p, std::int64_t n, T value) {
-  return scale_block_loop_body<T, Divide>(p, n, value);
+[[gnu::target("avx2")]] bool scale_block_loop_avx2(
+    T* p, std::int64_t n, T value, MagnitudeBits<T> limit = magnitude_limit(std::numeric_limits<T>::max())) {
+  return scale_block_loop_body<T, Divide>(p, n, value, limit);
 }
 inline bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") != 0;
@@ -66,13 +82,15 @@ inline bool cpu_has_avx2() {
 }
 #endif
 
-/// The loop over n elements at p; returns whether a result is inf or NaN.
+/// The loop over n elements at p; returns whether a result's magnitude bits exceed `limit` (by
+/// default: whether a result is inf or NaN).
 template <class T, bool Divide>
-bool scale_block_loop(T* p, std::int64_t n, T value) {
+bool scale_block_loop(T* p, std::int64_t n, T value,
+                      MagnitudeBits<T> limit = magnitude_limit(std::numeric_limits<T>::max())) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
-  if (cpu_has_avx2()) return scale_block_loop_avx2<T, Divide>(p, n, value);
+  if (cpu_has_avx2()) return scale_block_loop_avx2<T, Divide>(p, n, value, limit);
 #endif
-  return scale_block_loop_default<T, Divide>(p, n, value);
+  return scale_block_loop_default<T, Divide>(p, n, value, limit);
 }
 
 /// True when `value` is 2^k for an integer 0 <= k <= 62 (so dividing by it equals multiplying by
@@ -87,34 +105,46 @@ inline bool has_fused_scan(const at::Tensor& t) {
   return t.is_cpu() && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
 }
 
+/// The one-pass CPU loop over elements [offset, offset + numel) of a contiguous float32/float64
+/// 1-D tensor (has_fused_scan): scales them in place (divides by `value` when `divide`, else
+/// multiplies; a power-of-two divisor as a multiplication by its reciprocal, which is exact) and,
+/// when `check`, returns whether any result is inf, NaN or, when `bound` is finite, of magnitude
+/// above `bound` (rounded to the tensor's dtype).
+inline bool scale_span_fused(at::Tensor& flat, std::int64_t offset, std::int64_t numel, double value, bool divide,
+                             bool check, double bound) {
+  if (divide && value == 1.0) divide = false;
+  if (divide && is_power_of_two_divisor(value)) {  // exact: x / 2^k and x * 2^-k round the same real number
+    value = 1.0 / value;
+    divide = false;
+  }
+  if (!divide && value == 1.0 && !check) return false;
+  std::atomic<bool> bad{false};
+  AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "loom_scale_and_check", [&] {
+    scalar_t* p = flat.data_ptr<scalar_t>() + offset;
+    const auto v = static_cast<scalar_t>(value);
+    const auto limit =
+        magnitude_limit(std::isfinite(bound) ? static_cast<scalar_t>(bound) : std::numeric_limits<scalar_t>::max());
+    at::parallel_for(0, numel, std::int64_t{1} << 18, [&](std::int64_t begin, std::int64_t end) {
+      const bool found = divide ? scale_block_loop<scalar_t, true>(p + begin, end - begin, v, limit)
+                                : scale_block_loop<scalar_t, false>(p + begin, end - begin, v, limit);
+      if (check && found) bad.store(true, std::memory_order_relaxed);
+    });
+  });
+  return bad.load();
+}
+
 /// scale_and_check on elements [offset, offset + numel) of a 1-D tensor: scales them in place
 /// (divides by `value` when `divide`, else multiplies) and, when `check`, returns whether any
-/// result is inf or NaN. Contiguous CPU float32/float64 memory takes one pass (scale_block_loop,
+/// result is inf or NaN. Contiguous CPU float32/float64 memory takes one pass (scale_span_fused,
 /// no view made); other tensors ATen ops (then the verdict is read to the host: use it outside
 /// hot paths only). Division by a power of two is done as a multiplication by its reciprocal,
 /// which is exact (x / 2^k and x * 2^-k round the same real number, subnormal results included);
 /// any other divisor is divided by (not a reciprocal multiply), so a mean is exactly rounded.
 inline bool scale_and_check_span(at::Tensor& flat, std::int64_t offset, std::int64_t numel, double value, bool divide,
                                  bool check) {
+  if (has_fused_scan(flat))
+    return scale_span_fused(flat, offset, numel, value, divide, check, std::numeric_limits<double>::infinity());
   if (divide && value == 1.0) divide = false;
-  if (has_fused_scan(flat)) {
-    if (divide && is_power_of_two_divisor(value)) {  // exact: see scale_block_loop_body
-      value = 1.0 / value;
-      divide = false;
-    }
-    if (!divide && value == 1.0 && !check) return false;
-    std::atomic<bool> bad{false};
-    AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "loom_scale_and_check", [&] {
-      scalar_t* p = flat.data_ptr<scalar_t>() + offset;
-      const auto v = static_cast<scalar_t>(value);
-      at::parallel_for(0, numel, std::int64_t{1} << 18, [&](std::int64_t begin, std::int64_t end) {
-        const bool found = divide ? scale_block_loop<scalar_t, true>(p + begin, end - begin, v)
-                                  : scale_block_loop<scalar_t, false>(p + begin, end - begin, v);
-        if (check && found) bad.store(true, std::memory_order_relaxed);
-      });
-    });
-    return bad.load();
-  }
   auto t = (offset == 0 && numel == flat.numel()) ? flat : flat.narrow(0, offset, numel);
   if (divide)
     t.div_(value);
