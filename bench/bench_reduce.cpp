@@ -4,7 +4,8 @@
 //   elements, 102.2 MB; shapes listed below), gradients already computed:
 //     per_tensor   one blocking all-reduce (and divide) per gradient tensor: the naive loop
 //     flat         one all-reduce of one preallocated flat buffer of the same bytes: the limit
-//     loom         loom::Reducer (25 MiB buckets, 1 MiB first, averaging + inf/NaN scan) on
+//     loom         loom::Reducer (25 MiB buckets, 1 MiB first; average = world_size on 2 ranks: each
+//                  bucket divided with a range check before its all-reduce, see docs/reduce.md) on
 //                  gradients marked ready by hand (mark_all_ready), so only the reduction is timed
 //     loom_deterministic  the same with ReducerOptions::deterministic (grid sums on the int32
 //                  wire, int64 for a bucket that does not fit it; its wire_bytes counter: the

@@ -455,6 +455,75 @@ TEST_CASE("Reducer: averaging by world size or not at all on 1 rank (checked bef
   }
 }
 
+TEST_CASE("detail::scale_span_fused: the range bound flags values above it, inf and NaN of either sign, not -0") {
+  auto run = [](at::Tensor t, double bound) {
+    return loom::detail::scale_span_fused(t, 0, t.numel(), 2.0, /*divide=*/true, /*check=*/true, bound);
+  };
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    CAPTURE(dtype);
+    const double bound = dtype == torch::kFloat ? static_cast<double>(std::numeric_limits<float>::max()) / 8
+                                                : std::numeric_limits<double>::max() / 8;
+    const double above =
+        dtype == torch::kFloat
+            ? static_cast<double>(std::nextafter(static_cast<float>(bound), std::numeric_limits<float>::infinity()))
+            : std::nextafter(bound, std::numeric_limits<double>::infinity());
+    // Results (after the division by 2) at the bound, just above it, and the special values; each
+    // element in its own tensor of 131 (two loop blocks and a tail), at every 7th position.
+    auto filled = [&](double result, std::int64_t at) {
+      auto t = torch::ones({131}, dtype);
+      t[at] = result * 2;
+      return t;
+    };
+    for (std::int64_t at = 0; at < 131; at += 7) {
+      CHECK_FALSE(run(filled(bound, at), bound));
+      CHECK_FALSE(run(filled(-bound, at), bound));
+      CHECK(run(filled(above, at), bound));
+      CHECK(run(filled(-above, at), bound));
+      CHECK(run(filled(std::numeric_limits<double>::infinity(), at), bound));
+      CHECK(run(filled(-std::numeric_limits<double>::infinity(), at), bound));
+      CHECK(run(filled(std::numeric_limits<double>::quiet_NaN(), at), bound));
+      CHECK(run(filled(-std::numeric_limits<double>::quiet_NaN(), at), bound));
+      CHECK_FALSE(run(filled(-0.0, at), bound));
+      // No bound (infinite): only inf and NaN.
+      CHECK_FALSE(run(filled(above, at), std::numeric_limits<double>::infinity()));
+      CHECK(run(filled(-std::numeric_limits<double>::infinity(), at), std::numeric_limits<double>::infinity()));
+    }
+    auto t = torch::tensor({3.0, -5.0, 0.5}, dtype);
+    CHECK_FALSE(run(t, bound));
+    CHECK(torch::equal(t, torch::tensor({1.5, -2.5, 0.25}, dtype)));  // and the values were divided
+  }
+}
+
+TEST_CASE("Reducer: a value above the range bound on 1 rank is checked after the all-reduce and kept when finite") {
+  // World size 1, average = world_size: the bound is (largest finite) / 2. 0.75 x FLT_MAX is above
+  // it, so the rank sets the range flag and the reduced bucket is scanned: finite, left as it is.
+  auto w = torch::zeros({3}).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.params = {w}}, {.average = loom::Average::world_size});
+  const float big = 0.75f * std::numeric_limits<float>::max();
+  reducer.prepare_backward({.sync = true, .window_samples = 1});
+  (w * torch::tensor({big, -big, 1.0f})).sum().backward();
+  auto r = reducer.finish_window();
+  CHECK_FALSE(r.non_finite);
+  CHECK(torch::equal(w.grad(), torch::tensor({big, -big, 1.0f})));
+}
+
+TEST_CASE("Reducer: an inf in a second gradient refused after its bucket left is reported by finish_window") {
+  // average = world_size on 1 rank: the bucket was checked when it left, finite; the refused second
+  // gradient was added to the slot all the same, so finish_window scans the bucket again.
+  auto w = torch::ones({2}).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.average = loom::Average::world_size});
+  reducer.prepare_backward({.sync = true, .window_samples = 1});
+  auto y = (w * torch::tensor({3.0f, std::numeric_limits<float>::infinity()})).sum();
+  (w * 3.0f).sum().backward();
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("parameter 0 ('w') received a second gradient"),
+                       loom::InvalidArgument);
+  auto r = reducer.finish_window();
+  CHECK(r.non_finite);
+  CHECK(torch::equal(w.grad(), torch::zeros({2})));
+}
+
 TEST_CASE("Reducer: misuse throws loom errors naming the value") {
   loom::LocalCommunicator comm;
   auto w = torch::ones({2}).requires_grad_();

@@ -42,7 +42,14 @@
 //     hook never waits for anything. finish_window waits for the buckets in that order and, while
 //     later ones are still in flight, divides each reduced sum to the average (by the global
 //     sample count, which the first bucket carries with it, or by the world size; times 1 / loss
-//     scale) and scans it for inf/NaN in the same pass.
+//     scale) and scans it for inf/NaN in the same pass. With average = world_size on a world size
+//     that is a power of two (or average = none), a CPU float32/float64 bucket (not compressed, not
+//     float32-accumulated) is instead divided by the world size when it leaves, as DDP divides
+//     before its all-reduce, in a pass that flags values that are inf, NaN or large enough that the
+//     sum might overflow; the flag travels in the bucket, and the reduced bucket is read again only
+//     when a rank set it or a factor (loss scale, loss divisor) is left to apply. Dividing by 2^k
+//     before the sum gives the bits of dividing after it, unless a quotient is subnormal or the
+//     undivided sum would have overflowed (its finite mean is then kept, not reported non-finite).
 //   A gradient that arrives twice in the synchronising backward (two backward passes before
 //     finish_window, reentrant checkpointing, mark_ready after adding to a gradient by hand) is
 //     exact while its bucket has not left: the arrivals add up in the slot and the sum is divided
@@ -77,8 +84,11 @@
 //     all-reduce gives every rank the same result), so every rank reaches the same verdict and
 //     reports Reduction::non_finite together, without an extra collective; the window's gradients
 //     are then zeroed. An inf or NaN on any rank reaches the sum (inf + x = inf, NaN + x = NaN),
-//     and a sum over ranks that overflows is caught too. The scan tests each element (isfinite),
-//     never a sum of elements, so float16 gradients whose sum exceeds 65504 are finite.
+//     and a sum over ranks that overflows is caught too. A bucket divided before its all-reduce
+//     (above) is scanned only when its summed range flag says a rank sent inf, NaN or a value above
+//     (largest finite) / (2 x world size); below that bound the sum cannot overflow. The scan tests
+//     each element (isfinite), never a sum of elements, so float16 gradients whose sum exceeds
+//     65504 are finite.
 //   Clipping (max_grad_norm): the L2 norm of the averaged, unscaled gradient over all buckets — the
 //     global norm, identical on every rank, accumulated in float32 for float16/bfloat16 buckets
 //     and float64 for float64 ones — and the clip factor min(1, max / (norm + 1e-6)).
@@ -91,7 +101,7 @@
 //     per-parameter norms: up to 3 reads per window; none on the CPU beyond host memory.
 //   Wire compression (wire_dtype = float16 / bfloat16, float32 buckets only): rank r sends its
 //     share s_r = S_r / W, where S_r is its summed (still loss-scaled) gradient and W the world size,
-//     cast to the wire dtype (the only division before the all-reduce: W needs no waiting); the
+//     cast to the wire dtype (a division before the all-reduce: W needs no waiting); the
 //     shares are summed in that dtype and cast back, and the float32
 //     bucket is multiplied by W x (1 / loss scale) / divisor, then scanned for inf/NaN. Dividing by
 //     W, not by the sample count, keeps the shares count/W times larger, away from float16's
@@ -142,7 +152,8 @@
 //        channels-last), dtypes float32/float64/float16/bfloat16 (16-bit ones in float32 slots, see
 //        above); frozen parameters are left out.
 //        A bucket on the wire is [gradients | one used-flag per gradient (| the window meta's limbs,
-//        the first bucket)], one dtype and device.
+//        the first bucket) (| the range flag, CPU float32/float64 buckets neither compressed nor
+//        float32-accumulated, floating mode)], one dtype and device.
 // Units: caps in bytes, samples in samples.
 // Throws: loom::InvalidArgument (bad options, non-floating or non-leaf trainable parameter, a
 //         parameter another live Reducer already hooks,

@@ -5,9 +5,10 @@
 //
 // Units: the divisor is a sample count, the world size or 1, times n / sum d over the loss-divisor
 //        voters (see window_summary.hpp); grad_scale is 1 / loss scale.
-// Source: DDP divides each bucket by the world size before its all-reduce. loom does the same when
-//         the average is by world size and the world size is a power of two (dividing before the
-//         sum then gives the bits of dividing after it, unless a quotient is subnormal), on CPU
+// Source: DDP divides each gradient by the world size before its bucket's all-reduce. loom divides
+//         each bucket when it is launched, when the average is by world size and the world size is
+//         a power of two (dividing before the sum then gives the bits of dividing after it, unless a
+//         quotient is subnormal or the undivided sum would overflow), on CPU
 //         float32/float64 buckets, and carries a range flag in the bucket so that no pass over the
 //         reduced bucket is needed when nothing is left to multiply; any other divisor (a sample
 //         count is only known once the window meta is summed, and comes back with the first
@@ -60,6 +61,7 @@ class WindowAverage {
   /// else 0. Below that bound the sum of the ranks' quotients cannot overflow, so a zero summed flag
   /// says the reduced bucket is finite without reading it.
   void pre_divide(GradBucket& b, bool check) {
+    b.late_gradient = false;
     b.pre_divided = pre_divisor_ > 0 && b.range_flag.defined();
     if (!b.range_flag.defined()) return;
     bool beyond = false;
@@ -75,7 +77,10 @@ class WindowAverage {
 
   /// Turns bucket `b`'s all-reduced sum into the average and scans the result for inf/NaN (`check`)
   /// in the same pass. A compressed bucket (b.wire) is first cast back from the wire, times its
-  /// remaining factor. CPU float32/float64 with a CPU `meta`: one fused pass, the verdict on the
+  /// remaining factor. A bucket divided before its all-reduce (pre_divide) gets the rest of the
+  /// factor; when nothing is left and neither a rank's range flag nor a late gradient
+  /// (GradBucket::late_gradient) says otherwise, it is not read: finite. CPU float32/float64 with a
+  /// CPU `meta`: one fused pass, the verdict on the
   /// host (b.bad_host); elsewhere ATen ops on the device, the verdict in b.bad (no host read).
   /// `meta`: the summed window meta (int64 [WindowMeta::kLength]), its all-reduce complete.
   void apply(GradBucket& b, const at::Tensor& meta, bool check) {
@@ -91,7 +96,7 @@ class WindowAverage {
         // Divided by pre_divisor() before the sum: what is left of the factor is exact (a power of
         // two apart). Nothing left and no rank flagged a value: the bucket is the average and finite.
         value = divide ? value / pre_divisor_ : value * pre_divisor_;
-        if (value == 1.0 && !(check && range_flagged(b))) {
+        if (value == 1.0 && !(check && (b.late_gradient || range_flagged(b)))) {
           b.bad_host = false;
           return;
         }
@@ -115,9 +120,10 @@ class WindowAverage {
       at::mul_out(b.head, b.wire_head, device_factor(meta, b.head, /*post_wire=*/true));
     } else {
       const at::Tensor& f = device_factor(meta, b.head, /*post_wire=*/false);
-      if (b.pre_divided)  // a CPU bucket with the window meta on a device: the rest of the factor
-        b.head.mul_(divide_ ? f.reciprocal().mul(pre_divisor_).to(b.head.device())
-                            : f.mul(pre_divisor_).to(b.head.device()));
+      if (b.pre_divided && divide_)  // a CPU bucket with the window meta on a device: the rest of the
+        b.head.div_(f.div(pre_divisor_).to(b.head.device()));  // factor (exact: pre_divisor_ is 2^k)
+      else if (b.pre_divided)
+        b.head.mul_(f.mul(pre_divisor_).to(b.head.device()));
       else if (divide_)
         b.head.div_(f);
       else

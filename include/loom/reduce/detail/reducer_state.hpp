@@ -441,7 +441,10 @@ class ReducerState {
     if (s.fired) {
       // A second gradient in the synchronising backward. Before the bucket left it was simply added
       // to the slot, and the bucket is scaled as a whole when it leaves: (x + y) / N, exact.
-      if (b.launched) throw InvalidArgument(late_gradient_message(s));
+      if (b.launched) {
+        b.late_gradient = true;  // it was added to the slot: a finish_window after the error scans the bucket
+        throw InvalidArgument(late_gradient_message(s));
+      }
       return;
     }
     s.fired = true;
