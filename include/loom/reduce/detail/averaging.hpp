@@ -8,9 +8,9 @@
 // Source: DDP divides each gradient by the world size before its bucket's all-reduce. loom divides
 //         each bucket when it is launched, when the average is by world size and the world size is
 //         a power of two (dividing before the sum then gives the bits of dividing after it, unless a
-//         quotient is subnormal or the undivided sum would overflow), on CPU
-//         float32/float64 buckets, and carries a range flag in the bucket so that no pass over the
-//         reduced bucket is needed when nothing is left to multiply; any other divisor (a sample
+//         quotient is subnormal or the undivided sum would overflow), on CPU float32/float64
+//         buckets, and carries a range flag in the bucket so that no pass over the reduced bucket
+//         is needed when nothing is left to multiply; any other divisor (a sample
 //         count is only known once the window meta is summed, and comes back with the first
 //         bucket) is applied after the all-reduce, so a hook never waits for it.
 #pragma once
@@ -79,9 +79,9 @@ class WindowAverage {
   /// in the same pass. A compressed bucket (b.wire) is first cast back from the wire, times its
   /// remaining factor. A bucket divided before its all-reduce (pre_divide) gets the rest of the
   /// factor; when nothing is left and neither a rank's range flag nor a late gradient
-  /// (GradBucket::late_gradient) says otherwise, it is not read: finite. CPU float32/float64 with a
-  /// CPU `meta`: one fused pass, the verdict on the
-  /// host (b.bad_host); elsewhere ATen ops on the device, the verdict in b.bad (no host read).
+  /// (GradBucket::late_gradient) says otherwise, it is not read: finite. CPU float32/float64 with
+  /// a CPU `meta`: one fused pass, the verdict on the host (b.bad_host); elsewhere ATen ops on the
+  /// device, the verdict in b.bad (no host read).
   /// `meta`: the summed window meta (int64 [WindowMeta::kLength]), its all-reduce complete.
   void apply(GradBucket& b, const at::Tensor& meta, bool check) {
     if (meta.is_cpu() && b.flat.is_cpu()) {

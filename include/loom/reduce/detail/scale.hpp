@@ -1,10 +1,11 @@
 // loom/reduce/detail/scale.hpp — the reducer's one pass over a bucket: divide (or multiply) every
-// gradient to this rank's share of the average and scan for inf/NaN at the same time; and the
-// device-side verdict for buckets the fused CPU loop does not take.
+// gradient to this rank's share of the average and, at the same time, scan for inf/NaN (after the
+// all-reduce) or for values beyond a range bound (before it); and the device-side verdict for
+// buckets the fused CPU loop does not take.
 //
 // Shape: 1-D contiguous tensors (a bucket's head) or any tensor (scale_and_check's fallback).
-// Units: `value` is a divisor or a factor, dimensionless.
-// Source: the vectorised exponent scan follows the idea of torch's _amp_foreach_non_finite_check_and_unscale_.
+// Units: `value` is a divisor or a factor, dimensionless; `bound` in gradient units.
+// Source: the vectorised scan of the bits follows the idea of torch's _amp_foreach_non_finite_check_and_unscale_.
 #pragma once
 
 #include <atomic>
