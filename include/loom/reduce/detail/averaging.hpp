@@ -49,23 +49,16 @@ class WindowAverage {
     factors_.clear();
   }
 
-  /// The divisor a bucket with a range flag is divided by before its all-reduce this window: the
-  /// world size when averaging by it and it is a power of two (the division is exact, see the file
-  /// comment), 1 when not averaging; 0 (no division before) otherwise. The same on every rank of
-  /// a program (it depends on the options and the world size only), as the sum requires.
-  [[nodiscard]] double pre_divisor() const { return pre_divisor_; }
-
   /// Called when bucket `b` is launched, before its all-reduce (floating mode): a bucket with a
-  /// range flag is divided by pre_divisor() in place when that is not 0, and its range flag set to
+  /// range flag is divided by the pre-divisor (pre_divisor_) in place when that is not 0, and its range flag set to
   /// 1 when `check` and a quotient is inf, NaN or above (largest finite value) / (2 x world size),
   /// else 0. Below that bound the sum of the ranks' quotients cannot overflow, so a zero summed flag
   /// says the reduced bucket is finite without reading it.
   void pre_divide(GradBucket& b, bool check) {
     b.late_gradient = false;
-    b.pre_divided = pre_divisor_ > 0 && b.range_flag.defined();
     if (!b.range_flag.defined()) return;
     bool beyond = false;
-    if (b.pre_divided) {
+    if (divided_before(b)) {
       const double largest = b.flat.scalar_type() == at::kFloat ? static_cast<double>(std::numeric_limits<float>::max())
                                                                 : std::numeric_limits<double>::max();
       beyond = scale_span_fused(b.flat, 0, b.head.numel(), pre_divisor_, /*divide=*/true, check,
@@ -92,8 +85,8 @@ class WindowAverage {
         value = 1.0;
         divide = false;
       }
-      if (b.pre_divided) {
-        // Divided by pre_divisor() before the sum: what is left of the factor is exact (a power of
+      if (divided_before(b)) {
+        // Divided by pre_divisor_ before the sum: what is left of the factor is exact (a power of
         // two apart). Nothing left and no rank flagged a value: the bucket is the average and finite.
         value = divide ? value / pre_divisor_ : value * pre_divisor_;
         if (value == 1.0 && !(check && (b.late_gradient || range_flagged(b)))) {
@@ -120,9 +113,9 @@ class WindowAverage {
       at::mul_out(b.head, b.wire_head, device_factor(meta, b.head, /*post_wire=*/true));
     } else {
       const at::Tensor& f = device_factor(meta, b.head, /*post_wire=*/false);
-      if (b.pre_divided && divide_)  // a CPU bucket with the window meta on a device: the rest of the
+      if (divided_before(b) && divide_)  // a CPU bucket with the window meta on a device: the rest of the
         b.head.div_(f.div(pre_divisor_).to(b.head.device()));  // factor (exact: pre_divisor_ is 2^k)
-      else if (b.pre_divided)
+      else if (divided_before(b))
         b.head.mul_(f.mul(pre_divisor_).to(b.head.device()));
       else if (divide_)
         b.head.div_(f);
@@ -178,6 +171,9 @@ class WindowAverage {
     return factors_.back().value;
   }
 
+  /// Whether bucket `b` was divided by pre_divisor_ when it was launched this window (pre_divide).
+  [[nodiscard]] bool divided_before(const GradBucket& b) const { return pre_divisor_ > 0 && b.range_flag.defined(); }
+
   /// Whether some rank set bucket `b`'s range flag (its summed value, read on the host).
   static bool range_flagged(const GradBucket& b) {
     bool flagged = false;
@@ -189,8 +185,11 @@ class WindowAverage {
   Average average_ = Average::samples;
   int world_size_ = 1;
   double grad_scale_ = 1.0;
-  bool divide_ = true;           // divide by the divisor (exact) rather than multiply by grad_scale / divisor
-  double pre_divisor_ = 0.0;     // see pre_divisor()
+  bool divide_ = true;  // divide by the divisor (exact) rather than multiply by grad_scale / divisor
+  // What a bucket with a range flag is divided by when it is launched: the world size when averaging
+  // by it and it is a power of two (exact, see the file comment), 1 when not averaging, 0 (no
+  // division before) otherwise; the same on every rank (options and world size only), as the sum needs.
+  double pre_divisor_ = 0.0;
   std::vector<Factor> factors_;  // this window's device factors
 };
 

@@ -90,9 +90,8 @@ struct GradBucket {
   at::Tensor meta;             // the limbs: MetaLimbs::count(meta_bits) elements of flat, or of wire when compressed
   at::Tensor wire_div;         // float32 [1]: the world size, the pre-division of a compressed bucket
   at::Tensor range_flag;       // the last element of flat, or undefined: when the bucket was divided before its
-                               // all-reduce (WindowAverage::pre_divisor), 1 on a rank that sent a value that is inf,
+                               // all-reduce (WindowAverage::pre_divide), 1 on a rank that sent a value that is inf,
                                // NaN or large enough that the sum might overflow, else 0; summed with the bucket
-  bool pre_divided = false;    // this window's all-reduce carried gradients already divided by the pre-divisor
   bool late_gradient = false;  // a gradient reached a slot after the bucket left (refused): scan it after all
   at::Tensor bad;              // float32 [1] on the bucket's device: inf/NaN in the reduced bucket (device path)
   bool bad_host = false;       // the same verdict, computed on the host (CPU path)
