@@ -11,7 +11,7 @@
 # busy (bench_reduce's two ranks), so before each suite the script waits until the 1-minute load
 # average is below LOOM_BENCH_QUIET_LOAD (default 1.0) or LOOM_BENCH_QUIET_WAIT seconds have passed
 # (default 300), and writes the seconds it waited to load.txt.
-# Time: about 30 minutes on 2 cores (bench_finetune alone about 12), plus the waits.
+# Time: about 26 minutes on 2 cores, waits included (bench_finetune alone about 14).
 set -euo pipefail
 build=${1:-build}
 out=${2:-bench-results}
