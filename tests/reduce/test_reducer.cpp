@@ -1,7 +1,5 @@
 // loom::Reducer in one process: LocalCommunicator and the recording archetypes. Multi-rank
 // behaviour is in test_reduce_dist.cpp and tests/accumulate/test_field_dist.cpp (real processes over Gloo).
-#include <cmath>
-#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -524,43 +522,6 @@ TEST_CASE("Reducer: an inf in a second gradient refused after its bucket left is
   auto r = reducer.finish_window();
   CHECK(r.non_finite);
   CHECK(torch::equal(w.grad(), torch::zeros({2})));
-}
-
-TEST_CASE("Reducer: average = world_size on 1 rank: a gradient changed in place after its hook counts, checked") {
-  // Nothing is divided on 1 rank (the divisor is 1), so a change by hand is kept as it is, and an
-  // inf it brings is reported.
-  auto a = torch::tensor({1.0f}).requires_grad_(), b = torch::tensor({1.0f}).requires_grad_();
-  loom::LocalCommunicator comm;
-  loom::Reducer reducer(comm, {.names = {"a", "b"}, .params = {a, b}}, {.average = loom::Average::world_size});
-  REQUIRE(reducer.bucket_params().size() == 1);  // b's gradient holds the bucket back
-  for (const float added : {2.0f, std::numeric_limits<float>::infinity()}) {
-    reducer.prepare_backward({.sync = true, .window_samples = 1});
-    a.mutable_grad().zero_();
-    (a * 3.0f).sum().backward();
-    a.mutable_grad().add_(added);
-    reducer.mark_ready(0);
-    (b * 1.0f).sum().backward();
-    const auto r = reducer.finish_window();
-    CHECK(r.non_finite == std::isinf(added));
-    CHECK(a.grad().item<float>() == (std::isinf(added) ? 0.0f : 5.0f));
-  }
-}
-
-TEST_CASE("Reducer: its two hooks leave each parameter's gradient accumulator when it is destroyed") {
-  auto w = torch::ones({2}).requires_grad_();
-  auto acc = torch::autograd::impl::grad_accumulator(w);
-  const std::size_t pre = acc->pre_hooks().size(), post = acc->post_hooks().size();
-  loom::LocalCommunicator comm;
-  {
-    loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.average = loom::Average::world_size});
-    CHECK(acc->pre_hooks().size() == pre + 1);
-    CHECK(acc->post_hooks().size() == post + 1);
-  }
-  CHECK(acc->pre_hooks().size() == pre);
-  CHECK(acc->post_hooks().size() == post);
-  w.mutable_grad() = torch::Tensor();
-  (w * 2.0f).sum().backward();  // no hook of the destroyed reducer runs
-  CHECK(torch::equal(w.grad(), torch::full({2}, 2.0f)));
 }
 
 TEST_CASE("Reducer: misuse throws loom errors naming the value") {

@@ -44,22 +44,18 @@
 //     sample count, which the first bucket carries with it, or by the world size; times 1 / loss
 //     scale) and scans it for inf/NaN in the same pass. With average = world_size on a world size
 //     that is a power of two (or average = none), a CPU float32/float64 bucket (not compressed, not
-//     float32-accumulated) is instead divided by the world size before it leaves, as DDP divides:
-//     each gradient in its hook, right after autograd accumulated it (a gradient marked by hand
-//     when its bucket leaves), in a pass that flags values that are inf, NaN or large enough that
-//     the sum might overflow; the flag travels in the bucket, and the reduced bucket is read again only
+//     float32-accumulated) is instead divided by the world size when it leaves, as DDP divides
+//     before its all-reduce, in a pass that flags values that are inf, NaN or large enough that the
+//     sum might overflow; the flag travels in the bucket, and the reduced bucket is read again only
 //     when a rank set it or a factor (loss scale, loss divisor) is left to apply. Dividing by 2^k
 //     before the sum gives the bits of dividing after it, unless a quotient is subnormal or the
 //     undivided sum would have overflowed (its finite mean is then kept, not reported non-finite).
 //   A gradient that arrives twice in the synchronising backward (two backward passes before
 //     finish_window, reentrant checkpointing, mark_ready after adding to a gradient by hand) is
 //     exact while its bucket has not left: the arrivals add up in the slot and the sum is divided
-//     once, (x + y) / N (a gradient divided in its hook, above: the later one is divided before
-//     autograd adds it; a change made in place by hand after its hook cannot be, and the next
-//     mark_ready or gradient of that parameter throws loom::InvalidArgument). After the bucket
-//     left, the second arrival would miss the all-reduce: loom::InvalidArgument naming the
-//     parameter (DDP: "Expected to mark a variable ready only once"). overlap = false sends
-//     nothing before finish_window, so it never throws.
+//     once, (x + y) / N. After the bucket left, the second arrival would miss the
+//     all-reduce: loom::InvalidArgument naming the parameter (DDP: "Expected to mark a variable
+//     ready only once"). overlap = false sends nothing before finish_window, so it never throws.
 //   Unused parameters: a parameter whose gradient hook did not fire on a rank during the window
 //     counts as zero in that rank's slot (it cannot stall its bucket: unfinished buckets are sent by
 //     finish_window). A parameter unused on EVERY rank keeps the gradient it had before the window

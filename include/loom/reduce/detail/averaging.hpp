@@ -49,40 +49,21 @@ class WindowAverage {
     factors_.clear();
   }
 
-  /// Whether bucket `b` is divided by the pre-divisor before its all-reduce this window: a bucket
-  /// with a range flag (CPU float32/float64, not compressed, not float32-accumulated) while the
-  /// pre-divisor is not 0 (Average::world_size on a power-of-two world size, or Average::none).
-  [[nodiscard]] bool divided_before(const GradBucket& b) const { return pre_divisor_ > 0 && b.range_flag.defined(); }
-
-  /// What a bucket is divided by before its all-reduce this window (0: nothing is).
-  [[nodiscard]] double pre_divisor() const { return pre_divisor_; }
-
-  /// The factor a gradient arriving in a slot that already holds a divided gradient is multiplied
-  /// by (1 / pre-divisor: exact, the pre-divisor being a power of two), so that the slot holds
-  /// (x + y) / N; 1 when nothing is divided before the all-reduce.
-  [[nodiscard]] double arriving_factor() const { return pre_divisor_ > 0 ? 1.0 / pre_divisor_ : 1.0; }
-
-  /// Divides elements [offset, offset + numel) of bucket `b` by the pre-divisor in place (`divide`;
-  /// else only checks them) and, when `check`, records in the bucket whether a result is inf, NaN
-  /// or above the range bound, (largest finite value) / (2 x world size). Below that bound the sum
-  /// of the ranks' values cannot overflow. Requires divided_before(b).
-  void divide_span(GradBucket& b, std::int64_t offset, std::int64_t numel, bool check, bool divide = true) {
-    const double largest = b.flat.scalar_type() == at::kFloat ? static_cast<double>(std::numeric_limits<float>::max())
-                                                              : std::numeric_limits<double>::max();
-    if (scale_span_fused(b.flat, offset, numel, divide ? pre_divisor_ : 1.0, /*divide=*/true, check,
-                         largest / (2.0 * world_size_)))
-      b.range_beyond = true;
-  }
-
-  /// Called when bucket `b` is launched, before its all-reduce (floating mode), after its slots
-  /// were divided (divide_span: each gradient in its hook, the rest at launch): writes the range
-  /// flag, 1 when `check` found a value beyond the range bound in a span of this window, else 0,
-  /// so that a zero summed flag says the reduced bucket is finite without reading it.
-  void pre_divide(GradBucket& b) {
+  /// Called when bucket `b` is launched, before its all-reduce (floating mode): a bucket with a
+  /// range flag is divided by the pre-divisor (pre_divisor_) in place when that is not 0, and its range flag set to
+  /// 1 when `check` and a quotient is inf, NaN or above (largest finite value) / (2 x world size),
+  /// else 0. Below that bound the sum of the ranks' quotients cannot overflow, so a zero summed flag
+  /// says the reduced bucket is finite without reading it.
+  void pre_divide(GradBucket& b, bool check) {
     b.late_gradient = false;
     if (!b.range_flag.defined()) return;
-    const bool beyond = b.range_beyond;
-    b.range_beyond = false;
+    bool beyond = false;
+    if (divided_before(b)) {
+      const double largest = b.flat.scalar_type() == at::kFloat ? static_cast<double>(std::numeric_limits<float>::max())
+                                                                : std::numeric_limits<double>::max();
+      beyond = scale_span_fused(b.flat, 0, b.head.numel(), pre_divisor_, /*divide=*/true, check,
+                                largest / (2.0 * world_size_));
+    }
     AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_range_flag",
                                [&] { *b.range_flag.data_ptr<scalar_t>() = beyond ? scalar_t(1) : scalar_t(0); });
   }
@@ -189,6 +170,9 @@ class WindowAverage {
     factors_.push_back({dtype, like.device(), post_wire, value.to(like.device()).to(dtype)});
     return factors_.back().value;
   }
+
+  /// Whether bucket `b` was divided by pre_divisor_ when it was launched this window (pre_divide).
+  [[nodiscard]] bool divided_before(const GradBucket& b) const { return pre_divisor_ > 0 && b.range_flag.defined(); }
 
   /// Whether some rank set bucket `b`'s range flag (its summed value, read on the host).
   static bool range_flagged(const GradBucket& b) {

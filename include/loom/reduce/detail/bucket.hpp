@@ -67,9 +67,7 @@ struct GradSlot {
   std::int64_t ready_pos = -1;  // order of its first gradient while recording (bucket rebuild)
   bool used = false;            // a gradient arrived during the current window
   bool fired = false;           // a gradient arrived during the current sync backward
-  bool divided = false;         // the slot was divided by the pre-divisor in this sync backward (its hook)
-  std::int64_t divided_version = 0;          // .grad()'s version counter when it was (an in-place change is refused)
-  bool was_undefined = false;                // its .grad() was undefined when the window began
+  bool was_undefined = false;   // its .grad() was undefined when the window began
   int grid_exponent = kGridInitialExponent;  // deterministic mode: the grid step is 2^-grid_exponent
   std::int64_t window_contributions = 0;     // deterministic mode: micro-batches put on the grid this window
   bool grid_pending = false;   // deterministic mode: `view` holds this micro-batch's gradient, not on the grid yet
@@ -95,7 +93,6 @@ struct GradBucket {
                                // all-reduce (WindowAverage::pre_divide), 1 on a rank that sent a value that is inf,
                                // NaN or large enough that the sum might overflow, else 0; summed with the bucket
   bool late_gradient = false;  // a gradient reached a slot after the bucket left (refused): scan it after all
-  bool range_beyond = false;   // a span divided this window held a value beyond the range bound (range_flag)
   at::Tensor bad;              // float32 [1] on the bucket's device: inf/NaN in the reduced bucket (device path)
   bool bad_host = false;       // the same verdict, computed on the host (CPU path)
   at::Tensor flags_host;       // pinned staging for the used-flags (and the meta's limbs) of a bucket on a GPU

@@ -1,6 +1,5 @@
-// loom/reduce/detail/hooks.hpp — the autograd hooks a reducer hangs on every trainable parameter's
-// gradient accumulator (a pre-hook that sees each gradient before it is accumulated, a post-hook
-// that sees it after), and the check that no parameter carries two reducers' hooks.
+// loom/reduce/detail/hooks.hpp — the autograd post-hook a reducer hangs on every trainable
+// parameter's gradient accumulator, and the check that no parameter carries two reducers' hooks.
 //
 // Errors: check_not_hooked throws loom::InvalidArgument naming the first parameter already hooked.
 // Source: the hook point is the one PyTorch DDP's Reducer uses (the gradient accumulator's post-hooks).
@@ -62,22 +61,6 @@ class GradReadyHook final : public torch::autograd::FunctionPostHook, public Red
                                             const torch::autograd::variable_list& /*inputs*/) override {
     state_->on_grad_ready(slot_);
     return outputs;
-  }
-
- private:
-  State* state_;
-  std::size_t slot_;
-};
-
-/// The pre-hook on one parameter's gradient accumulator: lets `state` (a ReducerState) rescale a
-/// gradient of its slot `slot` before autograd adds it to the slot (ReducerState::on_grad_arriving:
-/// a second gradient of a slot already divided in this backward). Runs on autograd's thread.
-template <class State>
-class GradArrivingHook final : public torch::autograd::FunctionPreHook {
- public:
-  GradArrivingHook(State* state, std::size_t slot) : state_(state), slot_(slot) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    return state_->on_grad_arriving(slot_, grads);
   }
 
  private:

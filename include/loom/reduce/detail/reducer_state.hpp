@@ -81,9 +81,6 @@ class ReducerState {
       auto acc = torch::autograd::impl::grad_accumulator(param(k));
       LOOM_ASSERT(acc != nullptr, list_.describe(slots_[k].param));
       keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook<ReducerState>>(this, k)));
-      auto pre = std::make_unique<GradArrivingHook<ReducerState>>(this, k);
-      pre_hooks_.push_back(pre.get());
-      acc->add_pre_hook(std::move(pre));
       accumulators_.push_back(std::move(acc));
     }
   }
@@ -92,15 +89,7 @@ class ReducerState {
   ReducerState& operator=(const ReducerState&) = delete;
 
   ~ReducerState() {
-    for (std::size_t k = 0; k < accumulators_.size(); ++k) {
-      accumulators_[k]->del_post_hook(keys_[k]);
-      auto& pre = accumulators_[k]->pre_hooks();
-      for (auto it = pre.begin(); it != pre.end(); ++it)
-        if (it->get() == pre_hooks_[k]) {
-          pre.erase(it);
-          break;
-        }
-    }
+    for (std::size_t k = 0; k < accumulators_.size(); ++k) accumulators_[k]->del_post_hook(keys_[k]);
   }
 
   // ---- the GradientReducer protocol ---------------------------------------------------------
@@ -123,10 +112,7 @@ class ReducerState {
         }
         quantize_slot(k);
       }
-    for (auto& s : slots_) {
-      s.fired = false;
-      s.divided = false;
-    }
+    for (auto& s : slots_) s.fired = false;
     if (!plan.sync) return;
     window_ = plan.final ? WindowState::final_flush : WindowState::synchronising;
     loss_divisor_ = plan.loss_divisor;
@@ -136,7 +122,6 @@ class ReducerState {
       b.pending = b.slots.size();
       b.ready = false;
       b.launched = false;
-      b.range_beyond = false;
     }
     works_.assign(buckets_.size(), std::nullopt);
     next_launch_ = 0;
@@ -273,24 +258,6 @@ class ReducerState {
       throw;
     }
     in_hook_ = false;
-  }
-
-  /// The pre-hook's part (GradArrivingHook): a gradient of slot `k` about to be added to a slot
-  /// that its hook already divided in this synchronising backward, whose bucket has not left, is
-  /// multiplied by 1 / pre-divisor (exact), so the slot ends as (x + y) / N, as if divided once.
-  /// Every other gradient passes unchanged. Throws: loom::InvalidArgument (out of backward) when
-  /// the divided gradient was changed in place since its hook.
-  torch::autograd::variable_list on_grad_arriving(std::size_t k, const torch::autograd::variable_list& grads) {
-    std::lock_guard lock(mutex_);
-    if (!synchronising() || grads.size() != 1 || !grads[0].defined()) return grads;
-    const auto& s = slots_[k];
-    if (!s.divided || buckets_[s.bucket].launched) return grads;
-    const double factor = average_.arriving_factor();
-    if (factor == 1.0) return grads;
-    if (const auto& g = param(k).grad(); aliases(g, s.view) && g._version() != s.divided_version)
-      throw InvalidArgument(changed_after_division_message(s));
-    at::NoGradGuard no_grad;
-    return {grads[0].mul(factor)};
   }
 
   void mark_ready(std::size_t param_index) {
@@ -451,10 +418,7 @@ class ReducerState {
   void mark_ready_locked(std::size_t k) {
     auto& s = slots_[k];
     auto& g = param(k).mutable_grad();
-    check_not_late(s);  // before the in-flight integers are touched
-    if (!in_hook_ && s.divided && average_.arriving_factor() != 1.0 && aliases(g, s.view) &&
-        g._version() != s.divided_version)
-      throw InvalidArgument(changed_after_division_message(s));
+    check_not_late(s);              // before the in-flight integers are touched
     if (buckets_[s.bucket].main) {  // float32 accumulation: add this backward's 16-bit gradient, free it
       at::NoGradGuard no_grad;
       if (g.defined()) s.view.add_(g);
@@ -466,9 +430,6 @@ class ReducerState {
       else
         s.view.zero_();
       g = s.view;
-      // From autograd (create_graph adds out of place) it is the divided slot plus the divided new
-      // gradient (on_grad_arriving); from the user, a value of their own: divided at launch.
-      if (!in_hook_) s.divided = false;
     }
     // Deterministic mode: the slot collects this micro-batch's gradients (autograd adds a second one
     // in place) and goes on the grid once, at the next prepare_backward or when its bucket leaves.
@@ -478,50 +439,18 @@ class ReducerState {
     if (!synchronising()) return;
     auto& b = buckets_[s.bucket];
     if (s.fired) {
-      // A second gradient in the synchronising backward. Before the bucket left it was added to the
-      // slot: divided already by the pre-hook when the slot was divided (on_grad_arriving), so the
-      // slot holds (x + y) / N, exact; the sum is checked against the range bound again. An
-      // undivided slot is divided when the bucket leaves.
+      // A second gradient in the synchronising backward. Before the bucket left it was simply added
+      // to the slot, and the bucket is scaled as a whole when it leaves: (x + y) / N, exact.
       if (b.launched) {
         b.late_gradient = true;  // it was added to the slot: a finish_window after the error scans the bucket
         throw InvalidArgument(late_gradient_message(s));
       }
-      if (s.divided) {  // the new sum (or a value changed by hand, when nothing is divided) is checked
-        if (options_.detect_non_finite) average_.divide_span(b, s.offset, param(k).numel(), true, /*divide=*/false);
-        s.divided_version = g._version();
-      }
       return;
     }
     s.fired = true;
-    // Divided now, in the hook, right after AccumulateGrad wrote it (as DDP's hook divides): the
-    // gradient is still in cache, and the bucket can leave as soon as its last gradient is in.
-    // A gradient marked by hand (mark_ready) is divided when its bucket leaves.
-    if (in_hook_ && average_.divided_before(b)) {
-      average_.divide_span(b, s.offset, param(k).numel(), options_.detect_non_finite);
-      s.divided = true;
-      s.divided_version = g._version();  // an in-place change after this is refused by mark_ready
-    }
     if (--b.pending == 0) b.ready = true;
     if (!options_.overlap) return;
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) launch(next_launch_++);
-  }
-
-  /// Divides what the hooks did not divide of bucket `b` before it leaves (WindowAverage::divide_span,
-  /// with the range check): the whole gradient part when no slot was divided in its hook (gradients
-  /// marked by hand), else each used slot that was not (marked by hand, or used only in an earlier
-  /// micro-batch of the window). An unused slot was zeroed.
-  void divide_rest(GradBucket& b) {
-    const bool check = options_.detect_non_finite;
-    bool any = false;
-    for (std::size_t k : b.slots) any = any || slots_[k].divided;
-    if (!any) {
-      average_.divide_span(b, 0, b.head.numel(), check);
-      return;
-    }
-    for (std::size_t k : b.slots) {
-      const auto& s = slots_[k];
-      if (s.used && !s.divided) average_.divide_span(b, s.offset, param(k).numel(), check);
-    }
   }
 
   /// Zeroes the slots of unused parameters, divides the bucket by the part of the divisor known now
@@ -588,8 +517,7 @@ class ReducerState {
       b.launched = true;
       return;
     }
-    if (average_.divided_before(b)) divide_rest(b);
-    average_.pre_divide(b);
+    average_.pre_divide(b, options_.detect_non_finite);
     write_used_flags(b, slots_, &meta_row_);
     at::Tensor* target = &b.flat;
     if (b.wire.defined()) {
@@ -619,17 +547,6 @@ class ReducerState {
   }
 
   /// The error for a gradient that arrives in the synchronising backward after its bucket left.
-  /// The error for a gradient that its hook divided in this synchronising backward and that was
-  /// changed in place since (its version counter moved), found when it is marked again (by hand or
-  /// by a second gradient): the change cannot be divided.
-  std::string changed_after_division_message(const GradSlot& s) const {
-    return fmt::format(
-        "Reducer: {}'s gradient was changed in place after autograd delivered it in this synchronising backward; "
-        "with average = {} on {} ranks it was divided by {} then, and the change would not be. Change .grad() "
-        "before backward or after finish_window, or assign it a new tensor and call mark_ready",
-        list_.describe(s.param), to_string(options_.average), comm_->world_size(), average_.pre_divisor());
-  }
-
   std::string late_gradient_message(const GradSlot& s) const {
     return fmt::format(
         "Reducer: {} received a second gradient in the synchronising backward after its bucket was sent, so it "
@@ -945,8 +862,7 @@ class ReducerState {
   std::int64_t loss_divisor_ = 1;  // this rank's BackwardPlan::loss_divisor of the current sync window (0: none)
   double grad_scale_ = 1.0;        // BackwardPlan::grad_scale of the current sync window
   WindowState window_ = WindowState::closed;
-  std::vector<const torch::autograd::FunctionPreHook*> pre_hooks_;  // ours, per slot (removed on destruction)
-  bool in_hook_ = false;                                            // a gradient hook is running (HostReads::in_hooks)
+  bool in_hook_ = false;  // a gradient hook is running (HostReads::in_hooks)
 };
 
 }  // namespace loom::detail
