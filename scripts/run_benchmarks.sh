@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every CPU benchmark suite once, one after another, and keeps what docs/benchmarks.md reports.
 #
-# Usage: scripts/run_benchmarks.sh [BUILD_DIR] [OUTDIR]     (defaults: build, bench-results)
+# Usage: scripts/run_benchmarks.sh [BUILD_DIR] [OUTDIR]     (defaults: build-torch2, bench-results)
 # Writes OUTDIR/<suite>.txt (console output, RATIO lines at the end), OUTDIR/<suite>.json (every
 # repetition, Google Benchmark JSON), OUTDIR/load.txt (uptime before and after each suite) and the
 # figures OUTDIR/reduce_sweep.png, OUTDIR/collate_sweep.png (scripts/plot_benchmarks.sh) and
@@ -13,7 +13,7 @@
 # (default 300), and writes the seconds it waited to load.txt.
 # Time: about 26 minutes on 2 cores, waits included (bench_finetune alone about 14).
 set -euo pipefail
-build=${1:-build}
+build=${1:-build-torch2}
 out=${2:-bench-results}
 mkdir -p "$out"
 bench="$build/bench"
