@@ -68,6 +68,19 @@ TEST_CASE("Environment: torchrun variables") {
     CHECK(e.node_rank == 0);
     CHECK(e.num_nodes == 1);
   }
+  SUBCASE("LOOM_LAUNCHER=spawn (what loom::spawn sets) reads as Launcher::spawn, the same values") {
+    auto e = Environment::from_map(with(vars, "LOOM_LAUNCHER", "spawn"));
+    CHECK(e.launcher == loom::Launcher::spawn);
+    CHECK(loom::to_string(e.launcher) == "spawn");
+    CHECK(e.rank == 3);
+    CHECK(e.world_size == 4);
+    CHECK(e.local_rank == 1);
+    CHECK(e.local_world_size == 2);
+    CHECK(e.master_port == 29400);
+  }
+  SUBCASE("LOOM_LAUNCHER alone is no launcher") {
+    CHECK(Environment::from_map({{"LOOM_LAUNCHER", "spawn"}}).launcher == loom::Launcher::none);
+  }
   SUBCASE("torchrun wins over Open MPI and Slurm variables") {
     auto e = Environment::from_map(with(with(vars, "OMPI_COMM_WORLD_RANK", "0"), "SLURM_PROCID", "0"));
     CHECK(e.launcher == loom::Launcher::torchrun);
@@ -184,6 +197,7 @@ TEST_CASE("Environment: every bad value is a ConfigError naming the variable and
       "TORCHELASTIC_USE_AGENT_STORE='maybe' is not True or False");
   bad(with(torchrun("0", "2"), "TORCHELASTIC_RESTART_COUNT", "-1"), "TORCHELASTIC_RESTART_COUNT=-1 is negative");
   bad(with(torchrun("0", "2"), "LOOM_RENDEZVOUS_SECRET", "ab cd\n"), "LOOM_RENDEZVOUS_SECRET contains whitespace");
+  bad(with(torchrun("0", "2"), "LOOM_LAUNCHER", "torchrun"), "LOOM_LAUNCHER='torchrun' is not a launcher loom knows");
   bad({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK='x' is not an integer");
   bad({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
       "OMPI_COMM_WORLD_RANK=2 is not below OMPI_COMM_WORLD_SIZE=2");

@@ -79,7 +79,7 @@ TEST_CASE("spawn: every rank runs once with torchrun's variables") {
     CHECK(lrank == r);
     CHECK(lworld == 3);
     CHECK(addr == "127.0.0.1");
-    CHECK(launcher == "torchrun");
+    CHECK(launcher == "spawn");
     CHECK(omp == "1");
     CHECK(threads == 1);
     CHECK(std::stoi(p) > 0);

@@ -286,6 +286,7 @@ TEST_SUITE("runs") {
     const auto spawned = run(fmt::format("{} --nproc 2 {} --out {}", q(example("finetune_icons")), args, q(a.path)));
     INFO(spawned.output);
     REQUIRE(spawned.exit_code == 0);
+    CHECK(spawned.output.find("(spawn launcher)") != std::string::npos);
     const auto want = fields(line_starting(spawned.output, "result:"));
     REQUIRE(want.count("val_accuracy") == 1);
 

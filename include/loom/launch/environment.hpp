@@ -13,7 +13,8 @@
 // Which launcher wins (the first whose rank variable is set):
 //   1. torchrun / torch.distributed.run / loom::spawn: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 //      GROUP_RANK (node rank, optional), MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE,
-//      TORCHELASTIC_RESTART_COUNT.
+//      TORCHELASTIC_RESTART_COUNT. loom::spawn (and loom::run, which spawns) also sets
+//      LOOM_LAUNCHER=spawn, so its ranks read Launcher::spawn rather than Launcher::torchrun.
 //   2. Open MPI (mpirun): OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
 //      OMPI_COMM_WORLD_LOCAL_SIZE. MASTER_ADDR / MASTER_PORT must be passed with `mpirun -x`.
 //   3. Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE or
@@ -25,8 +26,9 @@
 //
 // Throws: loom::ConfigError for a non-integer or negative number, RANK >= WORLD_SIZE, WORLD_SIZE < 1,
 //         LOCAL_RANK >= LOCAL_WORLD_SIZE, a port outside [1, 65535], MASTER_ADDR missing or empty
-//         when WORLD_SIZE > 1, a rank variable without its size variable. The message names the
-//         variable and the value, e.g. "loom: RANK='abc' is not an integer".
+//         when WORLD_SIZE > 1, a rank variable without its size variable, LOOM_LAUNCHER set to
+//         anything but "spawn" beside RANK. The message names the variable and the value, e.g.
+//         "loom: RANK='abc' is not an integer".
 //
 // Source: variable names and meanings as documented for torchrun (torch.distributed.run), Open MPI
 // (mpirun(1), "OMPI_COMM_WORLD_*") and Slurm (srun(1), "OUTPUT ENVIRONMENT VARIABLES").
@@ -49,15 +51,18 @@
 namespace loom {
 
 /// Which launcher's variables an Environment was read from.
-enum class Launcher { none, torchrun, mpirun, slurm };
+/// spawn: ranks forked by loom::spawn or loom::run on this machine (torchrun's variables plus
+/// LOOM_LAUNCHER=spawn); none: no launcher variables, a single process.
+enum class Launcher { none, torchrun, mpirun, slurm, spawn };
 
-/// Name of a Launcher ("none", "torchrun", "mpirun", "slurm"), for messages.
+/// Name of a Launcher ("none", "torchrun", "mpirun", "slurm", "spawn"), for messages.
 constexpr std::string_view to_string(Launcher l) noexcept {
   switch (l) {
     case Launcher::none: return "none";
     case Launcher::torchrun: return "torchrun";
     case Launcher::mpirun: return "mpirun";
     case Launcher::slurm: return "slurm";
+    case Launcher::spawn: return "spawn";
   }
   return "?";
 }
@@ -182,6 +187,12 @@ inline Environment Environment::from_lookup(const std::function<std::optional<st
 
   if (get("RANK")) {
     env.launcher = Launcher::torchrun;
+    if (auto by = get("LOOM_LAUNCHER")) {
+      if (*by != "spawn")
+        throw ConfigError(
+            fmt::format("LOOM_LAUNCHER='{}' is not a launcher loom knows (loom::spawn sets 'spawn')", *by));
+      env.launcher = Launcher::spawn;
+    }
     env.rank = detail::parse_env_count("RANK", *get("RANK"), 0);
     env.world_size = detail::parse_env_count("WORLD_SIZE", need("WORLD_SIZE", "RANK"), 1);
     local_rank = count("LOCAL_RANK", 0);
