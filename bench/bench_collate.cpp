@@ -28,6 +28,9 @@
 //       (same number of buckets); the timed part is computing the boundaries.
 //   sweep/{memcpy,loom}/batch:N  how cost grows with the batch size: collate_mixed's 4096 samples
 //       with batches of N = 8, 32, 128, 512 (memcpy: N-slot reused buffers, one per shape).
+//   sweep/tensors/batch:N  sweep/memcpy plus what every batch of LibTorch tensors costs at least:
+//       each target written, and per batch its data and targets tensors made over the buffers and
+//       dropped (the floor for a collator returning tensors; reported beside the memcpy goal).
 //
 // Method: inputs are built once, outside the timed loop; every variant touches the same source
 // bytes; warm-up runs apart (MinWarmUpTime); real time. Speeds are bytes of sample data per
@@ -243,6 +246,63 @@ void BM_sweep_memcpy(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * in.bytes);
 }
 
+// The floor of any collator that returns LibTorch tensors: sweep/memcpy's copies, each sample's
+// int64 target written to its row of a reused targets buffer, and per batch the two tensors a batch
+// carries (data: N x 3 x h x w float32, targets: N int64) made over those buffers the cheapest way
+// LibTorch has (a TensorImpl over an existing Storage, sizes set contiguous) and dropped: what is
+// left of loom's time above this is its own bookkeeping.
+void BM_sweep_tensors(benchmark::State& state) {
+  const auto& in = inputs_mixed();
+  const int64_t n = state.range(0);
+  struct Group {
+    at::Tensor data, targets;  // uint8 buffers: n samples of one shape, n int64 targets
+    std::vector<int64_t> sizes;
+    int64_t count = 0;
+  };
+  std::map<std::vector<int64_t>, Group> groups;
+  struct Slot {
+    char* data;
+    int64_t* target;
+    Group* group;
+    bool last;  // the sample that completes its group's batch
+  };
+  std::vector<Slot> slots;
+  for (const auto& s : in.samples) {
+    auto& g = groups[s.first.sizes().vec()];
+    if (!g.data.defined()) {
+      g.data = torch::zeros({n * static_cast<int64_t>(s.first.nbytes())}, torch::kUInt8);  // faulted in
+      g.targets = torch::zeros({n * 8}, torch::kUInt8);
+      g.sizes = s.first.sizes().vec();
+      g.sizes.insert(g.sizes.begin(), n);
+    }
+    const int64_t row = g.count++ % n;
+    slots.push_back({static_cast<char*>(g.data.data_ptr()) + row * static_cast<int64_t>(s.first.nbytes()),
+                     static_cast<int64_t*>(g.targets.data_ptr()) + row, &g, row == n - 1});
+  }
+  const int64_t tsizes[1] = {n};
+  auto tensor = [](const at::Tensor& buffer, c10::ScalarType dtype, c10::IntArrayRef sizes) {
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(buffer.storage()), c10::DispatchKeySet(c10::DispatchKey::CPU), c10::scalarTypeToTypeMeta(dtype));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+    return t;
+  };
+  for (auto _ : state) {
+    for (std::size_t i = 0; i < in.samples.size(); ++i) {
+      const Slot& slot = slots[i];
+      std::memcpy(slot.data, in.samples[i].first.data_ptr(), in.samples[i].first.nbytes());
+      *slot.target = in.samples[i].second;
+      if (slot.last) {
+        at::Tensor data = tensor(slot.group->data, at::kFloat, slot.group->sizes);
+        at::Tensor targets = tensor(slot.group->targets, at::kLong, tsizes);
+        benchmark::DoNotOptimize(data.unsafeGetTensorImpl());
+        benchmark::DoNotOptimize(targets.unsafeGetTensorImpl());
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * in.bytes);
+}
+
 void BM_sweep_loom(benchmark::State& state) {
   const auto& in = inputs_mixed();
   auto pool = std::make_shared<loom::BufferPool>();
@@ -394,6 +454,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
     for (int n : {8, 32, 128, 512})
       ratio_line(out, fmt::format("sweep_loom_vs_memcpy/batch:{}", n), fmt::format("sweep/memcpy/batch:{}", n),
                  fmt::format("sweep/loom/batch:{}", n), 0.9);
+    for (int n : {8, 32, 128, 512})
+      ratio_line(out, fmt::format("sweep_loom_vs_tensors/batch:{}", n), fmt::format("sweep/tensors/batch:{}", n),
+                 fmt::format("sweep/loom/batch:{}", n), 0.0);
   }
 
   /// baseline time / loom time of repetition i of each: median, min, max.
@@ -440,6 +503,7 @@ BENCHMARK(BM_collate_padded_memcpy)->Name("collate_padded/memcpy")->Apply(timed)
 BENCHMARK(BM_collate_padded_naive)->Name("collate_padded/naive")->Apply(timed);
 BENCHMARK(BM_collate_padded_loom)->Name("collate_padded/loom")->Apply(timed);
 BENCHMARK(BM_sweep_memcpy)->Name("sweep/memcpy")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->Apply(timed);
+BENCHMARK(BM_sweep_tensors)->Name("sweep/tensors")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->Apply(timed);
 BENCHMARK(BM_sweep_loom)->Name("sweep/loom")->ArgName("batch")->Arg(8)->Arg(32)->Arg(128)->Arg(512)->Apply(timed);
 BENCHMARK(BM_collate_padding_round_up_32)->Name("collate_padding/round_up_32")->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_collate_padding_auto_boundaries)->Name("collate_padding/auto_boundaries")->Unit(benchmark::kMicrosecond);
