@@ -68,8 +68,8 @@ TEST_CASE("Environment: torchrun variables") {
     CHECK(e.node_rank == 0);
     CHECK(e.num_nodes == 1);
   }
-  SUBCASE("LOOM_LAUNCHER=spawn (what loom::spawn sets) reads as Launcher::spawn, the same values") {
-    auto e = Environment::from_map(with(vars, "LOOM_LAUNCHER", "spawn"));
+  SUBCASE("LOOM_LAUNCHER=spawn:<MASTER_PORT> (what loom::spawn sets) reads as Launcher::spawn, the same values") {
+    auto e = Environment::from_map(with(vars, "LOOM_LAUNCHER", "spawn:29400"));
     CHECK(e.launcher == loom::Launcher::spawn);
     CHECK(loom::to_string(e.launcher) == "spawn");
     CHECK(e.rank == 3);
@@ -78,8 +78,14 @@ TEST_CASE("Environment: torchrun variables") {
     CHECK(e.local_world_size == 2);
     CHECK(e.master_port == 29400);
   }
-  SUBCASE("LOOM_LAUNCHER alone is no launcher") {
-    CHECK(Environment::from_map({{"LOOM_LAUNCHER", "spawn"}}).launcher == loom::Launcher::none);
+  SUBCASE("a mark naming another port (inherited from an outer spawned job) or an empty one is torchrun's") {
+    CHECK(Environment::from_map(with(vars, "LOOM_LAUNCHER", "spawn:29401")).launcher == loom::Launcher::torchrun);
+    CHECK(Environment::from_map(with(vars, "LOOM_LAUNCHER", "")).launcher == loom::Launcher::torchrun);
+  }
+  SUBCASE("LOOM_LAUNCHER alone, or beside Open MPI's variables, is not read") {
+    CHECK(Environment::from_map({{"LOOM_LAUNCHER", "spawn:29500"}}).launcher == loom::Launcher::none);
+    CHECK(Environment::from_map({{"LOOM_LAUNCHER", "x"}, {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}})
+              .launcher == loom::Launcher::mpirun);
   }
   SUBCASE("torchrun wins over Open MPI and Slurm variables") {
     auto e = Environment::from_map(with(with(vars, "OMPI_COMM_WORLD_RANK", "0"), "SLURM_PROCID", "0"));
@@ -197,7 +203,12 @@ TEST_CASE("Environment: every bad value is a ConfigError naming the variable and
       "TORCHELASTIC_USE_AGENT_STORE='maybe' is not True or False");
   bad(with(torchrun("0", "2"), "TORCHELASTIC_RESTART_COUNT", "-1"), "TORCHELASTIC_RESTART_COUNT=-1 is negative");
   bad(with(torchrun("0", "2"), "LOOM_RENDEZVOUS_SECRET", "ab cd\n"), "LOOM_RENDEZVOUS_SECRET contains whitespace");
-  bad(with(torchrun("0", "2"), "LOOM_LAUNCHER", "torchrun"), "LOOM_LAUNCHER='torchrun' is not a launcher loom knows");
+  bad(with(torchrun("0", "2"), "LOOM_LAUNCHER", "torchrun"),
+      "LOOM_LAUNCHER='torchrun' is not what loom::spawn sets ('spawn:<MASTER_PORT>')");
+  bad(with(torchrun("0", "2"), "LOOM_LAUNCHER", "spawn"), "LOOM_LAUNCHER='spawn' is not what loom::spawn sets");
+  bad(with(torchrun("0", "2"), "LOOM_LAUNCHER", "spawn:29x"), "LOOM_LAUNCHER='spawn:29x' is not what loom::spawn sets");
+  bad(with(torchrun("0", "2"), "LOOM_LAUNCHER", "spawn:1234567"),
+      "LOOM_LAUNCHER='spawn:1234567' is not what loom::spawn sets");
   bad({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK='x' is not an integer");
   bad({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
       "OMPI_COMM_WORLD_RANK=2 is not below OMPI_COMM_WORLD_SIZE=2");

@@ -289,7 +289,7 @@ class Hosts {
     for (const char* v :
          {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
           "MASTER_PORT", "GLOO_SOCKET_IFNAME", "LOOM_RENDEZVOUS_SECRET", "TORCHELASTIC_USE_AGENT_STORE",
-          "TORCHELASTIC_RESTART_COUNT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+          "TORCHELASTIC_RESTART_COUNT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "LOOM_LAUNCHER"})
       ::unsetenv(v);
     for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
     std::vector<char*> cargv;
@@ -454,8 +454,8 @@ struct Suite {
         int fd = ::open(base_log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
         ::dup2(fd, 1);
         ::dup2(fd, 2);
-        for (const char* v :
-             {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+        for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+                              "SLURM_PROCID", "LOOM_LAUNCHER"})
           ::unsetenv(v);
         ::execl(readme_loop.c_str(), readme_loop.c_str(), "--nproc", "2", static_cast<char*>(nullptr));
         ::_exit(127);

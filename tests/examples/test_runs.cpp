@@ -49,7 +49,8 @@ fs::path example(const std::string& name) {
 /// Runs `cmd` through the shell with launcher variables cleared, so the example spawns its own ranks.
 RunResult run(const std::string& cmd) {
   const std::string full =
-      "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u OMPI_COMM_WORLD_RANK -u SLURM_PROCID " + cmd + " 2>&1";
+      "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u OMPI_COMM_WORLD_RANK -u SLURM_PROCID -u LOOM_LAUNCHER " + cmd +
+      " 2>&1";
   MESSAGE("running: " << cmd);
   RunResult r;
   FILE* pipe = ::popen(full.c_str(), "r");

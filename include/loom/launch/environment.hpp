@@ -14,7 +14,8 @@
 //   1. torchrun / torch.distributed.run / loom::spawn: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 //      GROUP_RANK (node rank, optional), MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE,
 //      TORCHELASTIC_RESTART_COUNT. loom::spawn (and loom::run, which spawns) also sets
-//      LOOM_LAUNCHER=spawn, so its ranks read Launcher::spawn rather than Launcher::torchrun.
+//      LOOM_LAUNCHER=spawn:<MASTER_PORT>, so its ranks read Launcher::spawn rather than
+//      Launcher::torchrun (a mark naming another port, inherited from an outer job, is ignored).
 //   2. Open MPI (mpirun): OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
 //      OMPI_COMM_WORLD_LOCAL_SIZE. MASTER_ADDR / MASTER_PORT must be passed with `mpirun -x`.
 //   3. Slurm (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE or
@@ -26,14 +27,15 @@
 //
 // Throws: loom::ConfigError for a non-integer or negative number, RANK >= WORLD_SIZE, WORLD_SIZE < 1,
 //         LOCAL_RANK >= LOCAL_WORLD_SIZE, a port outside [1, 65535], MASTER_ADDR missing or empty
-//         when WORLD_SIZE > 1, a rank variable without its size variable, LOOM_LAUNCHER set to
-//         anything but "spawn" beside RANK. The message names the variable and the value, e.g.
-//         "loom: RANK='abc' is not an integer".
+//         when WORLD_SIZE > 1, a rank variable without its size variable, a LOOM_LAUNCHER beside
+//         RANK that is neither empty nor "spawn:<port>". The message names the variable and the
+//         value, e.g. "loom: RANK='abc' is not an integer".
 //
 // Source: variable names and meanings as documented for torchrun (torch.distributed.run), Open MPI
 // (mpirun(1), "OMPI_COMM_WORLD_*") and Slurm (srun(1), "OUTPUT ENVIRONMENT VARIABLES").
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <cstdlib>
@@ -52,7 +54,7 @@ namespace loom {
 
 /// Which launcher's variables an Environment was read from.
 /// spawn: ranks forked by loom::spawn or loom::run on this machine (torchrun's variables plus
-/// LOOM_LAUNCHER=spawn); none: no launcher variables, a single process.
+/// LOOM_LAUNCHER=spawn:<MASTER_PORT>); none: no launcher variables, a single process.
 enum class Launcher { none, torchrun, mpirun, slurm, spawn };
 
 /// Name of a Launcher ("none", "torchrun", "mpirun", "slurm", "spawn"), for messages.
@@ -187,12 +189,6 @@ inline Environment Environment::from_lookup(const std::function<std::optional<st
 
   if (get("RANK")) {
     env.launcher = Launcher::torchrun;
-    if (auto by = get("LOOM_LAUNCHER")) {
-      if (*by != "spawn")
-        throw ConfigError(
-            fmt::format("LOOM_LAUNCHER='{}' is not a launcher loom knows (loom::spawn sets 'spawn')", *by));
-      env.launcher = Launcher::spawn;
-    }
     env.rank = detail::parse_env_count("RANK", *get("RANK"), 0);
     env.world_size = detail::parse_env_count("WORLD_SIZE", need("WORLD_SIZE", "RANK"), 1);
     local_rank = count("LOCAL_RANK", 0);
@@ -270,6 +266,18 @@ inline Environment Environment::from_lookup(const std::function<std::optional<st
     long long p = detail::parse_env_int("MASTER_PORT", *port);
     if (p < 1 || p > 65535) throw ConfigError(fmt::format("MASTER_PORT={} is outside [1, 65535]", *port));
     env.master_port = static_cast<std::uint16_t>(p);
+  }
+
+  // loom::spawn's mark, "spawn:<the MASTER_PORT spawn picked>". A mark naming another port was
+  // inherited from an outer spawned job by a process of another job (e.g. a torchrun started inside a
+  // spawned rank) and is ignored; an empty one counts as unset.
+  if (auto mark = get("LOOM_LAUNCHER"); mark && !mark->empty() && env.launcher == Launcher::torchrun) {
+    constexpr std::string_view prefix = "spawn:";
+    const std::string_view digits = std::string_view(*mark).substr(std::min(mark->size(), prefix.size()));
+    if (!mark->starts_with(prefix) || digits.empty() || digits.size() > 5 ||
+        digits.find_first_not_of("0123456789") != std::string_view::npos)
+      throw ConfigError(fmt::format("LOOM_LAUNCHER='{}' is not what loom::spawn sets ('spawn:<MASTER_PORT>')", *mark));
+    if (std::stoi(std::string(digits)) == env.master_port) env.launcher = Launcher::spawn;
   }
 
   if (auto agent = get("TORCHELASTIC_USE_AGENT_STORE")) {

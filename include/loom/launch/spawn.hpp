@@ -16,7 +16,7 @@
 //   RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, LOCAL_WORLD_SIZE=n, GROUP_RANK=0, GROUP_WORLD_SIZE=1,
 //   MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port spawn picked>, OMP_NUM_THREADS=<threads_per_rank>,
 //   LOOM_RENDEZVOUS_SECRET=<128 random bits, new for every spawn call> (see loom/launch/rendezvous.hpp),
-//   LOOM_LAUNCHER=spawn (Environment::launcher reads Launcher::spawn, not torchrun),
+//   LOOM_LAUNCHER=spawn:<that MASTER_PORT> (Environment::launcher reads Launcher::spawn, not torchrun),
 //   LOOM_MASTER_LISTEN_FD=<fd> in rank 0 with LibTorch 2.x (the listening MASTER_PORT socket spawn
 //   reserved, which rank 0's rendezvous hosts its store on: the port is never free in between),
 //   then SpawnOptions::env on top (it may override any of these). TORCHELASTIC_* variables inherited

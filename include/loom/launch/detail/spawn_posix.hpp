@@ -154,7 +154,7 @@ inline void prepare_child(int rank, int nprocs, std::uint16_t port, const std::s
   set("MASTER_ADDR", options.master_addr);
   set("MASTER_PORT", std::to_string(port));
   set("LOOM_RENDEZVOUS_SECRET", secret);
-  set("LOOM_LAUNCHER", "spawn");
+  set("LOOM_LAUNCHER", "spawn:" + std::to_string(port));  // the mark names this job's MASTER_PORT
   if (listen_fd >= 0) {
     ::fcntl(listen_fd, F_SETFD, ::fcntl(listen_fd, F_GETFD) & ~FD_CLOEXEC);  // spawn_command's exec keeps it
     set(kMasterListenFdVariable, std::to_string(listen_fd));
