@@ -2,25 +2,68 @@
 # Installs what is needed (scripts/setup.sh), then builds loom and runs its tests against two
 # LibTorch versions: the whole suite against pip's torch 2.13 (CPU; build-torch2/), and the
 # multi-rank suites against Debian's libtorch-dev (1.13 on Debian 12; build/). This is the README's
-# test command and what CI runs (.ci/run).
+# test command and what CI runs (.ci/run). It ends with a table of its phases and their seconds
+# (setup, each build, each test entry), also when a phase fails.
 #
 # Usage: scripts/test.sh [BUILD_DIR [TORCH2_BUILD_DIR]]
-#   LOOM_TEST_DEBIAN=full   runs the whole suite against Debian's LibTorch too (about 25 min more)
+#   LOOM_TEST_DEBIAN=full   runs the whole suite against Debian's LibTorch too (about 10 min more)
 #   LOOM_TEST_DEBIAN=none   skips Debian's LibTorch
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${1:-build}
 torch2_build_dir=${2:-build-torch2}
 start=$(date +%s)
-bash scripts/setup.sh "$build_dir" "$torch2_build_dir"
+stamp() { echo "test.sh: $* ($(( $(date +%s) - start )) s)"; }
+
+# The phase table: one row per phase, then each test entry of a test phase (from Meson's
+# meson-logs/testlog.json), printed when the script exits, whatever its outcome.
+table=()
+phase() {  # phase NAME COMMAND...: runs COMMAND, adds a row; returns COMMAND's status
+  local name=$1 t0 rc=0
+  shift
+  t0=$(date +%s)
+  stamp "$name"
+  "$@" || rc=$?
+  table+=("$(printf '%-58s %6d s%s' "$name" $(( $(date +%s) - t0 )) "$([ $rc -eq 0 ] || echo "  FAILED ($rc)")")")
+  return $rc
+}
+test_rows() {  # test_rows BUILD_DIR: a row per test entry of the last `meson test` in BUILD_DIR
+  local log=$1/meson-logs/testlog.json
+  [ -f "$log" ] || return 0
+  while IFS= read -r row; do table+=("$row"); done < <(python3 - "$log" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    t = json.loads(line)
+    mark = "" if t["result"] in ("OK", "SKIP", "EXPECTEDFAIL") else f"  {t['result']}"
+    print(f"    {t['name']:<54} {t['duration']:6.1f} s{mark}")
+PY
+  )
+}
+print_table() {
+  local rc=$?
+  echo
+  echo "test.sh: phases (seconds)"
+  printf '%s\n' "${table[@]}"
+  printf '%-58s %6d s\n' "total" $(( $(date +%s) - start ))
+  return $rc
+}
+trap print_table EXIT
+meson_test() {  # meson_test BUILD_DIR [TEST...]: one test at a time (most start 2-3 rank processes)
+  local dir=$1 rc=0
+  shift
+  meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 1 --timeout-multiplier 3 "$@" || rc=$?
+  test_rows "$dir"
+  return $rc
+}
+
+phase "setup (scripts/setup.sh)" bash scripts/setup.sh "$build_dir" "$torch2_build_dir"
 # Formatting first: a file that differs from .clang-format fails the run in seconds.
-bash scripts/check_format.sh
+phase "format check" bash scripts/check_format.sh
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.ccache}
 # Objects of one checkout are reused by another on the same machine (paths below it are hashed as
 # relative paths).
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
-jobs=${LOOM_BUILD_JOBS:-2}  # two compiles at a time: one LibTorch translation unit takes ~1 GiB and 30 s
-stamp() { echo "test.sh: $* ($(( $(date +%s) - start )) s)"; }
+jobs=${LOOM_BUILD_JOBS:-2}  # two compiles at a time: one LibTorch translation unit takes 1-2.5 GiB
 
 # Disk (measured on a clean clone): build-torch2/ 2.3 GB (one 0.9 GB precompiled header of LibTorch
 # for all test executables, objects with debug information), the multi-rank build/ 1.5 GB, .venv/
@@ -36,38 +79,32 @@ if [ "$avail_mb" -lt "$need_mb" ]; then
   echo "test.sh: warning: ${avail_mb} MB free on $(df -P . | awk 'NR == 2 { print $6 }') is less than the builds need" >&2
 fi
 
-# 1. LibTorch 2.13 (pip, CPU): build everything, run every test. One test at a time: most tests
-#    start 2-3 rank processes of their own on this 2-core machine.
+# 1. LibTorch 2.13 (pip, CPU): build everything, run every test.
 if [ -f "$torch2_build_dir/build.ninja" ]; then
-  stamp "building against pip's LibTorch 2.13 in $torch2_build_dir/"
-  ninja -C "$torch2_build_dir" -j "$jobs"
-  stamp "testing against pip's LibTorch 2.13"
-  meson test -C "$torch2_build_dir" --no-rebuild --print-errorlogs --num-processes 1 --timeout-multiplier 3 ||
-    { stamp "failed against LibTorch 2.13"; exit 1; }
+  phase "build: pip's LibTorch 2.13 ($torch2_build_dir/, everything)" ninja -C "$torch2_build_dir" -j "$jobs"
+  phase "tests: pip's LibTorch 2.13 (every test)" meson_test "$torch2_build_dir"
 else
   stamp "no $torch2_build_dir/ (LOOM_SETUP_TORCH2=0): LibTorch 2.13 skipped"
 fi
 
 # 2. Debian's LibTorch: the multi-rank suites (real processes over Gloo, two hosts, mpirun), or
-#    everything with LOOM_TEST_DEBIAN=full.
+#    everything with LOOM_TEST_DEBIAN=full. The multi-rank cases of each component are executables
+#    of their own (tests/*/meson.build), so this leg compiles only them.
 case "${LOOM_TEST_DEBIAN:-multirank}" in
   none) ;;
   full)
-    stamp "building against Debian's LibTorch in $build_dir/"
-    ninja -C "$build_dir" -j "$jobs"
-    stamp "testing against Debian's LibTorch (whole suite)"
-    meson test -C "$build_dir" --no-rebuild --print-errorlogs --num-processes 1 --timeout-multiplier 3
+    phase "build: Debian's LibTorch ($build_dir/, everything)" ninja -C "$build_dir" -j "$jobs"
+    phase "tests: Debian's LibTorch (every test)" meson_test "$build_dir"
     ;;
   multirank)
     suites=(comm comm_mpirun comm_gloo_symbols dist dist_two_hosts log sample_dist accumulate-dist reduce-dist
             train-dist schedule_rank)
     targets=(tests/comm/test_comm tests/comm/test_mpirun tests/dist/test_dist tests/dist/test_two_hosts
-             tests/log/test_log tests/sample/test_sample tests/accumulate/test_accumulate tests/reduce/test_reduce
-             tests/train/test_train tests/schedule/test_schedule examples/readme_loop)
-    stamp "building the multi-rank tests against Debian's LibTorch in $build_dir/"
-    ninja -C "$build_dir" -j "$jobs" "${targets[@]}"
-    stamp "testing against Debian's LibTorch (multi-rank suites: ${suites[*]})"
-    meson test -C "$build_dir" --no-rebuild --print-errorlogs --num-processes 1 --timeout-multiplier 3 "${suites[@]}"
+             tests/log/test_log tests/sample/test_sample_dist tests/accumulate/test_accumulate_dist
+             tests/reduce/test_reduce_dist tests/train/test_train_dist tests/schedule/test_schedule_rank
+             examples/readme_loop)
+    phase "build: Debian's LibTorch ($build_dir/, the multi-rank tests)" ninja -C "$build_dir" -j "$jobs" "${targets[@]}"
+    phase "tests: Debian's LibTorch (multi-rank: ${#suites[@]} entries)" meson_test "$build_dir" "${suites[@]}"
     ;;
   *) echo "test.sh: LOOM_TEST_DEBIAN must be multirank, full or none" >&2; exit 2 ;;
 esac
