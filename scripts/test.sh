@@ -63,6 +63,10 @@ export CCACHE_DIR=${CCACHE_DIR:-$HOME/.ccache}
 # Objects of one checkout are reused by another on the same machine (paths below it are hashed as
 # relative paths).
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+# The test files compile with a precompiled header (-include test_pch.hpp -fpch-preprocess), which
+# ccache caches only with this sloppiness (its manual, "Precompiled headers"); without it every test
+# unit is "uncacheable" and a second run compiles them all again.
+export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros}
 jobs=${LOOM_BUILD_JOBS:-2}  # two compiles at a time: one LibTorch translation unit takes 1-2.5 GiB
 
 # Disk (measured on a clean clone): build-torch2/ 2.3 GB (one 0.9 GB precompiled header of LibTorch

@@ -17,6 +17,8 @@
 
 #include "reference/collate_reference.hpp"
 
+namespace test_collate {
+
 namespace {
 
 using Sample = std::pair<torch::Tensor, int64_t>;
@@ -837,3 +839,5 @@ TEST_CASE("DeviceTransfer: labels map to devices; a batch moves with Tensor::to;
   CHECK(m.step_end);
   CHECK_FALSE(t2.done.has_value());  // meta has no streams: nothing to wait for
 }
+
+}  // namespace test_collate

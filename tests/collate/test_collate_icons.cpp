@@ -14,6 +14,8 @@
 
 #include "reference/collate_reference.hpp"
 
+namespace test_collate_icons {
+
 namespace {
 const char* const kIcons = "/usr/share/icons/Adwaita";
 
@@ -125,3 +127,5 @@ TEST_CASE("real data: Adwaita icon sizes — buckets and padding fraction") {
   CHECK(static_cast<double>(mask_true) == real);
   CHECK(c.stats().padding_fraction() == doctest::Approx(naive_fraction32).epsilon(1e-12));
 }
+
+}  // namespace test_collate_icons

@@ -18,6 +18,8 @@
 #include <loom/launch/rendezvous.hpp>
 #include <loom/launch/spawn.hpp>
 
+namespace test_gloo {
+
 namespace {
 
 constexpr auto kTestTimeout = std::chrono::seconds(20);
@@ -423,3 +425,5 @@ TEST_CASE("GlooCommunicator for one process: no port is opened, collectives are 
       },
       spawn_opts());
 }
+
+}  // namespace test_gloo

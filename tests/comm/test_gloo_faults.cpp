@@ -16,6 +16,8 @@
 
 #include "support/temp_dir.hpp"
 
+namespace test_gloo_faults {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -299,3 +301,5 @@ TEST_CASE(
               },
               {.timeout = std::chrono::seconds(60)});
 }
+
+}  // namespace test_gloo_faults

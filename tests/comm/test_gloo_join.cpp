@@ -7,6 +7,8 @@
 #include <loom/comm/gloo.hpp>
 #include <loom/launch/spawn.hpp>
 
+namespace test_gloo_join {
+
 namespace {
 
 using Kind = loom::detail::GlooDeviceChoice::Kind;
@@ -136,3 +138,5 @@ TEST_CASE("GlooCommunicator: when one rank fails to join, the others stop waitin
     }
   }
 }
+
+}  // namespace test_gloo_join

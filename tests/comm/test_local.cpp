@@ -1,5 +1,7 @@
 #include <loom/comm/local.hpp>
 
+namespace test_local {
+
 TEST_CASE("LocalCommunicator: collectives are the identity and check their tensors") {
   loom::LocalCommunicator comm;
   CHECK(comm.rank() == 0);
@@ -42,3 +44,5 @@ TEST_CASE("Communicator requires device(): where the collectives take their tens
   static_assert(loom::AsyncCommunicator<loom::LocalCommunicator>);
   CHECK(loom::LocalCommunicator{}.device() == c10::Device(c10::kCPU));
 }
+
+}  // namespace test_local

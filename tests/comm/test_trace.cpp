@@ -7,6 +7,8 @@
 
 #include "support/temp_dir.hpp"
 
+namespace test_trace {
+
 using loom::trace::Context;
 using loom::trace::Entry;
 using loom::trace::FlightRecorder;
@@ -243,3 +245,5 @@ TEST_CASE("first_divergence: a rank outside any collective, a missing rank, no m
     CHECK(v.ranks.empty());
   }
 }
+
+}  // namespace test_trace

@@ -4,6 +4,8 @@
 
 #include <loom/launch/environment.hpp>
 
+namespace test_environment {
+
 using loom::Environment;
 using Vars = std::map<std::string, std::string, std::less<>>;
 
@@ -261,3 +263,5 @@ TEST_CASE("Environment::from_env reads the process environment") {
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
 }
+
+}  // namespace test_environment

@@ -13,6 +13,8 @@
 #include <loom/launch/rendezvous.hpp>
 #include <loom/launch/spawn.hpp>
 
+namespace test_spawn {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -239,7 +241,10 @@ TEST_CASE("spawn_command: the exec-based mode runs a program per rank") {
   CHECK(dir.read("r0") == "0 2 127.0.0.1\n");
   CHECK(dir.read("r1") == "1 2 127.0.0.1\n");
   try {
-    loom::spawn_command(2, {"/bin/sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60"},
+    // exec: rank 0's shell becomes the sleep, which spawn's SIGTERM then ends. A shell's child outlives
+    // its terminated shell (spawn signals each rank's process, not what it started) and would hold the
+    // test's standard output open for the whole minute.
+    loom::spawn_command(2, {"/bin/sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 60"},
                         {.grace = std::chrono::milliseconds(100)});
     FAIL("spawn_command did not throw");
   } catch (const loom::SpawnError& e) {
@@ -384,3 +389,5 @@ TEST_CASE("rendezvous: a client without the job's secret cannot make rank 0 acce
   CHECK(warning.find("loom: warning: LOOM_RENDEZVOUS_SECRET is not set") == 0);
   CHECK(std::count(warning.begin(), warning.end(), '\n') == 1);
 }
+
+}  // namespace test_spawn

@@ -20,6 +20,8 @@
 #include "../../examples/common/data/png.hpp"
 #include "support/temp_dir.hpp"
 
+namespace test_data {
+
 namespace fs = std::filesystem;
 namespace data = examples::data;
 
@@ -351,3 +353,5 @@ TEST_SUITE("data") {
   }
 
 }  // TEST_SUITE("data")
+
+}  // namespace test_data

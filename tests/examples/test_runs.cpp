@@ -27,6 +27,8 @@
 
 #include "support/temp_dir.hpp"
 
+namespace test_runs {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -425,3 +427,5 @@ TEST_SUITE("runs") {
   }
 
 }  // TEST_SUITE("runs")
+
+}  // namespace test_runs

@@ -24,6 +24,8 @@
 #include "support/recording_communicator.hpp"
 #include "support/temp_dir.hpp"
 
+namespace test_log {
+
 namespace {
 
 using loom::test::read_file;
@@ -507,3 +509,5 @@ TEST_CASE("Progress per node: leaders' lines carry their rank; options are valid
   CHECK(loom::detail::format_hms(3725.4) == "1:02:05");
   CHECK(loom::detail::format_hms(-1) == "?");
 }
+
+}  // namespace test_log

@@ -23,6 +23,8 @@
 #include "support/ranks.hpp"
 #include "support/temp_dir.hpp"
 
+namespace test_log_multirank {
+
 namespace {
 
 const loom::test::RankOptions kRanks{.comm_timeout = std::chrono::seconds(20),
@@ -279,3 +281,5 @@ TEST_CASE("multi-rank Progress: global samples summed over ranks; bars on rank 0
   }
   for (int r : {1, 3}) CHECK(read_file(dir / fmt::format("local.{}.log", r)).empty());
 }
+
+}  // namespace test_log_multirank

@@ -5,6 +5,7 @@ tests/packaging/misuse/) that must fail to build with exactly one error, whose t
 Usage: check_misuse.py --ninja NINJA --builddir DIR --case TARGET EXPECTED_TEXT [--case ...]
 """
 import argparse
+import re
 import subprocess
 import sys
 
@@ -15,12 +16,26 @@ def main():
     ap.add_argument("--builddir", required=True)
     ap.add_argument("--case", nargs=2, action="append", required=True, metavar=("TARGET", "EXPECTED"))
     a = ap.parse_args()
+    # One ninja call for every case, two compiles at a time; -k 0: every case is built whatever the
+    # others do. Ninja prints each failed edge as "FAILED: ... <object>" followed by the compiler's
+    # output, up to the next status line ("[i/n] ...") or its closing "ninja: ..." line.
+    p = subprocess.run([a.ninja, "-C", a.builddir, "-k", "0", "-j", "2"] + [t for t, _ in a.case],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    blocks = []  # (FAILED line, the lines after it)
+    for line in p.stdout.splitlines():
+        if line.startswith("FAILED:"):
+            blocks.append((line, []))
+        elif re.match(r"\[\d+/\d+\] ", line) or line.startswith("ninja: "):
+            blocks.append(None)
+        elif blocks and blocks[-1] is not None:
+            blocks[-1][1].append(line)
+    failed = [b for b in blocks if b is not None]
     failures = 0
     for target, expected in a.case:
-        p = subprocess.run([a.ninja, "-C", a.builddir, target], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
-        errors = [l for l in p.stdout.splitlines() if " error: " in l or l.startswith("error: ")]
-        if p.returncode == 0:
+        # The case's object lies in the target's private folder, e.g. libmisuse_x.a.p/.
+        mine = [lines for head, lines in failed if (target.rsplit("/", 1)[-1] + ".p/") in head]
+        errors = [l for lines in mine for l in lines if " error: " in l or l.startswith("error: ")]
+        if not mine:
             print(f"FAIL {target}: it compiled; the misuse must not")
             failures += 1
         elif len(errors) != 1 or expected not in errors[0]:

@@ -16,6 +16,8 @@
 
 #include "support/recording_communicator.hpp"
 
+namespace test_buckets {
+
 namespace {
 
 std::vector<loom::GradSpec> float32_specs(std::initializer_list<std::int64_t> numels) {
@@ -231,3 +233,5 @@ TEST_CASE("Accumulator drives any GradientReducer: sync only on the K-th micro-b
   CHECK(r.plans[10].final);
   CHECK(r.plans[10].window_samples == 6);
 }
+
+}  // namespace test_buckets

@@ -22,6 +22,8 @@
 
 #include "support/models.hpp"
 
+namespace test_grid {
+
 namespace {
 
 namespace d = loom::detail;
@@ -610,3 +612,5 @@ TEST_CASE("deterministic reducer: the rules of the floating mode hold (stale gra
                          loom::InvalidArgument);
   }
 }
+
+}  // namespace test_grid

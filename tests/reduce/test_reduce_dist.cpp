@@ -22,6 +22,8 @@
 #include "support/models.hpp"
 #include "support/ranks.hpp"
 
+namespace test_reduce_dist {
+
 using loom::test::run_ranks;
 
 TEST_SUITE("dist") {
@@ -435,3 +437,5 @@ def forward(self, x, y):
   }
 
 }  // TEST_SUITE
+
+}  // namespace test_reduce_dist

@@ -18,6 +18,8 @@
 #include "support/models.hpp"
 #include "support/recording_communicator.hpp"
 
+namespace test_reducer {
+
 namespace {
 
 bool inside(const at::Tensor& view, const at::Tensor& bucket) {
@@ -681,3 +683,5 @@ TEST_CASE("detail::scale_and_check: the one-pass average and inf/NaN scan matche
   CHECK_FALSE(loom::detail::scale_and_check(strided, 2.0, true, true));
   CHECK(torch::equal(strided, torch::arange(12, torch::kFloat).reshape({3, 4}).t() / 2));
 }
+
+}  // namespace test_reducer

@@ -20,6 +20,8 @@
 #include "support/models.hpp"
 #include "support/recording_communicator.hpp"
 
+namespace test_reducer_rules {
+
 namespace {
 
 at::Tensor scalar_param(double v, at::ScalarType dtype = at::kDouble) {
@@ -307,3 +309,5 @@ TEST_CASE("Reducer: at most one host read per step, none inside autograd hooks")
   CHECK(reducer.host_reads().in_hooks == 0);
   CHECK(reducer.host_reads().total <= steps + 2 * (flushes + 1));
 }
+
+}  // namespace test_reducer_rules

@@ -17,6 +17,8 @@
 #include "support/models.hpp"
 #include "support/ranks.hpp"
 
+namespace test_rules_dist {
+
 using loom::test::run_ranks;
 
 namespace {
@@ -208,3 +210,5 @@ TEST_SUITE("dist") {
   }
 
 }  // TEST_SUITE
+
+}  // namespace test_rules_dist

@@ -25,6 +25,8 @@
 #include "support/models.hpp"
 #include "support/temp_dir.hpp"
 
+namespace test_trace_dist {
+
 namespace fs = std::filesystem;
 using loom::trace::Context;
 
@@ -235,3 +237,5 @@ TEST_SUITE("dist") {
                "ranks 0, 1 issued all_reduce", "(reducer bucket 0, step 3"});
   }
 }
+
+}  // namespace test_trace_dist

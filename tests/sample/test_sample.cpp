@@ -22,6 +22,8 @@
 #include "reference/sample_reference.hpp"
 #include "support/thread_communicator.hpp"
 
+namespace test_sample {
+
 namespace {
 
 std::vector<int64_t> drain(loom::DistributedSampler& s) {
@@ -577,3 +579,5 @@ TEST_CASE("BatchRules: the bucket sampler's fingerprint folds the fields in a fi
   other.multiple_of = 2;
   CHECK(loom::DistributedBucketBatchSampler(shapes, other).state().fingerprint != f.value());
 }
+
+}  // namespace test_sample

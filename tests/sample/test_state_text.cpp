@@ -13,6 +13,8 @@
 #include <loom/sample/concepts.hpp>
 #include <loom/sample/global_batch.hpp>
 
+namespace test_state_text {
+
 namespace {
 
 using namespace std::string_literals;
@@ -116,3 +118,5 @@ TEST_CASE("state text: a long or binary text is quoted shortened, bytes escaped"
   CHECK_THROWS_WITH_AS(loom::parse_global_cursor("\x7f\x80"), doctest::Contains("'\\x7f\\x80' is malformed"),
                        loom::InvalidArgument);
 }
+
+}  // namespace test_state_text

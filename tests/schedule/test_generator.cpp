@@ -18,6 +18,8 @@
 
 #include "helpers.hpp"
 
+namespace test_generator {
+
 namespace {
 
 // ---- archetypes --------------------------------------------------------------------------------
@@ -356,3 +358,5 @@ TEST_CASE("own_sample: tensors that share their memory are copied, tensors that 
     CHECK(o.image.data_ptr() == buffer.data_ptr());
   }
 }
+
+}  // namespace test_generator

@@ -12,6 +12,8 @@
 
 #include "helpers.hpp"
 
+namespace test_generator_loader {
+
 using loom::test::expected_rows;
 using loom::test::Stream;
 using loom::test::streams;
@@ -642,3 +644,5 @@ TEST_CASE("GeneratorLoader: bad options name the value") {
   loom::GeneratorLoader<Stream> s(streams(2, 3), {.num_devices = 1});
   CHECK_THROWS_WITH_AS(s.report(), doctest::Contains("has not ended"), loom::InvalidArgument);
 }
+
+}  // namespace test_generator_loader

@@ -23,6 +23,8 @@
 
 #include "trainer_fixture.hpp"
 
+namespace test_checkpoint {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -300,3 +302,5 @@ TEST_CASE("checkpoint: a deterministic run keeps its grid exponents across a res
   CHECK(fourth.trainer.reducer().grid_exponents() == initial);
   fs::remove_all(file.parent_path());
 }
+
+}  // namespace test_checkpoint

@@ -20,6 +20,8 @@
 #include "support/ranks.hpp"
 #include "trainer_fixture.hpp"
 
+namespace test_checkpoint_dist {
+
 namespace fs = std::filesystem;
 
 TEST_SUITE("dist") {
@@ -99,3 +101,5 @@ TEST_SUITE("dist") {
         {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
   }
 }
+
+}  // namespace test_checkpoint_dist

@@ -34,6 +34,8 @@
 #include "support/ranks.hpp"
 #include "support/temp_dir.hpp"
 
+namespace test_elastic_dist {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -247,3 +249,5 @@ TEST_SUITE("dist") {
     CHECK(max_relative(parse(read_file(other.path / "params.o")), params[1]) > 1e-6);
   }
 }  // TEST_SUITE
+
+}  // namespace test_elastic_dist

@@ -15,6 +15,8 @@
 #include "support/thread_communicator.hpp"
 #include "trainer_fixture.hpp"
 
+namespace test_evaluate {
+
 namespace {
 
 using loom::test::kTrainerSamples;
@@ -145,3 +147,5 @@ TEST_CASE("evaluate: fn's wrong row count, a plan that drops samples, and one ra
   CHECK(errors[0] == "loom: evaluate: rank 1 failed: " + errors[1]);
   CHECK(errors[2] == errors[0]);
 }
+
+}  // namespace test_evaluate

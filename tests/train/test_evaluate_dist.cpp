@@ -19,6 +19,8 @@
 #include "support/ranks.hpp"
 #include "trainer_fixture.hpp"
 
+namespace test_evaluate_dist {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -97,3 +99,5 @@ TEST_SUITE("dist") {
     fs::remove_all(dir);
   }
 }
+
+}  // namespace test_evaluate_dist

@@ -32,6 +32,8 @@
 #include "support/ranks.hpp"
 #include "support/temp_dir.hpp"
 
+namespace test_exact_dist {
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -242,3 +244,5 @@ TEST_SUITE("dist") {
     CHECK(read_file(dir.path / "params.b") == read_file(straight.path / "params.all"));
   }
 }  // TEST_SUITE
+
+}  // namespace test_exact_dist

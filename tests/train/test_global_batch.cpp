@@ -15,6 +15,8 @@
 #include <loom/sample/global_batch.hpp>
 #include <loom/sample/sample_seed.hpp>
 
+namespace test_global_batch {
+
 namespace {
 
 using Shapes = std::vector<std::vector<int64_t>>;
@@ -510,3 +512,5 @@ TEST_CASE("global_batch_size: conflicting step rules are named; it changes the f
   loom::GlobalBatchSampler b(shapes, {.global_batch_size = 16});
   CHECK_THROWS_AS(b.resume(a.cursor()), loom::InvalidArgument);
 }
+
+}  // namespace test_global_batch

@@ -23,6 +23,8 @@
 
 #include "trainer_fixture.hpp"
 
+namespace test_loader {
+
 namespace {
 
 using namespace std::chrono_literals;
@@ -278,3 +280,5 @@ TEST_CASE("Short-path errors name what the user wrote: BatchLoader, its calls, T
         "loom: Trainer: its loom::Reducer (TrainerOptions::reducer, the model's parameters) refused: Reducer: "
         "max_grad_norm = -1 (must be > 0)");
 }
+
+}  // namespace test_loader

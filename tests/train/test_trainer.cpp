@@ -20,6 +20,8 @@
 
 #include "trainer_fixture.hpp"
 
+namespace test_trainer {
+
 namespace {
 
 bool equal_lists(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
@@ -831,3 +833,5 @@ TEST_CASE("collate_sampled carries the item's step, step end and idle flag into 
   CHECK(i.weight == 0.0);
   CHECK(i.counted_samples() == 0);
 }
+
+}  // namespace test_trainer

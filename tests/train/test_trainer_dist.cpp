@@ -22,6 +22,8 @@
 #include "support/ranks.hpp"
 #include "trainer_fixture.hpp"
 
+namespace test_trainer_dist {
+
 namespace {
 
 void expect(bool ok, const std::string& what) {
@@ -321,3 +323,5 @@ TEST_SUITE("dist") {
   }
 
 }  // TEST_SUITE
+
+}  // namespace test_trainer_dist
