@@ -18,24 +18,27 @@ stamp() { echo "test.sh: $* ($(( $(date +%s) - start )) s)"; }
 # The phase table: one row per phase, then each test entry of a test phase (from Meson's
 # meson-logs/testlog.json), printed when the script exits, whatever its outcome.
 table=()
+pending=()  # the test rows of the running phase, placed under its row
 phase() {  # phase NAME COMMAND...: runs COMMAND, adds a row; returns COMMAND's status
   local name=$1 t0 rc=0
   shift
   t0=$(date +%s)
   stamp "$name"
+  pending=()
   "$@" || rc=$?
-  table+=("$(printf '%-58s %6d s%s' "$name" $(( $(date +%s) - t0 )) "$([ $rc -eq 0 ] || echo "  FAILED ($rc)")")")
+  table+=("$(printf '%-60s %6d s%s' "$name" $(( $(date +%s) - t0 )) "$([ $rc -eq 0 ] || echo "  FAILED ($rc)")")")
+  table+=(${pending[@]+"${pending[@]}"})
   return $rc
 }
 test_rows() {  # test_rows BUILD_DIR: a row per test entry of the last `meson test` in BUILD_DIR
   local log=$1/meson-logs/testlog.json
   [ -f "$log" ] || return 0
-  while IFS= read -r row; do table+=("$row"); done < <(python3 - "$log" <<'PY'
+  while IFS= read -r row; do pending+=("$row"); done < <(python3 - "$log" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     t = json.loads(line)
     mark = "" if t["result"] in ("OK", "SKIP", "EXPECTEDFAIL") else f"  {t['result']}"
-    print(f"    {t['name']:<54} {t['duration']:6.1f} s{mark}")
+    print(f"    {t['name']:<56} {t['duration']:6.1f} s{mark}")
 PY
   )
 }
@@ -44,7 +47,7 @@ print_table() {
   echo
   echo "test.sh: phases (seconds)"
   printf '%s\n' "${table[@]}"
-  printf '%-58s %6d s\n' "total" $(( $(date +%s) - start ))
+  printf '%-60s %6d s\n' "total" $(( $(date +%s) - start ))
   return $rc
 }
 trap print_table EXIT
@@ -69,11 +72,10 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDI
 export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros}
 jobs=${LOOM_BUILD_JOBS:-2}  # two compiles at a time: one LibTorch translation unit takes 1-2.5 GiB
 
-# Disk (measured on a clean clone): build-torch2/ 2.3 GB (one 0.9 GB precompiled header of LibTorch
-# for all test executables, objects with debug information), the multi-rank build/ 1.5 GB, .venv/
-# 0.9 GB, ccache a little; 4.7 GB in all at the peak. Say so before a compiler fails with "No space
-# left on device".
-need_mb=6000
+# Disk (measured on a clean clone): build-torch2/ 0.9 GB (0.7 GB of it the precompiled header of
+# LibTorch for all test executables), the multi-rank build/ 0.7 GB, .venv/ 0.9 GB, ccache 0.25 GB;
+# 2.7 GB in all. Say so before a compiler fails with "No space left on device".
+need_mb=3500
 for d in "$torch2_build_dir" "$build_dir"; do
   [ -d "$d" ] && need_mb=$(( need_mb - $(du -sm "$d" | cut -f1) ))
 done
