@@ -54,6 +54,7 @@ trap print_table EXIT
 meson_test() {  # meson_test BUILD_DIR [TEST...]: one test at a time (most start 2-3 rank processes)
   local dir=$1 rc=0
   shift
+  rm -f "$dir/meson-logs/testlog.json"  # no rows of an earlier run if this one runs nothing
   meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 1 --timeout-multiplier 3 "$@" || rc=$?
   test_rows "$dir"
   return $rc
@@ -64,7 +65,8 @@ phase "setup (scripts/setup.sh)" bash scripts/setup.sh "$build_dir" "$torch2_bui
 phase "format check" bash scripts/check_format.sh
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.ccache}
 # Objects of one checkout are reused by another on the same machine (paths below it are hashed as
-# relative paths).
+# relative paths), except the test executables' unity units, which Meson writes with absolute paths:
+# those are reused by a later build in the same folder.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 # The test files compile with a precompiled header (-include test_pch.hpp -fpch-preprocess), which
 # ccache caches only with this sloppiness (its manual, "Precompiled headers"); without it every test

@@ -5,6 +5,7 @@ tests/packaging/misuse/) that must fail to build with exactly one error, whose t
 Usage: check_misuse.py --ninja NINJA --builddir DIR --case TARGET EXPECTED_TEXT [--case ...]
 """
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -22,7 +23,8 @@ def main():
     p = subprocess.run([a.ninja, "-C", a.builddir, "-k", "0", "-j", "2"] + [t for t, _ in a.case],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     blocks = []  # (FAILED line, the lines after it)
-    for line in p.stdout.splitlines():
+    out = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout)  # CLICOLOR_FORCE=1 colours "FAILED:"
+    for line in out.splitlines():
         if line.startswith("FAILED:"):
             blocks.append((line, []))
         elif re.match(r"\[\d+/\d+\] ", line) or line.startswith("ninja: "):
@@ -35,8 +37,11 @@ def main():
         # The case's object lies in the target's private folder, e.g. libmisuse_x.a.p/.
         mine = [lines for head, lines in failed if (target.rsplit("/", 1)[-1] + ".p/") in head]
         errors = [l for lines in mine for l in lines if " error: " in l or l.startswith("error: ")]
-        if not mine:
+        if not mine and os.path.exists(os.path.join(a.builddir, target)):
             print(f"FAIL {target}: it compiled; the misuse must not")
+            failures += 1
+        elif not mine:
+            print(f"FAIL {target}: not built (ninja stopped before it):\n{out[-3000:]}")
             failures += 1
         elif len(errors) != 1 or expected not in errors[0]:
             print(f"FAIL {target}: want exactly one error containing\n  {expected}\ngot {len(errors)}:")
