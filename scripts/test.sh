@@ -6,7 +6,8 @@
 # (setup, each build, each test entry), also when a phase fails.
 #
 # Usage: scripts/test.sh [BUILD_DIR [TORCH2_BUILD_DIR]]
-#   LOOM_TEST_DEBIAN=full   runs the whole suite against Debian's LibTorch too (about 10 min more)
+#   LOOM_TEST_DEBIAN=full   runs the whole suite against Debian's LibTorch too (about 10 min more, as
+#                           the pip leg's build and tests take; not timed)
 #   LOOM_TEST_DEBIAN=none   skips Debian's LibTorch
 set -euo pipefail
 cd "$(dirname "$0")/.."
