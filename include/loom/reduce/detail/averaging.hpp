@@ -22,6 +22,7 @@
 
 #include <ATen/ATen.h>
 
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/detail/bucket.hpp>
 #include <loom/reduce/detail/scale.hpp>
 #include <loom/reduce/detail/window_summary.hpp>
@@ -77,7 +78,7 @@ class WindowAverage {
   /// device, the verdict in b.bad (no host read).
   /// `meta`: the summed window meta (int64 [WindowMeta::kLength]), its all-reduce complete.
   void apply(GradBucket& b, const at::Tensor& meta, bool check) {
-    if (meta.is_cpu() && b.flat.is_cpu()) {
+    if (on_host(meta) && on_host(b.flat)) {
       double value = host_factor(meta, /*post_wire=*/b.wire.defined());
       bool divide = divide_ && !b.wire.defined();
       if (b.wire.defined()) {

@@ -19,6 +19,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/grad_mode.h>
 
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/buckets.hpp>
 #include <loom/reduce/detail/exact.hpp>
@@ -117,13 +118,13 @@ inline void write_used_flags(GradBucket& b, const std::vector<GradSlot>& slots, 
   const std::int64_t limbs = b.meta_bits > 0 ? MetaLimbs::count(b.meta_bits) : 0;
   LOOM_ASSERT(limbs == 0 || row != nullptr, "a bucket carrying the window meta needs this rank's row");
   at::Tensor tail = carrier.narrow(0, b.head.numel(), static_cast<std::int64_t>(n) + limbs);
-  at::Tensor dst = tail.is_cpu() ? tail : b.flags_host;
+  at::Tensor dst = on_host(tail) ? tail : b.flags_host;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst.scalar_type(), "loom_write_flags", [&] {
     scalar_t* p = dst.data_ptr<scalar_t>();
     for (std::size_t j = 0; j < n; ++j) p[j] = slots[b.slots[j]].used ? scalar_t(1) : scalar_t(0);
     if (limbs > 0) MetaLimbs::encode(*row, b.meta_bits, p + n);
   });
-  if (!tail.is_cpu()) tail.copy_(b.flags_host, /*non_blocking=*/true);
+  if (!on_host(tail)) tail.copy_(b.flags_host, /*non_blocking=*/true);
 }
 
 /// Whether `p`'s gradient is summed in a float32 slot (ReducerOptions::float32_accumulation).
@@ -179,7 +180,7 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
     const c10::ScalarType wire_dtype = compressed ? *options.wire_dtype : dtype;
     if (carry_meta && bi == 0 && !options.deterministic) b.meta_bits = MetaLimbs::bits(wire_dtype, world_size);
     const std::int64_t limbs = b.meta_bits > 0 ? MetaLimbs::count(b.meta_bits) : 0;
-    const bool ranged = !options.deterministic && !b.main && !compressed && first.is_cpu() &&
+    const bool ranged = !options.deterministic && !b.main && !compressed && on_host(first) &&
                         (dtype == at::kFloat || dtype == at::kDouble);
     b.flat = at::zeros({total + n + limbs + (ranged ? 1 : 0)}, opts);
     b.head = b.flat.narrow(0, 0, total);
@@ -198,11 +199,11 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
       b.qflat = at::zeros({total + GridTail::length(n)}, opts.dtype(at::kLong));
       b.qhead = b.qflat.narrow(0, 0, total);
       b.qtail = b.qflat.narrow(0, total, GridTail::length(n));
-      if (!first.is_cpu()) b.qflags_host = at::empty({2 * n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+      if (!on_host(first)) b.qflags_host = at::empty({2 * n}, at::TensorOptions().dtype(at::kLong).pinned_memory(first.is_cuda()));
       if (has_fused_scan(b.flat)) b.qwire = at::empty({b.qflat.numel() + 1}, opts.dtype(at::kInt));
     }
-    if (!first.is_cpu())
-      b.flags_host = at::empty({n + limbs}, at::TensorOptions().dtype(wire_dtype).pinned_memory(true));
+    if (!on_host(first))
+      b.flags_host = at::empty({n + limbs}, at::TensorOptions().dtype(wire_dtype).pinned_memory(first.is_cuda()));
     std::int64_t offset = 0;
     std::size_t flag = 0;
     for (std::size_t k : b.slots) {

@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/torch_api.hpp>
 #include <loom/error.hpp>
@@ -345,7 +346,7 @@ class ReducerState {
   void rebuild_buckets() {
     buckets_ = allocate_buckets(assign_slots(list_, slots_, order_.order(), options_), slots_, list_, options_,
                                 comm_->world_size(), /*carry_meta=*/true);
-    if (carries_meta() && !(buckets_.front().meta.is_cpu() && meta_.is_cpu()))
+    if (carries_meta() && !(on_host(buckets_.front().meta) && on_host(meta_)))
       meta_tables_ = MetaLimbs::tables(buckets_.front().meta_bits, device_);
   }
 
@@ -360,7 +361,7 @@ class ReducerState {
     works_[bi].reset();
     if (bi != 0 || !carries_meta() || meta_ready_) return;
     const auto& b = buckets_.front();
-    if (b.meta.is_cpu() && meta_.is_cpu()) {
+    if (on_host(b.meta) && on_host(meta_)) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.meta.scalar_type(), "loom_meta_decode", [&] {
         WindowMeta::write(meta_, MetaLimbs::decode(b.meta.data_ptr<scalar_t>(), b.meta_bits, comm_->world_size()));
       });
@@ -588,7 +589,7 @@ class ReducerState {
     s.grid_pending = false;
     const bool first = !s.grid_sums;  // the first contribution writes the sums (a bucket's are not zeroed)
     s.grid_sums = true;
-    if (b.qflat.is_cpu() && has_fused_scan(b.flat)) {
+    if (on_host(b.qflat) && has_fused_scan(b.flat)) {
       GridFlags f;
       AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_grid_quantize", [&] {
         f = quantize_add_cpu(b.flat.data_ptr<scalar_t>() + s.offset, b.qflat.data_ptr<std::int64_t>() + s.offset, numel,
@@ -617,15 +618,15 @@ class ReducerState {
   /// bucket on a GPU stages them in pinned memory and copies them without waiting (a hook never waits).
   void write_grid_tail(GradBucket& b) {
     const auto n = static_cast<std::int64_t>(b.slots.size());
-    at::Tensor host = b.qtail.is_cpu() ? b.qtail : b.qflags_host;
+    at::Tensor host = on_host(b.qtail) ? b.qtail : b.qflags_host;
     auto* t = host.data_ptr<std::int64_t>();
-    const std::int64_t c0 = b.qtail.is_cpu() ? GridTail::contributions(n, 0) : n;  // staging: [used n | counts n]
+    const std::int64_t c0 = on_host(b.qtail) ? GridTail::contributions(n, 0) : n;  // staging: [used n | counts n]
     for (std::int64_t j = 0; j < n; ++j) {
       const auto& s = slots_[b.slots[static_cast<std::size_t>(j)]];
       t[GridTail::used(n, j)] = s.used ? 1 : 0;
       t[c0 + j] = s.window_contributions;
     }
-    if (b.qtail.is_cpu()) return;
+    if (on_host(b.qtail)) return;
     b.qtail.narrow(0, 0, n).copy_(b.qflags_host.narrow(0, 0, n), /*non_blocking=*/true);
     b.qtail.narrow(0, GridTail::contributions(n, 0), n).copy_(b.qflags_host.narrow(0, n, n), /*non_blocking=*/true);
   }
@@ -636,7 +637,7 @@ class ReducerState {
   /// exponents from the reduced integers, which are the same on every rank. Host reads: none on
   /// the CPU; on a GPU one for the window meta, one for the tails and maxima, one more for clipping.
   WindowSummary reduce_on_grid(bool clip, GridVerdict& verdict, std::int64_t& wide_buckets) {
-    const at::Tensor m = meta_.is_cpu() ? meta_ : host_read(meta_);
+    const at::Tensor m = on_host(meta_) ? meta_ : host_read(meta_);
     WindowSummary summary;
     summary.counts = WindowCounts::decode(m.data_ptr<std::int64_t>());
     const WindowCounts& c = summary.counts;
@@ -652,7 +653,7 @@ class ReducerState {
       works_[bi]->wait();
       auto& b = buckets_[bi];
       const auto n = static_cast<std::int64_t>(b.slots.size());
-      if (b.qflat.is_cpu() && has_fused_scan(b.flat)) {
+      if (on_host(b.qflat) && has_fused_scan(b.flat)) {
         // The int32 wire's sums, unless some rank's integers did not fit it: then every rank (the
         // flag is the reduced one) sends the bucket again as int64, in bucket order.
         bool narrow = b.qwire.defined();
@@ -775,11 +776,11 @@ class ReducerState {
         const at::Tensor g = b.flat.narrow(0, slots_[k].offset, param(k).numel());
         norms.push_back(at::norm(g, 2, compute_dtype(g.scalar_type())).to(at::kDouble).reshape({1}));
       }
-      const bool on_host =
-          std::all_of(buckets_.begin(), buckets_.end(), [](const GradBucket& b) { return b.flat.is_cpu(); });
-      if (!on_host)
+      const bool host =
+          std::all_of(buckets_.begin(), buckets_.end(), [](const GradBucket& b) { return on_host(b.flat); });
+      if (!host)
         for (auto& n : norms) n = n.to(device_);
-      const at::Tensor all = on_host ? at::cat(norms) : host_read(at::cat(norms));
+      const at::Tensor all = host ? at::cat(norms) : host_read(at::cat(norms));
       double sumsq = 0;
       for (std::int64_t k = 0; k < all.numel(); ++k) sumsq += all.data_ptr<double>()[k] * all.data_ptr<double>()[k];
       summary.squared_norm = sumsq;

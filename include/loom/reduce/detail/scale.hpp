@@ -19,6 +19,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <loom/reduce/detail/host_path.hpp>
+
 namespace loom::detail {
 
 /// The signed integer as wide as T. A float's bits with the sign bit cleared, read as this integer,
@@ -103,7 +105,7 @@ inline bool is_power_of_two_divisor(double value) {
 
 /// Whether scale_and_check_span takes the one-pass CPU path for `t`.
 inline bool has_fused_scan(const at::Tensor& t) {
-  return t.is_cpu() && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+  return on_host(t) && t.is_contiguous() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
 }
 
 /// The one-pass CPU loop over elements [offset, offset + numel) of a contiguous float32/float64
@@ -181,3 +183,4 @@ inline c10::ScalarType compute_dtype(c10::ScalarType t) {
 }
 
 }  // namespace loom::detail
+

@@ -30,6 +30,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/concepts.hpp>
 
@@ -65,7 +66,7 @@ struct WindowMeta {
 
   /// Writes `row` into `meta` (int64 [kLength], on any device).
   static void write(at::Tensor& meta, const Row& row) {
-    if (meta.is_cpu())
+    if (on_host(meta))
       std::copy(row.begin(), row.end(), meta.data_ptr<std::int64_t>());
     else
       meta.copy_(at::tensor(std::vector<std::int64_t>(row.begin(), row.end()), at::kLong), /*non_blocking=*/false);

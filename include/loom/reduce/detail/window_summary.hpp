@@ -22,6 +22,7 @@
 #include <ATen/Dispatch.h>
 #include <fmt/format.h>
 
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/concepts.hpp>
 #include <loom/reduce/detail/bucket.hpp>
@@ -112,10 +113,10 @@ struct WindowSummary {
   /// global norm of the buckets' heads. `device`: where the communicator's collectives run.
   static std::vector<double> gather(const at::Tensor& meta, const std::vector<GradBucket>& buckets, bool clip,
                                     c10::Device device) {
-    const bool on_host = meta.is_cpu() && std::all_of(buckets.begin(), buckets.end(),
-                                                      [](const GradBucket& b) { return b.flat.is_cpu(); });
+    const bool host = on_host(meta) && std::all_of(buckets.begin(), buckets.end(),
+                                                   [](const GradBucket& b) { return on_host(b.flat); });
     std::vector<double> out;
-    if (on_host) {
+    if (host) {
       const auto* m = meta.data_ptr<std::int64_t>();
       out.assign(m, m + WindowMeta::kLength);
       double sumsq = 0;
