@@ -78,14 +78,39 @@ OpCounter& counter() {
 
 /// Whether operator `name` launches no kernel on a GPU (see the file comment).
 bool is_host_only(const std::string& name) {
-  static const std::set<std::string> host_only{
-      "aten::view",          "aten::reshape",     "aten::_reshape_alias", "aten::as_strided", "aten::narrow",
-      "aten::slice",         "aten::select",      "aten::detach",         "detach",           "aten::alias",
-      "aten::set_",          "aten::empty",       "aten::empty_strided",  "aten::empty_like", "aten::t",
-      "aten::transpose",     "aten::expand",      "aten::unsqueeze",      "aten::squeeze",    "aten::permute",
-      "aten::is_same_size",  "aten::resize_",     "aten::to",             "aten::lift_fresh", "aten::_unsafe_view",
-      "aten::view_as",       "aten::contiguous",  "aten::numpy_T",        "aten::flatten",    "aten::result_type",
-      "aten::_has_compatible_shallow_copy_type",  "aten::requires_grad_", "aten::expand_as"};
+  static const std::set<std::string> host_only{"aten::view",
+                                               "aten::reshape",
+                                               "aten::_reshape_alias",
+                                               "aten::as_strided",
+                                               "aten::narrow",
+                                               "aten::slice",
+                                               "aten::select",
+                                               "aten::detach",
+                                               "detach",
+                                               "aten::alias",
+                                               "aten::set_",
+                                               "aten::empty",
+                                               "aten::empty_strided",
+                                               "aten::empty_like",
+                                               "aten::t",
+                                               "aten::transpose",
+                                               "aten::expand",
+                                               "aten::unsqueeze",
+                                               "aten::squeeze",
+                                               "aten::permute",
+                                               "aten::is_same_size",
+                                               "aten::resize_",
+                                               "aten::to",
+                                               "aten::lift_fresh",
+                                               "aten::_unsafe_view",
+                                               "aten::view_as",
+                                               "aten::contiguous",
+                                               "aten::numpy_T",
+                                               "aten::flatten",
+                                               "aten::result_type",
+                                               "aten::_has_compatible_shallow_copy_type",
+                                               "aten::requires_grad_",
+                                               "aten::expand_as"};
   return host_only.count(name) > 0 || name.rfind("autograd::", 0) == 0;
 }
 
@@ -279,7 +304,8 @@ std::vector<int64_t> parse_params(const std::string& s) {
     pos = end + 1;
   }
   for (int64_t p : v)
-    if (p < 2 || p % 2 != 0) throw std::invalid_argument(fmt::format("bench_ops: --params {} is not an even count >= 2", p));
+    if (p < 2 || p % 2 != 0)
+      throw std::invalid_argument(fmt::format("bench_ops: --params {} is not an even count >= 2", p));
   return v;
 }
 
@@ -305,7 +331,8 @@ int main(int argc, char** argv) {
   loom::LocalCommunicator local;
   for (const Case& c : cases())
     for (int64_t p : params)
-      rows.push_back(make_row(c.name(), 1, p, count_plain(p / 2, 0), count_loom(local, p / 2, c.deterministic, c.device_path)));
+      rows.push_back(
+          make_row(c.name(), 1, p, count_plain(p / 2, 0), count_loom(local, p / 2, c.deterministic, c.device_path)));
   // World size 2: rank 0 counts and reports; both ranks run the same loops.
   std::vector<Row> dist_rows;
   std::mutex rows_mutex;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -18,6 +19,7 @@
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/reduce/detail/exact.hpp>
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/reducer.hpp>
 
 #include "support/models.hpp"
@@ -337,6 +339,46 @@ TEST_CASE("deterministic reducer: the gradient's bytes do not depend on the orde
     floating.push_back(bytes_of(model.grads()));
   }
   CHECK((floating[1] != floating[0] || floating[2] != floating[0]));
+}
+
+TEST_CASE("deterministic reducer: the device path (ATen, whole buckets) gives the CPU path's bytes and exponents") {
+  // Three windows of 3 micro-batches (1..9 samples) through buckets of several slots; the CPU path
+  // (host loops, slot by slot) against the path a GPU takes, forced onto CPU tensors
+  // (quantize_add_bucket_aten / dequantize_bucket_aten over each bucket's segments).
+  auto run = [](bool device_path) {
+    std::optional<loom::detail::DevicePathOnCpu> forced;
+    if (device_path) forced.emplace();
+    loom::test::Mlp model(at::kFloat);
+    loom::LocalCommunicator comm;
+    loom::Reducer reducer(comm, model.list(),
+                          {.bucket_cap_bytes = 256, .first_bucket_cap_bytes = 64, .deterministic = true});
+    loom::Accumulator acc(reducer, {.micro_batches_per_step = 3});
+    std::vector<std::vector<unsigned char>> grads;
+    std::vector<std::vector<int>> exponents;
+    for (int m = 0; m < 9; ++m) {
+      const std::int64_t first = m * (m + 1) / 2, n = m + 1;
+      auto mb = acc.micro_batch(n);
+      model.loss_sum(loom::test::batch_x(first, n, at::kFloat), loom::test::batch_y(first, n, at::kFloat))
+          .mul(m % 2 == 0 ? 1.0 : 1e-3)
+          .backward();
+      const loom::SyncResult r = mb.finish();
+      if (!r.boundary) continue;
+      REQUIRE(r.apply);
+      grads.push_back(bytes_of(model.grads()));
+      exponents.push_back(reducer.grid_exponents());
+      for (auto& p : model.params) p.mutable_grad() = at::Tensor();
+    }
+    REQUIRE(reducer.bucket_params().size() >= 2);
+    return std::make_pair(grads, exponents);
+  };
+  const auto cpu = run(false);
+  const auto device = run(true);
+  REQUIRE(cpu.first.size() == 3);
+  for (std::size_t w = 0; w < 3; ++w) {
+    CHECK_MESSAGE(device.first[w] == cpu.first[w], fmt::format("window {}: gradient bytes differ", w));
+    CHECK(device.second[w] == cpu.second[w]);
+  }
+  CHECK(cpu.first[1] != cpu.first[0]);  // the windows' gradients differ (the comparison is not of zeros)
 }
 
 TEST_CASE("deterministic reducer: a micro-batch is one contribution, whichever micro-batch ends the window") {

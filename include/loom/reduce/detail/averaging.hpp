@@ -22,8 +22,8 @@
 
 #include <ATen/ATen.h>
 
-#include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/detail/bucket.hpp>
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/detail/scale.hpp>
 #include <loom/reduce/detail/window_summary.hpp>
 #include <loom/reduce/options.hpp>

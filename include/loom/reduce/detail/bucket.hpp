@@ -19,10 +19,10 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/grad_mode.h>
 
-#include <loom/reduce/detail/host_path.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/buckets.hpp>
 #include <loom/reduce/detail/exact.hpp>
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/detail/scale.hpp>
 #include <loom/reduce/detail/window_meta.hpp>
 #include <loom/reduce/options.hpp>
@@ -100,9 +100,11 @@ struct GradBucket {
   at::Tensor qflat;            // deterministic mode: int64 [gradients on the grid | GridTail], else undefined
   at::Tensor qhead;
   at::Tensor qtail;
-  at::Tensor qflags_host;  // deterministic mode, bucket on a GPU: pinned staging of [used n | contributions n]
-  at::Tensor qwire;        // deterministic mode, float32/float64 bucket on the CPU: the int32 wire
-                           // [gradients | GridTail | wide flag] (exact.hpp), else undefined
+  at::Tensor qflags_host;   // deterministic mode, bucket on a GPU: pinned staging of [used n | contributions n]
+  at::Tensor grid_lengths;  // deterministic mode, bucket on a GPU: the slots' element counts (int64 [n]),
+                            // the segments of the whole-bucket grid operators (exact.hpp)
+  at::Tensor qwire;         // deterministic mode, float32/float64 bucket on the CPU: the int32 wire
+                            // [gradients | GridTail | wide flag] (exact.hpp), else undefined
   std::vector<std::size_t> slots;
   std::size_t pending = 0;
   bool ready = false;
@@ -199,7 +201,12 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
       b.qflat = at::zeros({total + GridTail::length(n)}, opts.dtype(at::kLong));
       b.qhead = b.qflat.narrow(0, 0, total);
       b.qtail = b.qflat.narrow(0, total, GridTail::length(n));
-      if (!on_host(first)) b.qflags_host = at::empty({2 * n}, at::TensorOptions().dtype(at::kLong).pinned_memory(first.is_cuda()));
+      if (!on_host(first)) {
+        b.qflags_host = at::empty({2 * n}, at::TensorOptions().dtype(at::kLong).pinned_memory(first.is_cuda()));
+        std::vector<std::int64_t> lengths;
+        for (std::size_t k : b.slots) lengths.push_back(param(k).numel());
+        b.grid_lengths = at::tensor(lengths, at::kLong).to(first.device());
+      }
       if (has_fused_scan(b.flat)) b.qwire = at::empty({b.qflat.numel() + 1}, opts.dtype(at::kInt));
     }
     if (!on_host(first))

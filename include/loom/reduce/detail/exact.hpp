@@ -39,6 +39,7 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -379,6 +380,58 @@ inline std::pair<at::Tensor, at::Tensor> dequantize_aten(const at::Tensor& q, at
                                                          double multiplier, double divisor) {
   out.copy_(q.to(at::kDouble).mul(grid_factor(exponent, multiplier, divisor)));
   at::Tensor largest = q.numel() > 0 ? q.abs().max().reshape({1}) : at::zeros({1}, q.options());
+  at::Tensor bad = at::logical_not(at::isfinite(out)).any().to(at::kLong).reshape({1});
+  return {largest, bad};
+}
+
+/// Per element of a bucket's head, its slot's value: `per_slot` (float64, one value per slot, on
+/// the host) repeated lengths[j] times, on lengths' device (lengths: int64, the slots' element
+/// counts, summing to `total`). The factors of quantize_add_bucket_aten and dequantize_bucket_aten.
+inline at::Tensor per_element(const std::vector<double>& per_slot, const at::Tensor& lengths, std::int64_t total) {
+  const at::Tensor values =
+      at::tensor(per_slot, at::TensorOptions().dtype(at::kDouble)).to(lengths.device(), /*non_blocking=*/false);
+  return at::repeat_interleave(values, lengths, /*dim=*/0, total);
+}
+
+/// quantize_add_aten over a whole bucket in a fixed number of operators, whatever its number of
+/// slots: `g` (floating) and `q` (int64) are the bucket's heads, `scale` the float64 2^exponent of
+/// each element's slot (per_element), `lengths` the slots' element counts (int64 [n]) and `tail`
+/// the bucket's GridTail (int64 [4n + 1]): slot j's overflow and near flags and the bucket's
+/// non-finite flag grow by 0 or 1 as n calls of quantize_add_aten would make them grow. The sums
+/// are those bits (the same float64 product and rounding per element); g is zeroed.
+inline void quantize_add_bucket_aten(at::Tensor g, at::Tensor q, const at::Tensor& scale, const at::Tensor& lengths,
+                                     at::Tensor tail) {
+  const std::int64_t n = lengths.numel();
+  const at::Tensor finite = at::isfinite(g);
+  const at::Tensor x = g.to(at::kDouble).mul(scale);
+  const at::Tensor a = x.abs();
+  const at::Tensor in_range = a.lt(kGridLimit);
+  const at::Tensor below = at::logical_and(finite, in_range);
+  q.add_(at::where(below, x.round(), at::zeros({}, x.options())).to(at::kLong));
+  // Per slot, whether any element overflowed or came near the limit: a segment maximum of 0/1.
+  const at::Tensor flags =
+      at::stack({at::logical_and(finite, at::logical_not(in_range)), at::logical_and(below, a.ge(kGridNear))}, 1)
+          .to(at::kDouble);
+  const at::Tensor per_slot =
+      at::segment_reduce(flags, "max", lengths, {}, {}, /*axis=*/0, /*unsafe=*/true, at::Scalar(0.0)).to(at::kLong);
+  tail.narrow(0, n, n).add_(per_slot.select(1, 0));
+  tail.narrow(0, 2 * n, n).add_(per_slot.select(1, 1));
+  tail.narrow(0, 4 * n, 1).add_(at::logical_not(finite).any().to(at::kLong).reshape({1}));
+  g.zero_();
+}
+
+/// dequantize_aten over a whole bucket in a fixed number of operators: writes `out` (the floating
+/// head) from `q` (the int64 head) times `factor` (float64 per element: each slot's grid_factor,
+/// per_element) and returns each slot's largest |q| (int64 [n], on q's device; exact below 2^53,
+/// a float64 segment maximum) and whether a result is not finite (int64 [1], 0/1), without a host
+/// read. The values are the bits of dequantize_aten slot by slot.
+inline std::pair<at::Tensor, at::Tensor> dequantize_bucket_aten(const at::Tensor& q, at::Tensor out,
+                                                                const at::Tensor& factor, const at::Tensor& lengths) {
+  out.copy_(q.to(at::kDouble).mul(factor));
+  at::Tensor largest =
+      at::segment_reduce(q.abs().to(at::kDouble), "max", lengths, {}, {}, /*axis=*/0, /*unsafe=*/true, at::Scalar(0.0))
+          .clamp_max(0x1p62)
+          .to(at::kLong);
   at::Tensor bad = at::logical_not(at::isfinite(out)).any().to(at::kLong).reshape({1});
   return {largest, bad};
 }

@@ -23,7 +23,6 @@
 #include <fmt/format.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <loom/reduce/detail/host_path.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/torch_api.hpp>
 #include <loom/error.hpp>
@@ -34,6 +33,7 @@
 #include <loom/reduce/detail/bucket_order.hpp>
 #include <loom/reduce/detail/exact.hpp>
 #include <loom/reduce/detail/hooks.hpp>
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/detail/reducer_checks.hpp>
 #include <loom/reduce/detail/window_summary.hpp>
 #include <loom/reduce/detail/work.hpp>
@@ -102,7 +102,7 @@ class ReducerState {
     check_backward_plan(plan, comm_->world_size());
     at::NoGradGuard no_grad;
     if (window_ == WindowState::closed) begin_window();
-    if (options_.deterministic)  // the previous micro-batch's gradients go on the grid before this one adds to them
+    if (options_.deterministic) {  // the previous micro-batch's gradients go on the grid before this one adds to them
       for (std::size_t k = 0; k < slots_.size(); ++k) {
         auto& s = slots_[k];
         if (!s.grid_pending) continue;
@@ -111,8 +111,9 @@ class ReducerState {
           s.view.copy_(g);
           g = s.view;
         }
-        quantize_slot(k);
       }
+      for (std::size_t bi = 0; bi < buckets_.size(); ++bi) quantize_pending(bi);
+    }
     for (auto& s : slots_) s.fired = false;
     if (!plan.sync) return;
     window_ = plan.final ? WindowState::final_flush : WindowState::synchronising;
@@ -510,8 +511,7 @@ class ReducerState {
         w[len] = fits ? 0 : 1;
         works_[bi] = start(b.qwire);
       } else {
-        for (std::size_t k : b.slots)
-          if (slots_[k].grid_pending) quantize_slot(k);
+        quantize_pending(bi);
         write_grid_tail(b);
         works_[bi] = start(b.qflat);
       }
@@ -575,6 +575,32 @@ class ReducerState {
     bool too_many_contributions = false;  // more than kGridMaxContributions: the sums may have wrapped
     std::int64_t contributions = 0;       // the largest per-rank contribution count, summed over ranks
   };
+
+  /// Deterministic mode: puts the pending slots of bucket bi on the grid (quantize_slot): a bucket
+  /// off the host whose slots are all pending in a fixed number of operators
+  /// (quantize_add_bucket_aten), any other slot by slot.
+  void quantize_pending(std::size_t bi) {
+    auto& b = buckets_[bi];
+    const bool whole =
+        b.grid_lengths.defined() && !b.slots.empty() &&
+        std::all_of(b.slots.begin(), b.slots.end(), [&](std::size_t k) { return slots_[k].grid_pending; });
+    if (!whole) {
+      for (std::size_t k : b.slots)
+        if (slots_[k].grid_pending) quantize_slot(k);
+      return;
+    }
+    std::vector<double> scales;
+    scales.reserve(b.slots.size());
+    for (std::size_t k : b.slots) {
+      auto& s = slots_[k];
+      ++s.window_contributions;
+      s.grid_pending = false;
+      s.grid_sums = true;
+      scales.push_back(std::ldexp(1.0, s.grid_exponent));
+    }
+    quantize_add_bucket_aten(b.head, b.qhead, per_element(scales, b.grid_lengths, b.head.numel()), b.grid_lengths,
+                             b.qtail);
+  }
 
   /// Deterministic mode: adds the micro-batch's gradient that slot k holds (plus a gradient the
   /// parameter held when the window began) to the slot's integers on the slot's grid and zeroes the
@@ -704,15 +730,26 @@ class ReducerState {
         continue;
       }
       std::vector<at::Tensor> parts;
-      at::Tensor bad = at::zeros({1}, b.qflat.options());
-      for (std::size_t k : b.slots) {
-        const auto& s = slots_[k];
-        const std::int64_t numel = param(k).numel();
-        auto [largest, not_finite] =
-            dequantize_aten(b.qflat.narrow(0, s.offset, numel), b.flat.narrow(0, s.offset, numel), s.grid_exponent,
-                            multiplier, divisor);
+      at::Tensor bad;
+      if (b.grid_lengths.defined()) {  // off the host: the whole bucket in a fixed number of operators
+        std::vector<double> factors;
+        factors.reserve(b.slots.size());
+        for (std::size_t k : b.slots) factors.push_back(grid_factor(slots_[k].grid_exponent, multiplier, divisor));
+        auto [largest, not_finite] = dequantize_bucket_aten(
+            b.qhead, b.head, per_element(factors, b.grid_lengths, b.head.numel()), b.grid_lengths);
         parts.push_back(largest);
-        bad.add_(not_finite);
+        bad = not_finite;
+      } else {
+        bad = at::zeros({1}, b.qflat.options());
+        for (std::size_t k : b.slots) {
+          const auto& s = slots_[k];
+          const std::int64_t numel = param(k).numel();
+          auto [largest, not_finite] =
+              dequantize_aten(b.qflat.narrow(0, s.offset, numel), b.flat.narrow(0, s.offset, numel), s.grid_exponent,
+                              multiplier, divisor);
+          parts.push_back(largest);
+          bad.add_(not_finite);
+        }
       }
       if (b.main) bad.add_(at::logical_not(at::isfinite(b.head.to(b.param_dtype))).any().to(at::kLong).reshape({1}));
       parts.push_back(bad);

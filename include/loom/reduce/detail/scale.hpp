@@ -183,4 +183,3 @@ inline c10::ScalarType compute_dtype(c10::ScalarType t) {
 }
 
 }  // namespace loom::detail
-

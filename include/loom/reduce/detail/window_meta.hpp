@@ -30,9 +30,9 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-#include <loom/reduce/detail/host_path.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/concepts.hpp>
+#include <loom/reduce/detail/host_path.hpp>
 
 namespace loom::detail {
 

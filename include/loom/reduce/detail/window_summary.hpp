@@ -22,10 +22,10 @@
 #include <ATen/Dispatch.h>
 #include <fmt/format.h>
 
-#include <loom/reduce/detail/host_path.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/concepts.hpp>
 #include <loom/reduce/detail/bucket.hpp>
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/detail/scale.hpp>
 #include <loom/reduce/detail/window_meta.hpp>
 
@@ -113,8 +113,8 @@ struct WindowSummary {
   /// global norm of the buckets' heads. `device`: where the communicator's collectives run.
   static std::vector<double> gather(const at::Tensor& meta, const std::vector<GradBucket>& buckets, bool clip,
                                     c10::Device device) {
-    const bool host = on_host(meta) && std::all_of(buckets.begin(), buckets.end(),
-                                                   [](const GradBucket& b) { return on_host(b.flat); });
+    const bool host = on_host(meta) &&
+                      std::all_of(buckets.begin(), buckets.end(), [](const GradBucket& b) { return on_host(b.flat); });
     std::vector<double> out;
     if (host) {
       const auto* m = meta.data_ptr<std::int64_t>();
