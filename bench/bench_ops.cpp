@@ -18,12 +18,17 @@
 //
 // Kernels: operators that move or compute elements; views, metadata, allocations, conversions that
 // return their input (aten::to) and autograd's node records are not (they cost host time only).
+// Host reads: per step, aten::_local_scalar_dense calls beyond the plain loop's (each .item(); on a
+// GPU each waits for the stream) and the reducer's own reads (Reducer::host_reads(): the copies of
+// its summary to the host).
+// `bench_ops --cuda`: the same counts on the GPU (world size 1 over NCCL, no forced path: CUDA
+// tensors take the device path), for scripts/device-check.sh; exit 77 without a GPU.
 // Output: a table of operators per step, then one line per case that scripts read:
 //   OPS <mode>/<path>/ws:<W>/params:<N> plain=<p> loom=<l> extra=<l - p> kernels_extra=<k> goal<=40 met|NOT-met
 // (the goal applies to extra, every operator).
 // `bench_ops --names` adds, per case, the operators loom dispatched more often than the plain loop
 // (name: extra calls per step). Exact counts: they do not depend on the machine's load.
-// Run: build-dir/bench/bench_ops [--names] [--params=160,320,...]
+// Run: build-dir/bench/bench_ops [--cuda] [--names] [--params=160,320,...]
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -39,6 +44,13 @@
 #include <torch/torch.h>
 
 #include <loom/comm/gloo.hpp>
+#include <loom/config.hpp>
+#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <loom/comm/nccl.hpp>
+#include <loom/cuda/device.hpp>
+#endif
 #include <loom/comm/local.hpp>
 #include <loom/launch/spawn.hpp>
 #include <loom/reduce/detail/host_path.hpp>
@@ -159,13 +171,16 @@ struct Net : torch::nn::Module {
   }
 };
 
+/// Where models and batches live: the CPU, or cuda:0 (--cuda).
+c10::Device g_device = c10::kCPU;
+
 struct Data {
   std::vector<at::Tensor> x, y;
   explicit Data(int64_t steps, int rank) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(11 + rank);
     for (int64_t k = 0; k < steps; ++k) {
-      x.push_back(at::randn({kBatch, kWidth}, gen).mul(0.1));
-      y.push_back(at::randn({kBatch, kWidth}, gen).mul(0.1));
+      x.push_back(at::randn({kBatch, kWidth}, gen).mul(0.1).to(g_device));
+      y.push_back(at::randn({kBatch, kWidth}, gen).mul(0.1).to(g_device));
     }
   }
 };
@@ -195,21 +210,26 @@ at::Tensor loss_of(Net& net, const at::Tensor& x, const at::Tensor& y) {
 struct Counts {
   double per_step = 0;
   double kernels_per_step = 0;
+  double items_per_step = 0;          // aten::_local_scalar_dense
+  double reducer_reads_per_step = 0;  // Reducer::host_reads().total
   std::map<std::string, int64_t> by_name;
 };
 
-Counts take_counts() {
+Counts take_counts(int64_t reducer_reads = 0) {
   auto& c = counter();
   std::lock_guard lk(c.mutex);
   int64_t kernels = 0;
   for (const auto& [name, n] : c.by_name)
     if (!is_host_only(name)) kernels += n;
-  return {static_cast<double>(c.total) / kCounted, static_cast<double>(kernels) / kCounted, c.by_name};
+  const auto items = c.by_name.count("aten::_local_scalar_dense") ? c.by_name.at("aten::_local_scalar_dense") : 0;
+  return {static_cast<double>(c.total) / kCounted, static_cast<double>(kernels) / kCounted,
+          static_cast<double>(items) / kCounted, static_cast<double>(reducer_reads) / kCounted, c.by_name};
 }
 
 Counts count_plain(int64_t layers, int rank) {
   torch::manual_seed(5);
   Net net(layers);
+  net.to(g_device);
   torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.01));
   const Data data(kCounted + 1, rank);
   counter().reset();
@@ -230,25 +250,31 @@ Counts count_loom(Comm& comm, int64_t layers, bool deterministic, bool device_pa
   if (device_path) forced.emplace();
   torch::manual_seed(5);
   Net net(layers);
+  net.to(g_device);
   torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.01));
   const Data data(kCounted + 1, comm.rank());
   StepSource source{&data};
   loom::Trainer trainer(comm, net, opt, {.reducer = {.deterministic = deterministic}});
   counter().reset();
+  int64_t reads_before = 0, reads_after = 0;
   for (loom::Batch& b : trainer.epoch(source, 0)) {
     OpCounter::on = b.step >= 1;
+    if (b.step == 1) reads_before = trainer.reducer().host_reads().total;
     trainer.backward(loss_of(net, b.data, b.targets), b);
-    if (b.step == kCounted) OpCounter::on = false;
+    if (b.step == kCounted) {
+      OpCounter::on = false;
+      reads_after = trainer.reducer().host_reads().total;
+    }
   }
   OpCounter::on = false;
-  return take_counts();
+  return take_counts(reads_after - reads_before);
 }
 
 struct Row {
   std::string mode;
   int world = 1;
   int64_t params = 0;
-  double plain = 0, loom = 0, plain_kernels = 0, loom_kernels = 0;
+  double plain = 0, loom = 0, plain_kernels = 0, loom_kernels = 0, items_extra = 0, reducer_reads = 0;
   std::map<std::string, double> extra_names;
 };
 
@@ -266,7 +292,16 @@ const std::vector<Case>& cases() {
 }
 
 Row make_row(const std::string& mode, int world, int64_t params, const Counts& plain, const Counts& loom) {
-  Row r{mode, world, params, plain.per_step, loom.per_step, plain.kernels_per_step, loom.kernels_per_step, {}};
+  Row r{mode,
+        world,
+        params,
+        plain.per_step,
+        loom.per_step,
+        plain.kernels_per_step,
+        loom.kernels_per_step,
+        loom.items_per_step - plain.items_per_step,
+        loom.reducer_reads_per_step,
+        {}};
   for (const auto& [name, n] : loom.by_name) {
     const auto it = plain.by_name.find(name);
     const int64_t p = it == plain.by_name.end() ? 0 : it->second;
@@ -278,17 +313,20 @@ Row make_row(const std::string& mode, int world, int64_t params, const Counts& p
 }
 
 void print(const std::vector<Row>& rows, bool names) {
-  std::printf("%-26s %5s %7s %10s %10s %8s %14s\n", "mode/path", "world", "params", "plain/step", "loom/step", "extra",
-              "kernels_extra");
+  std::printf("%-26s %5s %7s %10s %10s %8s %14s %12s %14s\n", "mode/path", "world", "params", "plain/step", "loom/step",
+              "extra", "kernels_extra", "items_extra", "reducer_reads");
   for (const auto& r : rows)
-    std::printf("%-26s %5d %7lld %10.1f %10.1f %8.1f %14.1f\n", r.mode.c_str(), r.world,
-                static_cast<long long>(r.params), r.plain, r.loom, r.loom - r.plain, r.loom_kernels - r.plain_kernels);
+    std::printf("%-26s %5d %7lld %10.1f %10.1f %8.1f %14.1f %12.2f %14.2f\n", r.mode.c_str(), r.world,
+                static_cast<long long>(r.params), r.plain, r.loom, r.loom - r.plain, r.loom_kernels - r.plain_kernels,
+                r.items_extra, r.reducer_reads);
   std::printf("\n");
   for (const auto& r : rows) {
     const double extra = r.loom - r.plain;
-    std::printf("OPS %s/ws:%d/params:%lld plain=%.1f loom=%.1f extra=%.1f kernels_extra=%.1f goal<=40 %s\n",
-                r.mode.c_str(), r.world, static_cast<long long>(r.params), r.plain, r.loom, extra,
-                r.loom_kernels - r.plain_kernels, extra <= 40.0 ? "met" : "NOT-met");
+    std::printf(
+        "OPS %s/ws:%d/params:%lld plain=%.1f loom=%.1f extra=%.1f kernels_extra=%.1f items_extra=%.2f "
+        "reducer_reads=%.2f goal<=40 %s\n",
+        r.mode.c_str(), r.world, static_cast<long long>(r.params), r.plain, r.loom, extra,
+        r.loom_kernels - r.plain_kernels, r.items_extra, r.reducer_reads, extra <= 40.0 ? "met" : "NOT-met");
     if (names)
       for (const auto& [name, n] : r.extra_names) std::printf("    %-48s %+8.2f\n", name.c_str(), n);
   }
@@ -311,22 +349,54 @@ std::vector<int64_t> parse_params(const std::string& s) {
 
 }  // namespace
 
+#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
+/// --cuda: world size 1 over NCCL on cuda:0, float and deterministic.
+int run_cuda(const std::vector<int64_t>& params, bool names) {
+  const auto probe = loom::cuda::probe_devices();
+  if (probe.count == 0) {
+    std::fprintf(stderr, "bench_ops --cuda: no CUDA device (%s)\n", probe.reason.c_str());
+    return 77;
+  }
+  g_device = c10::Device(c10::kCUDA, 0);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = std::chrono::seconds(120)});
+  std::vector<Row> rows;
+  for (const bool det : {false, true})
+    for (int64_t p : params)
+      rows.push_back(make_row(fmt::format("{}/cuda", det ? "deterministic" : "float"), 1, p, count_plain(p / 2, 0),
+                              count_loom(comm, p / 2, det, /*device_path=*/false)));
+  print(rows, names);
+  return 0;
+}
+#endif
+
 int main(int argc, char** argv) {
   bool names = false;
+  bool cuda = false;
   std::vector<int64_t> params{160, 320, 640, 1280};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--names")
       names = true;
+    else if (a == "--cuda")
+      cuda = true;
     else if (a.rfind("--params=", 0) == 0)
       params = parse_params(a.substr(9));
     else {
-      std::fprintf(stderr, "usage: bench_ops [--names] [--params=160,320,640,1280]\n");
+      std::fprintf(stderr, "usage: bench_ops [--cuda] [--names] [--params=160,320,640,1280]\n");
       return 2;
     }
   }
   at::set_num_threads(1);
   install_counter();
+  if (cuda) {
+#if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
+    return run_cuda(params, names);
+#else
+    std::fprintf(stderr, "bench_ops --cuda: this build has no NCCL with a CUDA LibTorch\n");
+    return 77;
+#endif
+  }
   std::vector<Row> rows;
   loom::LocalCommunicator local;
   for (const Case& c : cases())
