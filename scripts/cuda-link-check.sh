@@ -7,11 +7,13 @@
 #     libraries, NCCL included, come with it: about 5.5 GB).
 #  2. build-cuda/: configured by scripts/cuda-configure.sh (the configuration device-check.sh uses),
 #     LOOM_TORCH_HAS_CUDA, LOOM_HAS_CUDA and LOOM_HAS_NCCL on.
-#  3. Builds every GPU test (tests/gpu), bench_gpu, bench_reduce (its --cuda mode) and the examples.
+#  3. Builds every GPU test (tests/gpu), bench_gpu, bench_reduce and bench_ops (their --cuda modes)
+#     and the examples.
 #  4. Checks that each program records libtorch_cuda.so and libc10_cuda.so as needed libraries
 #     (readelf -d), so CUDA's kernels register at start-up.
 #  5. Runs the host-side parts: the gpu_host tests; gpu_device and gpu_device_torch, which exit 77
-#     (skipped) without a GPU; bench_gpu and bench_reduce --cuda, which say there is no GPU; every
+#     (skipped) without a GPU; bench_gpu, bench_reduce --cuda and bench_ops --cuda, which say there
+#     is no GPU; every
 #     example's --help.
 #
 # Usage: scripts/cuda-link-check.sh [BUILD_DIR]   (default build-cuda; run after scripts/setup.sh)
@@ -42,7 +44,7 @@ programs=(tests/gpu/test_gpu_host tests/gpu/test_gpu_device bench/bench_gpu
 has_gloo=0
 if grep -q "#define LOOM_HAS_GLOO 1" "$build_dir/include/loom/build_config.hpp"; then
   has_gloo=1
-  programs+=(bench/bench_reduce)
+  programs+=(bench/bench_reduce bench/bench_ops)
 fi
 stamp "building ${programs[*]}"
 ninja -C "$build_dir" -j "${LOOM_BUILD_JOBS:-2}" "${programs[@]}"
@@ -81,6 +83,7 @@ fi
 run bench_gpu "0 1 77" "$build_dir/bench/bench_gpu" --benchmark_min_time=0.01
 if [ $has_gloo -eq 1 ]; then
   run "bench_reduce --cuda" "0 1 77" "$build_dir/bench/bench_reduce" --cuda --benchmark_min_time=0.01
+  run "bench_ops --cuda" "0 77" "$build_dir/bench/bench_ops" --cuda --params=160
 fi
 for e in finetune_icons generators_to_devices fashion_mnist_multiscale; do
   run "$e --help" "0" "$build_dir/examples/$e" --help

@@ -19,7 +19,8 @@
 #      CudaTransfer, reducer + accumulator exactness over NCCL, the short path over NCCL vs Gloo on
 #      one GPU); bench_gpu (H2D throughput vs plain pinned cudaMemcpyAsync, goal >= 0.9x);
 #      bench_reduce --cuda (the reducer vs a flat NCCL all-reduce with the same averaging and
-#      inf/NaN check, goal >= 0.9x); finetune_icons over NCCL and over Gloo on the same GPU (losses
+#      inf/NaN check, goal >= 0.9x); bench_ops --cuda (operators, kernels and host reads per
+#      optimizer step, loom::Trainer against the plain loop, float and deterministic); finetune_icons over NCCL and over Gloo on the same GPU (losses
 #      within 1e-5); bench_finetune --device=cuda (time to accuracy, loom vs the DDP-style loops);
 #      last, if time is left, loom's CPU reducer suite
 # Output (at most 5 files, the device tool brings back 8): OUTDIR/results.md (the table),
@@ -281,7 +282,7 @@ done
 # ---- 5. build -------------------------------------------------------------------------------
 targets=(tests/gpu/test_gpu_host tests/gpu/test_gpu_device bench/bench_gpu)
 # bench_reduce measures Gloo too: it exists only where Gloo's headers were found (.device-deps).
-if grep -q "#define LOOM_HAS_GLOO 1" "$BUILD/include/loom/build_config.hpp" 2>/dev/null; then targets+=(bench/bench_reduce); fi
+if grep -q "#define LOOM_HAS_GLOO 1" "$BUILD/include/loom/build_config.hpp" 2>/dev/null; then targets+=(bench/bench_reduce bench/bench_ops); fi
 if [ -f "$BUILD/build.ninja" ]; then
   step build "${LOOM_DEVICE_CHECK_BUILD_LIMIT:-240}" ninja -C "$BUILD" -k 0 -j "$JOBS" "${targets[@]}"
 else
@@ -373,6 +374,18 @@ if [ -x "$BUILD/bench/bench_reduce" ]; then
   INVENTORY+=("bench_reduce --cuda: ${ratio:-no RATIO line}")
 else
   record "bench_reduce --cuda" "NOT BUILT" 0 ""
+fi
+
+# ---- 6b'. operators and host reads per optimizer step on the GPU (bench_ops --cuda) -------------
+# Exact counts: loom::Trainer against the plain loop, float and deterministic, 160 and 1,280
+# parameter tensors; kernels_extra is the launch count loom adds, items_extra and reducer_reads
+# the host reads (goal: at most 1 reducer read per step in float mode).
+if [ -x "$BUILD/bench/bench_ops" ]; then
+  step "bench_ops --cuda" 60 "$BUILD/bench/bench_ops" --cuda --params=160,1280
+  ops=$(grep -h -E '^OPS' "$WORK/step.log" | sed 's/^OPS //' | tr '\n' ';' || true)
+  INVENTORY+=("bench_ops --cuda: ${ops:-no OPS line}")
+else
+  record "bench_ops --cuda" "NOT BUILT" 0 ""
 fi
 
 # ---- 6c. the finetune_icons loop over NCCL and over Gloo on the same GPU (world size 1) ---------
