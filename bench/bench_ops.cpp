@@ -16,8 +16,9 @@
 // Counted: the 20 steps after the first (the first builds buckets, the second rebuilds them);
 // a step = next batch, forward, loss, loom's backward (reduction, optimizer step, zero_grad).
 //
-// Kernels: operators that move or compute elements; views, metadata, allocations, conversions that
-// return their input (aten::to) and autograd's node records are not (they cost host time only).
+// Kernels: leaf operators (they dispatch no other operator: where the work runs) that move or
+// compute elements; views, metadata and allocations are not (they cost host time only), nor is a
+// composite operator (aten::to, aten::isfinite), whose leaves are counted instead.
 // Host reads: per step, aten::_local_scalar_dense calls beyond the plain loop's (each .item(); on a
 // GPU each waits for the stream) and the reducer's own reads (Reducer::host_reads(): the copies of
 // its summary to the host).
@@ -65,23 +66,28 @@ constexpr int64_t kCounted = 20;  // steps counted, after one uncounted step
 
 // ---- the counter -------------------------------------------------------------------------------
 
-/// Counts the operators the counting thread dispatches while it is on, by name. Operators inside
-/// a c10d collective (c10d::*) are left out with the collective.
+/// Counts the operators the counting thread dispatches while it is on, by name, and the kernels:
+/// operators that dispatch no operator themselves (leaves, where the work runs) and are not
+/// host-only (is_host_only). Operators inside a c10d collective (c10d::*) are left out with it.
 struct OpCounter {
   std::mutex mutex;
   std::map<std::string, int64_t> by_name;
   int64_t total = 0;
-  static thread_local bool on;
+  int64_t kernels = 0;
+  static std::atomic<bool> on;  // every thread: CUDA's backward runs on autograd's device thread
   static thread_local int in_collective;
+  static thread_local std::vector<char> had_child;  // per open operator: whether it dispatched another
 
   void reset() {
     std::lock_guard lk(mutex);
     by_name.clear();
     total = 0;
+    kernels = 0;
   }
 };
-thread_local bool OpCounter::on = false;
+std::atomic<bool> OpCounter::on{false};
 thread_local int OpCounter::in_collective = 0;
+thread_local std::vector<char> OpCounter::had_child;
 
 OpCounter& counter() {
   static OpCounter c;
@@ -130,6 +136,9 @@ bool is_collective(const char* name) {
   return std::string_view(name).rfind("c10d::", 0) == 0;
 }
 
+/// Marks an open operator on the counting thread (the stack pairs each enter with its exit).
+struct OpenOp : at::ObserverContext {};
+
 std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   if (!OpCounter::on) return nullptr;
   const char* name = fn.name();
@@ -138,15 +147,28 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
     return nullptr;
   }
   if (OpCounter::in_collective > 0) return nullptr;
+  if (!OpCounter::had_child.empty()) OpCounter::had_child.back() = 1;
+  OpCounter::had_child.push_back(0);
   auto& c = counter();
   std::lock_guard lk(c.mutex);
   ++c.by_name[name];
   ++c.total;
-  return nullptr;
+  return std::make_unique<OpenOp>();
 }
 
-void on_exit(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
-  if (OpCounter::on && is_collective(fn.name())) --OpCounter::in_collective;
+void on_exit(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  if (is_collective(fn.name())) {
+    if (OpCounter::in_collective > 0) --OpCounter::in_collective;
+    return;
+  }
+  if (ctx == nullptr || OpCounter::had_child.empty()) return;  // not counted on entry
+  const bool leaf = OpCounter::had_child.back() == 0;
+  OpCounter::had_child.pop_back();
+  if (leaf && !is_host_only(fn.name())) {
+    auto& c = counter();
+    std::lock_guard lk(c.mutex);
+    ++c.kernels;
+  }
 }
 
 void install_counter() {
@@ -218,9 +240,7 @@ struct Counts {
 Counts take_counts(int64_t reducer_reads = 0) {
   auto& c = counter();
   std::lock_guard lk(c.mutex);
-  int64_t kernels = 0;
-  for (const auto& [name, n] : c.by_name)
-    if (!is_host_only(name)) kernels += n;
+  const int64_t kernels = c.kernels;
   const auto items = c.by_name.count("aten::_local_scalar_dense") ? c.by_name.at("aten::_local_scalar_dense") : 0;
   return {static_cast<double>(c.total) / kCounted, static_cast<double>(kernels) / kCounted,
           static_cast<double>(items) / kCounted, static_cast<double>(reducer_reads) / kCounted, c.by_name};

@@ -14,6 +14,7 @@
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
@@ -339,6 +340,80 @@ TEST_CASE("deterministic reducer: the gradient's bytes do not depend on the orde
     floating.push_back(bytes_of(model.grads()));
   }
   CHECK((floating[1] != floating[0] || floating[2] != floating[0]));
+}
+
+TEST_CASE("the device path's inf/NaN verdict (one infinity-norm reduction) against isfinite on every element") {
+  // reference: any element not finite after the cast to the range dtype.
+  auto reference = [](const at::Tensor& t, c10::ScalarType range) {
+    return at::logical_not(at::isfinite(t.to(range))).any().item<bool>() ? 1.0 : 0.0;
+  };
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  struct Case {
+    std::vector<double> values;
+    c10::ScalarType dtype, range;
+  };
+  const std::vector<Case> cases{
+      {{1.0, -2.0, 3.5}, at::kFloat, at::kFloat},   {{1.0, inf, 3.5}, at::kFloat, at::kFloat},
+      {{1.0, -inf, 3.5}, at::kFloat, at::kFloat},   {{nan, 1.0, 3.5}, at::kFloat, at::kFloat},
+      {{1.0, 2.0, nan}, at::kDouble, at::kDouble},  {{1e300, -1e300}, at::kDouble, at::kDouble},
+      {{1e300, -1e300}, at::kDouble, at::kFloat},  // finite in float64, inf in float32
+      {{65519.0, -1.0}, at::kFloat, at::kHalf},    // rounds to 65504 in float16: finite
+      {{-65520.0, 1.0}, at::kFloat, at::kHalf},    // rounds to inf in float16
+      {{3e38, 1.0}, at::kFloat, at::kBFloat16},    // bfloat16's range is float32's: finite
+      {{1.0, nan}, at::kHalf, at::kHalf},           {{1.0, inf}, at::kBFloat16, at::kBFloat16},
+      {{0.5, -0.25}, at::kBFloat16, at::kBFloat16},
+  };
+  for (const auto& c : cases) {
+    const at::Tensor t = at::tensor(c.values, at::kDouble).to(c.dtype);
+    const at::Tensor flag = loom::detail::non_finite_flag(t, at::kFloat, c.range);
+    CHECK(flag.sizes() == c10::IntArrayRef{1});
+    CHECK_MESSAGE(
+        flag.item<double>() == reference(t, c.range),
+        fmt::format("{} {} in {}", fmt::join(c.values, ", "), c10::toString(c.dtype), c10::toString(c.range)));
+  }
+  CHECK(loom::detail::non_finite_flag(at::empty({0}), at::kLong).item<std::int64_t>() == 0);
+}
+
+TEST_CASE("floating reducer: the device path (ATen) gives the CPU path's gradients and verdicts") {
+  // Windows of 2 micro-batches through several buckets, float32 parameters and a float16 one in a
+  // float32 slot; window 1 has an inf in a float32 gradient, window 2 a float16 gradient of 140000
+  // (inf in float16 before it reaches its slot).
+  auto run = [](bool device_path) {
+    std::optional<loom::detail::DevicePathOnCpu> forced;
+    if (device_path) forced.emplace();
+    loom::test::Mlp model(at::kFloat);
+    at::Tensor h = at::full({3}, 0.5, at::kHalf).requires_grad_();
+    auto list = model.list();
+    list.names.push_back("h");
+    list.params.push_back(h);
+    loom::LocalCommunicator comm;
+    loom::Reducer reducer(comm, list, {.bucket_cap_bytes = 256, .first_bucket_cap_bytes = 64});
+    loom::Accumulator acc(reducer, {.micro_batches_per_step = 2});
+    std::vector<std::vector<unsigned char>> grads;
+    std::vector<bool> non_finite;
+    for (int m = 0; m < 6; ++m) {
+      const std::int64_t first = m * (m + 1) / 2, n = m + 1;
+      auto mb = acc.micro_batch(n);
+      const double hx = m == 3 ? std::numeric_limits<double>::infinity() : m == 5 ? 140000.0 : 0.25 * m;
+      (model.loss_sum(loom::test::batch_x(first, n, at::kFloat), loom::test::batch_y(first, n, at::kFloat)) +
+       (h.to(at::kFloat) * hx).sum())
+          .backward();
+      const loom::SyncResult r = mb.finish();
+      if (!r.boundary) continue;
+      non_finite.push_back(!r.apply);
+      auto g = model.grads();
+      g.push_back(h.grad().defined() ? h.grad().clone() : at::Tensor());
+      grads.push_back(bytes_of(g));
+      for (auto& p : list.params) p.mutable_grad() = at::Tensor();
+    }
+    return std::make_pair(grads, non_finite);
+  };
+  const auto cpu = run(false);
+  const auto device = run(true);
+  REQUIRE(cpu.second.size() == 3);
+  CHECK(cpu.second == std::vector<bool>{false, true, true});
+  CHECK(device.second == cpu.second);
+  CHECK(device.first[0] == cpu.first[0]);
 }
 
 TEST_CASE("deterministic reducer: the device path (ATen, whole buckets) gives the CPU path's bytes and exponents") {

@@ -124,7 +124,7 @@ class WindowAverage {
         b.head.mul_(f);
     }
     if (check)  // a float32 average outside the parameters' 16-bit range would step with inf: non-finite too
-      b.bad.copy_(non_finite_flag(b.main ? b.head.to(b.param_dtype) : b.head, at::kFloat));
+      b.bad.copy_(non_finite_flag(b.head, at::kFloat, b.main ? std::optional(b.param_dtype) : std::nullopt));
     else
       b.bad.zero_();
   }

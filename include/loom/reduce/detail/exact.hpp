@@ -45,6 +45,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <loom/reduce/detail/scale.hpp>
+
 #if defined(__SSE2__) && !defined(__FAST_MATH__)
 #include <emmintrin.h>
 #endif
@@ -380,7 +382,7 @@ inline std::pair<at::Tensor, at::Tensor> dequantize_aten(const at::Tensor& q, at
                                                          double multiplier, double divisor) {
   out.copy_(q.to(at::kDouble).mul(grid_factor(exponent, multiplier, divisor)));
   at::Tensor largest = q.numel() > 0 ? q.abs().max().reshape({1}) : at::zeros({1}, q.options());
-  at::Tensor bad = at::logical_not(at::isfinite(out)).any().to(at::kLong).reshape({1});
+  at::Tensor bad = non_finite_flag(out, at::kLong);
   return {largest, bad};
 }
 
@@ -432,7 +434,7 @@ inline std::pair<at::Tensor, at::Tensor> dequantize_bucket_aten(const at::Tensor
       at::segment_reduce(q.abs().to(at::kDouble), "max", lengths, {}, {}, /*axis=*/0, /*unsafe=*/true, at::Scalar(0.0))
           .clamp_max(0x1p62)
           .to(at::kLong);
-  at::Tensor bad = at::logical_not(at::isfinite(out)).any().to(at::kLong).reshape({1});
+  at::Tensor bad = non_finite_flag(out, at::kLong);
   return {largest, bad};
 }
 

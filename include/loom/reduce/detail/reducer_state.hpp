@@ -751,7 +751,7 @@ class ReducerState {
           bad.add_(not_finite);
         }
       }
-      if (b.main) bad.add_(at::logical_not(at::isfinite(b.head.to(b.param_dtype))).any().to(at::kLong).reshape({1}));
+      if (b.main) bad.add_(non_finite_flag(b.head, at::kLong, b.param_dtype));
       parts.push_back(bad);
       parts.push_back(b.qtail);
       device_info.push_back(at::cat(parts).to(device_));

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -170,10 +171,22 @@ inline bool scale_and_check(at::Tensor& t, double value, bool divide, bool check
   return check && !at::isfinite(t).all().item<bool>();
 }
 
-/// 1.0 where `t` holds an inf or NaN, else 0.0, as a one-element tensor of `dtype` on t's device
-/// (no host synchronisation: the verdict stays on the device).
-inline at::Tensor non_finite_flag(const at::Tensor& t, c10::ScalarType dtype) {
-  return at::logical_not(at::isfinite(t)).any().reshape({1}).to(dtype);
+/// 1.0 where `t` holds an inf or NaN, or a value that becomes inf when cast to `range`
+/// (default: t's own dtype; float16 for a float32 slot of float16 parameters: 65520 and above),
+/// else 0.0, as a one-element tensor of `dtype` on t's device (no host synchronisation: the
+/// verdict stays on the device). One reduction reads t once: its largest magnitude (an infinity
+/// norm, which carries a NaN through), cast to `range` and compared with range's largest finite
+/// value; the cast is monotonic, so the largest magnitude leaves the range exactly when some
+/// element does. Then three one-element operators.
+inline at::Tensor non_finite_flag(const at::Tensor& t, c10::ScalarType dtype,
+                                  std::optional<c10::ScalarType> range = std::nullopt) {
+  if (t.numel() == 0) return at::zeros({1}, t.options().dtype(dtype));
+  const c10::ScalarType r = range.value_or(t.scalar_type());
+  const at::Tensor largest = at::linalg_vector_norm(t, std::numeric_limits<double>::infinity()).to(r);
+  double finite_max = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r, "loom_finite_max",
+                                  [&] { finite_max = static_cast<double>(std::numeric_limits<scalar_t>::max()); });
+  return largest.le(finite_max).logical_not().reshape({1}).to(dtype);  // NaN <= x is false
 }
 
 /// The accumulation dtype of a bucket's arithmetic: float64 for float64, float32 otherwise (a
