@@ -9,21 +9,21 @@
 // Generator g walks its series' training part in time order and yields (window of the last
 // --window values, next value) pairs, one at a time (batch size 1), scaled by the window's typical
 // step so one model fits every series (see window_at); short series end early.
-// Loop, assembled from loom's public parts on its low-level layer (Reducer + Accumulator), which
-// suits a loop fed by generators rather than by a sampler:
+// Loop:
 //   loom::run starts the ranks (--devices of them on this machine, or joins the job of torchrun,
 //   mpirun or srun) and hands each a loom::ProcessGroup (Gloo for a CPU model, NCCL for a GPU
 //   one; see examples/common/placement.hpp).
-//   --mode ranks (default): loom::RankGeneratorLoader gives rank r generators 2r and 2r+1 and
-//     collates their k-th windows into one 2-row batch (loom::DefaultCollate); every rank runs the
-//     same number of steps (EndPolicy::drain: a rank whose series ended gets 0-row batches and
-//     contributes nothing); loom::Accumulator + loom::Reducer all-reduce the gradients over the
-//     process group, divided by the global sample count of the step (exact weighting when
-//     batches differ).
-//   --mode in-process: one process (a process group of world size 1) drives --devices logical
-//     devices with loom::GeneratorLoader (a prefetching worker per generator); each device's
-//     batch is a micro-batch of one accumulation window, so the step's gradient is again the mean
-//     over all devices' samples.
+//   --mode ranks (default), the short path: loom::GeneratorSource makes each epoch's generators and
+//     gives rank r generators 2r and 2r+1 (a loom::RankGeneratorLoader), their k-th windows
+//     collated into one 2-row batch (loom::DefaultCollate); every rank runs the same number of
+//     steps (EndPolicy::drain: a rank whose series ended joins the remaining steps without a
+//     batch). loom::Trainer trains it as it trains a dataset: backward of the batch mean, the
+//     gradients all-reduced over the process group and weighted by the step's global rows, the
+//     optimizer step, the epoch's end.
+//   --mode in-process, the low-level layer (Reducer + Accumulator): one process (a process group
+//     of world size 1) drives --devices logical devices with loom::GeneratorLoader (a prefetching
+//     worker per generator); each device's batch is a micro-batch of one accumulation window, so
+//     the step's gradient is again the mean over all devices' samples.
 // Evaluation: every held-out window of every series, model vs the naive last-value forecast
 // (mean squared error in z-score units), summed over ranks.
 //
@@ -56,6 +56,8 @@
 #include <loom/reduce/reducer.hpp>
 #include <loom/schedule/generator_loader.hpp>
 #include <loom/schedule/rank_generator_loader.hpp>
+#include <loom/train/generator_source.hpp>
+#include <loom/train/trainer.hpp>
 
 #include "../common/data/csv.hpp"
 #include "../common/placement.hpp"
@@ -231,13 +233,9 @@ void report(Log& log, const std::vector<Series>& series, const torch::Tensor& er
            naive_mse, naive_mse / model_mse, n, epochs, seconds);
 }
 
-/// Forward and summed squared error of one batch on `device`; backward is the caller's.
-double mse_step(torch::nn::Sequential& model, torch::Device device, const loom::Batch& b, torch::Tensor* loss_out) {
-  const torch::Tensor loss =
-      torch::nn::functional::mse_loss(model->forward(b.data.to(device)), b.targets.to(device),
-                                      torch::nn::functional::MSELossFuncOptions().reduction(torch::kSum));
-  *loss_out = loss;
-  return loss.item<double>();
+/// Forward and mean squared error of one batch on `device` (the batch mean, what loom::Trainer takes).
+torch::Tensor mse_step(torch::nn::Sequential& model, torch::Device device, const loom::Batch& b) {
+  return torch::nn::functional::mse_loss(model->forward(b.data.to(device)), b.targets.to(device));
 }
 
 /// Mean squared errors of the model and of the naive forecast over every held-out window.
@@ -263,8 +261,14 @@ void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start
   auto model = make_forecaster(o.window, o.hidden);
   model->to(device);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(o.lr));
-  loom::Reducer reducer(pg, loom::parameters_of(*model));
-  loom::Accumulator acc(reducer, {.micro_batches_per_step = 1});
+  loom::Trainer trainer(pg, *model, opt);
+  // Epoch e's generator g walks series g from an offset that depends on e (a fresh stream per epoch).
+  loom::GeneratorSource source(pg, n,
+                               [&](int g, int64_t epoch) {
+                                 return WindowGenerator(series[static_cast<std::size_t>(g)], o.window, o.max_windows,
+                                                        epoch, o.seed);
+                               },
+                               {.end = loom::EndPolicy::drain});
   const std::vector<int> mine = loom::generators_of(loom::Assignment::contiguous(), n, pg.world_size(), pg.rank());
 
   torch::Tensor errors = holdout_errors(model, device, pg, series, mine, o.window);
@@ -272,30 +276,14 @@ void run_ranks(loom::ProcessGroup& pg, const Options& o, Clock::time_point start
   log.info("before training: model_mse={:.5f} naive_mse={:.5f}", model0, naive0);
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     const auto t0 = Clock::now();
-    loom::RankGeneratorLoader<WindowGenerator, loom::ProcessGroup> loader(
-        pg, n,
-        [&](int g) {
-          return WindowGenerator(series[static_cast<std::size_t>(g)], o.window, o.max_windows, epoch, o.seed);
-        },
-        {.end = loom::EndPolicy::drain});
     loom::WeightedMean train_loss;
     int64_t steps = 0;
-    for (auto& db : loader) {
-      const loom::Batch& b = db.batch;
-      auto mb = acc.micro_batch(b);  // b.num_samples rows (2, 1 or 0 once this rank's series ended)
-      if (b.num_samples > 0) {
-        torch::Tensor loss;
-        train_loss.add(mse_step(model, device, b, &loss) / static_cast<double>(b.num_samples),
-                       static_cast<double>(b.num_samples));
-        loss.backward();
-      }  // a rank with no rows runs no backward: its gradient counts as zero, its samples as 0
-      if (mb.finish()) opt.step();
-      loom::zero_grad(opt, loom::GradReset::zero);
-      ++steps;
-    }
-    while (auto step = acc.end_epoch()) {
-      if (*step) opt.step();
-      loom::zero_grad(opt, loom::GradReset::zero);
+    trainer.on_step([&](const loom::SyncResult&) { ++steps; });  // every rank, every step (joined ones too)
+    // b: this rank's 2 or 1 rows; a rank whose series ended joins the remaining steps (no batch here).
+    for (loom::Batch& b : trainer.epoch(source, epoch)) {
+      const torch::Tensor loss = mse_step(model, device, b);  // the batch mean
+      train_loss.add(loss.item<double>(), static_cast<double>(b.num_samples));
+      trainer.backward(loss, b);
     }
     const double loss = loom::global_mean(pg, train_loss);
     errors = holdout_errors(model, device, pg, series, mine, o.window);
@@ -348,11 +336,10 @@ void run_in_process(loom::ProcessGroup& pg, const Options& o, Clock::time_point 
       for (auto& db : step.devices) {  // device d's collated batch: rows from its 2 generators
         const loom::Batch& b = db.batch;
         auto mb = acc.micro_batch(b);
-        if (b.num_samples > 0) {
-          torch::Tensor loss;
-          train_loss.add(mse_step(model, device, b, &loss) / static_cast<double>(b.num_samples),
-                         static_cast<double>(b.num_samples));
-          loss.backward();
+        if (b.num_samples > 0) {  // the batch mean times its rows: the summed loss the accumulator weights
+          const torch::Tensor loss = mse_step(model, device, b);
+          train_loss.add(loss.item<double>(), static_cast<double>(b.num_samples));
+          (loss * static_cast<double>(b.num_samples)).backward();
         }
         if (const loom::SyncResult s = mb.finish(); s.boundary) {  // after the last device of the step
           if (s) opt.step();
