@@ -7,6 +7,7 @@
 // gpu_main.cpp skips without a device.
 #include <chrono>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -18,6 +19,7 @@
 
 #if LOOM_TORCH_HAS_CUDA
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/comm/local.hpp>
 #include <loom/comm/nccl.hpp>
 #include <loom/reduce/reducer.hpp>
 
@@ -67,6 +69,56 @@ TEST_CASE("Reducer + Accumulator over NCCL on CUDA tensors: sample-weighted grad
     CHECK(rel(w.grad(), wr.grad()) <= tol);
     CHECK(rel(b.grad(), br.grad()) <= tol);
   }
+}
+
+TEST_CASE("deterministic Reducer on CUDA tensors over NCCL: the CPU loops' bytes and grid exponents, at most 3 reads") {
+  // Two parameters in two buckets (tiny caps), 3 windows of 3 micro-batches whose gradients are
+  // given exactly (loss = sum(p * G): dL/dp = G on any device, so autograd's own arithmetic does
+  // not differ between the runs); the same run on CPU tensors (loom::LocalCommunicator, the host
+  // loops) gives the reference bytes: the device path puts whole buckets on the grid with ATen
+  // operators in the same float64 arithmetic.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  loom::NcclCommunicator comm(*store, 0, 1, {.device = 0, .timeout = 60s});
+  auto given = [](int64_t n, int m, int window, double scale) {
+    return ((torch::arange(n, torch::kDouble).remainder(7) - 3) * 0.37 * (m + 1) * (1 + window * window) * scale)
+        .to(at::kFloat);
+  };
+  auto run = [&](auto& communicator, c10::Device device) {
+    const auto opts = torch::TensorOptions().dtype(at::kFloat).device(device);
+    auto w = torch::full({3, 8}, 0.5, opts).requires_grad_();
+    auto b = torch::full({3}, -0.25, opts).requires_grad_();
+    loom::Reducer reducer(communicator, {.names = {"w", "b"}, .params = {w, b}},
+                          {.bucket_cap_bytes = 64, .first_bucket_cap_bytes = 16, .deterministic = true});
+    loom::Accumulator acc(reducer, {.micro_batches_per_step = 3});
+    std::vector<at::Tensor> grads;
+    std::vector<std::vector<int>> exponents;
+    for (int window = 0; window < 3; ++window) {
+      loom::SyncResult step;
+      for (int m = 0; m < 3; ++m)
+        step = acc.run(m + 2, [&] {
+          const auto gw = given(24, m, window, 1e-3).view({3, 8}).to(device);
+          const auto gb = given(3, m, window, 1e2).to(device);
+          ((w * gw).sum() + (b * gb).sum()).backward();
+        });
+      REQUIRE(step.apply);
+      grads.push_back(w.grad().cpu().clone());
+      grads.push_back(b.grad().cpu().clone());
+      exponents.push_back(reducer.grid_exponents());
+      w.mutable_grad() = at::Tensor();
+      b.mutable_grad() = at::Tensor();
+    }
+    return std::make_tuple(grads, exponents, reducer.host_reads());
+  };
+  loom::LocalCommunicator local;
+  const auto [cpu_grads, cpu_exponents, cpu_reads] = run(local, c10::Device(c10::kCPU));
+  const auto [gpu_grads, gpu_exponents, gpu_reads] = run(comm, c10::Device(c10::kCUDA, 0));
+  REQUIRE(cpu_grads.size() == 6);
+  for (std::size_t k = 0; k < cpu_grads.size(); ++k) CHECK(torch::equal(gpu_grads[k], cpu_grads[k]));
+  CHECK(gpu_exponents == cpu_exponents);
+  CHECK_FALSE(torch::equal(cpu_grads[0], cpu_grads[2]));  // the windows differ (not a comparison of zeros)
+  CHECK(cpu_reads.total == 0);                            // CPU buckets: read in host memory
+  CHECK(gpu_reads.in_hooks == 0);
+  CHECK(gpu_reads.total <= 3 * 3);  // up to 3 per window (docs/gpu.md)
 }
 TEST_SUITE_END();
 #endif  // LOOM_TORCH_HAS_CUDA
