@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # loom's GPU check: one short, complete run on a machine with an NVIDIA GPU whose python3 holds a
-# CUDA build of torch 2.x (plus meson, ninja, cmake, a C++20 g++). Finishes in under 9 minutes.
+# CUDA build of torch 2.x (plus meson, ninja, cmake, a C++20 g++). Finishes in under 8 minutes.
 #
 # Usage:  bash scripts/device-check.sh OUTDIR
 #   (through the device tool: command "bash scripts/device-check.sh $OUT", carry [".device-deps"]
-#    after `bash scripts/device-deps.sh` here, timeout_s 580)
+#    after `bash scripts/device-deps.sh` here, timeout_s 540)
 #
 # What it does, each step logged and timed, continuing past a failing step:
 #   1. inventory: GPU, driver, torch / CUDA / NCCL versions, compilers, tools
@@ -37,7 +37,7 @@ OUTDIR=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 SRC=$(pwd)
 START=$(date +%s)
-BUDGET=${LOOM_DEVICE_CHECK_BUDGET:-520}   # seconds; the whole script stays under 9 minutes
+BUDGET=${LOOM_DEVICE_CHECK_BUDGET:-470}   # seconds; the whole script stays under 8 minutes
 DEADLINE=$((START + BUDGET))
 WORK=$(mktemp -d /tmp/loom-device-check.XXXXXX)
 LOG="$OUTDIR/device-check.log"
