@@ -389,9 +389,12 @@ inline std::pair<at::Tensor, at::Tensor> dequantize_aten(const at::Tensor& q, at
 /// Per element of a bucket's head, its slot's value: `per_slot` (float64, one value per slot, on
 /// the host) repeated lengths[j] times, on lengths' device (lengths: int64, the slots' element
 /// counts, summing to `total`). The factors of quantize_add_bucket_aten and dequantize_bucket_aten.
+/// For a CUDA device the values go through pinned memory without waiting (LibTorch's pinned
+/// allocator keeps the staging block until the copy ran), so a hook that calls it never waits for
+/// the GPU; `total` spares repeat_interleave a read of the lengths' sum.
 inline at::Tensor per_element(const std::vector<double>& per_slot, const at::Tensor& lengths, std::int64_t total) {
-  const at::Tensor values =
-      at::tensor(per_slot, at::TensorOptions().dtype(at::kDouble)).to(lengths.device(), /*non_blocking=*/false);
+  at::Tensor values = at::tensor(per_slot, at::TensorOptions().dtype(at::kDouble));
+  if (lengths.is_cuda()) values = values.pin_memory().to(lengths.device(), /*non_blocking=*/true);
   return at::repeat_interleave(values, lengths, /*dim=*/0, total);
 }
 
