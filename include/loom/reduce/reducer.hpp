@@ -87,8 +87,8 @@
 //     and a sum over ranks that overflows is caught too. A bucket divided before its all-reduce
 //     (above) is scanned only when its summed range flag says a rank sent inf, NaN or a value above
 //     (largest finite) / (2 x world size); below that bound the sum cannot overflow. The scan tests
-//     each element (isfinite), never a sum of elements, so float16 gradients whose sum exceeds
-//     65504 are finite.
+//     each element's magnitude (on the CPU a loop, on a device one infinity-norm reduction per
+//     bucket), never a sum of elements, so float16 gradients whose sum exceeds 65504 are finite.
 //   Clipping (max_grad_norm): the L2 norm of the averaged, unscaled gradient over all buckets — the
 //     global norm, identical on every rank, accumulated in float32 for float16/bfloat16 buckets
 //     and float64 for float64 ones — and the clip factor min(1, max / (norm + 1e-6)).
