@@ -24,32 +24,45 @@
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <loom/collate/batch.hpp>
 #include <loom/collate/collate_list.hpp>
+#include <loom/collate/detail/sample_read.hpp>
 #include <loom/collate/sample.hpp>
 #include <loom/error.hpp>
 
 namespace loom {
 
-/// Where a collate happens: the device, the step, and the generator of each sample.
+/// Where a collate happens: the device, the step, the generator of each sample, and (from the
+/// loaders, for DefaultCollate) the batch the samples' data were already copied into.
 ///
 /// Example: `CollateContext{.device = 1, .step = 7, .generators = ids}`; ids[i] produced sample i.
 /// Units: device is a logical device index (in the per-rank mode: the rank); step counts batches
 /// from 0 (from the resumed step when resuming); generator ids index the loader's generators.
+/// Rows: when `rows` is defined, it is a contiguous N x (sample shape) tensor whose row i the
+/// data tensor of sample i is (the loaders copy each sample's data into its row of a pooled
+/// buffer as it arrives: the one copy collation needs). DefaultCollate then returns `rows` as the
+/// batch's data instead of copying again. The loaders set it only for DefaultCollate without
+/// padding or a mask, when every generator of the device gave a sample of the first one's shape
+/// and dtype; otherwise it is undefined and the samples hold their own tensors.
 struct CollateContext {
   int device = 0;
   std::int64_t step = 0;
   std::span<const int> generators;  ///< generator id of each sample, same length as the samples
+  at::Tensor rows{};                ///< N x (sample shape), row i = sample i's data; or undefined
 };
 
 /// A callable that collates one device's samples of one step into a batch of type B: the collate
@@ -129,6 +142,9 @@ struct DefaultCollate {
       else
         indices[i] = ctx.generators[i];
     }
+    if (ctx.rows.defined() && accepts_rows()) {
+      if (std::optional<Batch> b = from_rows(samples, ctx.rows, indices)) return std::move(*b);
+    }
     try {
       return collate(samples, std::span<const int64_t>(indices), options, projection);
     } catch (const InvalidArgument& e) {
@@ -144,6 +160,70 @@ struct DefaultCollate {
     b.weight = 0.0;
     return b;
   }
+
+  /// Whether this collate takes CollateContext::rows as the batch's data: without padding, a
+  /// padded_shape or a mask (each of which changes the layout).
+  [[nodiscard]] bool accepts_rows() const noexcept { return !pad && options.padded_shape.empty() && !options.mask; }
+
+ private:
+  // The batch whose data is `rows`, when row i of `rows` is the data tensor of sample i (same
+  // storage, same place, same shape and dtype) and the targets stack (all none, all integers, or
+  // tensors of one shape and dtype); std::nullopt otherwise (loom::collate then decides, and
+  // names any error).
+  template <class S>
+  std::optional<Batch> from_rows(std::span<S> samples, const at::Tensor& rows,
+                                 const std::vector<int64_t>& indices) const {
+    const auto n = static_cast<int64_t>(samples.size());
+    if (rows.dim() < 2 || rows.size(0) != n || !rows.is_contiguous() || !rows.is_cpu()) return std::nullopt;
+    const c10::IntArrayRef row_shape = rows.sizes().slice(1);
+    const auto row_bytes = static_cast<std::ptrdiff_t>(rows.nbytes() / static_cast<std::size_t>(n));
+    const auto* base = static_cast<const char*>(rows.data_ptr());
+    std::vector<detail::TargetValue> targets;
+    targets.reserve(samples.size());
+    for (std::size_t i = 0; i < samples.size(); ++i) {
+      const at::Tensor& t = projection.data(samples[i]);
+      if (!t.defined() || t.scalar_type() != rows.scalar_type() || t.sizes() != row_shape ||
+          static_cast<const char*>(t.data_ptr()) != base + static_cast<std::ptrdiff_t>(i) * row_bytes)
+        return std::nullopt;
+      try {
+        targets.push_back(detail::to_target_value(projection.target(samples[i]), indices[i], ""));
+      } catch (const InvalidArgument&) {
+        return std::nullopt;  // an undefined or non-CPU target: loom::collate names it
+      }
+      const detail::TargetValue& first = targets.front();
+      const detail::TargetValue& v = targets.back();
+      if (v.kind != first.kind) return std::nullopt;
+      if (v.kind == detail::TargetValue::Kind::tensor &&
+          (!v.tensor.defined() || v.tensor.sizes() != first.tensor.sizes() ||
+           v.tensor.scalar_type() != first.tensor.scalar_type()))
+        return std::nullopt;
+    }
+    for (int64_t d : row_shape)
+      if (d <= 0) return std::nullopt;
+    Batch b;
+    b.data = rows;
+    if (targets.front().kind == detail::TargetValue::Kind::integer) {
+      b.targets = at::empty({n}, at::TensorOptions(at::kLong));
+      auto* out = b.targets.data_ptr<int64_t>();
+      for (std::size_t i = 0; i < targets.size(); ++i) out[i] = targets[i].integer;
+    } else if (targets.front().kind == detail::TargetValue::Kind::tensor) {
+      std::vector<at::Tensor> ts;
+      ts.reserve(targets.size());
+      for (const auto& v : targets) ts.push_back(v.tensor);
+      b.targets = at::stack(ts);
+    }
+    b.indices = indices;
+    b.num_samples = n;
+    return b;
+  }
 };
+
+namespace detail {
+/// True for loom::DefaultCollate<P>: the loaders give it a buffer pool and staged rows.
+template <class C>
+inline constexpr bool is_default_collate = false;
+template <class P>
+inline constexpr bool is_default_collate<DefaultCollate<P>> = true;
+}  // namespace detail
 
 }  // namespace loom

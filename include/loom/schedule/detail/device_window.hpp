@@ -11,9 +11,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
+#include <c10/core/ScalarType.h>
+
+#include <loom/collate/pool.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/collate_fn.hpp>
 
@@ -26,12 +31,41 @@ struct DeviceWindow {
     explicit Slot(std::size_t n) : samples(n) {}
     std::vector<std::optional<Sample>> samples;  ///< by position in the device
     std::optional<Item> item;                    ///< the collated batch
+    // Staged rows (stage_rows): the step's batch buffer, `width` rows of the first arrived
+    // sample's data shape and dtype; samples of that layout are copied into their row on arrival.
+    ByteBlock rows{};                         ///< the buffer (no storage: none yet)
+    std::vector<std::int64_t> row_shape{};    ///< data shape of one row
+    c10::ScalarType row_dtype = c10::kFloat;  ///< dtype of the rows
+    std::int64_t row_bytes = 0;               ///< bytes of one row
+    std::size_t staged = 0;                   ///< samples held as views of their row
   };
 
-  /// A window of `depth` empty steps from `start_step`, for `generators` generators.
+  /// A window of `depth` empty steps from `start_step`, for `generators` generators. With
+  /// DefaultCollate, the device gets a BufferPool of depth + 2 buffers (the window, the step the
+  /// consumer holds, one spare), allocated by the collate's options.allocate, else by the
+  /// transfer's batch_allocator() when it has one (pinned memory for a CUDA transfer), else
+  /// at::empty; the collate uses it when its options name neither a pool nor an allocator (a pool
+  /// given there is used for the staged rows too). Rows are staged when the collate accepts
+  /// them and reads samples with DefaultProjection.
   DeviceWindow(const Collate& c, const Transfer& t, int depth, std::size_t generators, std::int64_t start_step)
       : collate_fn(c), transfer(t), consumed(start_step), next_collate(start_step), width(generators) {
     for (int i = 0; i < depth; ++i) window.emplace_back(width);
+    if constexpr (is_default_collate<Collate>) {
+      CollateOptions& o = collate_fn.options;
+      if (o.pool) {
+        pool = o.pool;
+      } else {
+        BufferPoolOptions po{.allocate = o.allocate, .max_buffers = static_cast<std::size_t>(depth) + 2};
+        if constexpr (requires(const Transfer& tr) {
+                        { tr.batch_allocator() } -> std::convertible_to<BatchAllocator>;
+                      }) {
+          if (!po.allocate) po.allocate = transfer.batch_allocator();
+        }
+        pool = std::make_shared<BufferPool>(std::move(po));
+        if (!o.allocate) o.pool = pool;
+      }
+      stage_rows = collate_fn.accepts_rows() && std::same_as<decltype(collate_fn.projection), DefaultProjection>;
+    }
   }
 
   /// Step k's slot, or nullptr when k lies outside the window.
@@ -80,11 +114,13 @@ struct DeviceWindow {
 
   Collate collate_fn;  ///< used by one collating worker at a time (collating flag)
   Transfer transfer;
-  std::deque<Slot> window;        ///< steps [consumed, consumed + depth)
-  std::int64_t consumed = 0;      ///< the consumer's next step
-  std::int64_t next_collate = 0;  ///< the next step to collate
-  bool collating = false;         ///< a worker is collating this device's step
-  std::size_t width = 0;          ///< generators of this device
+  std::shared_ptr<BufferPool> pool;  ///< batch buffers (DefaultCollate only; else null)
+  bool stage_rows = false;           ///< copy samples' data into their row of the step's buffer on arrival
+  std::deque<Slot> window;           ///< steps [consumed, consumed + depth)
+  std::int64_t consumed = 0;         ///< the consumer's next step
+  std::int64_t next_collate = 0;     ///< the next step to collate
+  bool collating = false;            ///< a worker is collating this device's step
+  std::size_t width = 0;             ///< generators of this device
 };
 
 }  // namespace loom::detail

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -21,12 +22,16 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
+#include <loom/collate/pool.hpp>
 #include <loom/collate/transfer.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/collate_fn.hpp>
 #include <loom/schedule/detail/cursor.hpp>
 #include <loom/schedule/detail/device_window.hpp>
 #include <loom/schedule/detail/engine_config.hpp>
+#include <loom/schedule/detail/own_sample.hpp>
 #include <loom/schedule/detail/stop_event.hpp>
 #include <loom/schedule/generator.hpp>
 #include <loom/schedule/options.hpp>
@@ -283,7 +288,16 @@ class LoaderEngine {
       const int d = device_of_[gi];
       const int p = position_in_device_[gi];
       std::exception_ptr error;
-      std::optional<Sample> s = cursors_[gi]->next_owned(error);
+      std::optional<Sample> s = cursors_[gi]->next_caught(error);
+      bool staged = false;
+      if (s) {
+        try {
+          staged = take_sample(d, k, p, *s);
+        } catch (...) {
+          error = std::current_exception();
+          s.reset();
+        }
+      }
       bool stop_others = false;
       bool tell_consumer = false;  // only what the consumer waits on: an end, a failure, an event's finality
       {
@@ -303,6 +317,7 @@ class LoaderEngine {
           Slot* sl = slot(d, k);
           LOOM_ASSERT(sl != nullptr, "a pulled step lies in its device's window");
           sl->samples[static_cast<std::size_t>(p)].emplace(std::move(*s));
+          if (staged) ++sl->staged;
           ++next_step_[gi];
           ++position_[gi];
           ++read_[gi];
@@ -316,6 +331,51 @@ class LoaderEngine {
     if (config_.count_unread && config_.end == EndPolicy::stop_at_shortest) count_unread(mine);
   }
 
+  // Makes sample `s` (just pulled for step k, position p of device d) the loader's own before its
+  // generator runs again. With staged rows (DeviceWindow::stage_rows), a data tensor of the step's
+  // row layout (the first arrived sample's shape and dtype) is copied into row p of the step's
+  // pooled buffer and replaced by that row (the copy collation would make anyway); every other
+  // tensor loom reads is copied unless it owns its memory (own_sample). Returns whether the data
+  // was staged. Throws what the copy throws (out of memory, the allocator's errors).
+  bool take_sample(int d, std::int64_t k, int p, Sample& s) {
+    Device& dev = *devices_[static_cast<std::size_t>(d)];
+    at::Tensor* data = dev.stage_rows ? data_tensor(s) : nullptr;
+    if (data == nullptr || !data->defined() || !data->is_cpu() || data->dim() == 0 || data->numel() == 0) {
+      own_sample(s);
+      return false;
+    }
+    ByteBlock block;
+    std::int64_t row_bytes = 0;
+    {
+      std::lock_guard lk(mutex_);
+      Slot* sl = slot(d, k);
+      if (sl != nullptr) {
+        if (!sl->rows.storage) {
+          sl->row_shape.assign(data->sizes().begin(), data->sizes().end());
+          sl->row_dtype = data->scalar_type();
+          sl->row_bytes = static_cast<std::int64_t>(data->nbytes());
+          sl->rows = dev.pool->acquire_block(sl->row_bytes * static_cast<std::int64_t>(dev.width));
+        }
+        if (data->scalar_type() == sl->row_dtype && data->sizes() == c10::IntArrayRef(sl->row_shape)) {
+          block = sl->rows;
+          row_bytes = sl->row_bytes;
+        }
+      }
+    }
+    if (!block.storage || row_bytes == 0) {
+      own_sample(s);
+      return false;
+    }
+    at::Tensor row = carve(block, row_bytes * p, data->scalar_type(), data->sizes());
+    if (data->is_contiguous())
+      std::memcpy(row.data_ptr(), data->data_ptr(), static_cast<std::size_t>(row_bytes));
+    else
+      row.copy_(*data);
+    *data = std::move(row);
+    own_sample(s, data);
+    return true;
+  }
+
   // Collates the device's complete steps, in step order, one collate at a time per device.
   void collate_ready(int d) {
     Device& dev = *devices_[static_cast<std::size_t>(d)];
@@ -324,6 +384,7 @@ class LoaderEngine {
       std::vector<Sample> samples;
       std::vector<int> ids;
       std::int64_t k = 0;
+      at::Tensor rows;
       {
         std::lock_guard lk(mutex_);
         if (dev.collating || aborted_) return;
@@ -344,12 +405,19 @@ class LoaderEngine {
           ids.push_back(gens[p]);
         }
         if (samples.empty()) return;  // drain: the device ran dry at step k
+        if (sl->staged == gens.size()) {
+          std::vector<std::int64_t> shape{static_cast<std::int64_t>(gens.size())};
+          shape.insert(shape.end(), sl->row_shape.begin(), sl->row_shape.end());
+          rows = carve(sl->rows, 0, sl->row_dtype, shape);
+        }
+        sl->rows = ByteBlock{};
         dev.collating = true;
       }
       std::optional<Item> item;
       std::exception_ptr error;
       try {
-        CollateContext ctx{.device = label(d), .step = k, .generators = std::span<const int>(ids)};
+        CollateContext ctx{
+            .device = label(d), .step = k, .generators = std::span<const int>(ids), .rows = std::move(rows)};
         B batch = dev.collate_fn(std::span<Sample>(samples), ctx);
         samples.clear();
         Ticket ticket = dev.transfer.start(batch, label(d));
