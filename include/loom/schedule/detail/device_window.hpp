@@ -38,6 +38,7 @@ struct DeviceWindow {
     c10::ScalarType row_dtype = c10::kFloat;  ///< dtype of the rows
     std::int64_t row_bytes = 0;               ///< bytes of one row
     std::size_t staged = 0;                   ///< samples held as views of their row
+    std::size_t arrived = 0;                  ///< samples placed in `samples`
   };
 
   /// A window of `depth` empty steps from `start_step`, for `generators` generators. With

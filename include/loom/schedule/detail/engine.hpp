@@ -260,115 +260,121 @@ class LoaderEngine {
     return failed_[gi] || ended_at_[gi] >= 0 || !may_pull(next_step_[gi], device_of_[gi], position_in_device_[gi]);
   }
 
+  // One worker: pulls its generators round-robin (each pull in step order; a generator is skipped
+  // while its step lies beyond its device's window), one lock of the engine mutex per sample (the
+  // delivery of one sample and the choice of the next), plus one per collated step.
   void run_worker(const std::vector<int>& mine) {
     if (!skip_to_resume(mine)) return;
+    std::size_t turn = 0;  // where the round-robin search starts in `mine`
+    std::unique_lock lk(mutex_);
     for (;;) {
       int g = -1;
-      std::int64_t k = 0;
-      {
-        std::unique_lock lk(mutex_);
-        bool all_finished = false;
-        worker_cv_.wait(lk, [&] {
-          if (aborted_) return true;
-          g = -1;
-          all_finished = true;
-          for (int c : mine) {
-            if (!finished(c)) all_finished = false;
-            if (can_pull(c) &&
-                (g < 0 || next_step_[static_cast<std::size_t>(c)] < next_step_[static_cast<std::size_t>(g)]))
-              g = c;
-          }
-          return g >= 0 || all_finished;
-        });
-        if (aborted_) return;
-        if (g < 0) break;
-        k = next_step_[static_cast<std::size_t>(g)];
-      }
+      bool all_finished = false;
+      worker_cv_.wait(lk, [&] {
+        if (aborted_) return true;
+        g = pick(mine, turn, all_finished);
+        return g >= 0 || all_finished;
+      });
+      if (aborted_) return;
+      if (g < 0) break;
       const auto gi = static_cast<std::size_t>(g);
+      const std::int64_t k = next_step_[gi];
       const int d = device_of_[gi];
       const int p = position_in_device_[gi];
+      Slot* sl = slot(d, k);
+      LOOM_ASSERT(sl != nullptr, "a pulled step lies in its device's window");
+      const bool has_rows = static_cast<bool>(sl->rows.storage);
+      lk.unlock();
+
       std::exception_ptr error;
       std::optional<Sample> s = cursors_[gi]->next_caught(error);
       bool staged = false;
       if (s) {
         try {
-          staged = take_sample(d, k, p, *s);
+          staged = take_sample(d, *sl, has_rows, p, *s);
         } catch (...) {
           error = std::current_exception();
           s.reset();
         }
       }
+
+      lk.lock();
       bool stop_others = false;
-      bool tell_consumer = false;  // only what the consumer waits on: an end, a failure, an event's finality
-      {
-        std::lock_guard lk(mutex_);
-        tell_consumer = event_.has_value() || !s;
-        if (error) {
-          record_failure(gi, k, error);
+      const bool tell_consumer = event_.has_value() || !s;  // what the consumer waits on: an end, a failure
+      bool complete = false;
+      if (error) {
+        record_failure(gi, k, error);
+        stop_others = true;
+      } else if (!s) {
+        ended_at_[gi] = k;
+        if (config_.end == EndPolicy::stop_at_shortest) {
+          record(StopEvent{
+              .step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
           stop_others = true;
-        } else if (!s) {
-          ended_at_[gi] = k;
-          if (config_.end == EndPolicy::stop_at_shortest) {
-            record(StopEvent{
-                .step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
-            stop_others = true;
-          }
-        } else {
-          Slot* sl = slot(d, k);
-          LOOM_ASSERT(sl != nullptr, "a pulled step lies in its device's window");
-          sl->samples[static_cast<std::size_t>(p)].emplace(std::move(*s));
-          if (staged) ++sl->staged;
-          ++next_step_[gi];
-          ++position_[gi];
-          ++read_[gi];
         }
+      } else {
+        sl->samples[static_cast<std::size_t>(p)].emplace(std::move(*s));
+        if (staged) ++sl->staged;
+        complete = ++sl->arrived == sl->samples.size();
+        ++next_step_[gi];
+        ++position_[gi];
+        ++read_[gi];
       }
-      s.reset();
       if (tell_consumer) consumer_cv_.notify_all();
       if (stop_others) worker_cv_.notify_all();
-      collate_ready(d);
+      // A step can become collatable only when its last sample arrives, or (drain) when a generator ends.
+      if (complete || !s || config_.end == EndPolicy::drain) collate_ready(d, lk);
     }
+    lk.unlock();
     if (config_.count_unread && config_.end == EndPolicy::stop_at_shortest) count_unread(mine);
   }
 
-  // Makes sample `s` (just pulled for step k, position p of device d) the loader's own before its
-  // generator runs again. With staged rows (DeviceWindow::stage_rows), a data tensor of the step's
-  // row layout (the first arrived sample's shape and dtype) is copied into row p of the step's
-  // pooled buffer and replaced by that row (the copy collation would make anyway); every other
-  // tensor loom reads is copied unless it owns its memory (own_sample). Returns whether the data
-  // was staged. Throws what the copy throws (out of memory, the allocator's errors).
-  bool take_sample(int d, std::int64_t k, int p, Sample& s) {
+  // The next generator of `mine` that can pull, searching round-robin from `turn` (then moved past
+  // it); -1 when none can, with all_finished telling whether none ever will. mutex_ held.
+  int pick(const std::vector<int>& mine, std::size_t& turn, bool& all_finished) const {
+    const std::size_t n = mine.size();
+    for (std::size_t i = 0, j = turn; i < n; ++i, j = j + 1 == n ? 0 : j + 1) {
+      if (can_pull(mine[j])) {
+        turn = j + 1 == n ? 0 : j + 1;
+        all_finished = false;
+        return mine[j];
+      }
+    }
+    all_finished = std::all_of(mine.begin(), mine.end(), [this](int c) { return finished(c); });
+    return -1;
+  }
+
+  // Makes sample `s` (just pulled for slot `sl`'s step, position p of device d) the loader's own
+  // before its generator runs again. With staged rows (DeviceWindow::stage_rows), a data tensor of
+  // the step's row layout (the first arrived sample's shape and dtype) is copied into row p of the
+  // step's pooled buffer and replaced by that row (the copy collation would make anyway); every
+  // other tensor loom reads is copied unless it owns its memory (own_sample). Returns whether the
+  // data was staged. `has_rows`: sl.rows was seen set under the mutex. The slot's rows and their
+  // layout do not change once set until the step is collated, which waits for this sample, so they
+  // are read here without the mutex. Throws what the copy throws (out of memory, the allocator's).
+  bool take_sample(int d, Slot& sl, bool has_rows, int p, Sample& s) {
     Device& dev = *devices_[static_cast<std::size_t>(d)];
     at::Tensor* data = dev.stage_rows ? data_tensor(s) : nullptr;
     if (data == nullptr || !data->defined() || !data->is_cpu() || data->dim() == 0 || data->numel() == 0) {
       own_sample(s);
       return false;
     }
-    ByteBlock block;
-    std::int64_t row_bytes = 0;
-    {
+    if (!has_rows) {
       std::lock_guard lk(mutex_);
-      Slot* sl = slot(d, k);
-      if (sl != nullptr) {
-        if (!sl->rows.storage) {
-          sl->row_shape.assign(data->sizes().begin(), data->sizes().end());
-          sl->row_dtype = data->scalar_type();
-          sl->row_bytes = static_cast<std::int64_t>(data->nbytes());
-          sl->rows = dev.pool->acquire_block(sl->row_bytes * static_cast<std::int64_t>(dev.width));
-        }
-        if (data->scalar_type() == sl->row_dtype && data->sizes() == c10::IntArrayRef(sl->row_shape)) {
-          block = sl->rows;
-          row_bytes = sl->row_bytes;
-        }
+      if (!sl.rows.storage) {
+        sl.row_shape.assign(data->sizes().begin(), data->sizes().end());
+        sl.row_dtype = data->scalar_type();
+        sl.row_bytes = static_cast<std::int64_t>(data->nbytes());
+        sl.rows = dev.pool->acquire_block(sl.row_bytes * static_cast<std::int64_t>(dev.width));
       }
     }
-    if (!block.storage || row_bytes == 0) {
+    if (data->scalar_type() != sl.row_dtype || data->sizes() != c10::IntArrayRef(sl.row_shape)) {
       own_sample(s);
       return false;
     }
-    at::Tensor row = carve(block, row_bytes * p, data->scalar_type(), data->sizes());
+    at::Tensor row = carve(sl.rows, sl.row_bytes * p, sl.row_dtype, data->sizes());
     if (data->is_contiguous())
-      std::memcpy(row.data_ptr(), data->data_ptr(), static_cast<std::size_t>(row_bytes));
+      std::memcpy(row.data_ptr(), data->data_ptr(), static_cast<std::size_t>(sl.row_bytes));
     else
       row.copy_(*data);
     *data = std::move(row);
@@ -377,42 +383,44 @@ class LoaderEngine {
   }
 
   // Collates the device's complete steps, in step order, one collate at a time per device.
-  void collate_ready(int d) {
+  // Called and returns with `lk` (on mutex_) held; unlocks it while a collate function runs.
+  void collate_ready(int d, std::unique_lock<std::mutex>& lk) {
     Device& dev = *devices_[static_cast<std::size_t>(d)];
     const auto& gens = generators(d);
     for (;;) {
       std::vector<Sample> samples;
       std::vector<int> ids;
-      std::int64_t k = 0;
       at::Tensor rows;
-      {
-        std::lock_guard lk(mutex_);
-        if (dev.collating || aborted_) return;
-        k = dev.next_collate;
-        Slot* sl = slot(d, k);
-        if (sl == nullptr) return;
+      if (dev.collating || aborted_) return;
+      const std::int64_t k = dev.next_collate;
+      Slot* sl = slot(d, k);
+      if (sl == nullptr) return;
+      if (sl->arrived < gens.size()) {
         for (std::size_t p = 0; p < gens.size(); ++p) {
           if (sl->samples[p]) continue;
           const auto e = ended_at_[static_cast<std::size_t>(gens[p])];
           if (config_.end == EndPolicy::drain && e >= 0 && e <= k) continue;
           return;  // still being pulled (or ended / failed under stop_at_shortest: never complete)
         }
-        samples.reserve(gens.size());
-        for (std::size_t p = 0; p < gens.size(); ++p) {
-          if (!sl->samples[p]) continue;
-          samples.push_back(std::move(*sl->samples[p]));
-          sl->samples[p].reset();
-          ids.push_back(gens[p]);
-        }
-        if (samples.empty()) return;  // drain: the device ran dry at step k
-        if (sl->staged == gens.size()) {
-          std::vector<std::int64_t> shape{static_cast<std::int64_t>(gens.size())};
-          shape.insert(shape.end(), sl->row_shape.begin(), sl->row_shape.end());
-          rows = carve(sl->rows, 0, sl->row_dtype, shape);
-        }
-        sl->rows = ByteBlock{};
-        dev.collating = true;
       }
+      samples.reserve(gens.size());
+      ids.reserve(gens.size());
+      for (std::size_t p = 0; p < gens.size(); ++p) {
+        if (!sl->samples[p]) continue;
+        samples.push_back(std::move(*sl->samples[p]));
+        sl->samples[p].reset();
+        ids.push_back(gens[p]);
+      }
+      if (samples.empty()) return;  // drain: the device ran dry at step k
+      if (sl->staged == gens.size()) {
+        std::vector<std::int64_t> shape{static_cast<std::int64_t>(gens.size())};
+        shape.insert(shape.end(), sl->row_shape.begin(), sl->row_shape.end());
+        rows = carve(sl->rows, 0, sl->row_dtype, shape);
+      }
+      sl->rows = ByteBlock{};
+      dev.collating = true;
+      lk.unlock();
+
       std::optional<Item> item;
       std::exception_ptr error;
       try {
@@ -427,21 +435,20 @@ class LoaderEngine {
         error = std::current_exception();
       }
       samples.clear();
-      {
-        std::lock_guard lk(mutex_);
-        dev.collating = false;
-        if (error) {
-          record(StopEvent{.step = k,
-                           .device = d,
-                           .position = static_cast<int>(gens.size()),
-                           .failure = true,
-                           .generator = -1,
-                           .sample = -1,
-                           .error = error});
-        } else {
-          slot(d, k)->item = std::move(item);
-          ++dev.next_collate;
-        }
+
+      lk.lock();
+      dev.collating = false;
+      if (error) {
+        record(StopEvent{.step = k,
+                         .device = d,
+                         .position = static_cast<int>(gens.size()),
+                         .failure = true,
+                         .generator = -1,
+                         .sample = -1,
+                         .error = error});
+      } else {
+        slot(d, k)->item = std::move(item);
+        ++dev.next_collate;
       }
       consumer_cv_.notify_all();
       if (error) {
