@@ -43,6 +43,7 @@
 #include <loom/collate/detail/sample_read.hpp>
 #include <loom/collate/sample.hpp>
 #include <loom/error.hpp>
+#include <loom/schedule/detail/own_sample.hpp>
 
 namespace loom {
 
@@ -52,12 +53,13 @@ namespace loom {
 /// Example: `CollateContext{.device = 1, .step = 7, .generators = ids}`; ids[i] produced sample i.
 /// Units: device is a logical device index (in the per-rank mode: the rank); step counts batches
 /// from 0 (from the resumed step when resuming); generator ids index the loader's generators.
-/// Rows: when `rows` is defined, it is a contiguous N x (sample shape) tensor whose row i the
-/// data tensor of sample i is (the loaders copy each sample's data into its row of a pooled
-/// buffer as it arrives: the one copy collation needs). DefaultCollate then returns `rows` as the
-/// batch's data instead of copying again. The loaders set it only for DefaultCollate without
-/// padding or a mask, when every generator of the device gave a sample of the first one's shape
-/// and dtype; otherwise it is undefined and the samples hold their own tensors.
+/// Rows: when `rows` is defined, it is a contiguous N x (sample shape) tensor holding the samples'
+/// data, row i = sample i's: the loaders copy each sample's data tensor into its row of a pooled
+/// buffer as it arrives (the one copy collation needs) and leave an undefined tensor in its place
+/// in the sample. DefaultCollate returns `rows` as the batch's data. The loaders set it only for
+/// DefaultCollate without padding or a mask, reading samples with DefaultProjection, when every
+/// generator of the device gave a sample of the first one's shape and dtype; otherwise it is
+/// undefined and every sample holds its own data tensor.
 struct CollateContext {
   int device = 0;
   std::int64_t step = 0;
@@ -142,8 +144,11 @@ struct DefaultCollate {
       else
         indices[i] = ctx.generators[i];
     }
-    if (ctx.rows.defined() && accepts_rows()) {
-      if (std::optional<Batch> b = from_rows(samples, ctx.rows, indices)) return std::move(*b);
+    if (ctx.rows.defined()) {
+      if (accepts_rows()) {
+        if (std::optional<Batch> b = from_rows(samples, ctx.rows, indices)) return std::move(*b);
+      }
+      restore_rows(samples, ctx.rows);
     }
     try {
       return collate(samples, std::span<const int64_t>(indices), options, projection);
@@ -166,25 +171,20 @@ struct DefaultCollate {
   [[nodiscard]] bool accepts_rows() const noexcept { return !pad && options.padded_shape.empty() && !options.mask; }
 
  private:
-  // The batch whose data is `rows`, when row i of `rows` is the data tensor of sample i (same
-  // storage, same place, same shape and dtype) and the targets stack (all none, all integers, or
-  // tensors of one shape and dtype); std::nullopt otherwise (loom::collate then decides, and
-  // names any error).
+  // The batch whose data is `rows` (see CollateContext::rows: the samples' data tensors are
+  // undefined, their data is in rows), when the targets stack: all none, all integers, or tensors
+  // of one shape and dtype; std::nullopt otherwise (loom::collate then decides, and names any error).
   template <class S>
   std::optional<Batch> from_rows(std::span<S> samples, const at::Tensor& rows,
                                  const std::vector<int64_t>& indices) const {
     const auto n = static_cast<int64_t>(samples.size());
     if (rows.dim() < 2 || rows.size(0) != n || !rows.is_contiguous() || !rows.is_cpu()) return std::nullopt;
-    const c10::IntArrayRef row_shape = rows.sizes().slice(1);
-    const auto row_bytes = static_cast<std::ptrdiff_t>(rows.nbytes() / static_cast<std::size_t>(n));
-    const auto* base = static_cast<const char*>(rows.data_ptr());
+    for (int64_t d : rows.sizes().slice(1))
+      if (d <= 0) return std::nullopt;
     std::vector<detail::TargetValue> targets;
     targets.reserve(samples.size());
     for (std::size_t i = 0; i < samples.size(); ++i) {
-      const at::Tensor& t = projection.data(samples[i]);
-      if (!t.defined() || t.scalar_type() != rows.scalar_type() || t.sizes() != row_shape ||
-          static_cast<const char*>(t.data_ptr()) != base + static_cast<std::ptrdiff_t>(i) * row_bytes)
-        return std::nullopt;
+      if (projection.data(samples[i]).defined()) return std::nullopt;
       try {
         targets.push_back(detail::to_target_value(projection.target(samples[i]), indices[i], ""));
       } catch (const InvalidArgument&) {
@@ -194,12 +194,9 @@ struct DefaultCollate {
       const detail::TargetValue& v = targets.back();
       if (v.kind != first.kind) return std::nullopt;
       if (v.kind == detail::TargetValue::Kind::tensor &&
-          (!v.tensor.defined() || v.tensor.sizes() != first.tensor.sizes() ||
-           v.tensor.scalar_type() != first.tensor.scalar_type()))
+          (v.tensor.sizes() != first.tensor.sizes() || v.tensor.scalar_type() != first.tensor.scalar_type()))
         return std::nullopt;
     }
-    for (int64_t d : row_shape)
-      if (d <= 0) return std::nullopt;
     Batch b;
     b.data = rows;
     if (targets.front().kind == detail::TargetValue::Kind::integer) {
@@ -215,6 +212,20 @@ struct DefaultCollate {
     b.indices = indices;
     b.num_samples = n;
     return b;
+  }
+
+  // Gives each sample whose data tensor is undefined row i of `rows` back as its data (a view),
+  // so loom::collate reads the samples as the generators gave them.
+  template <class S>
+  static void restore_rows(std::span<S> samples, const at::Tensor& rows) {
+    if constexpr (requires(S & s) {
+                    { detail::data_tensor(s) } -> std::same_as<at::Tensor*>;
+                  }) {
+      for (std::size_t i = 0; i < samples.size() && static_cast<int64_t>(i) < rows.size(0); ++i) {
+        at::Tensor* t = detail::data_tensor(samples[i]);
+        if (t != nullptr && !t->defined()) *t = rows.select(0, static_cast<int64_t>(i));
+      }
+    }
   }
 };
 

@@ -28,7 +28,7 @@ template <class Sample, class Item, class Collate, class Transfer>
 struct DeviceWindow {
   /// One step of the window.
   struct Slot {
-    explicit Slot(std::size_t n) : samples(n) {}
+    explicit Slot(std::size_t n) : samples(n), in_row(n, 0) {}
     std::vector<std::optional<Sample>> samples;  ///< by position in the device
     std::optional<Item> item;                    ///< the collated batch
     // Staged rows (stage_rows): the step's batch buffer, `width` rows of the first arrived
@@ -37,7 +37,8 @@ struct DeviceWindow {
     std::vector<std::int64_t> row_shape{};    ///< data shape of one row
     c10::ScalarType row_dtype = c10::kFloat;  ///< dtype of the rows
     std::int64_t row_bytes = 0;               ///< bytes of one row
-    std::size_t staged = 0;                   ///< samples held as views of their row
+    std::vector<char> in_row;                 ///< by position: the sample's data was moved into its row
+    std::size_t staged = 0;                   ///< samples whose data was moved into their row
     std::size_t arrived = 0;                  ///< samples placed in `samples`
   };
 

@@ -314,7 +314,10 @@ class LoaderEngine {
         }
       } else {
         sl->samples[static_cast<std::size_t>(p)].emplace(std::move(*s));
-        if (staged) ++sl->staged;
+        if (staged) {
+          sl->in_row[static_cast<std::size_t>(p)] = 1;
+          ++sl->staged;
+        }
         complete = ++sl->arrived == sl->samples.size();
         ++next_step_[gi];
         ++position_[gi];
@@ -372,12 +375,12 @@ class LoaderEngine {
       own_sample(s);
       return false;
     }
-    at::Tensor row = carve(sl.rows, sl.row_bytes * p, sl.row_dtype, data->sizes());
+    auto* dst = static_cast<char*>(sl.rows.storage.mutable_data()) + sl.rows.offset + sl.row_bytes * p;
     if (data->is_contiguous())
-      std::memcpy(row.data_ptr(), data->data_ptr(), static_cast<std::size_t>(sl.row_bytes));
+      std::memcpy(dst, data->data_ptr(), static_cast<std::size_t>(sl.row_bytes));
     else
-      row.copy_(*data);
-    *data = std::move(row);
+      carve(sl.rows, sl.row_bytes * p, sl.row_dtype, data->sizes()).copy_(*data);
+    *data = at::Tensor();  // moved into its row: the generator's tensor is not held any longer
     own_sample(s, data);
     return true;
   }
@@ -403,6 +406,10 @@ class LoaderEngine {
           return;  // still being pulled (or ended / failed under stop_at_shortest: never complete)
         }
       }
+      // Every sample's data in its row: the collate function gets them as CollateContext::rows.
+      // Otherwise (drain, or a sample of another shape) each staged sample's data becomes a view
+      // of its row again, and the collate function reads the samples as they are.
+      const bool all_in_rows = sl->staged == gens.size();
       samples.reserve(gens.size());
       ids.reserve(gens.size());
       for (std::size_t p = 0; p < gens.size(); ++p) {
@@ -410,9 +417,12 @@ class LoaderEngine {
         samples.push_back(std::move(*sl->samples[p]));
         sl->samples[p].reset();
         ids.push_back(gens[p]);
+        if (!all_in_rows && sl->in_row[p] != 0)
+          *data_tensor(samples.back()) =
+              carve(sl->rows, sl->row_bytes * static_cast<std::int64_t>(p), sl->row_dtype, sl->row_shape);
       }
       if (samples.empty()) return;  // drain: the device ran dry at step k
-      if (sl->staged == gens.size()) {
+      if (all_in_rows) {
         std::vector<std::int64_t> shape{static_cast<std::int64_t>(gens.size())};
         shape.insert(shape.end(), sl->row_shape.begin(), sl->row_shape.end());
         rows = carve(sl->rows, 0, sl->row_dtype, shape);
