@@ -175,41 +175,44 @@ struct DefaultCollate {
   // undefined, their data is in rows), when the targets stack: all none, all integers, or tensors
   // of one shape and dtype; std::nullopt otherwise (loom::collate then decides, and names any error).
   template <class S>
-  std::optional<Batch> from_rows(std::span<S> samples, const at::Tensor& rows,
-                                 const std::vector<int64_t>& indices) const {
+  std::optional<Batch> from_rows(std::span<S> samples, const at::Tensor& rows, std::vector<int64_t>& indices) const {
     const auto n = static_cast<int64_t>(samples.size());
     if (rows.dim() < 2 || rows.size(0) != n || !rows.is_contiguous() || !rows.is_cpu()) return std::nullopt;
     for (int64_t d : rows.sizes().slice(1))
       if (d <= 0) return std::nullopt;
-    std::vector<detail::TargetValue> targets;
-    targets.reserve(samples.size());
-    for (std::size_t i = 0; i < samples.size(); ++i) {
+    for (std::size_t i = 0; i < samples.size(); ++i)
       if (projection.data(samples[i]).defined()) return std::nullopt;
-      try {
-        targets.push_back(detail::to_target_value(projection.target(samples[i]), indices[i], ""));
-      } catch (const InvalidArgument&) {
-        return std::nullopt;  // an undefined or non-CPU target: loom::collate names it
-      }
-      const detail::TargetValue& first = targets.front();
-      const detail::TargetValue& v = targets.back();
-      if (v.kind != first.kind) return std::nullopt;
-      if (v.kind == detail::TargetValue::Kind::tensor &&
-          (v.tensor.sizes() != first.tensor.sizes() || v.tensor.scalar_type() != first.tensor.scalar_type()))
-        return std::nullopt;
-    }
     Batch b;
-    b.data = rows;
-    if (targets.front().kind == detail::TargetValue::Kind::integer) {
-      b.targets = at::empty({n}, at::TensorOptions(at::kLong));
-      auto* out = b.targets.data_ptr<int64_t>();
-      for (std::size_t i = 0; i < targets.size(); ++i) out[i] = targets[i].integer;
-    } else if (targets.front().kind == detail::TargetValue::Kind::tensor) {
-      std::vector<at::Tensor> ts;
-      ts.reserve(targets.size());
-      for (const auto& v : targets) ts.push_back(v.tensor);
-      b.targets = at::stack(ts);
+    using Target = std::remove_cvref_t<decltype(projection.target(samples[0]))>;
+    if constexpr (!std::same_as<Target, NoTarget>) {
+      std::vector<detail::TargetValue> targets;
+      targets.reserve(samples.size());
+      for (std::size_t i = 0; i < samples.size(); ++i) {
+        try {
+          targets.push_back(detail::to_target_value(projection.target(samples[i]), indices[i], ""));
+        } catch (const InvalidArgument&) {
+          return std::nullopt;  // an undefined or non-CPU target: loom::collate names it
+        }
+        const detail::TargetValue& first = targets.front();
+        const detail::TargetValue& v = targets.back();
+        if (v.kind != first.kind) return std::nullopt;
+        if (v.kind == detail::TargetValue::Kind::tensor &&
+            (v.tensor.sizes() != first.tensor.sizes() || v.tensor.scalar_type() != first.tensor.scalar_type()))
+          return std::nullopt;
+      }
+      if (targets.front().kind == detail::TargetValue::Kind::integer) {
+        b.targets = at::empty({n}, at::TensorOptions(at::kLong));
+        auto* out = b.targets.data_ptr<int64_t>();
+        for (std::size_t i = 0; i < targets.size(); ++i) out[i] = targets[i].integer;
+      } else if (targets.front().kind == detail::TargetValue::Kind::tensor) {
+        std::vector<at::Tensor> ts;
+        ts.reserve(targets.size());
+        for (const auto& v : targets) ts.push_back(v.tensor);
+        b.targets = at::stack(ts);
+      }
     }
-    b.indices = indices;
+    b.data = rows;
+    b.indices = std::move(indices);
     b.num_samples = n;
     return b;
   }

@@ -7,10 +7,10 @@
 // the collate function runs on one worker at a time (collating), the transfer's finish on the consumer.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -51,6 +51,7 @@ struct DeviceWindow {
   /// them and reads samples with DefaultProjection.
   DeviceWindow(const Collate& c, const Transfer& t, int depth, std::size_t generators, std::int64_t start_step)
       : collate_fn(c), transfer(t), consumed(start_step), next_collate(start_step), width(generators) {
+    window.reserve(static_cast<std::size_t>(depth));
     for (int i = 0; i < depth; ++i) window.emplace_back(width);
     if constexpr (is_default_collate<Collate>) {
       CollateOptions& o = collate_fn.options;
@@ -70,29 +71,37 @@ struct DeviceWindow {
     }
   }
 
-  /// Step k's slot, or nullptr when k lies outside the window.
+  /// Step k's slot, or nullptr when k lies outside the window. A slot stays at its address while
+  /// its step is in the window (the window is a ring of `depth` slots: step k in slot k % depth).
   Slot* slot(std::int64_t k) {
     const std::int64_t i = k - consumed;
     if (i < 0 || i >= static_cast<std::int64_t>(window.size())) return nullptr;
-    return &window[static_cast<std::size_t>(i)];
+    return &window[static_cast<std::size_t>(k % static_cast<std::int64_t>(window.size()))];
   }
 
   /// Collated batches at the front of the window (consecutive steps from `consumed`).
   [[nodiscard]] std::size_t ready() const {
+    const auto depth = static_cast<std::int64_t>(window.size());
     std::size_t n = 0;
-    for (const Slot& s : window) {
-      if (!s.item) break;
+    for (std::int64_t i = 0; i < depth; ++i) {
+      if (!window[static_cast<std::size_t>((consumed + i) % depth)].item) break;
       ++n;
     }
     return n;
   }
 
-  /// Takes the front step's batch (it must be collated) and opens a new step at the back.
+  /// Takes the front step's batch (it must be collated) and empties its slot for step
+  /// consumed + depth.
   Item take_front() {
-    LOOM_ASSERT(window.front().item.has_value(), "pop() after wait() returned batch");
-    Item item = std::move(*window.front().item);
-    window.pop_front();
-    window.emplace_back(width);
+    Slot& front = window[static_cast<std::size_t>(consumed % static_cast<std::int64_t>(window.size()))];
+    LOOM_ASSERT(front.item.has_value(), "pop() after wait() returned batch");
+    Item item = std::move(*front.item);
+    front.item.reset();
+    for (auto& sample : front.samples) sample.reset();
+    std::fill(front.in_row.begin(), front.in_row.end(), 0);
+    front.rows = ByteBlock{};
+    front.staged = 0;
+    front.arrived = 0;
     ++consumed;
     return item;
   }
@@ -118,7 +127,7 @@ struct DeviceWindow {
   Transfer transfer;
   std::shared_ptr<BufferPool> pool;  ///< batch buffers (DefaultCollate only; else null)
   bool stage_rows = false;           ///< copy samples' data into their row of the step's buffer on arrival
-  std::deque<Slot> window;           ///< steps [consumed, consumed + depth)
+  std::vector<Slot> window;          ///< steps [consumed, consumed + depth)
   std::int64_t consumed = 0;         ///< the consumer's next step
   std::int64_t next_collate = 0;     ///< the next step to collate
   bool collating = false;            ///< a worker is collating this device's step

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 
 #include <loom/collate/pool.hpp>
 #include <loom/collate/transfer.hpp>
@@ -423,8 +424,8 @@ class LoaderEngine {
       }
       if (samples.empty()) return;  // drain: the device ran dry at step k
       if (all_in_rows) {
-        std::vector<std::int64_t> shape{static_cast<std::int64_t>(gens.size())};
-        shape.insert(shape.end(), sl->row_shape.begin(), sl->row_shape.end());
+        c10::SmallVector<std::int64_t, 8> shape{static_cast<std::int64_t>(gens.size())};
+        shape.append(sl->row_shape.begin(), sl->row_shape.end());
         rows = carve(sl->rows, 0, sl->row_dtype, shape);
       }
       sl->rows = ByteBlock{};
