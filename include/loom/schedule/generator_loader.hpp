@@ -122,6 +122,7 @@ class GeneratorLoader {
     const int m = core_->num_devices();
     std::vector<char> dry(static_cast<std::size_t>(m), 0);
     int num_dry = 0;
+    core_->wait_step(step_);  // one wake-up for the whole step; the waits below then return at once
     for (int d = 0; d < m; ++d) {
       const auto r = core_->wait(d, step_);
       if (r == Core::Resolved::event) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -132,6 +133,17 @@ class LoaderEngine {
     return r;
   }
 
+  /// Blocks until step k of every device slot is resolved (as wait() would return at once), or
+  /// until the stop event is final at some device's step k: the consumer is woken once, when the
+  /// last device's batch of the step is collated, not once per device. The caller has taken
+  /// every step < k.
+  void wait_step(std::int64_t k) {
+    std::unique_lock lk(mutex_);
+    waiting_step_ = k;
+    consumer_cv_.wait(lk, [&] { return step_resolved(k); });
+    waiting_step_ = -1;
+  }
+
   /// Collated batches ready for device slot d (consecutive steps from the one the consumer is at).
   std::size_t ready(int d) {
     std::lock_guard lk(mutex_);
@@ -183,6 +195,7 @@ class LoaderEngine {
     {
       std::lock_guard lk(mutex_);
       aborted_ = true;
+      stopping_.store(true, std::memory_order_relaxed);
     }
     worker_cv_.notify_all();
     consumer_cv_.notify_all();
@@ -234,6 +247,14 @@ class LoaderEngine {
     }
     return true;
   }
+  // Every device's step k is collated or dry, or the stop event is final at some device's step k.
+  bool step_resolved(std::int64_t k) {
+    for (int d = 0; d < num_devices(); ++d) {
+      if (collated(d, k) || dry(d, k)) continue;
+      return event_final(d, k);
+    }
+    return true;
+  }
   // The event stops the consumer at (k, d) and no earlier event can still appear.
   bool event_final(int d, std::int64_t k) const {
     if (!event_) return false;
@@ -261,91 +282,131 @@ class LoaderEngine {
     return failed_[gi] || ended_at_[gi] >= 0 || !may_pull(next_step_[gi], device_of_[gi], position_in_device_[gi]);
   }
 
-  // One worker: pulls its generators round-robin (each pull in step order; a generator is skipped
-  // while its step lies beyond its device's window), one lock of the engine mutex per sample (the
-  // delivery of one sample and the choice of the next), plus one per collated step.
+  // One pick of a worker: generator g's sample for step k (position p of device d, slot sl) and
+  // what pulling it gave.
+  struct Pull {
+    int g = -1;
+    std::int64_t k = 0;
+    int d = 0;
+    int p = 0;
+    Slot* sl = nullptr;
+    bool has_rows = false;  // sl->rows was set when picked
+    std::optional<Sample> s;
+    bool staged = false;
+    std::exception_ptr error;
+  };
+
+  // One worker. Under the engine mutex it picks every generator of `mine` that can pull now (its
+  // next step lies in its device's window and before any stop event), round-robin from where the
+  // last round stopped; then, without the mutex, pulls them one after another (stopping at a
+  // failure or an abort); then, under the mutex again, delivers the samples and collates the
+  // steps they completed, and picks the next round. So the mutex is taken about twice per round,
+  // not per sample, plus once per collated step.
   void run_worker(const std::vector<int>& mine) {
     if (!skip_to_resume(mine)) return;
-    std::size_t turn = 0;  // where the round-robin search starts in `mine`
+    std::size_t turn = 0;  // where the next round starts in `mine`
+    std::vector<Pull> round;
+    round.reserve(mine.size());
+    std::vector<int> collate_devices;
     std::unique_lock lk(mutex_);
     for (;;) {
-      int g = -1;
       bool all_finished = false;
       worker_cv_.wait(lk, [&] {
         if (aborted_) return true;
-        g = pick(mine, turn, all_finished);
-        return g >= 0 || all_finished;
+        pick(mine, turn, round, all_finished);
+        return !round.empty() || all_finished;
       });
       if (aborted_) return;
-      if (g < 0) break;
-      const auto gi = static_cast<std::size_t>(g);
-      const std::int64_t k = next_step_[gi];
-      const int d = device_of_[gi];
-      const int p = position_in_device_[gi];
-      Slot* sl = slot(d, k);
-      LOOM_ASSERT(sl != nullptr, "a pulled step lies in its device's window");
-      const bool has_rows = static_cast<bool>(sl->rows.storage);
+      if (round.empty()) break;
       lk.unlock();
 
-      std::exception_ptr error;
-      std::optional<Sample> s = cursors_[gi]->next_caught(error);
-      bool staged = false;
-      if (s) {
-        try {
-          staged = take_sample(d, *sl, has_rows, p, *s);
-        } catch (...) {
-          error = std::current_exception();
-          s.reset();
+      std::size_t pulled = 0;
+      for (Pull& pl : round) {
+        if (stopping_.load(std::memory_order_relaxed)) break;
+        if (std::optional<Sample> got = cursors_[static_cast<std::size_t>(pl.g)]->next_caught(pl.error))
+          pl.s.emplace(std::move(*got));  // Sample need not be assignable
+        if (pl.s) {
+          try {
+            pl.staged = take_sample(pl.d, *pl.sl, pl.has_rows, pl.p, *pl.s);
+          } catch (...) {
+            pl.error = std::current_exception();
+            pl.s.reset();
+          }
         }
+        ++pulled;
+        if (pl.error) break;  // the schedule fails here: the rest of the round is not pulled
       }
 
       lk.lock();
+      bool tell_consumer = false;  // what the consumer waits on: an end, a failure
       bool stop_others = false;
-      const bool tell_consumer = event_.has_value() || !s;  // what the consumer waits on: an end, a failure
-      bool complete = false;
-      if (error) {
-        record_failure(gi, k, error);
-        stop_others = true;
-      } else if (!s) {
-        ended_at_[gi] = k;
-        if (config_.end == EndPolicy::stop_at_shortest) {
-          record(StopEvent{
-              .step = k, .device = d, .position = p, .failure = false, .generator = g, .sample = -1, .error = {}});
+      collate_devices.clear();
+      for (std::size_t i = 0; i < pulled; ++i) {
+        Pull& pl = round[i];
+        const auto gi = static_cast<std::size_t>(pl.g);
+        tell_consumer = tell_consumer || event_.has_value() || !pl.s;
+        bool collate = config_.end == EndPolicy::drain || !pl.s;  // drain: an end may complete steps
+        if (pl.error) {
+          record_failure(gi, pl.k, pl.error);
           stop_others = true;
+        } else if (!pl.s) {
+          ended_at_[gi] = pl.k;
+          if (config_.end == EndPolicy::stop_at_shortest) {
+            record(StopEvent{.step = pl.k,
+                             .device = pl.d,
+                             .position = pl.p,
+                             .failure = false,
+                             .generator = pl.g,
+                             .sample = -1,
+                             .error = {}});
+            stop_others = true;
+          }
+        } else {
+          Slot& sl = *pl.sl;
+          sl.samples[static_cast<std::size_t>(pl.p)].emplace(std::move(*pl.s));
+          if (pl.staged) {
+            sl.in_row[static_cast<std::size_t>(pl.p)] = 1;
+            ++sl.staged;
+          }
+          if (++sl.arrived == sl.samples.size()) collate = true;  // the step's last sample
+          ++next_step_[gi];
+          ++position_[gi];
+          ++read_[gi];
         }
-      } else {
-        sl->samples[static_cast<std::size_t>(p)].emplace(std::move(*s));
-        if (staged) {
-          sl->in_row[static_cast<std::size_t>(p)] = 1;
-          ++sl->staged;
-        }
-        complete = ++sl->arrived == sl->samples.size();
-        ++next_step_[gi];
-        ++position_[gi];
-        ++read_[gi];
+        if (collate && std::find(collate_devices.begin(), collate_devices.end(), pl.d) == collate_devices.end())
+          collate_devices.push_back(pl.d);
       }
+      round.clear();
       if (tell_consumer) consumer_cv_.notify_all();
       if (stop_others) worker_cv_.notify_all();
-      // A step can become collatable only when its last sample arrives, or (drain) when a generator ends.
-      if (complete || !s || config_.end == EndPolicy::drain) collate_ready(d, lk);
+      for (int d : collate_devices) collate_ready(d, lk);
     }
     lk.unlock();
     if (config_.count_unread && config_.end == EndPolicy::stop_at_shortest) count_unread(mine);
   }
 
-  // The next generator of `mine` that can pull, searching round-robin from `turn` (then moved past
-  // it); -1 when none can, with all_finished telling whether none ever will. mutex_ held.
-  int pick(const std::vector<int>& mine, std::size_t& turn, bool& all_finished) const {
+  // Fills `round` with every generator of `mine` that can pull now, in round-robin order from
+  // `turn` (then moved past the last one picked); all_finished tells, when none can, whether none
+  // ever will. mutex_ held.
+  void pick(const std::vector<int>& mine, std::size_t& turn, std::vector<Pull>& round, bool& all_finished) {
+    round.clear();
     const std::size_t n = mine.size();
     for (std::size_t i = 0, j = turn; i < n; ++i, j = j + 1 == n ? 0 : j + 1) {
-      if (can_pull(mine[j])) {
-        turn = j + 1 == n ? 0 : j + 1;
-        all_finished = false;
-        return mine[j];
-      }
+      const int c = mine[j];
+      if (!can_pull(c)) continue;
+      const auto ci = static_cast<std::size_t>(c);
+      Pull pl;
+      pl.g = c;
+      pl.k = next_step_[ci];
+      pl.d = device_of_[ci];
+      pl.p = position_in_device_[ci];
+      pl.sl = slot(pl.d, pl.k);
+      LOOM_ASSERT(pl.sl != nullptr, "a pulled step lies in its device's window");
+      pl.has_rows = static_cast<bool>(pl.sl->rows.storage);
+      round.push_back(std::move(pl));
+      turn = j + 1 == n ? 0 : j + 1;
     }
-    all_finished = std::all_of(mine.begin(), mine.end(), [this](int c) { return finished(c); });
-    return -1;
+    all_finished = round.empty() && std::all_of(mine.begin(), mine.end(), [this](int c) { return finished(c); });
   }
 
   // Makes sample `s` (just pulled for slot `sl`'s step, position p of device d) the loader's own
@@ -461,7 +522,8 @@ class LoaderEngine {
         slot(d, k)->item = std::move(item);
         ++dev.next_collate;
       }
-      consumer_cv_.notify_all();
+      // A consumer in wait_step(k) is woken only once its whole step is resolved (or on an error).
+      if (error || waiting_step_ < 0 || (waiting_step_ == k && step_resolved(k))) consumer_cv_.notify_all();
       if (error) {
         worker_cv_.notify_all();
         return;
@@ -526,8 +588,10 @@ class LoaderEngine {
   std::mutex mutex_;
   std::condition_variable consumer_cv_;
   std::condition_variable worker_cv_;
-  std::optional<StopEvent> event_;  // guarded by mutex_
-  bool aborted_ = false;            // guarded by mutex_
+  std::optional<StopEvent> event_;     // guarded by mutex_
+  bool aborted_ = false;               // guarded by mutex_
+  std::atomic<bool> stopping_{false};  // aborted_, read by workers between the pulls of a round
+  std::int64_t waiting_step_ = -1;     // guarded by mutex_: the step the consumer waits for in wait_step, or -1
   std::vector<std::thread> threads_;
 };
 
