@@ -163,6 +163,29 @@ class LoaderEngine {
     return std::move(*item);
   }
 
+  /// Takes step k of every device slot under one lock, when wait_step(k) returned and no stop
+  /// event ends the schedule at step k: items[d] = device d's batch (its transfer not finished
+  /// yet: see finish()), or std::nullopt for a device that ran dry (drain). Returns false and
+  /// takes nothing when the stop event is final at step k (see event()). `items` has one entry
+  /// per device slot. The freed window slots are handed to the workers by the next release().
+  bool take_step(std::int64_t k, std::vector<std::optional<Item>>& items) {
+    std::lock_guard lk(mutex_);
+    LOOM_ASSERT(step_resolved(k), "take_step after wait_step");
+    for (int d = 0; d < num_devices(); ++d)
+      if (!collated(d, k) && !dry(d, k)) return false;
+    for (int d = 0; d < num_devices(); ++d) {
+      auto& item = items[static_cast<std::size_t>(d)];
+      item.reset();
+      if (collated(d, k)) item.emplace(devices_[static_cast<std::size_t>(d)]->take_front());
+    }
+    return true;
+  }
+
+  /// Finishes the transfer of a batch take_step() took for device slot d (on the consumer's thread).
+  void finish(int d, Item& item) {
+    devices_[static_cast<std::size_t>(d)]->transfer.finish(item.batch, label(d), item.ticket);
+  }
+
   /// Wakes the workers after pop()s (once per step, not once per device: fewer wake-ups).
   void release() { worker_cv_.notify_all(); }
 
