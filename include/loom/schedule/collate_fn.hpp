@@ -7,7 +7,9 @@
 // (loom/collate/collate_list.hpp) with the step's context: samples are read through a
 // SampleProjection (loom/collate/sample.hpp), each sample's bytes are copied once into one
 // N x (sample shape) batch, and samples of differing shapes are refused (or, with `pad`, padded
-// as loom::collate pads).
+// as loom::collate pads). In the loaders that one copy happens as each sample arrives, into its
+// row of a batch buffer from the device's BufferPool (CollateContext::rows), and DefaultCollate
+// takes the filled buffer as the batch's data.
 //
 // Example:
 //   loom::DefaultCollate<> collate_fn;
@@ -112,6 +114,11 @@ using collate_result_t = std::remove_cvref_t<std::invoke_result_t<F&, std::span<
 ///         samples differ in shape or dtype; loom::collate's errors (undefined or non-CPU data, a
 ///         zero-size dimension, different dtypes or target kinds, a sample larger than
 ///         padded_shape), prefixed with the device and step ("sample i" there = generator id i).
+/// Storage: given CollateContext::rows (the loaders give it without `pad` and a mask), the
+///        batch's data is `rows` itself and targets are a small new tensor; otherwise
+///        loom::collate allocates from options.pool / options.allocate. The loaders give each
+///        device's copy a BufferPool of prefetch_depth + 2 buffers when options names neither,
+///        so batch memory is reused across steps (a batch the consumer keeps stays its own).
 /// Source: loom::collate (copy once into preallocated storage; padding and masks).
 template <class Projection = DefaultProjection>
 struct DefaultCollate {

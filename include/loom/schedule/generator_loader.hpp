@@ -18,6 +18,14 @@
 // completes a device's step collates it, while the consumer trains. At most `prefetch_depth` batches
 // per device exist inside the loader, so host memory stays within M x depth x (batch bytes),
 // plus the step the consumer holds.
+// Batch memory (DefaultCollate): each device's batches live in buffers of a BufferPool the loader
+// owns (prefetch_depth + 2 buffers; allocated by DefaultCollate's options.allocate, else by the
+// transfer's batch_allocator() — pinned memory for loom::cuda::CudaTransfer — else at::empty),
+// or in DefaultCollate's own options.pool. A sample's data is copied once, as it arrives, into its
+// row of its step's buffer; a buffer is reused once the consumer has dropped every batch in it,
+// so the steady state allocates no batch memory (a batch kept longer keeps its buffer).
+// Workers: a worker pulls its generators in rounds (every one that can pull, then delivers them
+// together), so the loader's one mutex is taken per round and per collated step, not per sample.
 // Failure: a generator that throws stops production; the consumer receives every step before
 // the failing one, then loom::GeneratorError (a RemoteError naming generator, device and sample).
 // Leaving the loop early (break, exception, destruction) stops and joins the workers; a worker

@@ -1,7 +1,8 @@
 // loom/schedule/detail/device_window.hpp — one device slot's bounded window inside LoaderEngine:
-// `depth` steps [consumed, consumed + depth), each holding the samples pulled for that step (by
-// position of their generator in the device) or, once collated, its batch; plus the device's
-// collate function and transfer, and the batch a dry device gets under EndPolicy::drain.
+// `depth` steps [consumed, consumed + depth) in a ring of slots, each holding the samples pulled
+// for that step (by position of their generator in the device) and its batch buffer, or, once
+// collated, its batch; plus the device's collate function, transfer and batch buffer pool, and
+// the batch a dry device gets under EndPolicy::drain.
 //
 // Threads: the engine guards the window, `consumed`, `next_collate` and `collating` with its mutex;
 // the collate function runs on one worker at a time (collating), the transfer's finish on the consumer.

@@ -43,9 +43,10 @@ namespace loom::detail {
 
 /// Worker threads, a bounded window of batches per device, and the ordered stop event.
 ///
-/// Workers pull generators (generator i of this core always on worker i % W, one sample at a
-/// time, in step order) into the window of its device: `depth` slots for the steps
-/// [consumed, consumed + depth), each holding the samples of one step or their collated batch.
+/// Workers pull generators (generator i of this core always on worker i % W, each in step
+/// order, in rounds: see run_worker) into the window of its device: `depth` slots for the steps
+/// [consumed, consumed + depth), each holding the samples of one step or their collated batch,
+/// and (DefaultCollate) the step's pooled batch buffer that samples are copied into on arrival.
 /// The worker that completes a step collates it (one collate at a time per device, in step order).
 /// Determinism: a sample's place depends only on (generator, step); the stop event is the first
 /// in (step, device, position) order, and the consumer acts on it only once every generator

@@ -11,6 +11,9 @@
 // allocated by a tensor allocator (not memory wrapped with from_blob). A generator that makes a fresh tensor per
 // sample pays nothing; one that returns a reused buffer, a cached tensor or an element of an
 // in-memory dataset pays one copy of that tensor per sample.
+// With DefaultCollate (no padding, no mask, DefaultProjection) the loaders copy the data tensor
+// into its row of the step's pooled batch buffer instead (LoaderEngine::take_sample, using
+// data_tensor() below) and call own_sample for the rest of the sample.
 #pragma once
 
 #include <concepts>
