@@ -28,10 +28,12 @@
 // the baseline):
 //   RATIO <case>_vs_memcpy median=<m> min=<a> max=<b> n=<repetitions> goal>=<0.8 at 16 and 37 MiB, 0.5 at 1 MiB> met|NOT-met
 //   RATIO seed_loom_vs_hand_loop median=... goal>=1.00 met|NOT-met
-// Run (about 1.5 minutes on 2 cores; note the load beside the figures):
+// Each repetition is 4 iterations. The summary prints the load average at its end.
+// Run (about 25 s on 2 cores; note the load beside the figures):
 //   build-torch2/bench/bench_generators --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -219,7 +221,10 @@ class RatioReporter : public benchmark::ConsoleReporter {
   void Finalize() override {
     ConsoleReporter::Finalize();
     auto& out = GetOutputStream();
-    out << "\nSummary: baseline time / loom time per repetition\n";
+    double load[3] = {0, 0, 0};
+    getloadavg(load, 3);  // the machine's load while the suite ran (not quiet: ratios move)
+    out << fmt::format("\nSummary: baseline time / loom time per repetition (load average {:.2f} {:.2f} {:.2f})\n",
+                       load[0], load[1], load[2]);
     for (const auto& [name, times] : reps_) {
       if (name.rfind("memcpy", 0) == 0 || name.rfind("seed", 0) == 0) continue;
       const std::string mib =
@@ -250,7 +255,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
 };
 
 void timed(benchmark::internal::Benchmark* b) {
-  b->UseRealTime()->Unit(benchmark::kMillisecond)->Iterations(2);
+  b->UseRealTime()->Unit(benchmark::kMillisecond)->Iterations(4);
 }
 
 }  // namespace
