@@ -20,14 +20,15 @@
 // Seed: 16 generators of 4 KiB samples (1024 float32, the same cached tensor each call) onto 8
 // devices, 2 per device, 512 steps per iteration.
 //   seed/hand_loop      one thread: for each device, pull its 2 generators and torch::stack them.
-//   seed/loom           loom::GeneratorLoader, the default options but 2 worker threads (the
-//                       machine's cores) and prefetch depth 4.
+//   seed/loom/workers:2 loom::GeneratorLoader, prefetch depth 4, 2 worker threads (the machine's
+//                       cores: options.hpp's advice for CPU-bound generators).
+//   seed/loom/workers:0 the same with the default num_workers (one thread per generator, 16).
 // Counter: samples_per_s.
 //
 // Summary: one line per case that scripts read (ratio of repetition i's times, so 1 = as fast as
 // the baseline):
 //   RATIO <case>_vs_memcpy median=<m> min=<a> max=<b> n=<repetitions> goal>=<0.8 at 16 and 37 MiB, 0.5 at 1 MiB> met|NOT-met
-//   RATIO seed_loom_vs_hand_loop median=... goal>=1.00 met|NOT-met
+//   RATIO seed_loom_workers:W_vs_hand_loop median=... goal>=1.00 met|NOT-met
 // Each repetition is 4 iterations. The summary prints the load average at its end.
 // Run (about 25 s on 2 cores; note the load beside the figures):
 //   build-torch2/bench/bench_generators --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true
@@ -194,7 +195,7 @@ void BM_seed_hand_loop(benchmark::State& state) {
 void BM_seed_loom(benchmark::State& state) {
   loom::GeneratorLoader<CachedGenerator> loader(
       generators_of(samples_of(kSeedGenerators, kSeedFloats)),
-      {.num_devices = kSeedDevices, .prefetch_depth = kDepth, .num_workers = 2});
+      {.num_devices = kSeedDevices, .prefetch_depth = kDepth, .num_workers = static_cast<int>(state.range(0))});
   float sum = 0;
   auto check = [&](const loom::GeneratorLoaderStep<loom::Batch>& s) {
     for (const auto& db : s.devices) sum += db.batch.data.data_ptr<float>()[0];
@@ -232,7 +233,9 @@ class RatioReporter : public benchmark::ConsoleReporter {
       const double goal = mib == "1" ? 0.5 : 0.8;
       line(out, name + "_vs_memcpy", "memcpy/MiB:" + mib, name, goal);
     }
-    line(out, "seed_loom_vs_hand_loop", "seed/hand_loop", "seed/loom", 1.0);
+    for (const char* w : {"2", "0"})
+      line(out, fmt::format("seed_loom_workers:{}_vs_hand_loop", w), "seed/hand_loop",
+           fmt::format("seed/loom/workers:{}", w), 1.0);
   }
 
  private:
@@ -272,7 +275,7 @@ BENCHMARK(BM_rank_generator_loader)
     ->ArgsProduct({{1, 16, 37}, {1, 2}})
     ->Apply(timed);
 BENCHMARK(BM_seed_hand_loop)->Name("seed/hand_loop")->Apply(timed);
-BENCHMARK(BM_seed_loom)->Name("seed/loom")->Apply(timed);
+BENCHMARK(BM_seed_loom)->Name("seed/loom")->ArgName("workers")->Arg(2)->Arg(0)->Apply(timed);
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
