@@ -57,6 +57,8 @@ run collate "$bench/bench_collate" --benchmark_repetitions=10 --benchmark_enable
   --benchmark_out="$out/collate.json" --benchmark_out_format=json
 run schedule "$bench/bench_schedule" --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
   --benchmark_out="$out/schedule.json" --benchmark_out_format=json
+[ -x "$bench/bench_generators" ] && run generators "$bench/bench_generators" --benchmark_repetitions=5 \
+  --benchmark_enable_random_interleaving=true --benchmark_out="$out/generators.json" --benchmark_out_format=json
 run comm "$bench/bench_comm"
 run plan "$bench/bench_plan"
 [ -x "$bench/bench_loader" ] && run loader "$bench/bench_loader" --benchmark_repetitions=5 \

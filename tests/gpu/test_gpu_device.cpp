@@ -712,5 +712,31 @@ TEST_CASE("GeneratorLoader with DefaultCollate into pinned memory and CudaTransf
   CHECK(transfer.staging().stats().host_allocs == 0);  // batches were collated into pinned memory
   CHECK(pinned->allocations() > 0);
 }
+
+TEST_CASE("GeneratorLoader with the default DefaultCollate and CudaTransfer: pooled pinned batches, no staging copy") {
+  // The loader's own pool allocates with CudaTransfer::batch_allocator (pinned memory), so
+  // start() copies each batch straight from its pooled buffer.
+  using Gen = std::function<std::optional<at::Tensor>()>;
+  std::vector<Gen> gens;
+  for (int g = 0; g < 2; ++g)
+    gens.emplace_back([g, k = 0]() mutable -> std::optional<at::Tensor> {
+      if (k == 12) return std::nullopt;
+      return torch::arange(8, torch::kFloat) + static_cast<float>(g * 100 + k++);
+    });
+  loom::cuda::CudaTransfer transfer;
+  loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> sched(
+      std::move(gens), {.num_devices = 1, .prefetch_depth = 2}, loom::DefaultCollate<>{}, transfer);
+  int steps = 0;
+  for (auto& step : sched) {
+    auto& db = step.devices[0];
+    REQUIRE(db.batch.data.is_cuda());
+    const auto host = db.batch.data.cpu();
+    for (int64_t g = 0; g < 2; ++g)
+      CHECK(torch::equal(host[g], torch::arange(8, torch::kFloat) + static_cast<float>(g * 100 + step.index)));
+    ++steps;
+  }
+  CHECK(steps == 12);
+  CHECK(transfer.staging().stats().host_allocs == 0);  // the batches were pinned already
+}
 TEST_SUITE_END();
 #endif  // LOOM_TORCH_HAS_CUDA

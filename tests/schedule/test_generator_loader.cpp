@@ -1,5 +1,6 @@
 // The in-process GeneratorLoader: exact time alignment, end-of-data policies, failures, early stop,
 // bounded memory, determinism, resume, and the collate step / transfer seams.
+#include <atomic>
 #include <functional>
 #include <mutex>
 #include <set>
@@ -625,6 +626,168 @@ TEST_CASE("GeneratorLoader: fresh samples reach the batch without a copy; a reus
       CAPTURE(k);
       CHECK(torch::stack(kept[k]).equal(expected_rows({0, 1}, static_cast<int64_t>(k))));
     }
+  }
+}
+
+namespace {
+// Sample k of generator g is the float32 2 x 3 tensor [[g, k, 0], [g, k, 1]] + 100 * c (c = 0..2
+// over the columns), written into one 3 x 2 buffer the generator keeps and returned transposed: a
+// view of a reused buffer, not contiguous.
+struct TransposedReusingStream {
+  int g = 0;
+  int64_t length = 0;
+  at::Tensor buffer = torch::empty({3, 2}, torch::kFloat);
+  int64_t k = 0;
+  std::optional<at::Tensor> operator()() {
+    if (k >= length) return std::nullopt;
+    auto* p = buffer.data_ptr<float>();  // buffer[c][r] = value at row r, column c of the sample
+    for (int c = 0; c < 3; ++c)
+      for (int r = 0; r < 2; ++r) p[c * 2 + r] = static_cast<float>(1000 * g + 10 * k + r + 100 * c);
+    ++k;
+    return buffer.t();
+  }
+};
+float transposed_value(int g, int64_t k, int r, int c) {
+  return static_cast<float>(1000 * g + 10 * k + r + 100 * c);
+}
+
+// A generator that returns the same (cached) tensor each time: sample k of generator g is
+// full({4}, g) for every k, a tensor the loader does not own.
+struct CachedStream {
+  at::Tensor sample;
+  int64_t length = 0;
+  int64_t k = 0;
+  std::optional<at::Tensor> operator()() {
+    if (k++ >= length) return std::nullopt;
+    return sample;
+  }
+};
+}  // namespace
+
+TEST_CASE("GeneratorLoader: batch buffers are reused across steps; a batch kept longer keeps its values") {
+  const int depth = 2;
+  SUBCASE("range-for: each step dropped before the next, so at most depth + 2 buffers cycle") {
+    loom::GeneratorLoader<Stream> loader(streams(2, 30), {.num_devices = 1, .prefetch_depth = depth});
+    std::vector<const void*> where;
+    int64_t k = 0;
+    for (auto& step : loader) {
+      CAPTURE(k);
+      CHECK(step.devices[0].batch.data.equal(expected_rows({0, 1}, k)));
+      where.push_back(step.devices[0].batch.data.data_ptr());
+      ++k;
+    }
+    REQUIRE(k == 30);
+    const std::set<const void*> distinct(where.begin(), where.end());
+    CHECK(distinct.size() <= static_cast<std::size_t>(depth + 2));
+  }
+  SUBCASE("every batch kept: none is overwritten, each has its own buffer") {
+    loom::GeneratorLoader<Stream> loader(streams(2, 30), {.num_devices = 1, .prefetch_depth = depth});
+    std::vector<loom::Batch> kept;
+    while (auto step = loader.next()) kept.push_back(std::move(step->devices[0].batch));
+    REQUIRE(kept.size() == 30);
+    std::set<const void*> distinct;
+    for (std::size_t k = 0; k < kept.size(); ++k) {
+      CAPTURE(k);
+      CHECK(kept[k].data.equal(expected_rows({0, 1}, static_cast<int64_t>(k))));
+      distinct.insert(kept[k].data.data_ptr());
+    }
+    CHECK(distinct.size() == 30);
+  }
+  SUBCASE("an allocator given to DefaultCollate allocates the loader's pooled buffers, not one per batch") {
+    auto calls = std::make_shared<std::atomic<int>>(0);
+    loom::DefaultCollate<> collate_fn;
+    collate_fn.options.allocate = [calls](c10::IntArrayRef sizes, c10::ScalarType dtype) {
+      calls->fetch_add(1);
+      return torch::empty(sizes, torch::TensorOptions(dtype));
+    };
+    loom::GeneratorLoader<Stream> loader(streams(2, 30), {.num_devices = 1, .prefetch_depth = depth}, collate_fn);
+    int64_t k = 0;
+    for (auto& step : loader) {
+      CHECK(step.devices[0].batch.data.equal(expected_rows({0, 1}, k)));
+      ++k;
+    }
+    CHECK(k == 30);
+    CHECK(calls->load() >= 1);
+    CHECK(calls->load() <= depth + 2);
+  }
+  SUBCASE("a pool given to DefaultCollate is the one the loader uses") {
+    auto pool = std::make_shared<loom::BufferPool>();
+    loom::DefaultCollate<> collate_fn;
+    collate_fn.options.pool = pool;
+    loom::GeneratorLoader<Stream> loader(streams(4, 20), {.num_devices = 2, .prefetch_depth = depth}, collate_fn);
+    int64_t k = 0;
+    for (auto& step : loader) {
+      CHECK(step.devices[1].batch.data.equal(expected_rows({2, 3}, k)));
+      ++k;
+    }
+    CHECK(k == 20);
+    CHECK(pool->allocations() + pool->reuses() == 40);  // one buffer per device and step
+    CHECK(pool->allocations() <= 2 * (depth + 2));
+  }
+}
+
+TEST_CASE("GeneratorLoader: generators returning a cached tensor or a transposed view of a reused buffer") {
+  SUBCASE("a transposed view of one reused buffer, depth 4, 2 workers, 2 devices") {
+    std::vector<TransposedReusingStream> gens;
+    for (int g = 0; g < 4; ++g) gens.push_back({.g = g, .length = 12});
+    loom::GeneratorLoader<TransposedReusingStream> loader(std::move(gens),
+                                                          {.num_devices = 2, .prefetch_depth = 4, .num_workers = 2});
+    std::vector<loom::GeneratorLoaderStep<loom::Batch>> kept;
+    while (auto step = loader.next()) kept.push_back(std::move(*step));
+    REQUIRE(kept.size() == 12);
+    for (int64_t k = 0; k < 12; ++k) {
+      for (int d = 0; d < 2; ++d) {
+        const at::Tensor& data = kept[static_cast<std::size_t>(k)].devices[static_cast<std::size_t>(d)].batch.data;
+        REQUIRE(data.sizes() == c10::IntArrayRef({2, 2, 3}));
+        auto a = data.accessor<float, 3>();
+        for (int i = 0; i < 2; ++i)
+          for (int r = 0; r < 2; ++r)
+            for (int c = 0; c < 3; ++c) {
+              CAPTURE(k);
+              CAPTURE(d);
+              CHECK(a[i][r][c] == transposed_value(2 * d + i, k, r, c));
+            }
+      }
+    }
+  }
+  SUBCASE("the same cached tensor every call: its values in every row, the tensor itself unchanged") {
+    std::vector<at::Tensor> cached;
+    std::vector<CachedStream> gens;
+    for (int g = 0; g < 3; ++g) {
+      cached.push_back(torch::full({4}, static_cast<double>(g), torch::kDouble));
+      gens.push_back({.sample = cached.back(), .length = 9});
+    }
+    loom::GeneratorLoader<CachedStream> loader(std::move(gens), {.num_devices = 1, .prefetch_depth = 4});
+    int64_t k = 0;
+    for (auto& step : loader) {
+      const loom::Batch& b = step.devices[0].batch;
+      CHECK(b.data.equal(torch::stack({torch::full({4}, 0.0, torch::kDouble), torch::full({4}, 1.0, torch::kDouble),
+                                       torch::full({4}, 2.0, torch::kDouble)})));
+      CHECK(b.indices == std::vector<int64_t>{0, 1, 2});
+      CHECK(b.data.data_ptr() != cached[0].data_ptr());
+      ++k;
+    }
+    CHECK(k == 9);
+    for (int g = 0; g < 3; ++g)
+      CHECK(cached[static_cast<std::size_t>(g)].equal(torch::full({4}, double(g), torch::kDouble)));
+  }
+  SUBCASE("pairs with integer targets and a generator of another shape: the error names both generators") {
+    std::vector<std::vector<std::pair<at::Tensor, int64_t>>> gens(2);
+    for (int k = 0; k < 3; ++k) {
+      gens[0].push_back({torch::full({2}, 1.0 + k), 10 + k});
+      gens[1].push_back({torch::full({k == 2 ? 3 : 2}, 2.0 + k), 20 + k});
+    }
+    loom::GeneratorLoader s(std::move(gens), {.num_devices = 1});
+    for (int64_t k = 0; k < 2; ++k) {
+      auto step = s.next();
+      REQUIRE(step.has_value());
+      CHECK(step->devices[0].batch.data.equal(torch::stack({torch::full({2}, 1.0 + k), torch::full({2}, 2.0 + k)})));
+      CHECK(step->devices[0].batch.targets.equal(torch::tensor({10 + k, 20 + k})));
+    }
+    CHECK_THROWS_WITH_AS(s.next(),
+                         doctest::Contains("device 0, step 2: generator 0 gave a data tensor of shape [2] Float, "
+                                           "generator 1 gave [3] Float"),
+                         loom::InvalidArgument);
   }
 }
 

@@ -2,9 +2,11 @@
 // through loom::test::run_ranks). Inside a spawned rank, failures must throw (REQUIRE or loom
 // errors): a CHECK in a child cannot fail the parent's test; spawn turns a child's exception into a
 // SpawnError.
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -63,6 +65,32 @@ TEST_CASE(
     ++k;
   }
   CHECK(k == 6);
+}
+
+TEST_CASE("RankGeneratorLoader: batch buffers are reused across steps (1 rank)") {
+  // DefaultCollate's allocator allocates the loader's pooled batch buffers: a few for 30 steps
+  // (depth + 2 at most), where a buffer per batch would take 30 calls.
+  const int depth = 3;
+  auto calls = std::make_shared<std::atomic<int>>(0);
+  loom::DefaultCollate<> collate_fn;
+  collate_fn.options.allocate = [calls](c10::IntArrayRef sizes, c10::ScalarType dtype) {
+    calls->fetch_add(1);
+    return torch::empty(sizes, torch::TensorOptions(dtype));
+  };
+  std::vector<Stream> gens;
+  for (int g = 0; g < 3; ++g) gens.push_back(Stream{.g = g, .length = 30});
+  loom::LocalCommunicator comm;
+  loom::RankGeneratorLoader<Stream, loom::LocalCommunicator> loader(comm, std::move(gens), {.prefetch_depth = depth},
+                                                                    collate_fn);
+  int64_t k = 0;
+  for (auto& db : loader) {
+    CAPTURE(k);
+    CHECK(db.batch.data.equal(expected_rows({0, 1, 2}, k)));
+    ++k;
+  }
+  CHECK(k == 30);
+  CHECK(calls->load() >= 1);
+  CHECK(calls->load() <= depth + 2);
 }
 
 TEST_CASE("RankGeneratorLoader: num_devices other than 1 is refused, naming the value") {

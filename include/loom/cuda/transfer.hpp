@@ -54,6 +54,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <loom/collate/batch.hpp>
+#include <loom/collate/pool.hpp>
 #include <loom/collate/transfer.hpp>
 #include <loom/cuda/pinned.hpp>
 #endif
@@ -243,6 +244,14 @@ class CudaTransfer {
     const int dev = cuda_device(device);
     detail::consume(b, *t.done, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream());
   }
+
+  /// The allocator of host batch buffers that this transfer copies without staging: pinned
+  /// memory (pinned_empty, cudaHostAlloc). The generator loaders allocate their pooled batch
+  /// buffers with it (loom/schedule/detail/device_window.hpp), so start() finds the batch pinned
+  /// and copies it straight from its pooled buffer; the ticket keeps that buffer busy until the
+  /// copy completed.
+  /// Example: `loom::BufferPool pool({.allocate = loom::cuda::CudaTransfer{}.batch_allocator()});`
+  [[nodiscard]] BatchAllocator batch_allocator() const { return pinned_empty; }
 
   /// The pinned staging pool (shared by the copies of this object): its stats say how many
   /// cudaHostAlloc calls staging needed.

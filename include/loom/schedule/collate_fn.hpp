@@ -7,7 +7,9 @@
 // (loom/collate/collate_list.hpp) with the step's context: samples are read through a
 // SampleProjection (loom/collate/sample.hpp), each sample's bytes are copied once into one
 // N x (sample shape) batch, and samples of differing shapes are refused (or, with `pad`, padded
-// as loom::collate pads).
+// as loom::collate pads). In the loaders that one copy happens as each sample arrives, into its
+// row of a batch buffer from the device's BufferPool (CollateContext::rows), and DefaultCollate
+// takes the filled buffer as the batch's data.
 //
 // Example:
 //   loom::DefaultCollate<> collate_fn;
@@ -24,32 +26,47 @@
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <loom/collate/batch.hpp>
 #include <loom/collate/collate_list.hpp>
+#include <loom/collate/detail/sample_read.hpp>
 #include <loom/collate/sample.hpp>
 #include <loom/error.hpp>
+#include <loom/schedule/detail/own_sample.hpp>
 
 namespace loom {
 
-/// Where a collate happens: the device, the step, and the generator of each sample.
+/// Where a collate happens: the device, the step, the generator of each sample, and (from the
+/// loaders, for DefaultCollate) the batch the samples' data were already copied into.
 ///
 /// Example: `CollateContext{.device = 1, .step = 7, .generators = ids}`; ids[i] produced sample i.
 /// Units: device is a logical device index (in the per-rank mode: the rank); step counts batches
 /// from 0 (from the resumed step when resuming); generator ids index the loader's generators.
+/// Rows: when `rows` is defined, it is a contiguous N x (sample shape) tensor holding the samples'
+/// data, row i = sample i's: the loaders copy each sample's data tensor into its row of a pooled
+/// buffer as it arrives (the one copy collation needs) and leave an undefined tensor in its place
+/// in the sample. DefaultCollate returns `rows` as the batch's data. The loaders set it only for
+/// DefaultCollate without padding or a mask, reading samples with DefaultProjection, when every
+/// generator of the device gave a sample of the first one's shape and dtype; otherwise it is
+/// undefined and every sample holds its own data tensor.
 struct CollateContext {
   int device = 0;
   std::int64_t step = 0;
   std::span<const int> generators;  ///< generator id of each sample, same length as the samples
+  at::Tensor rows{};                ///< N x (sample shape), row i = sample i's data; or undefined
 };
 
 /// A callable that collates one device's samples of one step into a batch of type B: the collate
@@ -97,6 +114,11 @@ using collate_result_t = std::remove_cvref_t<std::invoke_result_t<F&, std::span<
 ///         samples differ in shape or dtype; loom::collate's errors (undefined or non-CPU data, a
 ///         zero-size dimension, different dtypes or target kinds, a sample larger than
 ///         padded_shape), prefixed with the device and step ("sample i" there = generator id i).
+/// Storage: given CollateContext::rows (the loaders give it without `pad` and a mask), the
+///        batch's data is `rows` itself and targets are a small new tensor; otherwise
+///        loom::collate allocates from options.pool / options.allocate. The loaders give each
+///        device's copy a BufferPool of prefetch_depth + 2 buffers when options names neither,
+///        so batch memory is reused across steps (a batch the consumer keeps stays its own).
 /// Source: loom::collate (copy once into preallocated storage; padding and masks).
 template <class Projection = DefaultProjection>
 struct DefaultCollate {
@@ -129,6 +151,12 @@ struct DefaultCollate {
       else
         indices[i] = ctx.generators[i];
     }
+    if (ctx.rows.defined()) {
+      if (accepts_rows()) {
+        if (std::optional<Batch> b = from_rows(samples, ctx.rows, indices)) return std::move(*b);
+      }
+      restore_rows(samples, ctx.rows);
+    }
     try {
       return collate(samples, std::span<const int64_t>(indices), options, projection);
     } catch (const InvalidArgument& e) {
@@ -144,6 +172,79 @@ struct DefaultCollate {
     b.weight = 0.0;
     return b;
   }
+
+  /// Whether this collate takes CollateContext::rows as the batch's data: without padding, a
+  /// padded_shape or a mask (each of which changes the layout).
+  [[nodiscard]] bool accepts_rows() const noexcept { return !pad && options.padded_shape.empty() && !options.mask; }
+
+ private:
+  // The batch whose data is `rows` (see CollateContext::rows: the samples' data tensors are
+  // undefined, their data is in rows), when the targets stack: all none, all integers, or tensors
+  // of one shape and dtype; std::nullopt otherwise (loom::collate then decides, and names any error).
+  template <class S>
+  std::optional<Batch> from_rows(std::span<S> samples, const at::Tensor& rows, std::vector<int64_t>& indices) const {
+    const auto n = static_cast<int64_t>(samples.size());
+    if (rows.dim() < 2 || rows.size(0) != n || !rows.is_contiguous() || !rows.is_cpu()) return std::nullopt;
+    for (int64_t d : rows.sizes().slice(1))
+      if (d <= 0) return std::nullopt;
+    for (std::size_t i = 0; i < samples.size(); ++i)
+      if (projection.data(samples[i]).defined()) return std::nullopt;
+    Batch b;
+    using Target = std::remove_cvref_t<decltype(projection.target(samples[0]))>;
+    if constexpr (!std::same_as<Target, NoTarget>) {
+      std::vector<detail::TargetValue> targets;
+      targets.reserve(samples.size());
+      for (std::size_t i = 0; i < samples.size(); ++i) {
+        try {
+          targets.push_back(detail::to_target_value(projection.target(samples[i]), indices[i], ""));
+        } catch (const InvalidArgument&) {
+          return std::nullopt;  // an undefined or non-CPU target: loom::collate names it
+        }
+        const detail::TargetValue& first = targets.front();
+        const detail::TargetValue& v = targets.back();
+        if (v.kind != first.kind) return std::nullopt;
+        if (v.kind == detail::TargetValue::Kind::tensor &&
+            (v.tensor.sizes() != first.tensor.sizes() || v.tensor.scalar_type() != first.tensor.scalar_type()))
+          return std::nullopt;
+      }
+      if (targets.front().kind == detail::TargetValue::Kind::integer) {
+        b.targets = at::empty({n}, at::TensorOptions(at::kLong));
+        auto* out = b.targets.data_ptr<int64_t>();
+        for (std::size_t i = 0; i < targets.size(); ++i) out[i] = targets[i].integer;
+      } else if (targets.front().kind == detail::TargetValue::Kind::tensor) {
+        std::vector<at::Tensor> ts;
+        ts.reserve(targets.size());
+        for (const auto& v : targets) ts.push_back(v.tensor);
+        b.targets = at::stack(ts);
+      }
+    }
+    b.data = rows;
+    b.indices = std::move(indices);
+    b.num_samples = n;
+    return b;
+  }
+
+  // Gives each sample whose data tensor is undefined row i of `rows` back as its data (a view),
+  // so loom::collate reads the samples as the generators gave them.
+  template <class S>
+  static void restore_rows(std::span<S> samples, const at::Tensor& rows) {
+    if constexpr (requires(S & s) {
+                    { detail::data_tensor(s) } -> std::same_as<at::Tensor*>;
+                  }) {
+      for (std::size_t i = 0; i < samples.size() && static_cast<int64_t>(i) < rows.size(0); ++i) {
+        at::Tensor* t = detail::data_tensor(samples[i]);
+        if (t != nullptr && !t->defined()) *t = rows.select(0, static_cast<int64_t>(i));
+      }
+    }
+  }
 };
+
+namespace detail {
+/// True for loom::DefaultCollate<P>: the loaders give it a buffer pool and staged rows.
+template <class C>
+inline constexpr bool is_default_collate = false;
+template <class P>
+inline constexpr bool is_default_collate<DefaultCollate<P>> = true;
+}  // namespace detail
 
 }  // namespace loom

@@ -57,12 +57,16 @@ struct is_optional<std::optional<T>> : std::true_type {};
 ///     prefetch_depth samples of each generator until their step is collated, while the
 ///     generator runs ahead.
 /// Reuse: a generator may decode every sample into one output tensor and return it (or a view
-/// of it). On arrival, before the generator runs again, the loader replaces each tensor it reads
-/// from the sample (a bare tensor, a (tensor, target) pair or 2-tuple, a struct's .data and
-/// tensor .target) by a copy unless that tensor already owns its memory (one handle, one tensor
-/// on its storage, allocated by a tensor allocator): a fresh tensor per sample costs nothing, a
-/// reused buffer, a cached tensor or an element of an in-memory dataset one copy per sample.
-/// Other tensors of a sample (other members, other sample types) are not copied: requirement 5.
+/// of it). On arrival, before the generator runs again, the loader copies what it reads from the
+/// sample (a bare tensor, a (tensor, target) pair or 2-tuple, a struct's .data and tensor
+/// .target). With DefaultCollate (no padding, no mask, DefaultProjection) the data tensor is
+/// copied into its row of the step's pooled batch buffer and dropped from the sample: the one
+/// copy collation makes anyway, whatever the generator returned (see CollateContext::rows).
+/// Otherwise, and for a tensor target, a tensor is replaced by a copy unless it already owns its
+/// memory (one handle, one tensor on its storage, allocated by a tensor allocator): a fresh
+/// tensor per sample costs nothing, a reused buffer, a cached tensor or an element of an
+/// in-memory dataset one copy per sample. Other tensors of a sample (other members, other sample
+/// types) are not copied: requirement 5.
 /// Not required: copyability, const-callability, thread safety (one thread calls a generator at
 /// a time), noexcept (a generator may throw; the loader reports it), a known length.
 template <class G>

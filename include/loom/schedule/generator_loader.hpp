@@ -18,6 +18,14 @@
 // completes a device's step collates it, while the consumer trains. At most `prefetch_depth` batches
 // per device exist inside the loader, so host memory stays within M x depth x (batch bytes),
 // plus the step the consumer holds.
+// Batch memory (DefaultCollate): each device's batches live in buffers of a BufferPool the loader
+// owns (prefetch_depth + 2 buffers; allocated by DefaultCollate's options.allocate, else by the
+// transfer's batch_allocator() — pinned memory for loom::cuda::CudaTransfer — else at::empty),
+// or in DefaultCollate's own options.pool. A sample's data is copied once, as it arrives, into its
+// row of its step's buffer; a buffer is reused once the consumer has dropped every batch in it,
+// so the steady state allocates no batch memory (a batch kept longer keeps its buffer).
+// Workers: a worker pulls its generators in rounds (every one that can pull, then delivers them
+// together), so the loader's one mutex is taken per round and per collated step, not per sample.
 // Failure: a generator that throws stops production; the consumer receives every step before
 // the failing one, then loom::GeneratorError (a RemoteError naming generator, device and sample).
 // Leaving the loop early (break, exception, destruction) stops and joins the workers; a worker
@@ -120,28 +128,21 @@ class GeneratorLoader {
     if (error_) std::rethrow_exception(error_);
     if (finished_) return std::nullopt;
     const int m = core_->num_devices();
-    std::vector<char> dry(static_cast<std::size_t>(m), 0);
-    int num_dry = 0;
-    for (int d = 0; d < m; ++d) {
-      const auto r = core_->wait(d, step_);
-      if (r == Core::Resolved::event) {
-        const detail::StopEvent e = core_->event();
-        finished_ = true;
-        if (e.failure) {
-          error_ = e.error;
-          core_->abort();
-          std::rethrow_exception(error_);
-        }
-        shortest_ = e.generator;
-        return std::nullopt;
-      }
-      if (r == Core::Resolved::dry) {
-        dry[static_cast<std::size_t>(d)] = 1;
-        ++num_dry;
-      }
-    }
-    if (num_dry == m) {
+    core_->wait_step(step_);  // one wake-up for the whole step
+    items_.resize(static_cast<std::size_t>(m));
+    if (!core_->take_step(step_, items_)) {  // the stop event ends the schedule at this step
+      const detail::StopEvent e = core_->event();
       finished_ = true;
+      if (e.failure) {
+        error_ = e.error;
+        core_->abort();
+        std::rethrow_exception(error_);
+      }
+      shortest_ = e.generator;
+      return std::nullopt;
+    }
+    if (std::none_of(items_.begin(), items_.end(), [](const auto& item) { return item.has_value(); })) {
+      finished_ = true;  // drain: every device ran dry
       return std::nullopt;
     }
     StepType step;
@@ -149,20 +150,23 @@ class GeneratorLoader {
     step.devices.reserve(static_cast<std::size_t>(m));
     try {
       for (int d = 0; d < m; ++d) {
-        if (dry[static_cast<std::size_t>(d)]) {
+        auto& item = items_[static_cast<std::size_t>(d)];
+        if (!item) {  // drain: device d ran dry
           step.devices.push_back(DeviceBatch<BatchType>{
               .batch = core_->empty_batch(d, step_), .device = d, .step = step_, .generators = {}, .partial = true});
           continue;
         }
-        auto item = core_->pop(d);
-        for (int g : item.generators) ++delivered_[static_cast<std::size_t>(g)];
-        step.devices.push_back(DeviceBatch<BatchType>{.batch = std::move(item.batch),
+        core_->finish(d, *item);
+        for (int g : item->generators) ++delivered_[static_cast<std::size_t>(g)];
+        step.devices.push_back(DeviceBatch<BatchType>{.batch = std::move(item->batch),
                                                       .device = d,
                                                       .step = step_,
-                                                      .generators = std::move(item.generators),
-                                                      .partial = item.partial});
+                                                      .generators = std::move(item->generators),
+                                                      .partial = item->partial});
+        item.reset();
       }
     } catch (...) {  // a transfer's finish() or empty() threw: the step is lost, so the schedule ends here
+      for (auto& item : items_) item.reset();
       error_ = std::current_exception();
       finished_ = true;
       core_->abort();
@@ -240,6 +244,7 @@ class GeneratorLoader {
   int shortest_ = -1;
   std::exception_ptr error_;
   std::unique_ptr<Core> core_;
+  std::vector<std::optional<typename Core::Item>> items_;  // next()'s batches of one step, by device
 };
 
 }  // namespace loom

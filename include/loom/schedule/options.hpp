@@ -57,7 +57,8 @@ struct GeneratorLoaderState {
 /// Units: prefetch_depth in batches per device; num_workers in threads; count_unread_limit in
 ///        samples per generator.
 /// Host memory: at most prefetch_depth batches per device exist inside the loader (samples
-/// being gathered, or collated batches), plus the step the consumer holds.
+/// being gathered, or collated batches), plus the step the consumer holds; with DefaultCollate
+/// their buffers are pooled and reused, prefetch_depth + 2 kept per device.
 /// Threads: I/O-bound generators (sleeps, reads) want one worker per generator (the default), so
 /// the generators of one device are pulled at the same time; CPU-bound ones want about one per core.
 /// Throws (from the loader's constructor): loom::InvalidArgument naming the value for

@@ -1,6 +1,5 @@
 // loom/schedule/detail/cursor.hpp — GeneratorCursor: one interface over both kinds of
-// SampleGenerator (callables and input ranges), remembering the end; samples taken as their own,
-// resume skips, and the count of unread samples after an end.
+// SampleGenerator (callables and input ranges), remembering the end; resume skips, and the count of unread samples after an end.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +8,6 @@
 #include <ranges>
 #include <utility>
 
-#include <loom/schedule/detail/own_sample.hpp>
 #include <loom/schedule/generator.hpp>
 
 namespace loom::detail {
@@ -37,13 +35,11 @@ class GeneratorCursor {
     return out;
   }
 
-  /// next(), with the sample's tensors made its own (own_sample.hpp) before the generator runs
-  /// again. A throw of either is stored in `error` (the generator's failure); then std::nullopt.
-  std::optional<Sample> next_owned(std::exception_ptr& error) {
+  /// next(), with a throw stored in `error` (the generator's failure); then std::nullopt. The
+  /// caller makes the sample's tensors its own (own_sample.hpp) before calling again.
+  std::optional<Sample> next_caught(std::exception_ptr& error) {
     try {
-      std::optional<Sample> s = next();
-      if (s) own_sample(*s);
-      return s;
+      return next();
     } catch (...) {
       error = std::current_exception();
       return std::nullopt;

@@ -11,7 +11,14 @@
 // allocated by a tensor allocator (not memory wrapped with from_blob). A generator that makes a fresh tensor per
 // sample pays nothing; one that returns a reused buffer, a cached tensor or an element of an
 // in-memory dataset pays one copy of that tensor per sample.
+// With DefaultCollate (no padding, no mask, DefaultProjection) the loaders copy the data tensor
+// into its row of the step's pooled batch buffer instead (LoaderEngine::take_sample, using
+// data_tensor() below) and call own_sample for the rest of the sample.
 #pragma once
+
+#include <concepts>
+#include <tuple>
+#include <type_traits>
 
 #include <ATen/core/Tensor.h>
 
@@ -30,13 +37,30 @@ inline bool owns_its_memory(const at::Tensor& t) {
 }
 
 /// Replaces each tensor loom reads from `sample` that does not own its memory by a copy (see the
-/// file comment). Sample types DefaultProjection does not read are left as they are.
+/// file comment), except `*skip` (a tensor of the sample already copied elsewhere, or null).
+/// Sample types DefaultProjection does not read are left as they are.
 /// Throws: what at::Tensor::clone throws (out of memory).
 template <class S>
-void own_sample(S& sample) {
-  for_each_read_tensor(sample, [](at::Tensor& t) {
-    if (t.defined() && !owns_its_memory(t)) t = t.clone();
+void own_sample(S& sample, const at::Tensor* skip = nullptr) {
+  for_each_read_tensor(sample, [skip](at::Tensor& t) {
+    if (&t != skip && t.defined() && !owns_its_memory(t)) t = t.clone();
   });
+}
+
+/// The sample's data tensor as DefaultProjection reads it (a bare tensor, the first of a pair or
+/// 2-tuple, a struct's .data), when the sample holds it as a modifiable at::Tensor; else null.
+template <class S>
+at::Tensor* data_tensor(S& sample) {
+  at::Tensor* first = nullptr;
+  if constexpr (std::same_as<S, at::Tensor>) {
+    first = &sample;
+  } else if constexpr (HasDataMember<S>) {
+    if constexpr (std::same_as<decltype(sample.data), at::Tensor>) first = &sample.data;
+  } else if constexpr (TensorTuple<S>) {
+    if constexpr (std::same_as<std::remove_reference_t<decltype(std::get<0>(sample))>, at::Tensor>)
+      first = &std::get<0>(sample);
+  }
+  return first;
 }
 
 }  // namespace loom::detail
