@@ -60,6 +60,7 @@ run schedule "$bench/bench_schedule" --benchmark_repetitions=5 --benchmark_enabl
 [ -x "$bench/bench_generators" ] && run generators "$bench/bench_generators" --benchmark_repetitions=5 \
   --benchmark_enable_random_interleaving=true --benchmark_out="$out/generators.json" --benchmark_out_format=json
 run comm "$bench/bench_comm"
+[ -x "$bench/bench_ops" ] && run ops "$bench/bench_ops"
 run plan "$bench/bench_plan"
 [ -x "$bench/bench_loader" ] && run loader "$bench/bench_loader" --benchmark_repetitions=5 \
   --benchmark_enable_random_interleaving=true --benchmark_out="$out/loader.json" --benchmark_out_format=json
