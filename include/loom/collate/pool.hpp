@@ -62,6 +62,17 @@ struct ByteBlock {
   int64_t bytes = 0;
 };
 
+/// The first byte of `storage`, writable: Storage::mutable_data() on LibTorch 2.x, Storage::data()
+/// (not const there) on 1.13.
+/// (A template, so that the branch a version lacks is not compiled.)
+template <class S = c10::Storage>
+void* writable_bytes(const S& storage) {
+  if constexpr (requires(const S& s) { s.mutable_data(); })
+    return storage.mutable_data();
+  else
+    return const_cast<void*>(static_cast<const void*>(storage.data()));
+}
+
 /// The ByteBlock of a contiguous 1-D uint8 tensor.
 inline ByteBlock byte_block(const at::Tensor& block) {
   LOOM_ASSERT(block.defined() && block.dim() == 1 && block.scalar_type() == at::kByte && block.is_contiguous(),

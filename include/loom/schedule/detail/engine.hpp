@@ -461,7 +461,7 @@ class LoaderEngine {
       own_sample(s);
       return false;
     }
-    auto* dst = static_cast<char*>(sl.rows.storage.mutable_data()) + sl.rows.offset + sl.row_bytes * p;
+    auto* dst = static_cast<char*>(writable_bytes(sl.rows.storage)) + sl.rows.offset + sl.row_bytes * p;
     if (data->is_contiguous())
       std::memcpy(dst, data->data_ptr(), static_cast<std::size_t>(sl.row_bytes));
     else
