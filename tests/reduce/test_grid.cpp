@@ -406,6 +406,9 @@ TEST_CASE("floating reducer: the device path (ATen) gives the CPU path's gradien
       grads.push_back(bytes_of(g));
       for (auto& p : list.params) p.mutable_grad() = at::Tensor();
     }
+    // Host reads (docs/gpu.md): one summary per window on either path, none inside a hook.
+    CHECK(reducer.host_reads().in_hooks == 0);
+    CHECK(reducer.host_reads().total == 3);
     return std::make_pair(grads, non_finite);
   };
   const auto cpu = run(false);
@@ -444,6 +447,10 @@ TEST_CASE("deterministic reducer: the device path (ATen, whole buckets) gives th
       for (auto& p : model.params) p.mutable_grad() = at::Tensor();
     }
     REQUIRE(reducer.bucket_params().size() >= 2);
+    // Host reads (docs/gpu.md): two per window on the device path (the window meta, then the
+    // tails and maxima), none inside a hook; none on the CPU path (host memory).
+    CHECK(reducer.host_reads().in_hooks == 0);
+    CHECK(reducer.host_reads().total == (device_path ? 6 : 0));
     return std::make_pair(grads, exponents);
   };
   const auto cpu = run(false);
