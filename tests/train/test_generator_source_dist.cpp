@@ -31,7 +31,8 @@ TEST_SUITE("dist") {
     // Rank 0 runs generators 0 and 1 (lengths 3, 5), rank 1 generators 2 and 3 (lengths 2, 7):
     // rank 0 runs dry after step 4 and joins steps 5 and 6.
     const std::vector<std::int64_t> lengths{3, 5, 2, 7};
-    loom::run(
+    // A failed expectation on a rank throws there; loom::run then throws here.
+    CHECK_NOTHROW(loom::run(
         [&](loom::ProcessGroup& pg) {
           const auto [w, batches] = loom::test::train_generators(pg, lengths, 2, loom::EndPolicy::drain);
           const double ref = loom::test::reference_weight(lengths, 2, /*drain=*/true);
@@ -41,7 +42,7 @@ TEST_SUITE("dist") {
           auto all = pg.all_gather(at::full({1}, w, at::kDouble));
           expect(torch::equal(all[0], all[1]), "replicas differ");
         },
-        {.nproc = 2, .group = {.timeout = std::chrono::seconds(30)}, .spawn = {.timeout = std::chrono::seconds(120)}});
+        {.nproc = 2, .group = {.timeout = std::chrono::seconds(30)}, .spawn = {.timeout = std::chrono::seconds(120)}}));
   }
 }
 
