@@ -20,6 +20,7 @@
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/reduce/detail/exact.hpp>
+#include <loom/reduce/detail/grid_aten.hpp>
 #include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/reducer.hpp>
 

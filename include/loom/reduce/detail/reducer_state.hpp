@@ -32,6 +32,7 @@
 #include <loom/reduce/detail/bucket.hpp>
 #include <loom/reduce/detail/bucket_order.hpp>
 #include <loom/reduce/detail/exact.hpp>
+#include <loom/reduce/detail/grid_aten.hpp>
 #include <loom/reduce/detail/hooks.hpp>
 #include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/detail/reducer_checks.hpp>
