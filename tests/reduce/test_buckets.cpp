@@ -109,9 +109,9 @@ TEST_CASE("MetaLimbs: bits per limb by dtype and world size, limbs per row") {
   CHECK(MetaLimbs::bits(at::kBFloat16, 128) == 1);
   CHECK(MetaLimbs::bits(at::kBFloat16, 129) == 0);  // no room: the meta goes on its own
   CHECK(MetaLimbs::bits(at::kLong, 2) == 0);
-  CHECK(MetaLimbs::count(24) == 3 + 1 + 1 + 1 + 2 + 1 + 1 + 2 + 1);
-  CHECK(MetaLimbs::count(11) == 6 + 1 + 1 + 2 + 4 + 1 + 2 + 4 + 1);
-  CHECK(MetaLimbs::count(1) == 63 + 1 + 1 + 21 + 41 + 1 + 20 + 40 + 1);
+  CHECK(MetaLimbs::count(24) == 3 + 1 + 1 + 1 + 2 + 1 + 1 + 2 + 1 + 1 + 2 + 1);
+  CHECK(MetaLimbs::count(11) == 6 + 1 + 1 + 2 + 4 + 1 + 2 + 4 + 1 + 2 + 4 + 1);
+  CHECK(MetaLimbs::count(1) == 63 + 1 + 1 + 21 + 41 + 1 + 20 + 40 + 1 + 20 + 40 + 1);
 }
 
 namespace {
@@ -162,12 +162,13 @@ TEST_CASE("MetaLimbs: the window meta summed as limbs in float32/float64/float16
     std::vector<WindowMeta::Row> random_rows, largest_rows;
     for (int r = 0; r < world; ++r) {
       auto draw = [&](std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(0, hi)(rng); };
-      const std::int64_t d = draw(std::int64_t{1} << 20), f = draw((std::int64_t{1} << 20) - 1);
+      const std::int64_t d = draw(std::int64_t{1} << 20), f = draw((std::int64_t{1} << 20) - 1),
+                         g = draw((std::int64_t{1} << 20) - 1);
       random_rows.push_back(
-          {draw((std::int64_t{1} << 56) - 1), draw(1), draw(1), d, d * d, d > 0 ? 1 : 0, f, f * f, 1});
+          {draw((std::int64_t{1} << 56) - 1), draw(1), draw(1), d, d * d, d > 0 ? 1 : 0, f, f * f, 1, g, g * g, 1});
+      const std::int64_t top = (std::int64_t{1} << 20) - 1;
       largest_rows.push_back({std::numeric_limits<std::int64_t>::max(), 1, 1, std::int64_t{1} << 20,
-                              std::int64_t{1} << 40, 1, (std::int64_t{1} << 20) - 1,
-                              ((std::int64_t{1} << 20) - 1) * ((std::int64_t{1} << 20) - 1), 1});
+                              std::int64_t{1} << 40, 1, top, top * top, 1, top, top * top, 1});
     }
     INFO("world size ", world);
     for (const auto* rows : {&random_rows, &largest_rows}) {

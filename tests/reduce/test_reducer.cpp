@@ -111,10 +111,11 @@ TEST_CASE("Reducer: no collective before the boundary; at the boundary one all-r
   model.loss_sum(loom::test::batch_x(4, 4, at::kFloat), loom::test::batch_y(4, 4, at::kFloat)).backward();
   // All four buckets were launched by the hooks, during backward, in bucket order. The first also
   // carries the window meta as float32 limbs of 24 bits on one rank: samples 3 limbs, final 1,
-  // leaving 1, loss divisor 1, its square 2, vote 1, fingerprint 1, its square 2, has one 1 = 13.
+  // leaving 1, loss divisor 1, its square 2, vote 1, fingerprint 1, its square 2, has one 1, replica
+  // fingerprint 1, its square 2, has one 1 = 17.
   // Each ends with its range flag (a CPU float32 bucket): 1.
   REQUIRE(comm.calls().size() == 4);
-  const std::vector<std::int64_t> numels = {loom::test::kOut + 1 + 13 + 1,
+  const std::vector<std::int64_t> numels = {loom::test::kOut + 1 + 17 + 1,
                                             loom::test::kOut * loom::test::kHidden + 1 + 1, loom::test::kHidden + 1 + 1,
                                             loom::test::kHidden * loom::test::kIn + 1 + 1};
   for (std::size_t k = 0; k < 4; ++k) {
@@ -149,8 +150,9 @@ TEST_CASE("Reducer: the window meta goes on its own where the first bucket's dty
   reducer.prepare_backward({.sync = true, .window_samples = 3});
   REQUIRE(comm.calls().size() == 1);  // the meta leaves before backward
   CHECK((comm.calls()[0].dtype == torch::kLong));
-  CHECK(comm.calls()[0].numel == 9);  // [window samples, final, leaving, loss divisor, its square, its vote,
-                                      //  fingerprint, its square, has a fingerprint]
+  CHECK(comm.calls()[0].numel == 12);  // [window samples, final, leaving, loss divisor, its square, its vote,
+                                       //  fingerprint, its square, has a fingerprint, replica fingerprint,
+                                       //  its square, has one]
   model.loss_sum(loom::test::batch_x(0, 3, at::kBFloat16), loom::test::batch_y(0, 3, at::kBFloat16)).backward();
   REQUIRE(comm.calls().size() == 5);
   CHECK(comm.calls()[1].numel == loom::test::kOut + 1);  // the first bucket: gradients + used-flags only
@@ -192,7 +194,7 @@ TEST_CASE("Reducer: a final flush with nothing anywhere leaves every gradient as
     CHECK_FALSE(r.reduced);
     REQUIRE(comm.calls().size() == 2);  // the first bucket, and its wait
     CHECK(comm.calls()[0].name == "all_reduce_async");
-    CHECK(comm.calls()[0].numel == loom::test::kOut + loom::test::kOut * loom::test::kHidden + 2 + (c.wire ? 22 : 13) +
+    CHECK(comm.calls()[0].numel == loom::test::kOut + loom::test::kOut * loom::test::kHidden + 2 + (c.wire ? 29 : 17) +
                                        (!c.wire && c.dtype == at::kFloat ? 1 : 0));  // gradients + 2 used-flags +
     // the meta's limbs (+ the range flag of a bucket neither compressed nor float32-accumulated)
     CHECK(comm.calls()[1].name == "wait");
@@ -211,7 +213,7 @@ TEST_CASE("Reducer: deterministic mode sends the window meta as an int64 all-red
   reducer.prepare_backward({.sync = true, .window_samples = 3});
   REQUIRE(comm.calls().size() == 1);
   CHECK((comm.calls()[0].dtype == torch::kLong));
-  CHECK(comm.calls()[0].numel == 9);
+  CHECK(comm.calls()[0].numel == 12);
   model.loss_sum(loom::test::batch_x(0, 3, at::kFloat), loom::test::batch_y(0, 3, at::kFloat)).backward();
   auto r = reducer.finish_window();
   CHECK(r.reduced);
@@ -220,7 +222,7 @@ TEST_CASE("Reducer: deterministic mode sends the window meta as an int64 all-red
   // window's grid does not fit int32); the meta is never sent again.
   int metas = 0;
   for (const auto& call : comm.calls())
-    if (call.name == "all_reduce_async" && call.dtype == torch::kLong && call.numel == 9) ++metas;
+    if (call.name == "all_reduce_async" && call.dtype == torch::kLong && call.numel == 12) ++metas;
   CHECK(metas == 1);
   CHECK((comm.calls()[1].dtype == torch::kInt));
 }
@@ -249,8 +251,9 @@ TEST_CASE("Reducer: overlap = false sends everything in finish_window; a blockin
   CHECK(blocking.calls()[0].name == "all_reduce");
   CHECK((blocking.calls()[0].dtype == torch::kHalf));  // compressed on the wire, the meta with it
   // One bucket: 32 gradients + 4 used-flags + the meta as float16 limbs of 11 bits (samples 6,
-  // final 1, leaving 1, divisor 2, its square 4, vote 1, fingerprint 2, its square 4, has one 1).
-  CHECK(blocking.calls()[0].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4 + 22);
+  // final 1, leaving 1, divisor 2, its square 4, vote 1, fingerprint 2, its square 4, has one 1,
+  // replica fingerprint 2, its square 4, has one 1).
+  CHECK(blocking.calls()[0].numel == (5 * 3 + 5 + 2 * 5 + 2) + 4 + 29);
   // Same gradient as the uncompressed model, to float16 precision.
   CHECK(loom::test::max_relative_error(model2.grads(), model.grads()) < 1e-2);
 }

@@ -284,6 +284,30 @@ TEST_CASE(
   CHECK(got[0].item<double>() == 0.0);
 }
 
+TEST_CASE("Reducer: a float16 wire never narrows a bfloat16 parameter's gradient below bfloat16's range") {
+  // A bfloat16 parameter accumulates in float32 and its bucket is compressed by wire_dtype; a
+  // gradient of 1e5 is legal in bfloat16 but above float16's largest value (65504). Asked for a
+  // float16 wire, the bucket goes on a bfloat16 wire: the step is not skipped and the gradient is
+  // 1e5 rounded to bfloat16 (99840: 1e5 = 0b1.1000011010100000 x 2^16, 8 significant bits).
+  auto w = torch::zeros({2}, torch::kBFloat16).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.wire_dtype = at::kHalf});
+  reducer.prepare_backward({.sync = true, .window_samples = 1});
+  (w.to(torch::kFloat) * torch::tensor({1e5, 2.0})).sum().backward();
+  const loom::Reduction r = reducer.finish_window();
+  CHECK_FALSE(r.non_finite);
+  REQUIRE(w.grad().defined());
+  CHECK((w.grad().scalar_type() == torch::kBFloat16));
+  CHECK(value(w.grad()[0].to(torch::kDouble)) == 99840.0);
+  CHECK(value(w.grad()[1].to(torch::kDouble)) == 2.0);
+  // A float32 parameter keeps the float16 wire it asked for: 1e5 overflows it (documented).
+  auto v = torch::zeros({1}).requires_grad_();
+  loom::Reducer narrow(comm, {.names = {"v"}, .params = {v}}, {.wire_dtype = at::kHalf});
+  narrow.prepare_backward({.sync = true, .window_samples = 1});
+  (v * 1e5).sum().backward();
+  CHECK(narrow.finish_window().non_finite);
+}
+
 TEST_CASE("Reducer: at most one host read per step, none inside autograd hooks") {
   loom::test::Mlp model(at::kFloat);
   loom::test::AsyncRecordingCommunicator comm;

@@ -117,6 +117,39 @@ TEST_SUITE("dist") {
     });
   }
 
+  TEST_CASE("options that differ across ranks (deterministic on one rank only): an error on every rank naming it") {
+    struct Case {
+      loom::ReducerOptions rank1;
+      const char* expected;
+    };
+    const Case cases[] = {
+        {{.deterministic = true}, "deterministic is true on rank 1 but false on rank 0"},
+        {{.wire_dtype = at::kBFloat16}, "wire_dtype is BFloat16 on rank 1 but unset on rank 0"},
+        {{.max_grad_norm = 1.5}, "max_grad_norm is 1.5 on rank 1 but unset on rank 0"},
+        {{.bucket_cap_bytes = 1024}, "bucket_cap_bytes is 1024 on rank 1 but 26214400 on rank 0"},
+    };
+    for (const Case& c : cases) {
+      const std::string expected = c.expected;
+      CAPTURE(expected);
+      run_ranks(2, [&](loom::GlooCommunicator& comm) {
+        auto w = torch::zeros({3}, torch::kFloat).requires_grad_();
+        const loom::ReducerOptions options = comm.rank() == 1 ? c.rank1 : loom::ReducerOptions{};
+        REQUIRE_THROWS_WITH_AS(loom::Reducer(comm, {.names = {"w"}, .params = {w}}, options),
+                               doctest::Contains(expected.c_str()), loom::InvalidArgument);
+      });
+    }
+    // overlap only moves when buckets leave: ranks may differ in it and still reduce alike.
+    run_ranks(2, [](loom::GlooCommunicator& comm) {
+      auto w = torch::zeros({2}, torch::kDouble).requires_grad_();
+      loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.overlap = comm.rank() == 0});
+      reducer.prepare_backward({.sync = true, .window_samples = 1});
+      (w * torch::tensor({1.0, 2.0}, torch::kDouble) * (comm.rank() + 1)).sum().backward();
+      REQUIRE_FALSE(reducer.finish_window().non_finite);
+      CHECK(w.grad()[0].item<double>() == 1.5);  // (1 + 2) / 2 samples
+      CHECK(w.grad()[1].item<double>() == 3.0);
+    });
+  }
+
   TEST_CASE("float16 wire over 2 ranks across magnitudes: within the documented bound") {
     run_ranks(2, [](loom::GlooCommunicator& comm) {
       const int rank = comm.rank();

@@ -11,6 +11,9 @@
 #include <stdexcept>
 #include <string>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
@@ -832,6 +835,164 @@ TEST_CASE("collate_sampled carries the item's step, step end and idle flag into 
   CHECK(i.step == 2);
   CHECK(i.weight == 0.0);
   CHECK(i.counted_samples() == 0);
+}
+
+namespace {
+
+/// Captures what the process writes to stderr (fd 2) between construction and finish().
+class StderrCapture {
+ public:
+  StderrCapture() {
+    std::fflush(stderr);
+    char name[] = "/tmp/loom-stderr-XXXXXX";
+    const int fd = ::mkstemp(name);
+    REQUIRE(fd >= 0);
+    path_ = name;
+    saved_ = ::dup(2);
+    ::dup2(fd, 2);
+    ::close(fd);
+  }
+  StderrCapture(const StderrCapture&) = delete;
+  StderrCapture& operator=(const StderrCapture&) = delete;
+  ~StderrCapture() { (void)finish(); }
+  std::string finish() {
+    if (saved_ < 0) return text_;
+    std::fflush(stderr);
+    ::dup2(saved_, 2);
+    ::close(saved_);
+    saved_ = -1;
+    std::FILE* f = std::fopen(path_.c_str(), "r");
+    char buf[4096];
+    std::size_t n;
+    while (f != nullptr && (n = std::fread(buf, 1, sizeof buf, f)) > 0) text_.append(buf, n);
+    if (f != nullptr) std::fclose(f);
+    std::remove(path_.c_str());
+    return text_;
+  }
+
+ private:
+  std::string path_, text_;
+  int saved_ = -1;
+};
+
+/// The trainer fixture's data with sample `bad` full of NaN.
+auto fetch_with_nan(int64_t bad) {
+  return [bad](int64_t i) {
+    auto [x, y] = loom::test::trainer_sample(i);
+    if (i == bad) x = torch::full_like(x, std::numeric_limits<double>::quiet_NaN());
+    return std::make_pair(x, y);
+  };
+}
+
+/// The step of `plan` holding dataset index `index`, and that step's indices.
+std::pair<int64_t, std::vector<int64_t>> step_of(const loom::EpochPlan& plan, int64_t index) {
+  for (std::size_t s = 0; s < plan.steps.size(); ++s) {
+    std::vector<int64_t> all;
+    for (int64_t b = plan.steps[s].first_batch; b < plan.steps[s].first_batch + plan.steps[s].num_batches; ++b)
+      for (int64_t i : plan.batches[static_cast<std::size_t>(b)].indices) all.push_back(i);
+    if (std::find(all.begin(), all.end(), index) != all.end()) return {static_cast<int64_t>(s), all};
+  }
+  return {-1, {}};
+}
+
+}  // namespace
+
+TEST_CASE("Trainer: a step skipped for NaN is reported on rank 0 with its epoch, step and samples, and counted") {
+  loom::LocalCommunicator comm;
+  loom::test::Mlp model(at::kDouble);
+  torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+  loom::BatchLoader loader(comm, loom::test::trainer_shapes(), fetch_with_nan(7), loom::test::kTrainerPlan);
+  loom::Trainer trainer(comm, model.list(), sgd);
+  int64_t last_step = -1;
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    StderrCapture capture;
+    for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loom::test::mean_loss(model, b), b);
+    const auto [step, indices] = step_of(loader.sampler().plan(), 7);
+    REQUIRE(step >= 0);
+    last_step = step;
+    CHECK(trainer.epoch_skipped_steps() == 1);
+    const std::string text = capture.finish();
+    INFO(text);
+    std::string listed;
+    for (std::size_t k = 0; k < indices.size(); ++k) listed += (k ? ", " : "") + std::to_string(indices[k]);
+    CHECK(text.find(fmt::format("epoch {}, step {} was skipped on every rank (inf/NaN gradients", epoch, step)) !=
+          std::string::npos);
+    CHECK(text.find(fmt::format("its {} samples are dataset indices {}", indices.size(), listed)) != std::string::npos);
+    CHECK(text.find(fmt::format("epoch {}: 1 of {} steps skipped", epoch, loader.sampler().plan().steps.size())) !=
+          std::string::npos);
+  }
+  CHECK(trainer.skipped_steps() == 2);
+  CHECK(last_step >= 0);
+  // Every parameter stays finite: the step with the NaN sample never reached the optimizer.
+  for (const auto& p : model.params) CHECK(torch::isfinite(p).all().item<bool>());
+}
+
+TEST_CASE("Trainer: skipped_steps.error makes a skipped step a loom::Error; max_consecutive stops a run that never steps") {
+  loom::LocalCommunicator comm;
+  {
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), fetch_with_nan(7), loom::test::kTrainerPlan);
+    loom::Trainer trainer(comm, model.list(), sgd, {.skipped_steps = {.error = true}});
+    std::string what = "(no error)";
+    try {
+      for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(loom::test::mean_loss(model, b), b);
+    } catch (const loom::Error& e) {
+      what = e.what();
+    }
+    const auto [step, indices] = step_of(loader.sampler().plan(), 7);
+    CHECK(what.find(fmt::format("epoch 0, step {} was skipped on every rank", step)) != std::string::npos);
+    CHECK(what.find("skipped_steps.error is set") != std::string::npos);
+    CHECK(trainer.steps() == step);  // every step before it applied
+  }
+  {
+    // Every sample NaN: 3 steps in a row skipped with max_consecutive = 3.
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+    auto all_nan = [](int64_t i) {
+      auto [x, y] = loom::test::trainer_sample(i);
+      return std::make_pair(torch::full_like(x, std::numeric_limits<double>::quiet_NaN()), y);
+    };
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), all_nan, loom::test::kTrainerPlan);
+    loom::Trainer trainer(comm, model.list(), sgd, {.skipped_steps = {.max_consecutive = 3, .warn = false}});
+    CHECK_THROWS_WITH_AS(
+        [&] {
+          for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(loom::test::mean_loss(model, b), b);
+        }(),
+        doctest::Contains("3 steps in a row were skipped, the last one epoch 0, step 2 was skipped"), loom::Error);
+    CHECK(trainer.skipped_steps() == 3);
+  }
+}
+
+TEST_CASE("Trainer::before_step: the averaged gradients before optimizer.step(); clipping there equals the reducer's") {
+  // clip_grad_norm_ in before_step with max norm 0.05 trains to the parameters of the reducer's own
+  // global-norm clipping (ReducerOptions::max_grad_norm = 0.05): both scale every gradient by
+  // min(1, 0.05 / (norm + 1e-6)).
+  loom::LocalCommunicator comm;
+  auto train = [&](bool by_hook) {
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+    loom::TrainerOptions options;
+    if (!by_hook) options.reducer.max_grad_norm = 0.05;
+    loom::Trainer trainer(comm, model.list(), sgd, options);
+    int64_t hooks = 0;
+    if (by_hook)
+      trainer.before_step([&](const loom::SyncResult& r) {
+        CHECK(r.apply);
+        for (const auto& p : model.params) CHECK(p.grad().defined());
+        torch::nn::utils::clip_grad_norm_(model.params, 0.05);
+        ++hooks;
+      });
+    for (int64_t epoch = 0; epoch < 2; ++epoch)
+      for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loom::test::mean_loss(model, b), b);
+    if (by_hook) CHECK(hooks == trainer.steps());
+    return loom::test::flat_values(model.params);
+  };
+  const auto by_hook = train(true), by_reducer = train(false);
+  CHECK(loom::test::max_relative_difference(by_hook, by_reducer) < 1e-12);
+  // And clipping did something: without it the parameters end elsewhere.
+  CHECK(loom::test::max_relative_difference(by_hook, loom::test::flat_values(loom::test::train_short(comm, 2))) > 1e-6);
 }
 
 }  // namespace test_trainer

@@ -287,6 +287,114 @@ TEST_SUITE("dist") {
     }
   }
 
+  TEST_CASE("replicas that drift apart are a loom error on every rank, naming the rank, the group and the option") {
+    // The per-batch learning-rate habit: the loop body changes lr after every backward. Steps whose
+    // batches are dealt unevenly run the body more often on one rank, so the next step's window
+    // compares different options.
+    loom::test::run_ranks(
+        2,
+        [](loom::GlooCommunicator& comm) {
+          loom::test::Mlp model(at::kDouble);
+          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                   loom::test::kTrainerPlan);
+          loom::Trainer trainer(comm, model.list(), sgd);
+          std::string what = "(no error)";
+          int64_t body_runs = 0;
+          try {
+            for (loom::Batch& b : trainer.epoch(loader, 0)) {
+              trainer.backward(loom::test::mean_loss(model, b), b);
+              auto& options = sgd.param_groups()[0].options();
+              options.set_lr(options.get_lr() * 0.5);
+              ++body_runs;
+            }
+          } catch (const loom::Error& e) {
+            what = e.what();
+          }
+          // At the next step's window, or the epoch's last window when the last step was uneven.
+          expect(what.find("Trainer: the replicas differ ") != std::string::npos,
+                 fmt::format("rank {} (body ran {} times): {}", comm.rank(), body_runs, what));
+          expect(what.find("parameter group 0's option lr is") != std::string::npos, what);
+          expect(what.find("on rank 1 but") != std::string::npos, what);
+          expect(what.find("on_step()") != std::string::npos, what);
+          // The step that found it was not applied, and no replica went on alone.
+          for (const auto& p : model.params) {
+            auto all = comm.all_gather(p.detach().contiguous());
+            expect(torch::equal(all[0], all[1]), "replicas differ after the error");
+          }
+        },
+        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+  }
+
+  TEST_CASE("the same schedule in on_step trains every replica alike; a parameter changed on one rank is named") {
+    loom::test::run_ranks(
+        2,
+        [](loom::GlooCommunicator& comm) {
+          loom::test::Mlp model(at::kDouble);
+          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                   loom::test::kTrainerPlan);
+          loom::Trainer trainer(comm, model.list(), sgd);
+          int calls = 0;
+          trainer.on_step([&](const loom::SyncResult&) {
+            auto& options = sgd.param_groups()[0].options();
+            options.set_lr(options.get_lr() * 0.9);
+            ++calls;
+          });
+          for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(loom::test::mean_loss(model, b), b);
+          trainer.check_replicas();  // the same everywhere: no error
+          const double lr = sgd.param_groups()[0].options().get_lr();
+          expect(calls >= 4 && std::abs(lr - 0.05 * std::pow(0.9, calls)) < 1e-15,
+                 fmt::format("lr {} after {} calls", lr, calls));
+          // A write on rank 1 only, in on_step (where writes are allowed): found at the epoch's end.
+          bool written = false;
+          trainer.on_step([&](const loom::SyncResult& r) {
+            if (comm.rank() == 1 && r.apply && !written) {
+              written = true;
+              torch::NoGradGuard no_grad;
+              model.params[3].add_(1e-12);
+            }
+          });
+          std::string what = "(no error)";
+          try {
+            for (loom::Batch& b : trainer.epoch(loader, 1)) trainer.backward(loom::test::mean_loss(model, b), b);
+          } catch (const loom::Error& e) {
+            what = e.what();
+          }
+          expect(what.find("the replicas differ at the end of epoch 1") != std::string::npos,
+                 fmt::format("rank {}: {}", comm.rank(), what));
+          expect(what.find("parameter 3 ('b2') holds other values on rank 1 than on rank 0") != std::string::npos, what);
+          // check_replicas names it too, at any point every rank reaches.
+          what = "(no error)";
+          try {
+            trainer.check_replicas();
+          } catch (const loom::Error& e) {
+            what = e.what();
+          }
+          expect(what.find("Trainer::check_replicas: the replicas differ: parameter 3 ('b2')") != std::string::npos,
+                 what);
+        },
+        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+  }
+
+  TEST_CASE("TrainerOptions::reducer that differ across ranks (deterministic on one rank): named at construction") {
+    loom::test::run_ranks(
+        2,
+        [](loom::GlooCommunicator& comm) {
+          loom::test::Mlp model(at::kDouble);
+          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+          std::string what = "(no error)";
+          try {
+            loom::Trainer trainer(comm, model.list(), sgd, {.reducer = {.deterministic = comm.rank() == 1}});
+          } catch (const loom::InvalidArgument& e) {
+            what = e.what();
+          }
+          expect(what.find("deterministic is true on rank 1 but false on rank 0") != std::string::npos,
+                 fmt::format("rank {}: {}", comm.rank(), what));
+        },
+        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+  }
+
   TEST_CASE("float16 parameters on 2 and 3 ranks, idle in a step: no overflow, every replica at the 1-rank value") {
     for (const int nproc : {2, 3}) {
       loom::run(

@@ -342,7 +342,8 @@ class Accumulator {
     static_cast<Reduction&>(s) = r;
     s.boundary = r.reduced;
     s.skipped_non_finite = r.non_finite;
-    s.apply = r.reduced && !r.non_finite && !r.no_samples && r.ranks_leaving == 0 && !r.grid_overflow;
+    s.apply = r.reduced && !r.non_finite && !r.no_samples && r.ranks_leaving == 0 && !r.grid_overflow &&
+              !r.replicas_differ;
     s.micro_batches = window_micro_batches_;
     s.local_samples = window_samples_;
     s.loss_scale = loss_scale();

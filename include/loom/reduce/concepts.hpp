@@ -72,6 +72,10 @@ struct Reduction {
   /// rank this window and were all-reduced again as int64 (one more all-reduce each; the sums are
   /// the same integers, so the gradient is the same). Common in a first window and on many ranks.
   std::int64_t grid_wide_buckets = 0;
+  /// The ranks that set a replica fingerprint (Reducer::compare_replicas) sent different ones:
+  /// something that must be equal on every replica is not (loom::Trainer: an optimizer option, or at
+  /// an epoch's end a parameter). Gradients zeroed; nobody steps.
+  bool replicas_differ = false;
 };
 
 /// A box that reduces gradients across ranks at step boundaries.

@@ -53,7 +53,7 @@ struct ReducerOptions {
   /// into its bucket (half the memory and traffic; gradients rounded at every micro-batch).
   bool float32_accumulation = true;
   bool overlap = true;                    ///< send full buckets from autograd hooks (false: all in finish_window)
-  bool check_parameters = true;           ///< construction: same parameters on every rank (one all-gather)
+  bool check_parameters = true;           ///< construction: same options and parameters on every rank (2 all-gathers)
   bool broadcast_parameters = true;       ///< construction: copy rank 0's parameters and buffers everywhere
   bool detect_non_finite = true;          ///< scan for inf/NaN and report Reduction::non_finite (the caller skips)
   std::optional<double> max_grad_norm{};  ///< clip by the global L2 norm (after averaging and unscaling)

@@ -99,7 +99,9 @@
 //     flush one more first (whether any rank has samples). host_reads() counts them. Deterministic
 //     mode on a GPU reads the window meta, then the integer tails and maxima, then (clipping) the
 //     per-parameter norms: up to 3 reads per window; none on the CPU beyond host memory.
-//   Wire compression (wire_dtype = float16 / bfloat16, float32 buckets only): rank r sends its
+//   Wire compression (wire_dtype = float16 / bfloat16, float32 buckets only; a bucket of bfloat16
+//     parameters accumulated in float32 goes on a bfloat16 wire, never float16, whose range is
+//     narrower than its parameters'): rank r sends its
 //     share s_r = S_r / W, where S_r is its summed (still loss-scaled) gradient and W the world size,
 //     cast to the wire dtype (a division before the all-reduce: W needs no waiting); the
 //     shares are summed in that dtype and cast back, and the float32
@@ -131,7 +133,8 @@
 //     throws loom::InvalidArgument from finish_window after the collectives (gradients zeroed),
 //     found from the voters' number, sum and sum of squares of d in the window meta.
 //   Sample count and join (the window meta): each rank's [window samples, final flag, leaving
-//     flag, d, d^2, d >= 1, flight-recorder fingerprint f, f^2, has f] is summed over the ranks in
+//     flag, d, d^2, d >= 1, flight-recorder fingerprint f, f^2, has f, replica fingerprint g
+//     (compare_replicas), g^2, has g] is summed over the ranks in
 //     the first bucket's all-reduce, after its used-flags, as limbs of b = p - ceil(log2 world
 //     size) bits in the bucket's wire dtype of p significand bits (24 float32, 53 float64, 11
 //     float16, 8 bfloat16): each limb's sum stays below 2^p, exact in any order, so a step issues
@@ -191,9 +194,11 @@ namespace loom {
 template <Communicator Comm>
 class Reducer {
  public:
-  /// Checks the parameters across ranks, broadcasts rank 0's parameters and buffers, allocates the
+  /// Checks the options and parameters across ranks (ReducerOptions::check_parameters; one all_gather
+  /// each: every rank must pass the same ReducerOptions, `overlap` aside), broadcasts rank 0's parameters and buffers, allocates the
   /// buckets and registers one autograd hook per trainable parameter.
-  /// Throws: loom::InvalidArgument (mismatch across ranks, bad options or parameters); comm errors.
+  /// Throws: loom::InvalidArgument (options or parameters that differ across ranks, naming the first
+  ///         one and both values; bad options or parameters); comm errors.
   Reducer(Comm& comm, ParameterList params, ReducerOptions options = {})
       : state_(std::make_unique<detail::ReducerState<Comm>>(comm, std::move(params), std::move(options))) {}
 
@@ -245,6 +250,13 @@ class Reducer {
   /// per backward that reached it). A caller that knows how many backward passes it ran can tell
   /// from it whether a backward ran behind its back (loom::Trainer does).
   [[nodiscard]] std::int64_t gradient_arrivals() const noexcept { return state_->gradient_arrivals(); }
+  /// Compares `fingerprint` (a value in [0, 2^20) of something every replica must share) across
+  /// the ranks in every following synchronising window, with no collective of its own: it rides in
+  /// the window meta. When the ranks that set one sent different values, the window's
+  /// Reduction::replicas_differ is true and its gradients are zeroed. std::nullopt stops comparing.
+  /// Example: `reducer.compare_replicas(hash_of_learning_rates & 0xFFFFF);` (loom::Trainer does this).
+  /// Throws: loom::InvalidArgument for a value outside [0, 2^20).
+  void compare_replicas(std::optional<std::int64_t> fingerprint) { state_->compare_replicas(fingerprint); }
   [[nodiscard]] const ParameterList& parameters() const noexcept { return state_->parameters(); }
   [[nodiscard]] const ReducerOptions& options() const noexcept { return state_->options(); }
   [[nodiscard]] Comm& communicator() const noexcept { return state_->communicator(); }

@@ -10,6 +10,7 @@
 // See loom/train/trainer.hpp and docs/loop.md.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 
@@ -24,6 +25,20 @@ enum class LossReduction {
   sum,   ///< the sum over the batch's samples
 };
 
+/// What the Trainer does about a skipped step: one whose gradients held inf/NaN on some rank (or
+/// overflowed the deterministic grid), so that every rank zeroed them and did not step. Rank 0
+/// prints a warning per skipped step naming the epoch, the step and its samples' dataset indices
+/// (with loss scaling, whose scaler skips steps by design while it backs off, only the epoch's
+/// count), and a line at each epoch's end counting them; Trainer::skipped_steps() and
+/// Trainer::epoch_skipped_steps() count them.
+///
+/// Example: `loom::TrainerOptions{.skipped_steps = {.error = true}}` — the first skipped step stops the run.
+struct SkippedStepOptions {
+  bool error = false;                 ///< a skipped step is a loom::Error on every rank (after its warning)
+  std::int64_t max_consecutive = 50;  ///< this many skipped steps in a row is a loom::Error (0: no limit)
+  bool warn = true;                   ///< rank 0 prints the warnings (stderr)
+};
+
 /// Options of Trainer; use with designated initializers.
 ///
 /// Example: `loom::TrainerOptions{.reducer = {.max_grad_norm = 1.0}, .loss = loom::LossReduction::sum}`.
@@ -31,6 +46,7 @@ struct TrainerOptions {
   ReducerOptions reducer{};                         ///< bucketing, clipping, wire dtype, buffers
   std::optional<LossScalerOptions> loss_scaling{};  ///< dynamic loss scaling (float16 training)
   LossReduction loss = LossReduction::mean;         ///< what backward()'s loss is over the batch
+  SkippedStepOptions skipped_steps{};               ///< warnings and errors for skipped (inf/NaN) steps
 };
 
 /// What Trainer needs of an optimizer: step() and zero_grad() (every torch::optim optimizer).

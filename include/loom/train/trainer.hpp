@@ -24,7 +24,10 @@
 //     scaling: set TrainerOptions::loss_scaling for float16), and the reducer sums the
 //     micro-batches in float32 (ReducerOptions::float32_accumulation);
 //   - the step boundary comes from the plan (Batch::step_end): the optimizer's step() and
-//     zero_grad() run there, inside backward(); a step with inf/NaN is skipped on every rank;
+//     zero_grad() run there, inside backward(); a step with inf/NaN is skipped on every rank and
+//     reported (rank 0's warning names its epoch, step and samples; TrainerOptions::skipped_steps
+//     makes it an error, and 50 in a row are one by default); before_step() runs before
+//     optimizer.step() with the averaged gradients on the parameters (clipping goes there);
 //   - a step in which this rank has no batch is joined without a backward (the loop never sees it);
 //   - the epoch's end (remainder and join) runs when the loop over trainer.epoch(...) ends.
 // What is checked, each a loom error naming what was forgotten or misplaced (docs/loop.md lists the
@@ -35,6 +38,11 @@
 //   - a loss that is not a one-element floating tensor requiring grad;
 //   - a parameter written in place outside the Trainer's step and on_step() (its version counter
 //     moved), or a gradient set by hand between two calls of the Trainer;
+//   - replicas that differ: every step's reduction compares the optimizer's parameter-group options
+//     across the ranks (riding in the window meta, Reducer::compare_replicas; a learning rate
+//     changed in the loop body parts them), each epoch's last one also checksums of the parameters:
+//     loom::Error on every rank naming the rank and the option or parameter (check_replicas() on
+//     demand); ranks whose TrainerOptions::reducer differ stop at construction;
 //   - leaving the loop before the epoch's end (break, return): ranks run the body different numbers
 //     of times, so no place in the body is the same step on every rank. The rank that leaves closes
 //     one last window marked "leaving" (BackwardPlan::leaving), the ranks still in that step see it
@@ -58,7 +66,9 @@
 //
 // Cost: one Accumulator micro-batch per batch (the callgrind comparison of
 // scripts/callgrind_overhead.sh holds this layer to the hand-written loop); one tiny collective per
-// epoch end, and one all_gather of 6 integers per epoch start (the plan check).
+// epoch end, and one all_gather of 6 integers per epoch start (the plan check); the optimizer's
+// options hashed on the host per backward; every parameter's bytes read once per epoch end (the
+// replica checksum; a GPU parameter copied to the host first).
 // Throws: see above; the reducer's, accumulator's, loader's and optimizer's errors.
 // Source: the short path over a low-level layer of HF Accelerate (accumulate / backward /
 //         gather_for_metrics) and Lightning Fabric (backward, no_backward_sync).
@@ -87,6 +97,8 @@
 #include <loom/sample/global_batch.hpp>
 #include <loom/trace/recorder.hpp>
 #include <loom/train/batch_source.hpp>
+#include <loom/train/detail/replica_check.hpp>
+#include <loom/train/detail/skip_report.hpp>
 #include <loom/train/detail/trainer_checks.hpp>
 #include <loom/train/epoch_range.hpp>
 #include <loom/train/options.hpp>
@@ -116,7 +128,8 @@ class Trainer {
         reducer_(
             make_reducer(comm, detail::prepared_parameters(std::move(params), optimizer, options_), options_.reducer)),
         accumulator_(reducer_,
-                     {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}) {
+                     {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}),
+        skips_(options_.skipped_steps, options_.loss_scaling.has_value(), comm.rank()) {
     const auto& list = reducer_.parameters();
     guard_ = detail::TrainableGuard(list);
     for (std::size_t i : guard_.trainable()) {
@@ -155,10 +168,14 @@ class Trainer {
     }
     epoch_ = epoch;
     step_divisors_.clear();
+    skips_.begin_epoch(epoch);
+    steps_in_epoch_ = 0;
+    plan_ = nullptr;
     // A planned source gives every rank every step (joined when it has no batch there), so the
     // flight recorder may compare the ranks' steps; other sources may end ranks at different steps.
     planned_ = PlannedBatchSource<Loader>;
     if constexpr (PlannedBatchSource<Loader>) {
+      if (!failed) plan_ = &loader.sampler().plan();
       if (sixteen_bit_ && !failed)
         for (const auto& step : loader.sampler().plan().steps)
           step_divisors_.push_back(std::clamp<int64_t>(step.num_samples, 1, kMaxLossDivisor));
@@ -254,6 +271,7 @@ class Trainer {
     guard_.check_untouched(reducer_.parameters(), "Trainer::backward");
     guard_.restore(reducer_.parameters(), "Trainer::backward");
     const int64_t divisor = loss_divisor(current_step_);
+    share_replica_state(/*with_parameters=*/false);
     auto mb = accumulator_.micro_batch(batch, divisor);
     at::Tensor total = loss.reshape({});
     double factor = batch.weight / static_cast<double>(divisor);
@@ -276,6 +294,31 @@ class Trainer {
   /// Example: `trainer.on_step([&](const loom::SyncResult& r) { progress.add_global(r.global_samples); });`
   void on_step(std::function<void(const SyncResult&)> fn) { on_step_ = std::move(fn); }
 
+  /// Calls `fn(result)` at every step boundary that applies a step, after the reduction and before
+  /// optimizer.step(): each parameter's .grad() holds the step's averaged gradient, the same on every
+  /// rank. The place for clipping (torch::nn::utils::clip_grad_norm_ / clip_grad_value_), gradient
+  /// logging or surgery; what it does must be the same on every rank (it runs on every rank at the
+  /// same steps). In the loop body the parameters hold no gradient, so clipping there does nothing.
+  /// Example: `trainer.before_step([&](const loom::SyncResult&) { torch::nn::utils::clip_grad_value_(params, 0.5); });`
+  void before_step(std::function<void(const SyncResult&)> fn) { before_step_ = std::move(fn); }
+
+  /// Compares the optimizer's options and the parameters' values (checksums of their bytes) across
+  /// the ranks now: two small all_gathers. Every rank must call it at the same point (between epoch
+  /// loops, or in on_step); save_checkpoint calls it before writing. The Trainer also compares the
+  /// options at every step and the parameters at every epoch's end, inside its reductions.
+  /// Throws: loom::Error on every rank naming the first option (group, name, both values, the rank) or
+  ///         parameter that differs; the communicator's errors.
+  void check_replicas(const char* where = "Trainer::check_replicas") {
+    const detail::ReplicaState state =
+        detail::with_checksums(detail::ReplicaState{detail::optimizer_option_values(*optimizer_)}, reducer_.parameters());
+    std::string what;
+    {
+      trace::Scope scope(*comm_, trace::Context::parameter_check);
+      what = detail::describe_replica_difference(*comm_, state, reducer_.parameters());
+    }
+    if (!what.empty()) throw Error(fmt::format("{}: the replicas differ: {}. {}", where, what, replica_advice()));
+  }
+
   /// Ends the running epoch loop at the current step boundary: the range stops yielding batches
   /// without running further steps (and without the end-of-epoch flush, which has nothing to do at
   /// a boundary). Call it from on_step, which every rank runs at the same step, so every rank stops
@@ -295,8 +338,10 @@ class Trainer {
 
   /// Optimizer steps applied so far (skipped inf/NaN steps not counted).
   [[nodiscard]] int64_t steps() const noexcept { return steps_; }
-  /// Steps skipped because some rank had inf/NaN gradients.
+  /// Steps skipped because some rank had inf/NaN gradients (or a deterministic grid overflowed).
   [[nodiscard]] int64_t skipped_steps() const noexcept { return skipped_; }
+  /// Of those, the ones in the running (or last) epoch.
+  [[nodiscard]] int64_t epoch_skipped_steps() const noexcept { return skips_.in_epoch(); }
   /// The loss scaler's state (TrainerOptions::loss_scaling), for a checkpoint; nullopt without loss scaling.
   [[nodiscard]] std::optional<LossScalerState> loss_scaler_state() const {
     const LossScaler* s = accumulator_.loss_scaler();
@@ -368,15 +413,27 @@ class Trainer {
                             s.ranks_leaving, current_step_, epoch_);
       throw Error(detail::ranks_left_message(epoch_, s.ranks_leaving, current_step_));
     }
+    if (s.replicas_differ) replicas_differ();
     guard_.check_untouched(reducer_.parameters(), "Trainer: at a step boundary");
+    const bool skipped = !s.apply && (s.skipped_non_finite || s.grid_overflow);
     if (s.apply) {
+      if (before_step_) {
+        const detail::FlagScope running(in_on_step_);
+        before_step_(s);
+      }
       optimizer_->step();
       ++steps_;
-    } else if (s.skipped_non_finite || s.grid_overflow) {
+      ++steps_in_epoch_;
+      skips_.applied();
+    } else if (skipped) {
       ++skipped_;
+      ++steps_in_epoch_;
     }
     optimizer_->zero_grad();
     guard_.hide(reducer_.parameters(), /*keep=*/false);
+    if (skipped)
+      skips_.skipped(current_step_, s.grid_overflow ? "a gradient too large for the deterministic grid" : "inf/NaN gradients",
+                     step_indices(current_step_));
     if (on_step_) {
       const detail::FlagScope running(in_on_step_);
       on_step_(s);
@@ -410,6 +467,49 @@ class Trainer {
     throw Error(detail::loop_left_message(epoch_, batch, step));
   }
 
+  /// What must be equal on every replica goes into the reducer's next windows: the optimizer's
+  /// options, and with `with_parameters` the parameters' checksums (Reducer::compare_replicas).
+  void share_replica_state(bool with_parameters) {
+    replica_ = detail::ReplicaState{detail::optimizer_option_values(*optimizer_)};
+    if (with_parameters) replica_ = detail::with_checksums(std::move(replica_), reducer_.parameters());
+    reducer_.compare_replicas(replica_.fingerprint());
+  }
+
+  static const char* replica_advice() {
+    return "Every rank must hold the same parameters and optimizer options: change options (a learning-rate "
+           "schedule) in on_step(), which every rank runs at every step, or between epochs, never in the loop body, "
+           "which ranks run different numbers of times per step (docs/loop.md, \"Learning-rate schedules\")";
+  }
+
+  /// A window found the ranks' replica fingerprints different (the same verdict on every rank): name
+  /// what differs (every rank takes part) and refuse further use.
+  [[noreturn]] void replicas_differ() {
+    std::string what;
+    {
+      trace::Scope scope(*comm_, trace::Context::parameter_check);
+      what = detail::describe_replica_difference(*comm_, replica_, reducer_.parameters());
+    }
+    if (what.empty()) what = "their fingerprints differ, though no option or parameter compared differs";
+    const std::string where = replica_.checksums.empty()
+                                  ? fmt::format("at step {} of epoch {}", current_step_, epoch_)
+                                  : fmt::format("at the end of epoch {}", epoch_);
+    broken_ = fmt::format("the replicas differed {}", where);
+    throw Error(fmt::format("Trainer: the replicas differ {} (the step was not applied): {}. {}", where, what,
+                            replica_advice()));
+  }
+
+  /// The dataset indices of step `step`'s samples in the running epoch's plan (empty without a plan).
+  std::vector<int64_t> step_indices(int64_t step) const {
+    std::vector<int64_t> out;
+    if (plan_ == nullptr || step < 0 || step >= static_cast<int64_t>(plan_->steps.size())) return out;
+    const GlobalStep& st = plan_->steps[static_cast<std::size_t>(step)];
+    for (int64_t b = st.first_batch; b < st.first_batch + st.num_batches; ++b) {
+      const auto& indices = plan_->batches[static_cast<std::size_t>(b)].indices;
+      out.insert(out.end(), indices.begin(), indices.end());
+    }
+    return out;
+  }
+
   void receive(Batch batch) {
     check_between_calls();
     current_step_ = batch.step;
@@ -425,6 +525,7 @@ class Trainer {
     guard_.restore(reducer_.parameters(), "Trainer::epoch");
     current_step_ = step;
     trace::set_position(*comm_, step, 0, planned_);
+    share_replica_state(/*with_parameters=*/false);
     last_ = accumulator_.join_step(loss_divisor(step));
     apply(last_);
   }
@@ -433,11 +534,14 @@ class Trainer {
     check_between_calls();
     guard_.restore(reducer_.parameters(), "Trainer::epoch");
     current_.reset();
+    // The epoch's last windows also compare the parameters' checksums across the ranks.
+    share_replica_state(/*with_parameters=*/true);
     while (auto s = accumulator_.end_epoch()) {
       last_ = *s;
       apply(last_);
     }
     batch_number_ = 0;
+    skips_.end_epoch(steps_in_epoch_);
   }
 
   /// What the losses of `step` are divided by (BackwardPlan::loss_divisor): with float16/bfloat16
@@ -476,6 +580,11 @@ class Trainer {
   std::optional<Batch> current_;
   SyncResult last_{};
   std::function<void(const SyncResult&)> on_step_;
+  std::function<void(const SyncResult&)> before_step_;
+  detail::SkipReport skips_;            // skipped steps: counts, warnings, errors (TrainerOptions::skipped_steps)
+  detail::ReplicaState replica_;        // what this rank's windows compare (share_replica_state)
+  const EpochPlan* plan_ = nullptr;     // the running epoch's plan (a PlannedBatchSource), for step_indices
+  int64_t steps_in_epoch_ = 0;          // steps applied or skipped in the running epoch
   int64_t epoch_ = 0;
   int64_t current_step_ = 0;
   bool planned_ = false;  // the running epoch's source is a PlannedBatchSource (flight recorder steps checked)

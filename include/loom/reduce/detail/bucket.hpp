@@ -156,6 +156,16 @@ inline std::vector<std::vector<std::size_t>> assign_slots(const ParameterList& l
       {.first_bucket_cap_bytes = options.first_bucket_cap_bytes, .bucket_cap_bytes = options.bucket_cap_bytes});
 }
 
+/// The wire dtype of a compressed float32 bucket: ReducerOptions::wire_dtype, except that the wire
+/// never narrows a gradient below its parameter's own range: a bucket that accumulates bfloat16
+/// parameters in float32 (GradBucket::main) goes on a bfloat16 wire when float16 was asked for
+/// (float16's largest value, 65504, would overflow gradients their bfloat16 parameters hold).
+/// Example: wire_dtype_of(at::kHalf, bucket of bfloat16 parameters) == at::kBFloat16.
+inline c10::ScalarType wire_dtype_of(c10::ScalarType requested, const GradBucket& b) {
+  if (requested == at::kHalf && b.main && b.param_dtype == at::kBFloat16) return at::kBFloat16;
+  return requested;
+}
+
 /// Allocates buckets for `assignment` (slot indices), points each slot of `slots` at its memory and
 /// moves every defined gradient of a non-float32 slot into it (a float32 slot takes its gradient at
 /// the window's start). `world_size`: the pre-division of a compressed bucket. `carry_meta`: the
@@ -179,7 +189,7 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
     const c10::ScalarType dtype = b.main ? at::kFloat : first.scalar_type();
     const auto opts = at::TensorOptions().dtype(dtype).device(first.device());
     const bool compressed = options.wire_dtype && dtype == at::kFloat;
-    const c10::ScalarType wire_dtype = compressed ? *options.wire_dtype : dtype;
+    const c10::ScalarType wire_dtype = compressed ? wire_dtype_of(*options.wire_dtype, b) : dtype;
     if (carry_meta && bi == 0 && !options.deterministic) b.meta_bits = MetaLimbs::bits(wire_dtype, world_size);
     const std::int64_t limbs = b.meta_bits > 0 ? MetaLimbs::count(b.meta_bits) : 0;
     const bool ranged = !options.deterministic && !b.main && !compressed && on_host(first) &&
@@ -191,7 +201,7 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
     if (ranged) b.range_flag = b.flat.narrow(0, total + n + limbs, 1);
     b.bad = at::zeros({1}, opts.dtype(at::kFloat));
     if (compressed) {
-      b.wire = at::empty({total + n + limbs}, opts.dtype(*options.wire_dtype));
+      b.wire = at::empty({total + n + limbs}, opts.dtype(wire_dtype));
       b.wire_head = b.wire.narrow(0, 0, total);
       b.wire_tail = b.wire.narrow(0, total, n);
       b.meta = b.wire.narrow(0, total + n, limbs);

@@ -5,6 +5,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -12,6 +16,7 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <loom/comm/communicator.hpp>
 #include <loom/detail/torch_api.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/detail/bucket.hpp>
@@ -41,6 +46,73 @@ inline void check_reducer_options(const ReducerOptions& options) {
         "Reducer: deterministic = true with wire_dtype = {}: the deterministic reducer sends int64 sums; leave "
         "wire_dtype unset",
         c10::toString(*options.wire_dtype)));
+}
+
+/// The options every rank's reducer must share, as (name, value) pairs: those that decide which
+/// collectives a window issues and what they carry (bucket caps, rebuild, average, wire dtype,
+/// float32 accumulation, deterministic, clipping, the inf/NaN scan, the construction checks and
+/// broadcasts). `overlap` only moves when a bucket is sent, so it may differ.
+/// Example: reducer_option_values({.deterministic = true})[9] == {"deterministic", 1}.
+inline std::vector<std::pair<const char*, std::int64_t>> reducer_option_values(const ReducerOptions& o) {
+  std::int64_t clip = -1;  // no max_grad_norm; else its float64 bits
+  if (o.max_grad_norm) std::memcpy(&clip, &*o.max_grad_norm, sizeof clip);
+  return {{"bucket_cap_bytes", static_cast<std::int64_t>(o.bucket_cap_bytes)},
+          {"first_bucket_cap_bytes", static_cast<std::int64_t>(o.first_bucket_cap_bytes)},
+          {"rebuild_buckets", o.rebuild_buckets ? 1 : 0},
+          {"average", static_cast<std::int64_t>(o.average)},
+          {"wire_dtype", o.wire_dtype ? static_cast<std::int64_t>(*o.wire_dtype) : -1},
+          {"float32_accumulation", o.float32_accumulation ? 1 : 0},
+          {"check_parameters", o.check_parameters ? 1 : 0},
+          {"broadcast_parameters", o.broadcast_parameters ? 1 : 0},
+          {"detect_non_finite", o.detect_non_finite ? 1 : 0},
+          {"deterministic", o.deterministic ? 1 : 0},
+          {"max_grad_norm", clip},
+          {"broadcast_buffers", o.broadcast_buffers ? 1 : 0}};
+}
+
+/// How reducer_option_values' entry `name` = `v` reads in a message ("true", "Half", "none", "1.5").
+inline std::string reducer_option_text(const std::string& name, std::int64_t v) {
+  if (name == "rebuild_buckets" || name == "float32_accumulation" || name == "check_parameters" ||
+      name == "broadcast_parameters" || name == "detect_non_finite" || name == "deterministic" ||
+      name == "broadcast_buffers")
+    return v != 0 ? "true" : "false";
+  if (name == "average") return std::string(to_string(static_cast<Average>(v)));
+  if (name == "wire_dtype") return v < 0 ? "unset" : c10::toString(static_cast<c10::ScalarType>(v));
+  if (name == "max_grad_norm") {
+    if (v == -1) return "unset";
+    double d = 0;
+    std::memcpy(&d, &v, sizeof d);
+    return fmt::format("{}", d);
+  }
+  return fmt::format("{}", v);
+}
+
+/// Checks that every rank built its reducer with the same options (reducer_option_values): one
+/// all_gather of a dozen integers, before any other collective of the reducer, so ranks that would
+/// issue different collectives (deterministic on one rank only: int64 sums against float buckets)
+/// stop with an error instead of failing inside the backend or waiting.
+/// Throws: loom::InvalidArgument on every rank naming the first option that differs, the rank and
+///         both values; the communicator's errors.
+template <Communicator Comm>
+void check_same_reducer_options(Comm& comm, const ReducerOptions& options) {
+  if (comm.world_size() == 1) return;
+  const auto values = reducer_option_values(options);
+  auto mine = at::empty({static_cast<std::int64_t>(values.size())}, at::kLong);
+  for (std::size_t i = 0; i < values.size(); ++i) mine.data_ptr<std::int64_t>()[i] = values[i].second;
+  std::vector<at::Tensor> all = comm.all_gather(mine.to(comm.device()));
+  for (auto& t : all) t = t.to(at::kCPU);
+  const auto* ref = all[0].data_ptr<std::int64_t>();
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const auto* other = all[r].data_ptr<std::int64_t>();
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      if (other[i] == ref[i]) continue;
+      const std::string name = values[i].first;
+      throw InvalidArgument(fmt::format(
+          "Reducer: the ranks were built with different ReducerOptions: {} is {} on rank {} but {} on rank 0 (seen "
+          "from rank {}); every rank must build its Reducer (TrainerOptions::reducer) with the same options",
+          name, reducer_option_text(name, other[i]), r, reducer_option_text(name, ref[i]), comm.rank()));
+    }
+  }
 }
 
 /// Throws loom::InvalidArgument when `list` has names, but not one per parameter.

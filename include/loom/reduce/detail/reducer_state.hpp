@@ -63,6 +63,7 @@ class ReducerState {
     check_not_hooked(list_, "Reducer");
     if (options_.check_parameters) {
       trace::Scope scope(*comm_, trace::Context::parameter_check);
+      check_same_reducer_options(*comm_, options_);
       check_same_parameters(*comm_, list_);
     }
     if (options_.broadcast_parameters) {
@@ -133,7 +134,8 @@ class ReducerState {
     trace::FlightRecorder* recorder = trace::recorder_of(*comm_);
     fingerprint_ = recorder != nullptr ? recorder->take_fingerprint() : 0;
     meta_row_ = WindowMeta::encode(
-        plan, recorder != nullptr ? std::optional<std::int64_t>(fingerprint_) : std::optional<std::int64_t>());
+        plan, recorder != nullptr ? std::optional<std::int64_t>(fingerprint_) : std::optional<std::int64_t>(),
+        replica_fingerprint_);
     meta_ready_ = false;
     if (carries_meta()) return;  // the row rides in the first bucket's all-reduce
     WindowMeta::write(meta_, meta_row_);
@@ -159,7 +161,7 @@ class ReducerState {
       const at::Tensor m = host_read(meta_);
       const WindowCounts c = WindowCounts::decode(m.data_ptr<std::int64_t>());
       if (c.final_ranks == world && c.samples == 0 && c.leaving_ranks == 0 &&
-          !c.fingerprints_differ(fingerprint_, world)) {
+          !c.fingerprints_differ(fingerprint_, world) && !c.replicas_differ()) {
         r.all_final = true;
         discard_window();
         return r;
@@ -184,6 +186,7 @@ class ReducerState {
     const bool divisors_differ = r.ranks_leaving == 0 && counts.divisors_differ();
     // A rank leaving its loop closes its window wherever it is (its report comes first, as above).
     const bool diverged = r.ranks_leaving == 0 && counts.fingerprints_differ(fingerprint_, world);
+    r.replicas_differ = r.ranks_leaving == 0 && counts.replicas_differ();
     bool non_finite = summary.non_finite;
     if (clip && !no_samples) {
       const double total = std::sqrt(*summary.squared_norm);
@@ -197,7 +200,7 @@ class ReducerState {
       }
     }
     if (non_finite || no_samples || r.ranks_leaving > 0 || divisors_differ || diverged || grid.overflow ||
-        grid.too_many_contributions)
+        grid.too_many_contributions || r.replicas_differ)
       for (auto& b : buckets_) b.head.zero_();
     r.non_finite = non_finite;
     r.grid_overflow = grid.overflow;
@@ -246,6 +249,17 @@ class ReducerState {
       broadcast_from_rank0(*comm_, ParameterList{.names = {}, .params = {}, .buffers = list_.buffers});
     }
     return r;
+  }
+
+  /// From the next synchronising window on, `fingerprint` (in [0, 2^20)) rides in every window's
+  /// meta and Reduction::replicas_differ says whether the ranks that set one sent different values;
+  /// std::nullopt stops comparing.
+  void compare_replicas(std::optional<std::int64_t> fingerprint) {
+    std::lock_guard lock(mutex_);
+    if (fingerprint && (*fingerprint < 0 || *fingerprint >= (std::int64_t{1} << 20)))
+      throw InvalidArgument(
+          fmt::format("Reducer::compare_replicas: fingerprint {} is outside [0, 2^20)", *fingerprint));
+    replica_fingerprint_ = fingerprint;
   }
 
   // ---- hooks and manual readiness ------------------------------------------------------------
@@ -891,6 +905,7 @@ class ReducerState {
   bool meta_ready_ = false;        // meta_ holds the window's sum (decoded from the first bucket)
   std::pair<at::Tensor, at::Tensor> meta_tables_;  // MetaLimbs::tables for a first bucket off the host
   std::int64_t fingerprint_ = 0;                   // this rank's flight-recorder fingerprint in the open window's meta
+  std::optional<std::int64_t> replica_fingerprint_;  // compare_replicas: compared in every synchronising window's meta
   WindowAverage average_;
   std::vector<GradAccumulatorPtr> accumulators_;
   std::vector<std::uintptr_t> keys_;

@@ -2,9 +2,11 @@
 // synchronising window, one int64 row per rank summed over the ranks, and how that row rides in the
 // first bucket's all-reduce.
 //
-// Row:   [samples, final, leaving, loss divisor d, d^2, votes, fingerprint f, f^2, has f] (f: the
-//        flight recorder's 20-bit fingerprint of the collectives this rank issued since its previous
-//        window; has f: 1 when the rank's communicator keeps a flight recorder).
+// Row:   [samples, final, leaving, loss divisor d, d^2, votes, fingerprint f, f^2, has f, replica
+//        fingerprint g, g^2, has g] (f: the flight recorder's 20-bit fingerprint of the collectives
+//        this rank issued since its previous window; has f: 1 when the rank's communicator keeps a
+//        flight recorder; g: the caller's 20-bit fingerprint of what must be equal on every replica,
+//        Reducer::compare_replicas, e.g. the Trainer's optimizer options).
 // Limbs: in floating mode the row is not an all-reduce of its own. Each field is cut into limbs of
 //        b bits, b = p - ceil(log2 world size) for the first bucket's wire dtype of significand
 //        precision p (24 float32, 53 float64, 11 float16, 8 bfloat16), and the limbs are written as
@@ -53,15 +55,20 @@ struct WindowMeta {
     fingerprint_sum,
     fingerprint_squares,
     fingerprinted,
+    replica_sum,
+    replica_squares,
+    replica_voters,
     kLength
   };
   using Row = std::array<std::int64_t, kLength>;
 
-  /// This rank's row for `plan` and fingerprint `f` (std::nullopt without a flight recorder).
-  static Row encode(const BackwardPlan& plan, std::optional<std::int64_t> f) {
-    const std::int64_t d = plan.loss_divisor, g = f.value_or(0);
-    return {
-        plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d, d > 0 ? 1 : 0, g, g * g, f ? 1 : 0};
+  /// This rank's row for `plan`, flight-recorder fingerprint `f` (std::nullopt without a flight
+  /// recorder) and replica fingerprint `replica` (std::nullopt: this rank does not compare).
+  static Row encode(const BackwardPlan& plan, std::optional<std::int64_t> f,
+                    std::optional<std::int64_t> replica = std::nullopt) {
+    const std::int64_t d = plan.loss_divisor, g = f.value_or(0), h = replica.value_or(0);
+    return {plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d, d > 0 ? 1 : 0, g, g * g,
+            f ? 1 : 0,           h,                  h * h,                 replica ? 1 : 0};
   }
 
   /// Writes `row` into `meta` (int64 [kLength], on any device).
@@ -79,8 +86,8 @@ struct WindowMeta {
 /// The window meta as limbs in a floating-point bucket (see the header comment).
 struct MetaLimbs {
   /// The most bits each field of a row can hold (a row's values are never negative): samples any
-  /// int64, the flags and votes 1, d <= 2^20 (kMaxLossDivisor) and d^2, f < 2^20 and f^2.
-  static constexpr std::array<int, WindowMeta::kLength> kWidths = {63, 1, 1, 21, 41, 1, 20, 40, 1};
+  /// int64, the flags and votes 1, d <= 2^20 (kMaxLossDivisor) and d^2, f < 2^20 and f^2, g < 2^20 and g^2.
+  static constexpr std::array<int, WindowMeta::kLength> kWidths = {63, 1, 1, 21, 41, 1, 20, 40, 1, 20, 40, 1};
 
   /// Significand precision of `dtype` in bits, the implicit leading one included (24 for float32,
   /// 53 float64, 11 float16, 8 bfloat16); 0 for any other dtype.

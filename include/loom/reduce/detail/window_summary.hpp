@@ -69,6 +69,9 @@ struct WindowCounts {
   std::int64_t fingerprint_sum = 0;      ///< sum of the ranks' fingerprints
   std::int64_t fingerprint_squares = 0;  ///< sum of their squares
   std::int64_t fingerprinted = 0;        ///< ranks that sent a fingerprint (a flight recorder)
+  std::int64_t replica_sum = 0;          ///< sum of the ranks' replica fingerprints
+  std::int64_t replica_squares = 0;      ///< sum of their squares
+  std::int64_t replica_voters = 0;       ///< ranks that sent one (Reducer::compare_replicas)
 
   /// From the summed row (int64 or float64 values, exact).
   template <class T>
@@ -76,7 +79,17 @@ struct WindowCounts {
     auto at = [&](WindowMeta::Field f) { return static_cast<std::int64_t>(row[f]); };
     return {at(WindowMeta::samples),         at(WindowMeta::final_ranks),         at(WindowMeta::leaving_ranks),
             at(WindowMeta::divisor_sum),     at(WindowMeta::divisor_squares),     at(WindowMeta::voters),
-            at(WindowMeta::fingerprint_sum), at(WindowMeta::fingerprint_squares), at(WindowMeta::fingerprinted)};
+            at(WindowMeta::fingerprint_sum), at(WindowMeta::fingerprint_squares), at(WindowMeta::fingerprinted),
+            at(WindowMeta::replica_sum),     at(WindowMeta::replica_squares),     at(WindowMeta::replica_voters)};
+  }
+
+  /// Whether the ranks that sent a replica fingerprint sent different ones: n * sum g^2 - (sum g)^2
+  /// is the sum over pairs of (g_r - g_s)^2, zero only when all are equal; the same verdict on
+  /// every rank.
+  [[nodiscard]] bool replicas_differ() const {
+    __extension__ typedef __int128 Wide;
+    return static_cast<Wide>(replica_voters) * static_cast<Wide>(replica_squares) !=
+           static_cast<Wide>(replica_sum) * static_cast<Wide>(replica_sum);
   }
 
   /// Whether some rank's fingerprint differs from `mine` on `world_size` ranks (see WindowMeta). Only

@@ -1,0 +1,142 @@
+// loom/train/detail/replica_check.hpp — what must be equal on every replica of a data-parallel
+// run, and the words for where it is not: the optimizer's parameter-group options (every step) and
+// the parameters' bytes (at an epoch's end and before a checkpoint).
+//
+// The Trainer hands ReplicaState::fingerprint() to Reducer::compare_replicas, which compares it in
+// the window meta of every step (no collective of its own); when the ranks differ, every rank calls
+// describe_replica_difference (two all_gathers, only then) to name the first option or parameter.
+//
+// Example:
+//   loom::detail::ReplicaState mine{loom::detail::optimizer_option_values(opt), {}};
+//   reducer.compare_replicas(mine.fingerprint());
+//   // ... a window reports replicas_differ, on every rank:
+//   throw loom::Error(loom::detail::describe_replica_difference(comm, mine, list));
+// Cost: the options are a few numbers per parameter group; a parameter checksum reads every byte of
+// every parameter once (a parameter on a GPU is copied to the host first, one at a time).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <loom/comm/communicator.hpp>
+#include <loom/reduce/detail/host_path.hpp>
+#include <loom/reduce/parameters.hpp>
+#include <loom/train/detail/optimizer_options.hpp>
+
+namespace loom::detail {
+
+/// FNV-1a (64-bit) over `n` bytes, continuing from `h`.
+inline std::uint64_t fnv1a(const void* data, std::size_t n, std::uint64_t h = 14695981039346656037ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::size_t i = 0;
+  // Eight bytes per round (the same value on every machine of one byte order; replicas share one).
+  for (; i + 8 <= n; i += 8) {
+    std::uint64_t w = 0;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * 1099511628211ull;
+  }
+  for (; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+/// A checksum of `t`'s values (its bytes in row-major order, copied to the host when needed).
+inline std::uint64_t tensor_checksum(const at::Tensor& t) {
+  if (!t.defined()) return 0;
+  const at::Tensor c = (on_host(t) ? t : t.to(at::kCPU)).contiguous();
+  return fnv1a(c.data_ptr(), static_cast<std::size_t>(c.nbytes()));
+}
+
+/// What one rank holds that every replica must share.
+struct ReplicaState {
+  std::vector<OptionValue> options;       ///< every parameter group's options (optimizer_option_values)
+  std::vector<std::uint64_t> checksums{};  ///< per parameter of the list (tensor_checksum); empty: not taken
+
+  /// A 64-bit hash of the options' values and the checksums.
+  [[nodiscard]] std::uint64_t hash() const {
+    std::uint64_t h = fnv1a(nullptr, 0);
+    for (const auto& o : options) {
+      h = fnv1a(&o.group, sizeof o.group, h);
+      h = fnv1a(o.name, std::strlen(o.name), h);
+      h = fnv1a(&o.value, sizeof o.value, h);
+    }
+    return checksums.empty() ? h : fnv1a(checksums.data(), checksums.size() * sizeof(std::uint64_t), h);
+  }
+  /// The hash folded to the 20 bits Reducer::compare_replicas carries.
+  [[nodiscard]] std::int64_t fingerprint() const {
+    const std::uint64_t h = hash();
+    return static_cast<std::int64_t>((h ^ (h >> 20) ^ (h >> 40)) & 0xFFFFFu);
+  }
+};
+
+/// `mine` with the checksum of every parameter of `list` taken now.
+inline ReplicaState with_checksums(ReplicaState mine, const ParameterList& list) {
+  mine.checksums.clear();
+  for (const auto& p : list.params) mine.checksums.push_back(tensor_checksum(p));
+  return mine;
+}
+
+/// Names the first thing that differs between this rank's `mine` and another rank's (compared with
+/// rank 0, in order: the options' count, each option, each parameter checksum). Every rank must call
+/// it at the same point (two all_gathers). Returns an empty string when every rank holds the same.
+template <Communicator Comm>
+std::string describe_replica_difference(Comm& comm, const ReplicaState& mine, const ParameterList& list) {
+  // Row: [options, checksums, then per option its group, name hash and value bits, then checksums].
+  std::vector<std::int64_t> row{static_cast<std::int64_t>(mine.options.size()),
+                                static_cast<std::int64_t>(mine.checksums.size())};
+  for (const auto& o : mine.options) {
+    std::int64_t bits = 0;
+    std::memcpy(&bits, &o.value, sizeof bits);
+    row.push_back(o.group);
+    row.push_back(static_cast<std::int64_t>(fnv1a(o.name, std::strlen(o.name))));
+    row.push_back(bits);
+  }
+  for (std::uint64_t c : mine.checksums) row.push_back(static_cast<std::int64_t>(c));
+  auto length = at::full({1}, static_cast<std::int64_t>(row.size()), at::kLong);
+  std::int64_t longest = 0;
+  for (const at::Tensor& t : comm.all_gather(length.to(comm.device())))
+    longest = std::max(longest, t.to(at::kCPU).item<std::int64_t>());
+  row.resize(static_cast<std::size_t>(longest), -1);
+  auto mine_t = at::from_blob(row.data(), {longest}, at::kLong).clone();
+  std::vector<at::Tensor> all = comm.all_gather(mine_t.to(comm.device()));
+  for (at::Tensor& t : all) t = t.to(at::kCPU);
+  const auto* ref = all[0].data_ptr<std::int64_t>();
+  auto value_of = [](std::int64_t bits) {
+    double v = 0;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  };
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    const auto* other = all[r].data_ptr<std::int64_t>();
+    if (other[0] != ref[0])
+      return fmt::format("the optimizer has {} parameter-group options on rank {} but {} on rank 0 (another optimizer "
+                         "or another number of parameter groups)",
+                         other[0], r, ref[0]);
+    for (std::int64_t i = 0; i < ref[0]; ++i) {
+      const std::int64_t pos = 2 + 3 * i;
+      if (other[pos] == ref[pos] && other[pos + 1] == ref[pos + 1] && other[pos + 2] == ref[pos + 2]) continue;
+      const auto& o = mine.options[static_cast<std::size_t>(i)];
+      if (other[pos] != ref[pos] || other[pos + 1] != ref[pos + 1])
+        return fmt::format("the optimizer's parameter groups differ in kind on rank {} and rank 0 (option {} of group "
+                           "{} on this rank is '{}')",
+                           r, i, o.group, o.name);
+      return fmt::format("parameter group {}'s option {} is {} on rank {} but {} on rank 0", o.group, o.name,
+                         value_of(other[pos + 2]), r, value_of(ref[pos + 2]));
+    }
+    const std::int64_t first = 2 + 3 * ref[0];
+    for (std::int64_t k = 0; k < std::min(ref[1], other[1]); ++k) {
+      if (other[first + k] == ref[first + k]) continue;
+      return fmt::format("{} holds other values on rank {} than on rank 0 (checksums {:016x} and {:016x})",
+                         list.describe(static_cast<std::size_t>(k)), r, static_cast<std::uint64_t>(other[first + k]),
+                         static_cast<std::uint64_t>(ref[first + k]));
+    }
+  }
+  return {};
+}
+
+}  // namespace loom::detail
