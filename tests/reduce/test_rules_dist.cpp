@@ -1,7 +1,10 @@
 // The reducer's rules on real ranks (Gloo on loopback): buffers broadcast at every step, a
 // gradient arriving twice, the parameter set changed by module->to(dtype), the float16 wire, the
 // loss divisor (equal, different, and taken by a rank whose window is empty).
+#include <chrono>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -9,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <loom/accumulate/accumulator.hpp>
+#include <loom/comm/local.hpp>
 #include <loom/compat.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
@@ -16,6 +20,7 @@
 #include "reference/grad_reference.hpp"
 #include "support/models.hpp"
 #include "support/ranks.hpp"
+#include "support/stderr_capture.hpp"
 
 namespace test_rules_dist {
 
@@ -148,6 +153,32 @@ TEST_SUITE("dist") {
       CHECK(w.grad()[0].item<double>() == 1.5);  // (1 + 2) / 2 samples
       CHECK(w.grad()[1].item<double>() == 3.0);
     });
+  }
+
+  TEST_CASE("deterministic mode in a process of 2 intra-op threads warns once, naming the count; 1 thread: silent") {
+    for (int threads : {2, 1}) {
+      CAPTURE(threads);
+      loom::spawn(
+          1,
+          [threads](const loom::Environment&) {
+            loom::test::StderrCapture capture;
+            loom::LocalCommunicator comm;
+            auto w = torch::zeros({2}, torch::kDouble).requires_grad_();
+            loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}}, {.deterministic = true});
+            loom::Reducer again(comm, {.names = {"v"}, .params = {torch::zeros({1}).requires_grad_()}},
+                                {.deterministic = true});
+            const std::string text = capture.finish();
+            const std::string line =
+                "loom: warning: rank 0: ReducerOptions::deterministic promises the same bits on any world size only "
+                "with one intra-op thread per rank, and this process runs 2 (at::get_num_threads())";
+            const std::size_t at = text.find(line);
+            if (threads == 2 && (at == std::string::npos || text.find(line, at + 1) != std::string::npos))
+              throw std::runtime_error("expected the warning once, got: " + text);
+            if (threads == 1 && text.find("loom: warning") != std::string::npos)
+              throw std::runtime_error("expected no warning, got: " + text);
+          },
+          {.timeout = std::chrono::seconds(60), .threads_per_rank = threads});
+    }
   }
 
   TEST_CASE("float16 wire over 2 ranks across magnitudes: within the documented bound") {

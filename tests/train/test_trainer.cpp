@@ -11,9 +11,6 @@
 #include <stdexcept>
 #include <string>
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <doctest/doctest.h>
 #include <torch/torch.h>
 
@@ -21,6 +18,7 @@
 #include <loom/dist/run.hpp>
 #include <loom/log/named_metrics.hpp>
 
+#include "support/stderr_capture.hpp"
 #include "trainer_fixture.hpp"
 
 namespace test_trainer {
@@ -839,41 +837,7 @@ TEST_CASE("collate_sampled carries the item's step, step end and idle flag into 
 
 namespace {
 
-/// Captures what the process writes to stderr (fd 2) between construction and finish().
-class StderrCapture {
- public:
-  StderrCapture() {
-    std::fflush(stderr);
-    char name[] = "/tmp/loom-stderr-XXXXXX";
-    const int fd = ::mkstemp(name);
-    REQUIRE(fd >= 0);
-    path_ = name;
-    saved_ = ::dup(2);
-    ::dup2(fd, 2);
-    ::close(fd);
-  }
-  StderrCapture(const StderrCapture&) = delete;
-  StderrCapture& operator=(const StderrCapture&) = delete;
-  ~StderrCapture() { (void)finish(); }
-  std::string finish() {
-    if (saved_ < 0) return text_;
-    std::fflush(stderr);
-    ::dup2(saved_, 2);
-    ::close(saved_);
-    saved_ = -1;
-    std::FILE* f = std::fopen(path_.c_str(), "r");
-    char buf[4096];
-    std::size_t n;
-    while (f != nullptr && (n = std::fread(buf, 1, sizeof buf, f)) > 0) text_.append(buf, n);
-    if (f != nullptr) std::fclose(f);
-    std::remove(path_.c_str());
-    return text_;
-  }
-
- private:
-  std::string path_, text_;
-  int saved_ = -1;
-};
+using loom::test::StderrCapture;
 
 /// The trainer fixture's data with sample `bad` full of NaN.
 auto fetch_with_nan(int64_t bad) {

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -113,6 +114,23 @@ void check_same_reducer_options(Comm& comm, const ReducerOptions& options) {
           name, reducer_option_text(name, other[i]), r, reducer_option_text(name, ref[i]), comm.rank()));
     }
   }
+}
+
+/// Deterministic mode promises the same bits on any world size only with one intra-op thread per
+/// rank (a float reduction inside a kernel may split its work by thread count): with `threads` > 1
+/// this prints one warning line on stderr, once per process, naming the count and the fix.
+/// loom::run and loom::spawn set one thread in the ranks they start (SpawnOptions::threads_per_rank).
+/// Example: warn_threads(at::get_num_threads(), comm.rank());
+inline void warn_threads(int threads, int rank) {
+  static bool warned = false;
+  if (threads <= 1 || warned) return;
+  warned = true;
+  std::fprintf(stderr,
+               "loom: warning: rank %d: ReducerOptions::deterministic promises the same bits on any world size only "
+               "with one intra-op thread per rank, and this process runs %d (at::get_num_threads()); call "
+               "at::set_num_threads(1) before training (loom::run does it for the ranks it spawns)\n",
+               rank, threads);
+  std::fflush(stderr);
 }
 
 /// Throws loom::InvalidArgument when `list` has names, but not one per parameter.

@@ -58,6 +58,7 @@ class ReducerState {
   ReducerState(Comm& comm, ParameterList list, ReducerOptions options)
       : comm_(&comm), options_(std::move(options)), list_(std::move(list)), device_(comm.device()), order_(0, false) {
     check_reducer_options(options_);
+    if (options_.deterministic) warn_threads(at::get_num_threads(), comm.rank());
     check_names(list_);
     // Before any collective: every rank of the same program reaches the same verdict.
     check_not_hooked(list_, "Reducer");
