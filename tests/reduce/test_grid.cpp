@@ -277,13 +277,40 @@ TEST_CASE("grid: the int32 wire takes values up to (2^31 - 1) / world size, and 
 }
 
 TEST_CASE("grid: the exponent rule, by hand") {
-  CHECK(d::next_grid_exponent(32, std::int64_t{600} << 32, false) == 16);  // 42 bits -> aimed at 26
-  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, false) == 32);    // 26 bits: unchanged
-  CHECK(d::next_grid_exponent(32, 1, false) == 40);                        // rises by at most 8
-  CHECK(d::next_grid_exponent(32, 0, false) == 32);                        // nothing to go by
-  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, true) == 30);     // near the limit: 2 lower
+  CHECK(d::next_grid_exponent(32, std::int64_t{600} << 32, false, true) == 16);  // 42 bits -> aimed at 26
+  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, false, true) == 32);    // 26 bits: unchanged
+  CHECK(d::next_grid_exponent(32, 1, false, true) == 40);                        // rises by at most 8
+  CHECK(d::next_grid_exponent(32, 0, false, false) == 32);                       // no gradient: nothing to go by
+  CHECK(d::next_grid_exponent(32, 0, false, true) == 40);   // gradients that rounded to 0: a finer grid
+  CHECK(d::next_grid_exponent(92, 0, false, true) == 96);   // up to the ceiling
+  CHECK(d::next_grid_exponent(96, 0, false, true) == 96);   // and no further
+  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, true, true) == 30);     // near the limit: 2 lower
   CHECK(d::backed_off_grid_exponent(32) == 16);
-  CHECK(d::next_grid_exponent(d::kGridMaxExponent, 1, false) == d::kGridMaxExponent);
+  CHECK(d::next_grid_exponent(d::kGridMaxExponent, 1, false, true) == d::kGridMaxExponent);
+}
+
+TEST_CASE("deterministic reducer: a gradient below the first grid's half step (2^-40) is trained from its second window") {
+  // The first grid's step is 2^-32: 2^-40 rounds to 0. The parameter was used, so the next grid is
+  // 2^8 finer, where 2^-40 is one step: the second window's gradient is 2^-40 exactly. A parameter
+  // that gets no gradient keeps its grid; one whose gradient is exactly 0 rises to the ceiling only.
+  loom::LocalCommunicator comm;
+  auto w = torch::zeros({2}, torch::kDouble).requires_grad_();
+  auto unused = torch::zeros({1}, torch::kDouble).requires_grad_();
+  loom::Reducer reducer(comm, {.names = {"w", "unused"}, .params = {w, unused}}, {.deterministic = true});
+  const double tiny = std::ldexp(1.0, -40);
+  std::vector<double> seen;
+  for (int window = 0; window < 3; ++window) {
+    if (w.grad().defined()) w.mutable_grad().zero_();  // the optimizer's zero_grad between steps
+    reducer.prepare_backward({.sync = true, .window_samples = 1});
+    (w * torch::tensor({tiny, 0.0}, torch::kDouble)).sum().backward();
+    REQUIRE_FALSE(reducer.finish_window().grid_overflow);
+    seen.push_back(w.grad()[0].item<double>());
+    CHECK(w.grad()[1].item<double>() == 0.0);
+  }
+  CHECK(seen == std::vector<double>{0.0, tiny, tiny});
+  const auto exponents = reducer.grid_exponents();
+  REQUIRE(exponents.size() == 2);
+  CHECK(exponents[1] == 32);  // never used: the first grid
 }
 
 TEST_CASE("deterministic reducer: the gradient's bytes do not depend on the order or grouping of micro-batches") {

@@ -63,7 +63,8 @@ struct ReducerOptions {
   /// across ranks, and turned back once per window (reduce/detail/exact.hpp), so the reduced
   /// gradient does not depend on the world size, on which rank ran which micro-batch, or on their
   /// order. Grid: one exponent per parameter, from the previous window's reduced maximum (the first
-  /// window: step 2^-32); a contribution too large for its grid makes every rank skip the step
+  /// window: step 2^-32; a parameter whose gradients all rounded to 0 gets a 2^8 finer grid per
+  /// window, down to 2^-96); a contribution too large for its grid makes every rank skip the step
   /// together (Reduction::grid_overflow) with a 2^16-times coarser grid for that parameter. Costs
   /// int64 buckets beside the floating ones (8 bytes per element more memory, 12 on the CPU with
   /// the int32 wire). A CPU bucket travels as int32 when every rank's integers fit (float32's wire

@@ -76,6 +76,10 @@ inline constexpr int kGridBackoff = 16;
 inline constexpr int kGridMaxRise = 8;
 /// A contribution near the limit lowers the next exponent by at least this much.
 inline constexpr int kGridNearStep = 2;
+/// A parameter that received gradients but whose reduced sum was 0 (gradients below half a grid
+/// step round to 0) rises by kGridMaxRise per window up to this exponent (grid step 2^-96), so
+/// gradients down to 2^-97 are trained from their second window on; smaller ones stay 0.
+inline constexpr int kGridZeroCeiling = 96;
 /// The exponent stays in [kGridMinExponent, kGridMaxExponent]: 2^e and 2^-e are normal float64.
 inline constexpr int kGridMinExponent = -900;
 inline constexpr int kGridMaxExponent = 900;
@@ -358,13 +362,17 @@ std::int64_t dequantize_cpu(const I* q, T* out, std::int64_t n, int exponent, do
 /// The next window's exponent of a parameter whose reduced sum had largest magnitude `largest`
 /// (grid units) under exponent `e`: aimed so that magnitude lands at kGridTargetBits bits, rising
 /// by at most kGridMaxRise, and kGridNearStep lower when a contribution came near the limit
-/// (cancelling contributions can be much larger than their sum). A parameter whose sum was 0
-/// keeps its exponent. Every rank computes it from the same reduced integers.
-inline int next_grid_exponent(int e, std::int64_t largest, bool near) {
+/// (cancelling contributions can be much larger than their sum). A parameter whose sum was 0 keeps
+/// its exponent when no rank gave it a gradient (`used` false), and rises by kGridMaxRise up to
+/// kGridZeroCeiling when some did (its gradients may have rounded to 0 on this grid). Every rank
+/// computes it from the same reduced integers and flags.
+inline int next_grid_exponent(int e, std::int64_t largest, bool near, bool used) {
   int next = e;
   if (largest > 0)
     next = e + std::min(kGridMaxRise,
                         kGridTargetBits - static_cast<int>(std::bit_width(static_cast<std::uint64_t>(largest))));
+  else if (used && e < kGridZeroCeiling)
+    next = std::min(e + kGridMaxRise, kGridZeroCeiling);
   if (near) next = std::min(next, e - kGridNearStep);
   return std::clamp(next, kGridMinExponent, kGridMaxExponent);
 }
