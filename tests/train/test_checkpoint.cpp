@@ -1,7 +1,9 @@
 // loom::save_checkpoint / load_checkpoint in one process: a run saved mid-epoch and resumed equals
 // the uninterrupted run bit for bit (the optimizer's momentum, the cursor and the step count come
-// back); a SIGKILL during a save leaves the previous checkpoint whole; every bad file or misfit is
-// a loom error naming the file and what is wrong. Multi-rank (2 -> 3 ranks): test_checkpoint_dist.cpp.
+// back, and every parameter group's options on every LibTorch); a SIGKILL or a failed write during a
+// save leaves the previous checkpoint whole; every bad file (a flipped byte: the checksum) or misfit
+// (a changed batching option, named) is a loom error naming the file, and a refused load changes
+// nothing; set_epoch before trainer.epoch keeps a resume. Multi-rank (2 -> 3 ranks): test_checkpoint_dist.cpp.
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
