@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -80,7 +81,10 @@ TEST_SUITE("dist") {
   }
 
   TEST_CASE("checkpoint: a save rank 0 cannot write is a loom error on every rank") {
-    const fs::path nowhere = fs::temp_directory_path() / fmt::format("loom-no-such-{}", ::getpid()) / "c.pt";
+    // The folder would sit under a regular file: it cannot be created.
+    const fs::path blocker = fs::temp_directory_path() / fmt::format("loom-blocker-{}", ::getpid());
+    std::ofstream(blocker) << "a file, not a folder\n";
+    const fs::path nowhere = blocker / "sub" / "c.pt";
     loom::test::run_ranks(
         2,
         [&](loom::GlooCommunicator& comm) {
@@ -95,10 +99,12 @@ TEST_SUITE("dist") {
           } catch (const loom::Error& e) {
             what = e.what();
           }
-          if (what.find("rank 0 could not save " + nowhere.string() + ": cannot create") == std::string::npos)
+          if (what.find("rank 0 could not save " + nowhere.string() + ": cannot create the folder " +
+                        nowhere.parent_path().string()) == std::string::npos)
             throw std::runtime_error(fmt::format("rank {}: {}", comm.rank(), what));
         },
         {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+    fs::remove(blocker);
   }
 }
 

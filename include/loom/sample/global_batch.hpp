@@ -28,9 +28,10 @@
 //   (ReducerOptions::average = samples), is the same on any world size up to summation order.
 // Resume: cursor() = (seed, epoch, next step, fingerprint of the options and shapes), a few integers
 //   that do not mention the world size; resume(cursor) on any world size continues at that step. A
-//   cursor taken after an epoch's last step is the next epoch's step 0. After resume(), the next
-//   set_epoch() must name the cursor's epoch and keeps the resumed position (a loop that calls
-//   set_epoch(e) at the top of each epoch, as with torch's DistributedSampler, resumes as meant);
+//   cursor taken after an epoch's last step is the next epoch's step 0. After resume(), until the
+//   first next(), set_epoch() must name the cursor's epoch and keeps the resumed position, however
+//   often it is called (a loop that calls set_epoch(e) at the top of each epoch, as with torch's
+//   DistributedSampler, before Trainer::epoch(loader, e) calls it again, resumes as meant);
 //   another epoch is loom::InvalidArgument. state()/load_state() resume mid-step at the same world
 //   size (ResumableSampler).
 // Ranks must plan alike: check_same_plan(comm, sampler) compares seed, epoch, step, fingerprint,
@@ -139,8 +140,8 @@ class GlobalBatchSampler {
   GlobalBatchSampler(const C& comm, std::vector<std::vector<int64_t>> shapes, GlobalBatchOptions o)
       : GlobalBatchSampler(std::move(shapes), with_comm(comm, std::move(o))) {}
 
-  /// Selects the epoch and rewinds to its first step; right after resume(), keeps the resumed
-  /// position when `epoch` is the cursor's.
+  /// Selects the epoch and rewinds to its first step; after resume() and before the first next(),
+  /// keeps the resumed position when `epoch` is the cursor's (each time it is called).
   /// Throws: loom::InvalidArgument for a negative epoch, or another epoch than a pending resume's.
   void set_epoch(int64_t epoch) {
     if (epoch < 0) throw InvalidArgument(fmt::format("GlobalBatchSampler: epoch {} is negative", epoch));
@@ -151,8 +152,7 @@ class GlobalBatchSampler {
             "this loop would silently retrain or skip epochs; start the epoch loop at the cursor's epoch ({}; a "
             "cursor that names the end of an epoch resumes at the next one)",
             epoch, plan_.epoch, step_, plan_.epoch));
-      resume_pending_ = false;
-      return;
+      return;  // the resume stays pending until next(): set_epoch(e) before Trainer::epoch(loader, e) keeps it
     }
     if (epoch != plan_.epoch || plan_.steps.empty()) {
       plan_ = plan_epoch(shapes_, o_, epoch);
@@ -218,13 +218,9 @@ class GlobalBatchSampler {
     return {o_.seed, plan_.epoch, step_, fingerprint_};
   }
 
-  /// Continues at `c.step` of `c.epoch` on this sampler's world size (step = that epoch's number of
-  /// steps means the next epoch's step 0). The next set_epoch() keeps this position if it names the
-  /// epoch resumed at (see the file comment).
-  /// Throws: loom::InvalidArgument when `c` came from another seed, options or shapes, or its step
-  ///         is outside [0, steps of that epoch].
-  void resume(const GlobalCursor& c) {
-    resume_pending_ = false;
+  /// Throws what resume(c) would throw, and changes nothing (load_checkpoint checks a cursor before
+  /// it changes anything). Plans epoch c.epoch when the sampler stands in another one.
+  void check_resume(const GlobalCursor& c) const {
     if (c.seed != o_.seed)
       throw InvalidArgument(
           fmt::format("GlobalBatchSampler::resume: the cursor has seed {}, this sampler {}", c.seed, o_.seed));
@@ -233,10 +229,24 @@ class GlobalBatchSampler {
           fmt::format("GlobalBatchSampler::resume: the cursor's fingerprint {} differs from this sampler's {} "
                       "(other options or shapes)",
                       c.fingerprint, fingerprint_));
-    set_epoch(c.epoch);
-    if (c.step < 0 || c.step > num_steps())
+    if (c.epoch < 0) throw InvalidArgument(fmt::format("GlobalBatchSampler: epoch {} is negative", c.epoch));
+    const int64_t steps = c.epoch == plan_.epoch && !plan_.steps.empty()
+                              ? num_steps()
+                              : static_cast<int64_t>(plan_epoch(shapes_, o_, c.epoch).steps.size());
+    if (c.step < 0 || c.step > steps)
       throw InvalidArgument(fmt::format("GlobalBatchSampler::resume: step {} is outside [0, {}] for epoch {}", c.step,
-                                        num_steps(), c.epoch));
+                                        steps, c.epoch));
+  }
+
+  /// Continues at `c.step` of `c.epoch` on this sampler's world size (step = that epoch's number of
+  /// steps means the next epoch's step 0). Until the next next(), set_epoch() keeps this position
+  /// if it names the epoch resumed at (see the file comment).
+  /// Throws: loom::InvalidArgument when `c` came from another seed, options or shapes, or its step
+  ///         is outside [0, steps of that epoch]; the sampler is then unchanged.
+  void resume(const GlobalCursor& c) {
+    check_resume(c);
+    resume_pending_ = false;
+    set_epoch(c.epoch);
     if (c.step == num_steps()) {
       set_epoch(c.epoch + 1);
     } else {
@@ -327,7 +337,7 @@ class GlobalBatchSampler {
   int64_t within_ = 0;            // index into current_
   int64_t position_ = 0;          // items yielded this epoch
   std::vector<int64_t> current_;  // this rank's batch positions in step_
-  bool resume_pending_ = false;   // resume() ran and no set_epoch() / next() since
+  bool resume_pending_ = false;   // resume() ran and no next() since
 };
 
 static_assert(ResumableSampler<GlobalBatchSampler>);

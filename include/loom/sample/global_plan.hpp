@@ -43,6 +43,7 @@
 #include <numeric>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -50,6 +51,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/randperm.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <loom/collate/batch_rules.hpp>
 #include <loom/collate/options.hpp>
@@ -184,6 +186,35 @@ inline uint64_t plan_fingerprint(const std::vector<std::vector<int64_t>>& shapes
   if (o.global_batch_size > 0) f.add(static_cast<uint64_t>(o.global_batch_size) ^ 0x6c6f6f6d67627300ULL);
   add_shapes_to(f, shapes);
   return f.h;
+}
+
+/// What plan_fingerprint hashes, readable: (name, value) of every option that shapes the plan, as
+/// the user wrote it, then the dataset ("samples": its size; "shapes": FNV-1a of the shapes, hex).
+/// A checkpoint keeps them, so a resume refused for another plan names what changed.
+/// Example: plan_fields(shapes, {.max_samples = 3})[1] is {"max_samples", "3"}; unset optionals are "unset".
+inline std::vector<std::pair<std::string, std::string>> plan_fields(const std::vector<std::vector<int64_t>>& shapes,
+                                                                    const GlobalBatchOptions& o) {
+  auto optional = [](const std::optional<int64_t>& v) { return v ? fmt::format("{}", *v) : std::string("unset"); };
+  std::string pad;
+  for (const DimPadding& d : o.pad)
+    pad += fmt::format("{}{{dim {}, boundaries [{}], multiple {}}}", pad.empty() ? "" : ", ", d.dim,
+                       fmt::join(d.boundaries, ", "), d.multiple);
+  Fingerprint f;
+  add_shapes_to(f, shapes);
+  return {{"shuffle", o.shuffle ? "true" : "false"},
+          {"max_samples", optional(o.max_samples)},
+          {"max_elements", optional(o.max_elements)},
+          {"multiple_of", fmt::format("{}", o.multiple_of)},
+          {"drop_incomplete", o.drop_incomplete ? "true" : "false"},
+          {"on_oversize", o.on_oversize == OversizePolicy::raise ? "raise" : "skip"},
+          {"batches_per_step", fmt::format("{}", o.batches_per_step)},
+          {"samples_per_step", fmt::format("{}", o.samples_per_step)},
+          {"elements_per_step", fmt::format("{}", o.elements_per_step)},
+          {"global_batch_size", fmt::format("{}", o.global_batch_size)},
+          {"pad", pad.empty() ? std::string("none") : "[" + pad + "]"},
+          {"plan scheme", fmt::format("{}", kPlanScheme)},
+          {"samples", fmt::format("{}", shapes.size())},
+          {"shapes", fmt::format("{:016x}", f.h)}};
 }
 
 /// plan_epoch's steps of exactly `o.global_batch_size` samples: the seeded order cut into steps,

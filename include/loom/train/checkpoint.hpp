@@ -13,33 +13,46 @@
 //     for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);
 //   loom::save_checkpoint(file, trainer, loader);  // after an epoch: resumes at the next one
 //
-// Saving: rank 0 writes `<file>.loom-tmp`, flushes it to disk (fsync), renames it over `file` and
-// flushes the folder: a crash or SIGKILL mid-save leaves the previous checkpoint whole. Then every
-// rank learns whether rank 0 succeeded (one all_gather of its error text): a failed save is a
-// loom::Error on every rank, so no rank goes on alone. Call it where every rank is at the same
+// Saving: rank 0 creates the file's folder (and missing parents), writes `<file>.loom-tmp`, flushes
+// it to disk (fsync), renames it over `file` and flushes the folder: a crash or SIGKILL mid-save,
+// or a write that fails (a full disk, a file size limit), leaves the previous checkpoint whole.
+// Then every rank learns whether rank 0 succeeded (one all_gather of its error text): a failed save
+// is a loom::Error on every rank, so no rank goes on alone. Call it where every rank is at the same
 // step: in on_step(), or between epoch loops (never in the loop body, which ranks run different
 // numbers of times).
 // Loading: rank 0 reads the file and broadcasts its bytes (ranks need no shared file system); every
-// rank then restores the same values into the Trainer's parameters and buffers (copied in place,
-// on their device), its optimizer (`optimizer.load(archive)`, as every torch::optim optimizer),
-// its step counts and loss scaler (Trainer::load_state), and points the loader at the cursor
-// (`loader.resume`). Call it between epoch loops, then start the loop at `cursor.epoch`.
+// rank checks the checksum, reads and checks everything, then restores the same values into the
+// Trainer's optimizer (`optimizer.load(archive)`, as every torch::optim optimizer, then every
+// parameter group's options: learning rate, momentum, betas, eps, weight decay..., on every
+// LibTorch version), its parameters and buffers (copied in place, on their device), its step
+// counts and loss scaler (Trainer::load_state), and points the loader at the cursor
+// (`loader.resume`). Call it between epoch loops, then start the loop at `cursor.epoch` (a
+// `loader.sampler().set_epoch(cursor.epoch)` before it keeps the cursor).
 // World size: nothing in the file depends on it (parameters are replicas, the cursor is global):
 // a checkpoint of 2 ranks resumes on 3.
-// Format: a LibTorch archive (torch::serialize, a zip file) with the keys loom_checkpoint
-// ("loom-checkpoint v1"),
+// Format "loom-checkpoint v2": a LibTorch archive (torch::serialize, a zip file) followed by a
+// 40-byte trailer, "\nloom-checksum fnv1a64 <16 hex digits>\n": FNV-1a 64 of every byte before it,
+// checked on load (about 1 GB/s). The archive's keys: loom_checkpoint ("loom-checkpoint v2"),
 // param_count, buffer_count, param_<i> / param_name_<i> / buffer_<i> (CPU tensors; names checked on
-// load), optimizer (the optimizer's own archive), cursor and loss_scaler (their one-line texts),
+// load), optimizer (the optimizer's own archive), param_group_count, param_group_<i>_type /
+// _size / _options (the options' own serialize(); count 0 for an optimizer that is not a
+// torch::optim::Optimizer), cursor and loss_scaler (their one-line texts), plan_field_count,
+// plan_name_<i> / plan_value_<i> (the loader's plan options, loom::detail::plan_fields),
 // trainer_steps, trainer_skipped_steps, grid_exponents (a deterministic reducer's, comma-separated;
-// absent otherwise), user_count, user_key_<i> / user_value_<i>.
-// Throws: loom::DataError naming the file and what is wrong: it cannot be read, is truncated or is
-//   not a LibTorch archive, is an archive without the loom_checkpoint key, has another format
-//   version, or misses a key; loom::InvalidArgument when it does not fit this run: another number,
-//   name, shape or dtype of parameters (naming the parameter), a loss scaler state where the
-//   Trainer has none or the reverse, a cursor of another plan (the loader's resume errors);
-//   loom::Error on every rank when rank 0 could not write (naming the file and the reason).
-//   Everything is read and checked before the run changes; an error after that (the optimizer's
-//   own load) leaves the Trainer partly restored: build a new one.
+// absent otherwise), user_count, user_key_<i> / user_value_<i>. Files of format v1 (no trailer, no
+// parameter group options) are refused naming their format.
+// Throws: loom::DataError naming the file and what is wrong: it cannot be read, its checksum
+//   differs from its trailer's (the bytes changed after the save), it is truncated or not a
+//   LibTorch archive, is an archive without the loom_checkpoint key, has another format version
+//   (v1 included), lacks the trailer, or misses a key; loom::InvalidArgument when it does not fit
+//   this run: another number, name, shape or dtype of parameters (naming the parameter), another
+//   number of parameter groups, options type or group size (naming the group), a loss scaler state
+//   where the Trainer has none or the reverse, a cursor of another plan (naming each batching
+//   option that differs with both values, or "the shapes differ"), another seed or a step outside
+//   the epoch (the loader's resume errors); loom::Error on every rank when rank 0 could not save
+//   (naming the file and the reason: a folder it cannot create, a failed write).
+//   Everything is read and checked before the run changes; an error after that (only the
+//   optimizer's own load, which runs first) leaves the optimizer partly restored: build a new one.
 // Source: Accelerate's save_state / load_state and the torch.save dict of a DDP loop.
 #pragma once
 
@@ -63,12 +76,13 @@
 #include <loom/sample/global_batch.hpp>
 #include <loom/train/batch_source.hpp>
 #include <loom/train/detail/checkpoint_file.hpp>
+#include <loom/train/detail/checkpoint_state.hpp>
 #include <loom/train/trainer.hpp>
 
 namespace loom {
 
 /// The format version save_checkpoint writes and load_checkpoint accepts.
-inline constexpr const char* kCheckpointFormat = "loom-checkpoint v1";
+inline constexpr const char* kCheckpointFormat = "loom-checkpoint v2";
 
 /// An optimizer whose state a checkpoint can hold: `save(OutputArchive&)` and `load(InputArchive&)`
 /// (every torch::optim optimizer).
@@ -86,9 +100,11 @@ struct CheckpointInfo {
   std::map<std::string, std::string> user{};  ///< the values passed to save_checkpoint
 };
 
-/// Saves the run's state to `file` (see the file comment). Every rank calls it at the same step.
-/// `user`: values of the user's (e.g. the wall time spent), returned by load_checkpoint.
-/// Throws: loom::Error on every rank when rank 0 could not write, naming the file and the reason.
+/// Saves the run's state to `file` (see the file comment), creating its folder. Every rank calls it
+/// at the same step. `user`: values of the user's (e.g. the wall time spent), returned by load_checkpoint.
+/// Throws: loom::Error on every rank when rank 0 could not save, naming the file and the reason (a
+///         folder it cannot create, a failed write, an optimizer's options type that cannot
+///         serialize itself); the previous file at `file` is then unchanged.
 template <Communicator C, StepOptimizer Opt, PlannedBatchSource Loader>
 void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer, const Loader& loader,
                      const std::map<std::string, std::string>& user = {}) {
@@ -102,10 +118,12 @@ void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer
       torch::serialize::OutputArchive archive;
       archive.write("loom_checkpoint", c10::IValue(std::string(kCheckpointFormat)));
       detail::write_parameters(archive, trainer.reducer().parameters());
+      detail::write_param_groups(archive, trainer.optimizer());
       torch::serialize::OutputArchive optimizer;
       trainer.optimizer().save(optimizer);
       archive.write("optimizer", optimizer);
       archive.write("cursor", c10::IValue(to_string(loader.sampler().cursor())));
+      detail::write_plan_fields(archive, loader.sampler());
       const TrainerState state = trainer.state();
       archive.write("trainer_steps", c10::IValue(state.steps));
       archive.write("trainer_skipped_steps", c10::IValue(state.skipped_steps));
@@ -144,22 +162,45 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
   CheckpointInfo info;
   detail::CheckpointReader read(file, archive);
   info.cursor = parse_global_cursor(read.text("cursor"));
+  detail::check_plan_fields(read, loader.sampler(), info.cursor);  // names the changed batching options
+  try {
+    loader.sampler().check_resume(info.cursor);  // what loader.resume would refuse
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("load_checkpoint: {}: {}", file.string(), detail::first_line(e.what())));
+  }
   info.trainer.steps = read.integer("trainer_steps");
   info.trainer.skipped_steps = read.integer("trainer_skipped_steps");
   if (auto scaler = read.optional_text("loss_scaler")) info.trainer.loss_scaler = parse_loss_scaler_state(*scaler);
+  detail::check_trainer_state(info.trainer);
+  if (const LossScaler* scaler = trainer.accumulator().loss_scaler()) {
+    if (!info.trainer.loss_scaler)
+      throw InvalidArgument(fmt::format(
+          "load_checkpoint: {}: this Trainer scales the loss but the state has no loss scaler state (the run that "
+          "saved it had no TrainerOptions::loss_scaling)",
+          file.string()));
+    LossScaler probe = *scaler;
+    probe.load_state(*info.trainer.loss_scaler);  // a state this scaler refuses: refused here
+  } else if (info.trainer.loss_scaler) {
+    throw InvalidArgument(fmt::format(
+        "load_checkpoint: {} holds a loss scaler state ({}), but this Trainer has no loss scaler "
+        "(TrainerOptions::loss_scaling unset)",
+        file.string(), to_string(*info.trainer.loss_scaler)));
+  }
   if (auto grid = read.optional_text("grid_exponents"))
     info.trainer.grid_exponents = detail::parse_grid_exponents(file, *grid);
   if (!info.trainer.grid_exponents.empty() && trainer.reducer().options().deterministic)
     trainer.reducer().check_grid_exponents(info.trainer.grid_exponents);  // another model's count: refused here
   info.user = read.user_values();
   const detail::StagedParameters staged(read, list);
+  detail::StagedParamGroups<Opt> groups(read, trainer.optimizer());
   torch::serialize::InputArchive optimizer;
   read.archive("optimizer", optimizer);
 
-  loader.resume(info.cursor);        // throws naming the fingerprints when the plan differs
-  trainer.load_state(info.trainer);  // throws while an epoch loop runs, or for a loss scaler mismatch
+  trainer.optimizer().load(optimizer);  // the only step that can still fail (the optimizer's own checks)
+  groups.apply(trainer.optimizer());    // LibTorch < 2.4's load keeps the constructor's options
   staged.copy_into(list);
-  trainer.optimizer().load(optimizer);
+  trainer.load_state(info.trainer);
+  loader.resume(info.cursor);
   return info;
 }
 

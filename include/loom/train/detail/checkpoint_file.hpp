@@ -1,6 +1,7 @@
 // loom/train/detail/checkpoint_file.hpp — the file side of loom::save_checkpoint / load_checkpoint:
-// the atomic write, rank 0's bytes broadcast to every rank, the archive's keys read with errors that
-// name the file, and the parameters written and read by position with their names checked.
+// the atomic write with its checksum trailer, rank 0's bytes broadcast to every rank, the trailer
+// checked, the archive's keys read with errors that name the file, and the parameters written and
+// read by position with their names checked.
 #pragma once
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 #include <loom/log/exchange.hpp>
 #include <loom/reduce/parameters.hpp>
@@ -34,13 +36,50 @@
 
 namespace loom::detail {
 
-/// Writes `archive` to `<file>.loom-tmp`, fsyncs it, renames it over `file`, fsyncs the folder.
+/// The checksum trailer that ends a checkpoint file: "\nloom-checksum fnv1a64 " + 16 hex digits of
+/// FNV-1a 64 over every byte before the trailer + "\n" (40 bytes).
+inline constexpr std::string_view kChecksumTag = "\nloom-checksum fnv1a64 ";
+inline constexpr std::size_t kTrailerSize = 40;
+
+inline std::string checksum_trailer(uint64_t checksum) { return fmt::format("{}{:016x}\n", kChecksumTag, checksum); }
+
+/// Creates `file`'s folder and its missing parents.
+/// Throws: loom::DataError naming the folder and the system's reason.
+inline void create_folder_of(const std::filesystem::path& file) {
+  const std::filesystem::path folder = file.parent_path();
+  if (folder.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(folder, ec);
+  if (ec) throw DataError(fmt::format("cannot create the folder {}: {}", folder.string(), ec.message()));
+}
+
+/// Creates the folder (create_folder_of), writes `archive` and its checksum trailer to
+/// `<file>.loom-tmp`, fsyncs it, renames it over `file`, fsyncs the folder. A failed write (a full
+/// disk, a file size limit) removes the temporary file and leaves `file` as it was. LibTorch's
+/// writer is never told of a failed write (its failure paths abort the process): once a write
+/// fails, the rest of the archive is skipped, and the error is thrown when the writer returns.
 /// Throws: loom::DataError naming the path and the system's reason.
 inline void write_atomically(const std::filesystem::path& file, torch::serialize::OutputArchive& archive) {
+  create_folder_of(file);
   const std::filesystem::path tmp = file.string() + ".loom-tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw DataError(fmt::format("cannot create {}: {}", tmp.string(), std::strerror(errno)));
   int error = 0;
+  Fnv1a checksum;
+  auto put = [&](const char* p, std::size_t left) {
+    while (left > 0 && error == 0) {
+      const ssize_t n = ::write(fd, p, left);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0)
+        error = errno;
+      else if (n == 0)
+        error = EIO;
+      else {
+        p += n;
+        left -= static_cast<std::size_t>(n);
+      }
+    }
+  };
   auto discard = [&] {
     ::close(fd);
     std::error_code ignored;
@@ -49,30 +88,28 @@ inline void write_atomically(const std::filesystem::path& file, torch::serialize
   try {
     archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
       const char* p = static_cast<const char*>(data);
-      std::size_t left = size;
-      while (left > 0 && error == 0) {
-        const ssize_t n = ::write(fd, p, left);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0)
-          error = errno;
-        else {
-          p += n;
-          left -= static_cast<std::size_t>(n);
-        }
-      }
-      return error == 0 ? size : 0;
+      checksum.add(std::string_view(p, size));
+      put(p, size);
+      return size;  // also after a failed write: see the function comment
     });
-  } catch (const std::exception& e) {  // LibTorch's writer gave up (a short write above, or its own error)
+  } catch (const std::exception& e) {  // LibTorch's own error (e.g. out of memory)
     discard();
     throw DataError(fmt::format("cannot write {}: {}", tmp.string(),
                                 error != 0 ? std::string(std::strerror(error)) : first_line(e.what())));
   }
+  const std::string trailer = checksum_trailer(checksum.value());
+  put(trailer.data(), trailer.size());
   if (error == 0 && ::fsync(fd) != 0) error = errno;
   if (error != 0) {
     discard();
     throw DataError(fmt::format("cannot write {}: {}", tmp.string(), std::strerror(error)));
   }
-  ::close(fd);
+  if (::close(fd) != 0) {
+    error = errno;
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    throw DataError(fmt::format("cannot write {}: {}", tmp.string(), std::strerror(error)));
+  }
   std::error_code ec;
   std::filesystem::rename(tmp, file, ec);
   if (ec) throw DataError(fmt::format("cannot rename {} to {}: {}", tmp.string(), file.string(), ec.message()));
@@ -153,15 +190,33 @@ std::string broadcast_file(C& comm, const std::filesystem::path& file) {
   return received;
 }
 
-/// Opens the bytes as a LibTorch archive with every tensor mapped to `device`.
-/// Throws: loom::DataError naming the file: empty, truncated or not an archive; not a loom checkpoint;
-///         another format version.
+/// Opens the bytes as a LibTorch archive with every tensor mapped to `device`. A file that ends in
+/// a checksum trailer (checksum_trailer) must match it; the archive is the bytes before it. A file
+/// without one is opened to name what it is (format v1 files carry none).
+/// Throws: loom::DataError naming the file: empty; the checksum differs from the trailer's; truncated
+///         or not an archive; not a loom checkpoint; another format version (v1 included: refused);
+///         a file of this format without its trailer.
 inline torch::serialize::InputArchive open_checkpoint(const std::filesystem::path& file, const std::string& bytes,
                                                       const at::Device& device, const char* format) {
   if (bytes.empty()) throw DataError(fmt::format("load_checkpoint: {} is empty", file.string()));
+  std::size_t size = bytes.size();
+  const bool trailed = size >= kTrailerSize &&
+                       std::string_view(bytes).substr(size - kTrailerSize, kChecksumTag.size()) == kChecksumTag;
+  if (trailed) {
+    size -= kTrailerSize;
+    Fnv1a checksum;
+    checksum.add(std::string_view(bytes.data(), size));
+    const std::string expected = checksum_trailer(checksum.value());
+    if (bytes.compare(size, kTrailerSize, expected) != 0)
+      throw DataError(fmt::format(
+          "load_checkpoint: {}: the checksum of its {} bytes is {} but its trailer says {}: the file changed after "
+          "save_checkpoint wrote it (damaged storage or copy); resume from another checkpoint",
+          file.string(), size, expected.substr(kChecksumTag.size(), 16),
+          bytes.substr(size + kChecksumTag.size(), 16)));
+  }
   torch::serialize::InputArchive archive;
   try {
-    archive.load_from(bytes.data(), bytes.size(), device);
+    archive.load_from(bytes.data(), size, device);
   } catch (const std::exception& e) {
     throw DataError(
         fmt::format("load_checkpoint: {} ({} bytes) is truncated or not a LibTorch archive (a zip file written by "
@@ -174,8 +229,13 @@ inline torch::serialize::InputArchive open_checkpoint(const std::filesystem::pat
         "load_checkpoint: {} is a LibTorch archive but not a loom checkpoint (it has no loom_checkpoint key)",
         file.string()));
   if (version.toStringRef() != format)
-    throw DataError(fmt::format("load_checkpoint: {} has format '{}'; this loom reads '{}'", file.string(),
-                                version.toStringRef(), format));
+    throw DataError(fmt::format("load_checkpoint: {} has format '{}'; this loom reads '{}' only (resume it with the "
+                                "loom that wrote it, or start afresh)",
+                                file.string(), version.toStringRef(), format));
+  if (!trailed)
+    throw DataError(fmt::format("load_checkpoint: {} lacks the checksum trailer that save_checkpoint writes (the "
+                                "file was cut or changed at its end)",
+                                file.string()));
   return archive;
 }
 
