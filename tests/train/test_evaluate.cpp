@@ -11,6 +11,7 @@
 
 #include <loom/comm/local.hpp>
 #include <loom/train/evaluate.hpp>
+#include <loom/train/trainer.hpp>
 
 #include "support/thread_communicator.hpp"
 #include "trainer_fixture.hpp"
@@ -84,6 +85,43 @@ TEST_CASE("evaluate: between Trainer epochs, no gradient is touched and training
   CHECK(plain == evaluated);  // bit for bit: evaluate neither steps nor leaves gradients behind
   REQUIRE(losses.size() == 2);
   CHECK(losses[1] < losses[0]);
+}
+
+TEST_CASE("evaluate on the training loader: put back between epochs, refused inside one, a pending resume kept") {
+  loom::LocalCommunicator comm;
+  loom::test::Mlp model(at::kDouble);
+  torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+  loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+  loom::Trainer trainer(comm, model.list(), sgd);
+  auto fn = [&](loom::Batch& b) { return model.forward(b.data.mean(1)); };
+  for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(loom::test::mean_loss(model, b), b);
+  // Between epochs: the cursor names epoch 1's first step before and after evaluate (it used to be
+  // rewound into epoch 0, so a checkpoint written next resumed one epoch early).
+  CHECK(loader.sampler().cursor().epoch == 1);
+  CHECK(loom::evaluate(comm, loader, fn).indices.size() == static_cast<std::size_t>(kTrainerSamples));
+  CHECK(loader.sampler().cursor().epoch == 1);
+  CHECK(loader.sampler().cursor().step == 0);
+  // Inside an epoch (from on_step): refused, naming the epoch; the training loop is not cut short
+  // silently (the error ends it).
+  int64_t steps_seen = 0;
+  trainer.on_step([&](const loom::SyncResult&) {
+    if (++steps_seen == 2) (void)loom::evaluate(comm, loader, fn);
+  });
+  CHECK_THROWS_WITH_AS(
+      [&] {
+        for (loom::Batch& b : trainer.epoch(loader, 1)) trainer.backward(loom::test::mean_loss(model, b), b);
+      }(),
+      doctest::Contains("evaluate: the loader is inside epoch 1 (at step 2 of"), loom::InvalidArgument);
+  // A loader resumed at step 2 of epoch 0 and evaluated before its loop still starts there.
+  loom::test::Mlp fresh(at::kDouble);
+  torch::optim::SGD sgd2(fresh.params, torch::optim::SGDOptions(0.05));
+  loom::BatchLoader resumed(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+  loom::Trainer trainer2(comm, fresh.list(), sgd2);
+  resumed.resume(loom::GlobalCursor{.seed = loom::test::kTrainerPlan.seed, .epoch = 0, .step = 2,
+                                    .fingerprint = resumed.sampler().cursor().fingerprint});
+  (void)loom::evaluate(comm, resumed, [&](loom::Batch& b) { return fresh.forward(b.data.mean(1)); });
+  for (loom::Batch& b : trainer2.epoch(resumed, 0)) trainer2.backward(loom::test::mean_loss(fresh, b), b);
+  CHECK(trainer2.steps() == resumed.sampler().num_steps() - 2);
 }
 
 TEST_CASE("evaluate: a rank with no batch at all still gets every row (4 thread ranks, 3 batches)") {

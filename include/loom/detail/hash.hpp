@@ -12,7 +12,9 @@
 // Source: Fowler–Noll–Vo FNV-1a, 64-bit (offset basis 14695981039346656037, prime 1099511628211).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string_view>
 
 namespace loom::detail {
@@ -36,6 +38,20 @@ struct Fnv1a {
   /// Folds in the bytes of `text`.
   constexpr void add(std::string_view text) noexcept {
     for (char c : text) add_byte(static_cast<unsigned char>(c));
+  }
+  /// Folds in `n` bytes of bulk data (tensor contents) 8 at a time: FNV-1a over 64-bit words (the
+  /// last n % 8 bytes one by one), about 8x faster than byte by byte; the same on every machine of
+  /// one byte order, which is what replicas compare.
+  void add_words(const void* data, std::size_t n) noexcept {
+    const auto* p = static_cast<const unsigned char*>(data);
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      std::uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      h ^= w;
+      h *= kFnvPrime;
+    }
+    for (; i < n; ++i) add_byte(p[i]);
   }
   [[nodiscard]] constexpr std::uint64_t value() const noexcept { return h; }
 };

@@ -169,6 +169,11 @@ class GlobalBatchSampler {
   /// Optimizer steps of the epoch, equal on every rank and for every world size.
   [[nodiscard]] int64_t num_steps() const noexcept { return static_cast<int64_t>(plan_.steps.size()); }
   [[nodiscard]] int64_t epoch() const noexcept { return plan_.epoch; }
+  /// Whether this rank is inside its epoch: it has yielded items of it, and not yet its last one
+  /// (a training loop runs over it), with no resume pending.
+  [[nodiscard]] bool in_epoch() const noexcept { return !resume_pending_ && position_ > 0 && step_ < num_steps(); }
+  /// Whether resume() ran and no next() since (the next set_epoch must name the cursor's epoch).
+  [[nodiscard]] bool resume_pending() const noexcept { return resume_pending_; }
   [[nodiscard]] const EpochPlan& plan() const noexcept { return plan_; }
   [[nodiscard]] const GlobalBatchOptions& options() const noexcept { return o_; }
 

@@ -13,7 +13,9 @@
 //     for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);
 //   loom::save_checkpoint(file, trainer, loader);  // after an epoch: resumes at the next one
 //
-// Saving: rank 0 creates the file's folder (and missing parents), writes `<file>.loom-tmp`, flushes
+// Saving: first every rank compares its parameters and optimizer options with the others'
+// (Trainer::check_replicas: loom::Error on every rank naming what differs, nothing written), since
+// rank 0's copy is the one kept. Then rank 0 creates the file's folder (and missing parents), writes `<file>.loom-tmp`, flushes
 // it to disk (fsync), renames it over `file` and flushes the folder: a crash or SIGKILL mid-save,
 // or a write that fails (a full disk, a file size limit), leaves the previous checkpoint whole.
 // Then every rank learns whether rank 0 succeeded (one all_gather of its error text): a failed save
@@ -112,6 +114,8 @@ void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer
                 "loom::save_checkpoint: the optimizer must have save(OutputArchive&) and load(InputArchive&), as "
                 "every torch::optim optimizer");
   C& comm = trainer.communicator();
+  // Rank 0's replica stands for every rank's: first make sure they are all the same.
+  trainer.check_replicas("save_checkpoint");
   std::string failure;
   if (comm.rank() == 0) {
     try {

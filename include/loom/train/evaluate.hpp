@@ -28,14 +28,17 @@
 //   8 ranks (bit for bit when fn computes each batch alike): only who computes which batch changes.
 // Where to call it: every rank at the same point, outside the loop body (ranks run the body a
 //   different number of times): between epoch loops, or in Trainer::on_step. Use a loader of its
-//   own (evaluate rewinds it to the epoch's start); a plan without shuffle reads the set in order.
+//   own; a plan without shuffle reads the set in order. A loader inside an epoch (a training loop
+//   runs over it) is refused; any other loader is put back where it stood afterwards (its cursor,
+//   and a pending resume), so a checkpoint written after evaluate resumes where one before would.
 //   The model's mode (eval()/train()) is the caller's, as in a PyTorch evaluation loop.
 // Shape: fn(batch) returns an at::Tensor of batch.num_samples rows (N x any trailing shape, at most
 //   6 trailing dimensions), the same dtype and trailing shape on every batch and rank, on any
 //   device; a dtype the communicator supports (float32, float64, bfloat16, float16, int32, int64).
 //   Result: GatheredResults (indices 0..n-1 ascending, values n x trailing shape on the CPU,
 //   duplicates_dropped 0).
-// Throws: loom::InvalidArgument when the loader's plan drops or skips samples (drop_incomplete,
+// Throws: loom::InvalidArgument when the loader is inside an epoch (naming its epoch and step), or
+//   when the loader's plan drops or skips samples (drop_incomplete,
 //   OversizePolicy::skip: they could not be evaluated), naming the counts; when fn returns an
 //   undefined tensor or one whose row count is not the batch's sample count (naming the step and
 //   both counts), or rows of another dtype or trailing shape than its earlier ones. Whatever fails
@@ -49,6 +52,7 @@
 #include <concepts>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -94,9 +98,33 @@ GatheredResults evaluate(C& comm, Loader& loader, Fn&& fn, EvalOptions o = {}) {
   std::exception_ptr failed;
   std::string failure;
   int64_t dataset_size = 0;
+  std::function<void()> restore;
   try {
-    loader.begin_epoch(o.epoch);
     const GlobalBatchSampler& sampler = loader.sampler();
+    if (sampler.in_epoch())
+      throw InvalidArgument(fmt::format(
+          "evaluate: the loader is inside epoch {} (at step {} of {}; a training loop runs over it): evaluating it "
+          "would rewind it and end that epoch early; give evaluate a loader of its own (a BatchLoader over the "
+          "validation set)",
+          sampler.epoch(), sampler.cursor().step, sampler.num_steps()));
+    const GlobalCursor before = sampler.cursor();
+    const bool resumed = sampler.resume_pending();
+    // Afterwards the loader stands where it stood: a checkpoint written after evaluate names the same
+    // position as one written before.
+    restore = [&loader, before, resumed] {
+      if (resumed) {
+        if constexpr (requires { loader.resume(before); }) loader.resume(before);
+      } else {
+        loader.begin_epoch(before.epoch);
+      }
+    };
+    if (resumed) {  // a pending resume would start the evaluation at its step: point it at the epoch's start
+      if constexpr (requires { loader.resume(before); })
+        loader.resume(GlobalCursor{before.seed, o.epoch, 0, before.fingerprint});
+      else
+        throw InvalidArgument("evaluate: the loader has a pending resume and no resume(cursor) to put it back");
+    }
+    loader.begin_epoch(o.epoch);
     dataset_size = static_cast<int64_t>(sampler.shapes().size());
     const CollateStats& stats = sampler.plan().stats;
     if (stats.dropped_incomplete > 0 || stats.skipped_oversize > 0)
@@ -126,6 +154,7 @@ GatheredResults evaluate(C& comm, Loader& loader, Fn&& fn, EvalOptions o = {}) {
       indices.insert(indices.end(), b->indices.begin(), b->indices.end());
       rows.push_back(out.detach());
     }
+    restore();
   } catch (const std::exception& e) {
     failed = std::current_exception();
     failure = detail::first_line(e.what());
@@ -133,6 +162,12 @@ GatheredResults evaluate(C& comm, Loader& loader, Fn&& fn, EvalOptions o = {}) {
   } catch (...) {
     failed = std::current_exception();
     failure = "an exception that is not a std::exception";
+  }
+  if (failed && restore) {
+    try {
+      restore();  // a failed evaluation leaves the loader where it stood too
+    } catch (...) {
+    }
   }
   // Every rank learns whether any rank failed before the gather, so none waits in it alone.
   trace::Scope scope(comm, trace::Context::evaluation);

@@ -7,12 +7,19 @@
 //   auto rows = loom::detail::optimizer_option_values(sgd);
 //   // {0, "lr", 0.1}, {0, "momentum", 0.9}, {0, "dampening", 0}, {0, "weight_decay", 0}, {0, "nesterov", 0}
 // Covers SGD, Adam, AdamW, RMSprop, Adagrad and LBFGS options; any other options type gives its
-// learning rate (OptimizerOptions::get_lr) under the name "lr". An optimizer without param_groups()
+// learning rate (OptimizerOptions::get_lr) under the name "lr", or nothing when the type does not
+// implement get_lr. An optimizer without param_groups()
 // (loom::StepFunctions) has no rows.
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <typeindex>
+#include <typeinfo>
 #include <vector>
+
+#include <c10/util/Exception.h>
 
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -32,6 +39,27 @@ struct OptionValue {
   const char* name = "";
   double value = 0;
 };
+
+/// Whether an options type of the user's implements OptimizerOptions::get_lr (the base throws): tried
+/// once per type, remembered.
+inline bool has_lr(const torch::optim::OptimizerOptions& o) {
+  static std::mutex mutex;
+  static std::map<std::type_index, bool> known;
+  const std::type_index type(typeid(o));
+  {
+    std::lock_guard lock(mutex);
+    if (auto it = known.find(type); it != known.end()) return it->second;
+  }
+  bool ok = true;
+  try {
+    (void)o.get_lr();
+  } catch (const c10::Error&) {
+    ok = false;
+  }
+  std::lock_guard lock(mutex);
+  known[type] = ok;
+  return ok;
+}
 
 /// The options of one parameter group, appended to `out`.
 inline void append_group_options(std::int64_t g, const torch::optim::OptimizerOptions& o,
@@ -76,7 +104,7 @@ inline void append_group_options(std::int64_t g, const torch::optim::OptimizerOp
     add("tolerance_grad", l->tolerance_grad());
     add("tolerance_change", l->tolerance_change());
     add("history_size", static_cast<double>(l->history_size()));
-  } else {
+  } else if (has_lr(o)) {
     add("lr", o.get_lr());
   }
 }

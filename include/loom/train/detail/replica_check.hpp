@@ -19,37 +19,27 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/detail/hash.hpp>
 #include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/parameters.hpp>
 #include <loom/train/detail/optimizer_options.hpp>
 
 namespace loom::detail {
 
-/// FNV-1a (64-bit) over `n` bytes, continuing from `h`.
-inline std::uint64_t fnv1a(const void* data, std::size_t n, std::uint64_t h = 14695981039346656037ull) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  std::size_t i = 0;
-  // Eight bytes per round (the same value on every machine of one byte order; replicas share one).
-  for (; i + 8 <= n; i += 8) {
-    std::uint64_t w = 0;
-    std::memcpy(&w, p + i, 8);
-    h = (h ^ w) * 1099511628211ull;
-  }
-  for (; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
-
 /// A checksum of `t`'s values (its bytes in row-major order, copied to the host when needed).
 inline std::uint64_t tensor_checksum(const at::Tensor& t) {
   if (!t.defined()) return 0;
   const at::Tensor c = (on_host(t) ? t : t.to(at::kCPU)).contiguous();
-  return fnv1a(c.data_ptr(), static_cast<std::size_t>(c.nbytes()));
+  Fnv1a f;
+  f.add_words(c.data_ptr(), static_cast<std::size_t>(c.nbytes()));
+  return f.value();
 }
 
 /// What one rank holds that every replica must share.
@@ -59,13 +49,16 @@ struct ReplicaState {
 
   /// A 64-bit hash of the options' values and the checksums.
   [[nodiscard]] std::uint64_t hash() const {
-    std::uint64_t h = fnv1a(nullptr, 0);
+    Fnv1a f;
     for (const auto& o : options) {
-      h = fnv1a(&o.group, sizeof o.group, h);
-      h = fnv1a(o.name, std::strlen(o.name), h);
-      h = fnv1a(&o.value, sizeof o.value, h);
+      std::uint64_t bits;
+      std::memcpy(&bits, &o.value, sizeof bits);
+      f.add(static_cast<std::uint64_t>(o.group));
+      f.add(std::string_view(o.name));
+      f.add(bits);
     }
-    return checksums.empty() ? h : fnv1a(checksums.data(), checksums.size() * sizeof(std::uint64_t), h);
+    for (std::uint64_t c : checksums) f.add(c);
+    return f.value();
   }
   /// The hash folded to the 20 bits Reducer::compare_replicas carries.
   [[nodiscard]] std::int64_t fingerprint() const {
@@ -93,7 +86,7 @@ std::string describe_replica_difference(Comm& comm, const ReplicaState& mine, co
     std::int64_t bits = 0;
     std::memcpy(&bits, &o.value, sizeof bits);
     row.push_back(o.group);
-    row.push_back(static_cast<std::int64_t>(fnv1a(o.name, std::strlen(o.name))));
+    row.push_back(static_cast<std::int64_t>(fnv1a(std::string_view(o.name))));
     row.push_back(bits);
   }
   for (std::uint64_t c : mine.checksums) row.push_back(static_cast<std::int64_t>(c));
