@@ -243,6 +243,54 @@ TEST_CASE("BatchLoader num_workers: a worker's error reaches next() when its bat
   }
 }
 
+TEST_CASE("BatchLoader num_workers: a fetch that reuses one buffer across threads is an error; thread_local is not") {
+  // A decoder writing every sample into one buffer and returning a view of it: with 2 workers one
+  // thread's decode overwrites the other's sample before it is copied (wrong batches, silently,
+  // before this check).
+  loom::LocalCommunicator comm;
+  auto shared = std::make_shared<at::Tensor>(torch::zeros({5, loom::test::kIn}, torch::kDouble));
+  auto shared_fetch = [shared](int64_t i) {
+    auto [x, y] = loom::test::trainer_sample(i);
+    at::Tensor view = shared->narrow(0, 0, x.size(0));
+    view.copy_(x);
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+    return std::make_pair(view, y);
+  };
+  loom::BatchLoader bad(comm, loom::test::trainer_shapes(), shared_fetch, loom::test::kTrainerPlan,
+                        {.num_workers = 2});
+  bad.begin_epoch(0);
+  CHECK_THROWS_WITH_AS((void)drain(bad), doctest::Contains("fetch reuses one buffer across threads"),
+                       loom::InvalidArgument);
+  // One buffer per thread: the batches of loading on the training thread.
+  auto own_fetch = [](int64_t i) {
+    thread_local at::Tensor buffer = torch::zeros({5, loom::test::kIn}, torch::kDouble);
+    auto [x, y] = loom::test::trainer_sample(i);
+    at::Tensor view = buffer.narrow(0, 0, x.size(0));
+    view.copy_(x);
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+    return std::make_pair(view, y);
+  };
+  loom::BatchLoader good(comm, loom::test::trainer_shapes(), own_fetch, loom::test::kTrainerPlan, {.num_workers = 2});
+  loom::BatchLoader plain(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
+  // A constant tensor per shape returned for every sample (placeholder data) is shared but never rewritten.
+  auto constant_fetch = [](int64_t i) {
+    static const std::vector<at::Tensor> by_length = {torch::ones({2, loom::test::kIn}, torch::kDouble),
+                                                      torch::ones({3, loom::test::kIn}, torch::kDouble),
+                                                      torch::ones({5, loom::test::kIn}, torch::kDouble)};
+    const int64_t length = loom::test::trainer_length(i);
+    return std::make_pair(by_length[length == 2 ? 0 : length == 3 ? 1 : 2], loom::test::trainer_sample(i).second);
+  };
+  loom::BatchLoader constant(comm, loom::test::trainer_shapes(), constant_fetch, loom::test::kTrainerPlan,
+                             {.num_workers = 2});
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    good.begin_epoch(epoch);
+    plain.begin_epoch(epoch);
+    constant.begin_epoch(epoch);
+    check_same(drain(good), drain(plain));
+    CHECK(drain(constant).size() == static_cast<std::size_t>(plain.sampler().size()));
+  }
+}
+
 TEST_CASE("BatchLoader: num_workers < 0 and prefetch_factor < 1 are named") {
   loom::LocalCommunicator comm;
   auto make = [&](loom::LoaderOptions o) {

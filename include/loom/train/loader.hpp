@@ -41,7 +41,11 @@
 //   drops what the workers loaded and continues from the sampler's position.
 //   Thread safety: with workers, `fetch` and the projection are called from the worker threads,
 //   several at once: they must be safe to call concurrently (reading a const container or file is;
-//   a shared decoder, cursor or random generator is not), as must CollateOptions::allocate. fetch(i)
+//   a shared decoder, cursor or random generator is not), as must CollateOptions::allocate. A fetch
+//   that returns views of one reused buffer (a decoder's output) needs one buffer per thread
+//   (thread_local): a buffer the threads share is rewritten by one while another's sample is being
+//   copied; a worker that finds another worker's last sample rewritten at the address its own fetch
+//   returned throws loom::InvalidArgument (detail/shared_buffer_check.hpp). fetch(i)
 //   must depend on i only (and on state that stays fixed during the epoch): it runs up to
 //   num_workers * prefetch_factor batches before the loop reaches them. Thread-local settings of
 //   the training thread (a NoGradGuard, InferenceMode, at::set_num_threads) do not reach the workers.
@@ -87,6 +91,7 @@
 #include <loom/error.hpp>
 #include <loom/sample/global_batch.hpp>
 #include <loom/sample/sampled_batch.hpp>
+#include <loom/train/detail/shared_buffer_check.hpp>
 #include <loom/train/detail/worker_pool.hpp>
 
 namespace loom {
@@ -261,6 +266,7 @@ class BatchLoader {
   /// Throws: loom::InvalidArgument when a resume pointed into another epoch (GlobalBatchSampler::set_epoch).
   void begin_epoch(int64_t epoch) {
     background_.drain();
+    buffer_check_->reset();
     named("BatchLoader::begin_epoch", [&] { sampler_.set_epoch(epoch); });
   }
 
@@ -341,7 +347,7 @@ class BatchLoader {
                              detail::first_line(detail::exception_text(std::current_exception())));
         };
         try {
-          return collate_item(item, plan->shapes(), fetching);
+          return collate_item(item, plan->shapes(), fetching, /*on_worker=*/true);
         } catch (const InvalidArgument&) {  // a sample of another shape: the type loading here throws
           throw InvalidArgument(text());
         } catch (...) {
@@ -354,12 +360,15 @@ class BatchLoader {
 
   // Fetches (checking declared shapes) and collates `item` (on a worker, or in load()); `fetching` holds
   // the index while fetch(index) runs, -1 otherwise.
-  Batch collate_item(const SampledBatch& item, const std::vector<std::vector<int64_t>>& shapes, int64_t& fetching) {
+  // A worker's samples also go through the shared-buffer check (detail/shared_buffer_check.hpp).
+  Batch collate_item(const SampledBatch& item, const std::vector<std::vector<int64_t>>& shapes, int64_t& fetching,
+                     bool on_worker = false) {
     auto checked = [&](int64_t i) {
       fetching = i;
       auto sample = fetch_(i);
       fetching = -1;
       check_declared_shape(shapes, i, projection_.data(sample));
+      if (on_worker) buffer_check_->fetched(i, projection_.data(sample));
       return sample;
     };
     return collate_sampled(item, checked, options_.collate, projection_);
@@ -415,6 +424,7 @@ class BatchLoader {
   }
 
   Background background_;  // first: see Background
+  std::unique_ptr<detail::SharedBufferCheck> buffer_check_ = std::make_unique<detail::SharedBufferCheck>();
   GlobalBatchSampler sampler_;
   Fetch fetch_;
   LoaderOptions options_;
