@@ -13,7 +13,8 @@
 //   -> model -> loss (the batch mean) -> loom::Trainer (sample weighting, bucketed all-reduce
 //      overlapped with backward, the optimizer step at each step's end)
 //   -> loom::Logger (rank 0), loom::Progress and checkpoints through Trainer::on_step,
-//      loom::Metrics (training loss, validation accuracy and loss over every rank's samples).
+//      loom::Metrics (training loss over every rank's samples), loom::evaluate (validation
+//      accuracy and loss, every validation sample once).
 // Phases: pre-train briefly on the small sizes only (or --init a model / TorchScript file), save
 // it, fine-tune from it on every size. A checkpoint (loom::save_checkpoint: model, optimizer, the
 // world-size-free cursor, the step count) is written at every epoch end and every
@@ -235,7 +236,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   double seconds_before = 0;
   int64_t first_epoch = 0;
   if (!resume.empty()) {
-    // Every rank loads (rank 0 reads the file); throws naming the fingerprints if the options or the data changed.
+    // Every rank loads (rank 0 reads the file); throws naming each batching option that changed, or the data.
     const loom::CheckpointInfo info = loom::load_checkpoint(resume, trainer, loader);
     if (auto it = info.user.find("run_seconds"); it != info.user.end()) seconds_before = std::stod(it->second);
     first_epoch = info.cursor.epoch;

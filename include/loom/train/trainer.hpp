@@ -309,14 +309,7 @@ class Trainer {
   /// Throws: loom::Error on every rank naming the first option (group, name, both values, the rank) or
   ///         parameter that differs; the communicator's errors.
   void check_replicas(const char* where = "Trainer::check_replicas") {
-    const detail::ReplicaState state =
-        detail::with_checksums(detail::ReplicaState{detail::optimizer_option_values(*optimizer_)}, reducer_.parameters());
-    std::string what;
-    {
-      trace::Scope scope(*comm_, trace::Context::parameter_check);
-      what = detail::describe_replica_difference(*comm_, state, reducer_.parameters());
-    }
-    if (!what.empty()) throw Error(fmt::format("{}: the replicas differ: {}. {}", where, what, replica_advice()));
+    detail::check_replicas_now(*comm_, *optimizer_, reducer_.parameters(), where);
   }
 
   /// Ends the running epoch loop at the current step boundary: the range stops yielding batches
@@ -433,7 +426,7 @@ class Trainer {
     guard_.hide(reducer_.parameters(), /*keep=*/false);
     if (skipped)
       skips_.skipped(current_step_, s.grid_overflow ? "a gradient too large for the deterministic grid" : "inf/NaN gradients",
-                     step_indices(current_step_));
+                     detail::step_indices(plan_, current_step_));
     if (on_step_) {
       const detail::FlagScope running(in_on_step_);
       on_step_(s);
@@ -470,44 +463,17 @@ class Trainer {
   /// What must be equal on every replica goes into the reducer's next windows: the optimizer's
   /// options, and with `with_parameters` the parameters' checksums (Reducer::compare_replicas).
   void share_replica_state(bool with_parameters) {
-    replica_ = detail::ReplicaState{detail::optimizer_option_values(*optimizer_)};
-    if (with_parameters) replica_ = detail::with_checksums(std::move(replica_), reducer_.parameters());
+    replica_ = detail::replica_state_of(*optimizer_, reducer_.parameters(), with_parameters);
     reducer_.compare_replicas(replica_.fingerprint());
   }
 
-  static const char* replica_advice() {
-    return "Every rank must hold the same parameters and optimizer options: change options (a learning-rate "
-           "schedule) in on_step(), which every rank runs at every step, or between epochs, never in the loop body, "
-           "which ranks run different numbers of times per step (docs/loop.md, \"Learning-rate schedules\")";
-  }
-
-  /// A window found the ranks' replica fingerprints different (the same verdict on every rank): name
-  /// what differs (every rank takes part) and refuse further use.
+  /// A window found the ranks' replica fingerprints different (the same verdict on every rank).
   [[noreturn]] void replicas_differ() {
-    std::string what;
-    {
-      trace::Scope scope(*comm_, trace::Context::parameter_check);
-      what = detail::describe_replica_difference(*comm_, replica_, reducer_.parameters());
-    }
-    if (what.empty()) what = "their fingerprints differ, though no option or parameter compared differs";
     const std::string where = replica_.checksums.empty()
                                   ? fmt::format("at step {} of epoch {}", current_step_, epoch_)
                                   : fmt::format("at the end of epoch {}", epoch_);
     broken_ = fmt::format("the replicas differed {}", where);
-    throw Error(fmt::format("Trainer: the replicas differ {} (the step was not applied): {}. {}", where, what,
-                            replica_advice()));
-  }
-
-  /// The dataset indices of step `step`'s samples in the running epoch's plan (empty without a plan).
-  std::vector<int64_t> step_indices(int64_t step) const {
-    std::vector<int64_t> out;
-    if (plan_ == nullptr || step < 0 || step >= static_cast<int64_t>(plan_->steps.size())) return out;
-    const GlobalStep& st = plan_->steps[static_cast<std::size_t>(step)];
-    for (int64_t b = st.first_batch; b < st.first_batch + st.num_batches; ++b) {
-      const auto& indices = plan_->batches[static_cast<std::size_t>(b)].indices;
-      out.insert(out.end(), indices.begin(), indices.end());
-    }
-    return out;
+    detail::throw_replicas_differ(*comm_, replica_, reducer_.parameters(), where);
   }
 
   void receive(Batch batch) {

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -28,7 +29,9 @@
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/reduce/detail/host_path.hpp>
+#include <loom/error.hpp>
 #include <loom/reduce/parameters.hpp>
+#include <loom/trace/recorder.hpp>
 #include <loom/train/detail/optimizer_options.hpp>
 
 namespace loom::detail {
@@ -130,6 +133,50 @@ std::string describe_replica_difference(Comm& comm, const ReplicaState& mine, co
     }
   }
   return {};
+}
+
+/// This rank's ReplicaState: `optimizer`'s options, and with `with_parameters` the checksums of
+/// `list`'s parameters.
+template <class Opt>
+ReplicaState replica_state_of(Opt& optimizer, const ParameterList& list, bool with_parameters) {
+  ReplicaState state{optimizer_option_values(optimizer)};
+  return with_parameters ? with_checksums(std::move(state), list) : state;
+}
+
+/// Where a learning-rate schedule belongs, for the replica errors.
+inline constexpr const char* kReplicaAdvice =
+    "Every rank must hold the same parameters and optimizer options: change options (a learning-rate schedule) in "
+    "on_step(), which every rank runs at every step, or between epochs, never in the loop body, which ranks run "
+    "different numbers of times per step (docs/loop.md, \"PyTorch habits\")";
+
+/// After a window found the ranks' fingerprints different (the same verdict on every rank): names
+/// what differs (every rank takes part: two all_gathers) and throws loom::Error "Trainer: the replicas
+/// differ <where> ...".
+template <Communicator Comm>
+[[noreturn]] void throw_replicas_differ(Comm& comm, const ReplicaState& mine, const ParameterList& list,
+                                        const std::string& where) {
+  std::string what;
+  {
+    trace::Scope scope(comm, trace::Context::parameter_check);
+    what = describe_replica_difference(comm, mine, list);
+  }
+  if (what.empty()) what = "their fingerprints differ, though no option or parameter compared differs";
+  throw Error(
+      fmt::format("Trainer: the replicas differ {} (the step was not applied): {}. {}", where, what, kReplicaAdvice));
+}
+
+/// Compares the optimizer's options and the parameters across the ranks now (two all_gathers; every
+/// rank calls it at the same point). Throws: loom::Error "<where>: the replicas differ: ..." naming
+/// the first difference.
+template <Communicator Comm, class Opt>
+void check_replicas_now(Comm& comm, Opt& optimizer, const ParameterList& list, const char* where) {
+  const ReplicaState state = replica_state_of(optimizer, list, /*with_parameters=*/true);
+  std::string what;
+  {
+    trace::Scope scope(comm, trace::Context::parameter_check);
+    what = describe_replica_difference(comm, state, list);
+  }
+  if (!what.empty()) throw Error(fmt::format("{}: the replicas differ: {}. {}", where, what, kReplicaAdvice));
 }
 
 }  // namespace loom::detail

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include <loom/error.hpp>
+#include <loom/sample/global_plan.hpp>
 #include <loom/train/options.hpp>
 
 namespace loom::detail {
@@ -27,6 +28,18 @@ inline std::string indices_text(const std::vector<int64_t>& indices, std::size_t
   std::string out;
   for (std::size_t i = 0; i < indices.size() && i < shown; ++i) out += fmt::format("{}{}", i ? ", " : "", indices[i]);
   if (indices.size() > shown) out += fmt::format(" and {} more", indices.size() - shown);
+  return out;
+}
+
+/// The dataset indices of step `step`'s samples in `plan` (empty without a plan or for a step outside it).
+inline std::vector<int64_t> step_indices(const EpochPlan* plan, int64_t step) {
+  std::vector<int64_t> out;
+  if (plan == nullptr || step < 0 || step >= static_cast<int64_t>(plan->steps.size())) return out;
+  const GlobalStep& st = plan->steps[static_cast<std::size_t>(step)];
+  for (int64_t b = st.first_batch; b < st.first_batch + st.num_batches; ++b) {
+    const auto& indices = plan->batches[static_cast<std::size_t>(b)].indices;
+    out.insert(out.end(), indices.begin(), indices.end());
+  }
   return out;
 }
 
