@@ -7,7 +7,6 @@
 //   log.info("hello from the job's rank 0");
 #pragma once
 
-#include <loom/log/exchange.hpp>
 #include <loom/log/logger.hpp>
 #include <loom/log/main_process_first.hpp>
 #include <loom/log/metrics.hpp>

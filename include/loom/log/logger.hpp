@@ -32,7 +32,7 @@
 #include <fmt/format.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/log/exchange.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/log/rank.hpp>
 #include <loom/log/sink.hpp>
 #include <loom/trace/recorder.hpp>

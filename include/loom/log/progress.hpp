@@ -42,7 +42,7 @@
 
 #include <loom/comm/communicator.hpp>
 #include <loom/error.hpp>
-#include <loom/log/exchange.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/log/rank.hpp>
 #include <loom/log/sink.hpp>
 #include <loom/trace/recorder.hpp>

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
 
@@ -118,33 +120,26 @@ template <Communicator Comm>
 void check_same_parameters(Comm& comm, const ParameterList& list) {
   if (comm.world_size() == 1) return;
   const auto desc = detail::descriptors(list);
-  const auto device = comm.device();
-  auto summary = at::empty({3}, at::kLong);
-  auto* s = summary.data_ptr<std::int64_t>();
-  s[0] = static_cast<std::int64_t>(list.params.size());
-  s[1] = static_cast<std::int64_t>(list.buffers.size());
-  s[2] = detail::hash_descriptors(desc);
-  std::vector<at::Tensor> all = comm.all_gather(summary.to(device));
-  for (auto& t : all) t = t.to(at::kCPU);
+  const std::int64_t summary[3] = {static_cast<std::int64_t>(list.params.size()),
+                                   static_cast<std::int64_t>(list.buffers.size()), detail::hash_descriptors(desc)};
+  const auto all = detail::all_gather_int64(comm, std::span<const std::int64_t>(summary, 3));
   bool same = true;
   std::int64_t max_entries = 0;
   for (const auto& r : all) {
-    same = same && at::equal(r, all[0]);
-    const auto* q = r.data_ptr<std::int64_t>();
-    max_entries = std::max(max_entries, q[0] + q[1]);
+    same = same && r == all[0];
+    max_entries = std::max(max_entries, r[0] + r[1]);
   }
   if (same) return;
 
   // Every rank saw the difference: fetch all descriptions (padded to the longest list).
-  auto mine = at::full({max_entries * detail::kDescriptorLen}, -2, at::kLong);
-  std::copy(desc.begin(), desc.end(), mine.data_ptr<std::int64_t>());
-  std::vector<at::Tensor> streams = comm.all_gather(mine.to(device));
-  for (auto& t : streams) t = t.to(at::kCPU);
-  const auto* ref = streams[0].data_ptr<std::int64_t>();
-  const auto* ref_counts = all[0].data_ptr<std::int64_t>();
+  std::vector<std::int64_t> mine(static_cast<std::size_t>(max_entries * detail::kDescriptorLen), -2);
+  std::copy(desc.begin(), desc.end(), mine.begin());
+  const auto streams = detail::all_gather_int64(comm, std::span<const std::int64_t>(mine));
+  const auto* ref = streams[0].data();
+  const auto* ref_counts = all[0].data();
   for (std::size_t r = 1; r < streams.size(); ++r) {
-    const auto* other = streams[r].data_ptr<std::int64_t>();
-    const auto* counts = all[r].data_ptr<std::int64_t>();
+    const auto* other = streams[r].data();
+    const auto* counts = all[r].data();
     if (ref_counts[0] != counts[0] || ref_counts[1] != counts[1])
       throw InvalidArgument(
           fmt::format("parameters differ across ranks: rank 0 has {} parameters and {} buffers, rank {} has {} and {} "

@@ -51,6 +51,7 @@
 #include <fmt/ranges.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/error.hpp>
 #include <loom/trace/recorder.hpp>
 
@@ -131,15 +132,8 @@ GatheredResults gather_results(C& comm, std::span<const int64_t> indices, const 
   const at::Device device = comm.device();  // where the communicator takes its tensors
   auto to_device = [&](const at::Tensor& t) { return device.is_cpu() ? t : t.to(device); };
 
-  at::Tensor h = at::empty({kGatherHeader}, at::TensorOptions(at::kLong));
-  std::memcpy(h.data_ptr(), header.data(), sizeof(header));
   trace::Scope scope(comm, trace::Context::evaluation);
-  std::vector<at::Tensor> headers = comm.all_gather(to_device(h));
-  std::vector<std::array<int64_t, kGatherHeader>> all(static_cast<std::size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    const at::Tensor hc = headers[static_cast<std::size_t>(r)].cpu().contiguous();
-    std::memcpy(all[static_cast<std::size_t>(r)].data(), hc.data_ptr(), sizeof(header));
-  }
+  const auto all = detail::all_gather_int64(comm, std::span<const std::int64_t>(header.data(), header.size()));
   for (int r = 0; r < world; ++r) {
     const auto& a = all[static_cast<std::size_t>(r)];
     switch (a[0]) {

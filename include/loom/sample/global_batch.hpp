@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -63,6 +64,7 @@
 #include <loom/collate/options.hpp>
 #include <loom/collate/planner.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/detail/text_fields.hpp>
 #include <loom/error.hpp>
 #include <loom/sample/concepts.hpp>
@@ -372,22 +374,17 @@ void check_same_plan(C& comm, const GlobalBatchSampler& sampler, std::string_vie
                            static_cast<int64_t>(o.dealing),
                            static_cast<int64_t>(o.world_size),
                            local_error ? 1 : 0};
-  at::Tensor local = at::empty({7}, at::TensorOptions(at::kLong));
-  std::copy(mine, mine + 7, local.data_ptr<int64_t>());
-  local = local.to(comm.device());
-  const std::vector<at::Tensor> all = comm.all_gather(local);
+  const auto all = detail::all_gather_int64(comm, std::span<const std::int64_t>(mine, 7));
   if (local_error) std::rethrow_exception(local_error);
   for (std::size_t r = 0; r < all.size(); ++r)
-    if (all[r].to(at::kCPU).data_ptr<int64_t>()[6] != 0)
+    if (all[r][6] != 0)
       throw InvalidArgument(fmt::format(
           "{}: rank {} could not prepare the epoch (its own error says why), so every rank stops here", where, r));
   static constexpr const char* kNames[6] = {"seed",    "epoch",     "step", "fingerprint (options and shapes)",
                                             "dealing", "world size"};
-  const at::Tensor first = all[0].to(at::kCPU);
   for (std::size_t r = 1; r < all.size(); ++r) {
-    const at::Tensor other = all[r].to(at::kCPU);
-    for (int64_t k = 0; k < 6; ++k) {
-      const int64_t a = first.data_ptr<int64_t>()[k], b = other.data_ptr<int64_t>()[k];
+    for (std::size_t k = 0; k < 6; ++k) {
+      const int64_t a = all[0][k], b = all[r][k];
       if (a == b) continue;
       const bool unsigned_value = k == 0 || k == 3;
       throw InvalidArgument(fmt::format(

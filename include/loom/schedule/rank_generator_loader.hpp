@@ -33,6 +33,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,6 +45,7 @@
 
 #include <loom/collate/transfer.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/detail/exception_text.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/assign.hpp>
@@ -220,19 +222,8 @@ class RankGeneratorLoader {
   }
 
   std::vector<std::vector<std::int64_t>> all_gather(const std::vector<std::int64_t>& mine) {
-    at::Tensor t = at::empty({static_cast<std::int64_t>(mine.size())}, at::TensorOptions().dtype(at::kLong));
-    std::memcpy(t.data_ptr<std::int64_t>(), mine.data(), mine.size() * sizeof(std::int64_t));
-    const c10::Device device = comm_.device();
-    if (device != c10::Device(c10::kCPU)) t = t.to(at::TensorOptions().device(device));
     trace::Scope scope(comm_, trace::Context::generator_loader);
-    std::vector<at::Tensor> all = comm_.all_gather(t);
-    std::vector<std::vector<std::int64_t>> out;
-    for (auto& a : all) {
-      at::Tensor c = a.to(at::TensorOptions().device(at::kCPU)).contiguous();
-      const auto* p = c.data_ptr<std::int64_t>();
-      out.emplace_back(p, p + c.numel());
-    }
-    return out;
+    return detail::all_gather_int64(comm_, std::span<const std::int64_t>(mine));
   }
 
   // One agreement round (see the file comment). Sets agreed_, dry_, or finished_, or throws.

@@ -66,7 +66,7 @@
 //
 // Cost: one Accumulator micro-batch per batch (the callgrind comparison of
 // scripts/callgrind_overhead.sh holds this layer to the hand-written loop); one tiny collective per
-// epoch end, and one all_gather of 6 integers per epoch start (the plan check); the optimizer's
+// epoch end, and one all_gather of 7 integers per epoch start (the plan check); the optimizer's
 // options hashed on the host per backward; every parameter's bytes read once per epoch end (the
 // replica checksum; a GPU parameter copied to the host first).
 // Throws: see above; the reducer's, accumulator's, loader's and optimizer's errors.
@@ -147,7 +147,7 @@ class Trainer {
 
   /// The loop over this rank's batches of epoch `epoch` (see EpochRange). Parameters may be changed between epochs (a checkpoint loaded, an evaluation's write-back):
   /// the check for changes outside the optimizer step starts afresh here.
-  /// Every rank must plan alike: one all_gather of 6 integers compares the loader's plan (seed, epoch,
+  /// Every rank must plan alike: one all_gather of 7 integers compares the loader's plan (seed, epoch,
   /// step, options and shapes, dealing, world size) across ranks (loom::check_same_plan).
   /// Throws: loom::Error when this Trainer refuses further use (a previous loop was left early);
   ///         loom::InvalidArgument when the ranks plan differently, or the loader was resumed into

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,6 +19,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/detail/torch_api.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/detail/bucket.hpp>
@@ -98,13 +100,12 @@ template <Communicator Comm>
 void check_same_reducer_options(Comm& comm, const ReducerOptions& options) {
   if (comm.world_size() == 1) return;
   const auto values = reducer_option_values(options);
-  auto mine = at::empty({static_cast<std::int64_t>(values.size())}, at::kLong);
-  for (std::size_t i = 0; i < values.size(); ++i) mine.data_ptr<std::int64_t>()[i] = values[i].second;
-  std::vector<at::Tensor> all = comm.all_gather(mine.to(comm.device()));
-  for (auto& t : all) t = t.to(at::kCPU);
-  const auto* ref = all[0].data_ptr<std::int64_t>();
+  std::vector<std::int64_t> mine;
+  for (const auto& v : values) mine.push_back(v.second);
+  const auto all = all_gather_int64(comm, std::span<const std::int64_t>(mine));
+  const auto& ref = all[0];
   for (std::size_t r = 1; r < all.size(); ++r) {
-    const auto* other = all[r].data_ptr<std::int64_t>();
+    const auto& other = all[r];
     for (std::size_t i = 0; i < values.size(); ++i) {
       if (other[i] == ref[i]) continue;
       const std::string name = values[i].first;

@@ -30,7 +30,7 @@
 #include <loom/comm/communicator.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
-#include <loom/log/exchange.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/reduce/parameters.hpp>
 #include <loom/trace/recorder.hpp>
 

@@ -27,6 +27,7 @@
 #include <fmt/format.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/reduce/detail/host_path.hpp>
 #include <loom/error.hpp>
@@ -93,22 +94,15 @@ std::string describe_replica_difference(Comm& comm, const ReplicaState& mine, co
     row.push_back(bits);
   }
   for (std::uint64_t c : mine.checksums) row.push_back(static_cast<std::int64_t>(c));
-  auto length = at::full({1}, static_cast<std::int64_t>(row.size()), at::kLong);
-  std::int64_t longest = 0;
-  for (const at::Tensor& t : comm.all_gather(length.to(comm.device())))
-    longest = std::max(longest, t.to(at::kCPU).item<std::int64_t>());
-  row.resize(static_cast<std::size_t>(longest), -1);
-  auto mine_t = at::from_blob(row.data(), {longest}, at::kLong).clone();
-  std::vector<at::Tensor> all = comm.all_gather(mine_t.to(comm.device()));
-  for (at::Tensor& t : all) t = t.to(at::kCPU);
-  const auto* ref = all[0].data_ptr<std::int64_t>();
+  const auto all = all_gather_int64_ragged(comm, std::span<const std::int64_t>(row));
+  const auto* ref = all[0].data();
   auto value_of = [](std::int64_t bits) {
     double v = 0;
     std::memcpy(&v, &bits, sizeof v);
     return v;
   };
   for (std::size_t r = 1; r < all.size(); ++r) {
-    const auto* other = all[r].data_ptr<std::int64_t>();
+    const auto* other = all[r].data();
     if (other[0] != ref[0])
       return fmt::format("the optimizer has {} parameter-group options on rank {} but {} on rank 0 (another optimizer "
                          "or another number of parameter groups)",
