@@ -33,7 +33,7 @@ struct PlanRecorder {
   void prepare_backward(const loom::BackwardPlan& p) { plans.push_back(p); }
   loom::Reduction finish_window() {
     ++finishes;
-    return {.reduced = true, .global_samples = plans.back().window_samples};
+    return {.verdict = loom::StepVerdict::apply, .reduced = true, .global_samples = plans.back().window_samples};
   }
 };
 struct OnlyPrepares {

@@ -308,6 +308,33 @@ TEST_CASE("Reducer: a float16 wire never narrows a bfloat16 parameter's gradient
   CHECK(narrow.finish_window().non_finite);
 }
 
+TEST_CASE("Reducer: one verdict per window (apply, skip_non_finite, skip_no_samples, not_reduced) and the Accumulator reads it") {
+  loom::LocalCommunicator comm;
+  auto w = torch::zeros({2}, torch::kDouble).requires_grad_();
+  loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});
+  auto window = [&](int64_t samples, double g, bool final = false) {
+    reducer.prepare_backward({.sync = true, .final = final, .window_samples = samples});
+    if (!final) (w * g).sum().backward();
+    const loom::Reduction r = reducer.finish_window();
+    w.mutable_grad().reset();
+    return r.verdict;
+  };
+  CHECK(window(2, 1.0) == loom::StepVerdict::apply);
+  CHECK(window(2, std::numeric_limits<double>::quiet_NaN()) == loom::StepVerdict::skip_non_finite);
+  CHECK(window(0, 1.0) == loom::StepVerdict::skip_no_samples);
+  CHECK(window(0, 0.0, /*final=*/true) == loom::StepVerdict::not_reduced);
+  CHECK(loom::to_string(loom::StepVerdict::skip_grid_overflow) == "skip_grid_overflow");
+  // The Accumulator's apply and skipped_non_finite are the verdict's.
+  loom::Accumulator acc(reducer, {.micro_batches_per_step = 1});
+  const loom::SyncResult bad = acc.run(2, [&] { (w * std::numeric_limits<double>::quiet_NaN()).sum().backward(); });
+  CHECK(bad.verdict == loom::StepVerdict::skip_non_finite);
+  CHECK_FALSE(bad.apply);
+  CHECK(bad.skipped_non_finite);
+  const loom::SyncResult good = acc.run(2, [&] { (w * 3.0).sum().backward(); });
+  CHECK(good.verdict == loom::StepVerdict::apply);
+  CHECK(good.apply);
+}
+
 TEST_CASE("Reducer: at most one host read per step, none inside autograd hooks") {
   loom::test::Mlp model(at::kFloat);
   loom::test::AsyncRecordingCommunicator comm;

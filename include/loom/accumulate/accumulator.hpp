@@ -341,16 +341,15 @@ class Accumulator {
     SyncResult s;
     static_cast<Reduction&>(s) = r;
     s.boundary = r.reduced;
-    s.skipped_non_finite = r.non_finite;
-    s.apply = r.reduced && !r.non_finite && !r.no_samples && r.ranks_leaving == 0 && !r.grid_overflow &&
-              !r.replicas_differ;
+    s.skipped_non_finite = r.verdict == StepVerdict::skip_non_finite;
+    s.apply = r.verdict == StepVerdict::apply;
     s.micro_batches = window_micro_batches_;
     s.local_samples = window_samples_;
     s.loss_scale = loss_scale();
     if (r.ranks_leaving > 0)
       break_with(fmt::format("{} rank(s) left their loop in the middle of an epoch", r.ranks_leaving));
-    if (scaler_ && r.reduced && !r.no_samples && r.ranks_leaving == 0 && !r.grid_overflow)
-      scaler_->update(r.non_finite);
+    if (scaler_ && (r.verdict == StepVerdict::apply || r.verdict == StepVerdict::skip_non_finite))
+      scaler_->update(r.verdict == StepVerdict::skip_non_finite);
     reset_window();
     return s;
   }

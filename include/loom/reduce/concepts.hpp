@@ -20,6 +20,7 @@
 #include <concepts>
 #include <cstdint>
 #include <limits>
+#include <string_view>
 
 namespace loom {
 
@@ -50,12 +51,42 @@ struct BackwardPlan {
   std::int64_t loss_divisor = 1;
 };
 
-/// What a reducer reports when a window is closed. Every field is equal on every rank.
+/// What a synchronising window decided: the one answer to "does the optimizer step?"
+/// (Reduction::verdict), the same on every rank. Everything but `apply` means: no step, the
+/// gradients are zeroed (or, for not_reduced, left as they were).
+/// Example: `if (reducer.finish_window().verdict == loom::StepVerdict::apply) optimizer.step();`
+enum class StepVerdict : std::uint8_t {
+  not_reduced,         ///< a final flush found nothing to do on any rank (no step to take)
+  apply,               ///< the gradients are the global average: step
+  skip_non_finite,     ///< some rank produced inf/NaN (a loss scaler backs off)
+  skip_grid_overflow,  ///< deterministic mode: a contribution was too large for its grid
+  skip_no_samples,     ///< averaging by samples and no rank had one
+  replicas_differ,     ///< the ranks' replica fingerprints differ (Reducer::compare_replicas)
+  leaving,             ///< some rank left its loop (ranks_leaving > 0)
+};
+
+/// The verdict's name, as messages print it ("apply", "skip_non_finite", ...).
+constexpr std::string_view to_string(StepVerdict v) noexcept {
+  switch (v) {
+    case StepVerdict::not_reduced: return "not_reduced";
+    case StepVerdict::apply: return "apply";
+    case StepVerdict::skip_non_finite: return "skip_non_finite";
+    case StepVerdict::skip_grid_overflow: return "skip_grid_overflow";
+    case StepVerdict::skip_no_samples: return "skip_no_samples";
+    case StepVerdict::replicas_differ: return "replicas_differ";
+    case StepVerdict::leaving: return "leaving";
+  }
+  return "?";
+}
+
+/// What a reducer reports when a window is closed. Every field is equal on every rank; `verdict`
+/// is the decision, the flags below are the facts it was made from.
 ///
-/// Example: `if (r.reduced && !r.non_finite && !r.no_samples) optimizer.step();`
+/// Example: `if (r.verdict == loom::StepVerdict::apply) optimizer.step();`
 /// Units: global_samples in samples (summed over ranks); grad_norm in gradient units (after
 ///        averaging and unscaling, before clipping).
 struct Reduction {
+  StepVerdict verdict = StepVerdict::not_reduced;  ///< whether the optimizer steps (see StepVerdict)
   bool reduced = false;             ///< gradients were all-reduced (false only when a final flush found nothing to do)
   bool all_final = false;           ///< every rank was in its end-of-epoch flush (no rank has micro-batches left)
   bool non_finite = false;          ///< some rank produced inf/NaN: every rank must skip the step (gradients zeroed)
@@ -86,10 +117,12 @@ struct Reduction {
 ///     runs, whether to send gradients (sync) or only let them accumulate locally (no_sync); it is
 ///     where a reducer starts its collectives, so every rank must issue them in the same order.
 ///  2. `r.finish_window()` after the backward of a sync plan (or directly after a final plan,
-///     without a backward) returns a Reduction; afterwards each parameter's gradient is the global
-///     average, multiplied by the plan's `grad_scale` (1 / loss scale, known only to the caller,
-///     given before backward so a reducer may scale each bucket before it leaves). Reason: the step
-///     boundary is where the caller needs identical gradients on every rank.
+///     without a backward) returns a Reduction whose `verdict` says whether the caller steps (the
+///     Accumulator and the Trainer read nothing else for that); after StepVerdict::apply each
+///     parameter's gradient is the global average, multiplied by the plan's `grad_scale` (1 / loss
+///     scale, known only to the caller, given before backward so a reducer may scale each bucket
+///     before it leaves). Reason: the step boundary is where the caller needs identical gradients
+///     and one decision on every rank.
 /// Not required: knowledge of optimizers, loss scaling state, micro-batch counting (the
 /// Accumulator owns those), thread safety across calls, copyability.
 /// Models: loom::Reducer (reduce/reducer.hpp). Used by loom::Accumulator (accumulate/accumulator.hpp).

@@ -401,15 +401,15 @@ class Trainer {
 
   void apply(const SyncResult& s) {
     if (!s.boundary) return;
-    if (s.ranks_leaving > 0) {
+    if (s.verdict == StepVerdict::leaving) {
       broken_ = fmt::format("{} rank(s) left the loop over trainer.epoch(...) during step {} of epoch {}",
                             s.ranks_leaving, current_step_, epoch_);
       throw Error(detail::ranks_left_message(epoch_, s.ranks_leaving, current_step_));
     }
-    if (s.replicas_differ) replicas_differ();
+    if (s.verdict == StepVerdict::replicas_differ) replicas_differ();
     guard_.check_untouched(reducer_.parameters(), "Trainer: at a step boundary");
-    const bool skipped = !s.apply && (s.skipped_non_finite || s.grid_overflow);
-    if (s.apply) {
+    const bool skipped = s.verdict == StepVerdict::skip_non_finite || s.verdict == StepVerdict::skip_grid_overflow;
+    if (s.verdict == StepVerdict::apply) {
       if (before_step_) {
         const detail::FlagScope running(in_on_step_);
         before_step_(s);
@@ -425,7 +425,9 @@ class Trainer {
     optimizer_->zero_grad();
     guard_.hide(reducer_.parameters(), /*keep=*/false);
     if (skipped)
-      skips_.skipped(current_step_, s.grid_overflow ? "a gradient too large for the deterministic grid" : "inf/NaN gradients",
+      skips_.skipped(current_step_,
+                     s.verdict == StepVerdict::skip_grid_overflow ? "a gradient too large for the deterministic grid"
+                                                                  : "inf/NaN gradients",
                      detail::step_indices(plan_, current_step_));
     if (on_step_) {
       const detail::FlagScope running(in_on_step_);

@@ -207,6 +207,12 @@ class ReducerState {
     r.grid_overflow = grid.overflow;
     r.no_samples = no_samples;
     r.reduced = true;
+    r.verdict = r.ranks_leaving > 0 ? StepVerdict::leaving
+                : r.replicas_differ ? StepVerdict::replicas_differ
+                : non_finite        ? StepVerdict::skip_non_finite
+                : grid.overflow     ? StepVerdict::skip_grid_overflow
+                : no_samples        ? StepVerdict::skip_no_samples
+                                    : StepVerdict::apply;
     // Parameters unused on every rank get back the gradient they had before the window; a
     // float32-accumulated parameter's .grad() becomes the 16-bit copy of its average.
     for (std::size_t k = 0; k < slots_.size(); ++k) {
