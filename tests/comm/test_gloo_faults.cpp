@@ -81,7 +81,7 @@ TEST_CASE(
         INFO(f.describe());
         // Never a signal (SIGPIPE): a loom error that names the collective and the rank.
         REQUIRE(f.kind == loom::RankFailure::Kind::exception);
-        CHECK(f.message.find("loom::TimeoutError: loom: all_reduce timed out on rank " + std::to_string(f.rank)) == 0);
+        CHECK(f.message.find("loom::CommError: loom: all_reduce failed on rank " + std::to_string(f.rank)) == 0);
         // The peer: the dead rank, or a survivor that already gave up and closed its connections.
         const int peer = named_peer(f.message);
         CHECK(peer >= 0);
@@ -250,7 +250,7 @@ TEST_CASE("GlooCommunicator: abort() on a live rank ends its peers' pending coll
                 try {
                   comm.all_reduce(t, loom::ReduceOp::sum);
                   loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", "returned");
-                } catch (const loom::TimeoutError& e) {
+                } catch (const loom::CommError& e) {
                   loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", e.what());
                 }
                 fs::rename(path + "/error" + std::to_string(env.rank) + ".tmp",
@@ -261,7 +261,7 @@ TEST_CASE("GlooCommunicator: abort() on a live rank ends its peers' pending coll
   for (int r : {1, 2}) {
     const std::string error = dir.read("error" + std::to_string(r));
     INFO(error);
-    CHECK(error.find("all_reduce timed out on rank " + std::to_string(r)) != std::string::npos);
+    CHECK(error.find("all_reduce failed on rank " + std::to_string(r)) != std::string::npos);
     CHECK(error.find("closed its connection") != std::string::npos);
     // The peer it names: rank 0, or the other survivor when that one gave up first and shut down.
     const int peer = named_peer(error);
@@ -290,7 +290,7 @@ TEST_CASE(
                   if (env.rank == 1) return;  // destroys a healthy communicator, then exits
                   try {
                     comm.all_reduce(t, loom::ReduceOp::sum);
-                  } catch (const loom::TimeoutError& e) {
+                  } catch (const loom::CommError& e) {
                     what = e.what();
                   }
                 }

@@ -233,4 +233,33 @@ TEST_CASE("rendezvous: a second job on a running job's MASTER_PORT names the oth
   }
 }
 
+TEST_CASE("spawn: a rank's LibTorch error is reported without its backtrace, each failed rank on a line of its own") {
+  try {
+    loom::spawn(
+        2,
+        [](int rank) {
+          if (rank == 1) TORCH_CHECK(false, "the batch has 3 columns, the model wants 4");
+          std::this_thread::sleep_for(std::chrono::seconds(60));  // terminated by spawn
+        },
+        {.timeout = std::chrono::seconds(50), .grace = std::chrono::milliseconds(200)});
+    FAIL("spawn did not throw");
+  } catch (const loom::SpawnError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    REQUIRE(e.failures().size() == 2);
+    CHECK(e.failures()[0].message == "c10::Error: the batch has 3 columns, the model wants 4");
+    CHECK(what == "loom: spawn: rank 1 threw c10::Error: the batch has 3 columns, the model wants 4 (of 2 ranks)\n"
+                  "  then rank 0 was terminated by spawn");
+  }
+}
+
+TEST_CASE("without_backtrace: LibTorch's backtrace lines go, the message's own lines stay") {
+  const std::string text =
+      "all_reduce failed: Connection reset by peer\nException raised from recvBytes at Utils.hpp:787 (most recent "
+      "call first):\nframe #0: c10::Error::Error(...) + 0x9d (0x7f in libc10.so)\nframe #1: <unknown function> + "
+      "0x67 (0x7f in libtorch_cpu.so)\nhint: check the network\n";
+  CHECK(loom::detail::without_backtrace(text) == "all_reduce failed: Connection reset by peer\nhint: check the network");
+  CHECK(loom::detail::without_backtrace("one line") == "one line");
+}
+
 }  // namespace test_launch_causes
