@@ -13,6 +13,7 @@
 
 #include <loom/comm/gloo.hpp>
 #include <loom/launch/spawn.hpp>
+#include <loom/trace/all.hpp>
 
 #include "support/temp_dir.hpp"
 
@@ -300,6 +301,41 @@ TEST_CASE(
                 if (!group.expired()) throw std::runtime_error("rank 0's process group outlived its communicator");
               },
               {.timeout = std::chrono::seconds(60)});
+}
+
+TEST_CASE("flight records carry their job: two jobs' records in one folder are told apart") {
+  // Job A (3 ranks) and then job B (2 ranks) fail with a shape mismatch and write their records to
+  // the same folder: B's ranks 0 and 1 replace A's files, A's rank 2 stays.
+  loom::test::TempDir dir("loom-jobs");
+  const std::string folder = dir.path.string();
+  for (int world : {3, 2}) {
+    CAPTURE(world);
+    loom::spawn(world,
+                [folder, world](const loom::Environment& env) {
+                  loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(5), .trace_folder = folder});
+                  auto t = torch::ones({env.rank == world - 1 ? 5 : 4});
+                  try {
+                    comm.all_reduce(t, loom::ReduceOp::sum);
+                  } catch (const loom::CommError&) {
+                    return;  // the mismatch, as planned
+                  }
+                  throw std::runtime_error("the mismatched all_reduce returned");
+                },
+                {.timeout = std::chrono::seconds(60)});
+  }
+  const auto all = loom::trace::read_folder(dir.path);
+  REQUIRE(all.size() == 3);
+  const std::string job_b = all[0].job, job_a = all[2].job;
+  CHECK(job_b.size() == 16);
+  CHECK(job_a.size() == 16);
+  CHECK(job_a != job_b);
+  CHECK(all[1].job == job_b);  // every rank of one job shares its id
+  const auto newest = loom::trace::select_job(all);
+  CHECK(newest.job == job_b);
+  CHECK(newest.records.size() == 2);
+  CHECK(newest.skipped_text == fmt::format("skipped 1 record of 1 other job: job {} (rank 2)", job_a));
+  const auto verdict = loom::trace::first_divergence(newest.records, 2);
+  CHECK(verdict.missing.empty());
 }
 
 }  // namespace test_gloo_faults
