@@ -178,10 +178,12 @@ inline void store_check_in(c10d::Store& store, const std::string& prefix, int ra
       throw ConfigError(fmt::format("rendezvous: {} (seen by rank {} on {})", conflict, rank, me));
     }
     if (store.add(count_key, 1) == world_size) (void)store.compareSet(done_key, {}, store_bytes("all"));
-    auto left =
-        timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-    if (left < std::chrono::milliseconds(1)) left = std::chrono::milliseconds(1);
-    store.wait({done_key}, left);
+    // Polled rather than waited for: LibTorch 1.13's store wakes no waiter for a compare-set.
+    while (!store.check({done_key})) {
+      if (std::chrono::steady_clock::now() >= start + timeout)
+        throw std::runtime_error(fmt::format("no outcome within the {:.3f} s timeout", timeout.count() / 1000.0));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     const std::string outcome = store_text(store.get(done_key));
     if (outcome.starts_with(kCheckInConflict)) {
       told();
@@ -263,6 +265,9 @@ inline StoreContact contact_store(const std::string& addr, c10d::TCPStoreOptions
     StoreContact c;
     try {
       auto store = c10::make_intrusive<c10d::TCPStore>(addr, opts);
+      // The first request a store answers at once (LibTorch 1.13's connect sends none; a server
+      // that never answers is still "connecting" at the deadline).
+      const bool identified = store->check({kStoreIdentityKey});
       {
         std::lock_guard lock(shared->m);
         shared->connected = true;
@@ -270,10 +275,17 @@ inline StoreContact contact_store(const std::string& addr, c10d::TCPStoreOptions
       c.store = store;
       c.outcome = StoreContact::Outcome::connected;
       if (identify) {
-        const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
         try {
-          store->wait({kStoreIdentityKey}, std::max(left, std::chrono::milliseconds(1)));
-          c.identity = store_text(store->get(kStoreIdentityKey));
+          // Polled: the rank 0 that hosts the store writes it right after starting it.
+          bool there = identified;
+          while (!there && std::chrono::steady_clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            there = store->check({kStoreIdentityKey});
+          }
+          if (there)
+            c.identity = store_text(store->get(kStoreIdentityKey));
+          else
+            c.outcome = StoreContact::Outcome::anonymous;
         } catch (const std::exception& e) {
           c.outcome = StoreContact::Outcome::anonymous;
           c.error = exception_text(e);
