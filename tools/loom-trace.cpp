@@ -2,9 +2,12 @@
 // rank, written by the ranks' communicators when a collective failed) and prints each rank's last
 // collectives as a timeline and the verdict: the first rank that went its own way, where and when.
 //
-// Usage: loom-trace FOLDER [--world-size N] [--last K]
+// Usage: loom-trace FOLDER [--job ID] [--world-size N] [--last K]
 //   FOLDER        the folder named in the error ("records in ..."): GlooOptions::trace_folder,
 //                 LOOM_TRACE_DIR, or ./loom-trace
+//   --job         which job's records to read (the id on each record's "job" line); default: the
+//                 job whose newest record was taken last. Records of other jobs in the folder (an
+//                 earlier run's) are skipped, and the first lines say which.
 //   --world-size  the job's number of ranks (default: what the records say), so that ranks that
 //                 wrote no record are named
 //   --last        how many collectives of each rank to print (default 8; 0: all the record holds)
@@ -26,17 +29,24 @@ int main(int argc, char** argv) {
   std::string folder;
   int world_size = 0;
   int last = 8;
+  std::string job;
   app.add_option("folder", folder, "the folder holding loom-trace-rank<r>.txt files")->required();
+  app.add_option("--job", job, "the job whose records to read (default: the newest job's)");
   app.add_option("--world-size", world_size, "the job's number of ranks (default: from the records)")
       ->check(CLI::PositiveNumber);
   app.add_option("--last", last, "collectives printed per rank (0: all)")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   try {
-    const auto records = loom::trace::read_folder(folder);
-    if (records.empty()) {
+    auto all = loom::trace::read_folder(folder);
+    if (all.empty()) {
       fmt::print(stderr, "loom-trace: no loom-trace-rank*.txt file in {}\n", folder);
       return 2;
     }
+    const auto selection = loom::trace::select_job(std::move(all), job);
+    const auto& records = selection.records;
+    fmt::print("{}: {} {}\n", selection.job.empty() ? std::string("records without a job id") : "job " + selection.job,
+               records.size(), records.size() == 1 ? "record" : "records");
+    if (!selection.skipped_text.empty()) fmt::print("{} (loom-trace --job ID reads another)\n", selection.skipped_text);
     if (world_size == 0)
       for (const auto& r : records) world_size = std::max(world_size, r.world_size);
     for (const auto& r : records) {

@@ -232,7 +232,8 @@ TEST_CASE("GlooCommunicator: bad tensors and mismatches across ranks are loom er
 }
 
 TEST_CASE(
-    "GlooCommunicator: a rank that exits before a collective gives the others a TimeoutError, and spawn names it") {
+    "GlooCommunicator: a rank that exits before a collective gives the others a CommError (not a timeout) naming it, "
+    "and spawn names it") {
   const auto timeout = std::chrono::seconds(3);
   bool threw = false;
   try {
@@ -245,12 +246,15 @@ TEST_CASE(
           const auto start = std::chrono::steady_clock::now();
           try {
             comm.all_reduce(t, loom::ReduceOp::sum);
-          } catch (const loom::TimeoutError& e) {
+          } catch (const loom::CommError& e) {
             const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            expect(e.collective() == "all_reduce" && e.rank() == env.rank, "TimeoutError names collective and rank");
-            expect(e.seconds_waited() >= 0 && e.seconds_waited() <= 3.0 + 2.0 && waited <= 3.0 + 2.0,
-                   fmt::format("TimeoutError within the timeout (waited {:.3f} s, reported {:.3f} s)", waited,
-                               e.seconds_waited()));
+            const std::string what = e.what();
+            expect(dynamic_cast<const loom::TimeoutError*>(&e) == nullptr,
+                   "a closed peer is a CommError, not a TimeoutError: " + what);
+            expect(what.starts_with(fmt::format("loom: all_reduce failed on rank {}: peer rank ", env.rank)) &&
+                       what.find("closed its connection") != std::string::npos,
+                   "the CommError names collective, rank and the peer that closed its connection: " + what);
+            expect(waited <= 3.0 + 2.0, fmt::format("CommError within the timeout (waited {:.3f} s)", waited));
             throw;  // reported by spawn
           }
           throw std::runtime_error("all_reduce returned although rank 1 is dead");
@@ -266,8 +270,7 @@ TEST_CASE(
     REQUIRE(e.failures().size() == 3);
     for (std::size_t i = 1; i < 3; ++i) {
       CHECK(e.failures()[i].kind == loom::RankFailure::Kind::exception);
-      CHECK(e.failures()[i].message.find("loom::TimeoutError: loom: all_reduce timed out on rank") !=
-            std::string::npos);
+      CHECK(e.failures()[i].message.find("loom::CommError: loom: all_reduce failed on rank") != std::string::npos);
     }
   }
   CHECK(threw);

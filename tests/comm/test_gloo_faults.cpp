@@ -13,6 +13,7 @@
 
 #include <loom/comm/gloo.hpp>
 #include <loom/launch/spawn.hpp>
+#include <loom/trace/all.hpp>
 
 #include "support/temp_dir.hpp"
 
@@ -81,7 +82,7 @@ TEST_CASE(
         INFO(f.describe());
         // Never a signal (SIGPIPE): a loom error that names the collective and the rank.
         REQUIRE(f.kind == loom::RankFailure::Kind::exception);
-        CHECK(f.message.find("loom::TimeoutError: loom: all_reduce timed out on rank " + std::to_string(f.rank)) == 0);
+        CHECK(f.message.find("loom::CommError: loom: all_reduce failed on rank " + std::to_string(f.rank)) == 0);
         // The peer: the dead rank, or a survivor that already gave up and closed its connections.
         const int peer = named_peer(f.message);
         CHECK(peer >= 0);
@@ -250,7 +251,7 @@ TEST_CASE("GlooCommunicator: abort() on a live rank ends its peers' pending coll
                 try {
                   comm.all_reduce(t, loom::ReduceOp::sum);
                   loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", "returned");
-                } catch (const loom::TimeoutError& e) {
+                } catch (const loom::CommError& e) {
                   loom::test::write_file(path + "/error" + std::to_string(env.rank) + ".tmp", e.what());
                 }
                 fs::rename(path + "/error" + std::to_string(env.rank) + ".tmp",
@@ -261,7 +262,7 @@ TEST_CASE("GlooCommunicator: abort() on a live rank ends its peers' pending coll
   for (int r : {1, 2}) {
     const std::string error = dir.read("error" + std::to_string(r));
     INFO(error);
-    CHECK(error.find("all_reduce timed out on rank " + std::to_string(r)) != std::string::npos);
+    CHECK(error.find("all_reduce failed on rank " + std::to_string(r)) != std::string::npos);
     CHECK(error.find("closed its connection") != std::string::npos);
     // The peer it names: rank 0, or the other survivor when that one gave up first and shut down.
     const int peer = named_peer(error);
@@ -290,7 +291,7 @@ TEST_CASE(
                   if (env.rank == 1) return;  // destroys a healthy communicator, then exits
                   try {
                     comm.all_reduce(t, loom::ReduceOp::sum);
-                  } catch (const loom::TimeoutError& e) {
+                  } catch (const loom::CommError& e) {
                     what = e.what();
                   }
                 }
@@ -300,6 +301,41 @@ TEST_CASE(
                 if (!group.expired()) throw std::runtime_error("rank 0's process group outlived its communicator");
               },
               {.timeout = std::chrono::seconds(60)});
+}
+
+TEST_CASE("flight records carry their job: two jobs' records in one folder are told apart") {
+  // Job A (3 ranks) and then job B (2 ranks) fail with a shape mismatch and write their records to
+  // the same folder: B's ranks 0 and 1 replace A's files, A's rank 2 stays.
+  loom::test::TempDir dir("loom-jobs");
+  const std::string folder = dir.path.string();
+  for (int world : {3, 2}) {
+    CAPTURE(world);
+    loom::spawn(world,
+                [folder, world](const loom::Environment& env) {
+                  loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(5), .trace_folder = folder});
+                  auto t = torch::ones({env.rank == world - 1 ? 5 : 4});
+                  try {
+                    comm.all_reduce(t, loom::ReduceOp::sum);
+                  } catch (const loom::CommError&) {
+                    return;  // the mismatch, as planned
+                  }
+                  throw std::runtime_error("the mismatched all_reduce returned");
+                },
+                {.timeout = std::chrono::seconds(60)});
+  }
+  const auto all = loom::trace::read_folder(dir.path);
+  REQUIRE(all.size() == 3);
+  const std::string job_b = all[0].job, job_a = all[2].job;
+  CHECK(job_b.size() == 16);
+  CHECK(job_a.size() == 16);
+  CHECK(job_a != job_b);
+  CHECK(all[1].job == job_b);  // every rank of one job shares its id
+  const auto newest = loom::trace::select_job(all);
+  CHECK(newest.job == job_b);
+  CHECK(newest.records.size() == 2);
+  CHECK(newest.skipped_text == fmt::format("skipped 1 record of 1 other job: job {} (rank 2)", job_a));
+  const auto verdict = loom::trace::first_divergence(newest.records, 2);
+  CHECK(verdict.missing.empty());
 }
 
 }  // namespace test_gloo_faults

@@ -165,6 +165,50 @@ TEST_CASE("flight recorder: a record survives its file, and bad files are named 
   CHECK_THROWS_AS((void)loom::trace::read_folder(dir.path / "missing"), loom::Error);
 }
 
+TEST_CASE("select_job: a folder with an earlier job's records keeps the newest job's and names what it skipped") {
+  loom::test::TempDir dir;
+  // The earlier job: 3 ranks, rank 2 skipped a bucket (its file is the only one the later job left).
+  for (int rank = 0; rank < 3; ++rank) {
+    Record r = record_of(rank, 3, rank == 2 ? steps(0, 1) : steps(0, 2), 1);
+    r.job = "0000aaaa";
+    r.wall_start_ms = 1'700'000'000'000;
+    (void)loom::trace::write_record(dir.path, r);
+  }
+  // The later job: 2 ranks, the same calls on both, taken a minute later.
+  for (int rank = 0; rank < 2; ++rank) {
+    Record r = record_of(rank, 2, steps(0, 2), 1);
+    r.job = "0000bbbb";
+    r.wall_start_ms = 1'700'000'060'000;
+    (void)loom::trace::write_record(dir.path, r);
+  }
+  const auto all = loom::trace::read_folder(dir.path);
+  REQUIRE(all.size() == 3);
+  CHECK(all[0].job == "0000bbbb");
+  CHECK(all[2].job == "0000aaaa");
+  const auto newest = loom::trace::select_job(all);
+  CHECK(newest.job == "0000bbbb");
+  REQUIRE(newest.records.size() == 2);
+  CHECK(newest.records[1].rank == 1);
+  REQUIRE(newest.skipped.size() == 1);
+  CHECK(newest.skipped_text == "skipped 1 record of 1 other job: job 0000aaaa (rank 2)");
+  CHECK_FALSE(loom::trace::first_divergence(newest.records, 2).diverged);
+  // The earlier job named: its own record only (ranks 0 and 1 were overwritten).
+  const auto earlier = loom::trace::select_job(all, "0000aaaa");
+  REQUIRE(earlier.records.size() == 1);
+  CHECK(earlier.records[0].rank == 2);
+  CHECK(earlier.skipped_text == "skipped 2 records of 1 other job: job 0000bbbb (ranks 0, 1)");
+  try {
+    (void)loom::trace::select_job(all, "0000cccc");
+    FAIL("no error");
+  } catch (const loom::InvalidArgument& e) {
+    CHECK(std::string(e.what()) == "loom: no record of job 0000cccc (the records are of: job 0000aaaa, job 0000bbbb)");
+  }
+  // A file without a job line (an older loom) reads as job "", a job of its own.
+  Record old = record_of(5, 6, steps(0, 1), 1);
+  CHECK(loom::trace::parse_record(loom::trace::to_text(old)).job.empty());
+  CHECK(loom::trace::to_text(old).find("\njob ") == std::string::npos);
+}
+
 TEST_CASE("first_divergence: names the rank that skipped a bucket, at its step") {
   auto others = steps(0, 5);
   auto rank2 = steps(0, 4);

@@ -598,8 +598,8 @@ struct Suite {
           t_kill, logs, codes);
       auto& rep = reports[0];
       check(codes[1] == -SIGKILL, fmt::format("kill {}: rank 1 was killed (exit {})", k, codes[1]));
-      check(rep["type"] == "TimeoutError",
-            fmt::format("kill {}: rank 0 threw loom::TimeoutError (got {}: {})", k, rep["type"], rep["what"]));
+      check(rep["type"] == "CommError",
+            fmt::format("kill {}: rank 0 threw loom::CommError (got {}: {})", k, rep["type"], rep["what"]));
       check(rep["what"].find("peer rank 1 closed its connection") != std::string::npos,
             fmt::format("kill {}: rank 0's error says peer rank 1 closed its connection: {}", k, rep["what"]));
       const double after = rep.count("t_error") ? (std::stoll(rep["t_error"]) - t_kill) / 1e9 : 1e9;

@@ -28,12 +28,13 @@
 //      async call skips it unless check_async_metadata is set (a gradient reducer's hot path).
 //      Every rank must use the same settings.
 // Timeouts: a collective not finished within `timeout()` (a peer never called it) throws
-//      loom::TimeoutError naming the collective, the rank and the seconds waited; a peer that exited
-//      or crashed closes its connection and the survivors get the same TimeoutError at once (the
-//      collective can never complete). Gloo fails at once what it has queued on a connection that
+//      loom::TimeoutError naming the collective, the rank and the seconds waited. A peer that exited
+//      or crashed closes its connection and the survivors get a loom::CommError at once, "all_reduce
+//      failed on rank 0: peer rank 1 closed its connection ..." (the collective can never complete;
+//      no timeout was waited for). Gloo fails at once what it has queued on a connection that
 //      ended, but not a receive whose message it was in the middle of reading (that one waits for
 //      the timeout), so a wait also looks at this rank's Gloo connections every 50 ms: when Gloo
-//      closed one and the collective still waits 1 s later, loom throws that TimeoutError itself
+//      closed one and the collective still waits 1 s later, loom throws that CommError itself
 //      (the second lets a collective whose data had all arrived end by itself). While other
 //      connections stay open it waits longer, until no data arrived on them for a tenth of the
 //      timeout (at least 1 s; a broadcast: until its peers are gone): a peer that finished the
@@ -63,7 +64,7 @@
 // SIGPIPE: constructing a GlooCommunicator sets SIGPIPE to SIG_IGN for the whole process when its
 //      disposition is still the default (a handler the program installed is kept). Gloo writes to its
 //      sockets without MSG_NOSIGNAL, so a write to a dead peer would otherwise kill the rank with
-//      SIGPIPE instead of ending in the TimeoutError above; this holds however the rank was started
+//      SIGPIPE instead of ending in the CommError above; this holds however the rank was started
 //      (torchrun, mpirun and srun leave SIGPIPE at its default in a C++ rank; loom::spawn's ranks
 //      keep the parent's setting, as an exec'd process would).
 //      Consequence: a write to a closed pipe (`./train | head`) fails with EPIPE instead of killing
@@ -78,7 +79,8 @@
 //      rank's record, then calls the handler it replaced). docs/debugging.md is the field guide.
 // Throws: loom::InvalidArgument (undefined / non-contiguous / unsupported-dtype tensor, bad root),
 //         loom::ConfigError (a network interface this host does not have), loom::CommError (backend
-//         failure, metadata mismatch, a peer that failed to join), loom::TimeoutError (see above).
+//         failure, metadata mismatch, a peer that failed to join, a peer that closed its connection),
+//         loom::TimeoutError (see above).
 // Source: c10d ProcessGroupGloo (torch.distributed's "gloo" backend); avg as ncclAvg; metadata
 //         check like torch.distributed's TORCH_DISTRIBUTED_DEBUG=DETAIL collective fingerprints.
 #pragma once
@@ -426,7 +428,8 @@ class GlooWork {
     return peer >= 0 ? fmt::format("peer rank {}", peer) : std::string("a peer (Gloo's message names none)");
   }
 
-  /// Turns a Gloo failure into loom's error: timeouts and vanished peers are TimeoutErrors. `verdict`
+  /// Turns a Gloo failure into loom's error: a timeout is a TimeoutError; a vanished peer (a closed or
+  /// reset connection) is a CommError naming it, not a timeout: nobody waited for anything. `verdict`
   /// (the flight recorder's, or empty) ends the message.
   static std::exception_ptr error_for(const State& s, const std::string& text, double waited, double since_issue,
                                       const std::string& verdict) {
@@ -437,11 +440,10 @@ class GlooWork {
                        fmt::format("no answer from {} within the {:.3f} s timeout ({}; Gloo: {}){}", peer_of(s, text),
                                    s.timeout.count() / 1000.0, where, text, verdict)));
     if (detail::mentions_peer_gone(text))
-      return std::make_exception_ptr(TimeoutError(
-          s.collective, s.rank, since_issue,
-          fmt::format("{} closed its connection (it exited, crashed or gave up after an error of its own), so the "
-                      "collective can never complete ({}; Gloo: {}){}",
-                      peer_of(s, text), where, text, verdict)));
+      return std::make_exception_ptr(CommError(
+          fmt::format("{} failed on rank {}: {} closed its connection (it exited, crashed or gave up after an error "
+                      "of its own), so the collective can never complete ({}; Gloo: {}){}",
+                      s.collective, s.rank, peer_of(s, text), where, text, verdict)));
     return std::make_exception_ptr(CommError(fmt::format("{} failed on {} after {:.3f} s ({}): {}{}", s.collective,
                                                          where, waited, peer_of(s, text), text, verdict)));
   }
@@ -539,7 +541,7 @@ class GlooCommunicator {
   [[nodiscard]] const detail::GlooPeerTable* peer_table() const noexcept { return peers_.get(); }
 
   /// Breaks the communicator on purpose: shuts down every connection of this rank's Gloo process group,
-  /// so every peer's pending and later collectives fail at once with a TimeoutError naming this rank
+  /// so every peer's pending and later collectives fail at once with a CommError naming this rank
   /// ("peer rank r closed its connection"), and this rank's own fail too. Safe from any thread at any
   /// time, e.g. from a watchdog or when this rank decides to stop (like NcclCommunicator::abort). A
   /// failing collective does the same by itself. Afterwards only destroying the communicator is legal.

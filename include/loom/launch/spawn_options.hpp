@@ -5,7 +5,8 @@
 //   try {
 //     loom::spawn(2, fn, {.timeout = std::chrono::seconds(60)});
 //   } catch (const loom::SpawnError& e) {
-//     std::cerr << e.what();   // "spawn: rank 1 threw loom::TimeoutError: ... (of 2 ranks)"
+//     std::cerr << e.what();   // "spawn: rank 1 threw loom::CommError: ... (of 2 ranks)
+//                              //    then rank 0 was terminated by spawn"
 //     return e.failed_rank();
 //   }
 #pragma once
@@ -69,8 +70,10 @@ struct RankFailure {
   }
 };
 
-/// A spawned rank failed. what() names the first failed rank and how; failures() has the details of
-/// every rank that did not succeed (first failure first, then by rank).
+/// A spawned rank failed. what() names the first failed rank and how on its first line (the cause),
+/// then each other rank that did not succeed on a line of its own ("  then rank 0 threw ...");
+/// failures() has the details of every one (first failure first, then by rank). An exception's text
+/// is quoted without LibTorch's C++ backtrace.
 class SpawnError : public RemoteError {
  public:
   SpawnError(int nprocs, std::vector<RankFailure> failures)
@@ -85,8 +88,9 @@ class SpawnError : public RemoteError {
     if (f.empty()) return fmt::format("spawn: a rank of {} failed", nprocs);
     std::vector<std::string> rest;
     for (std::size_t i = 1; i < f.size(); ++i) rest.push_back(f[i].describe());
-    return fmt::format("spawn: {} (of {} ranks){}{}", f.front().describe(), nprocs,
-                       rest.empty() ? "" : "; then: ", fmt::join(rest, "; "));
+    std::string text = fmt::format("spawn: {} (of {} ranks)", f.front().describe(), nprocs);
+    for (const auto& line : rest) text += "\n  then " + line;
+    return text;
   }
   std::vector<RankFailure> failures_;
 };

@@ -164,6 +164,7 @@ inline std::string describe(const Entry& e) {
 
 /// What one rank's recorder held when it was read: its entries oldest first, where it stood, when.
 struct Record {
+  std::string job;  ///< the job's id, the same on every rank of one job ("": not known, e.g. an older file)
   int rank = 0;
   int world_size = 1;
   std::string host;        ///< "host:pid"
@@ -196,6 +197,18 @@ class FlightRecorder {
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int world_size() const noexcept { return world_size_; }
   [[nodiscard]] std::size_t capacity() const noexcept { return ring_.size(); }
+
+  /// The id of the job this recorder's communicator belongs to, which every rank of the job shares
+  /// (loom/comm/detail/trace_exchange.hpp: rank 0 makes it and posts it in the store); "" until known.
+  /// Records carry it, so that loom-trace keeps to one job's records in a folder that holds several.
+  void set_job(std::string job) {
+    std::lock_guard lock(mutex_);
+    job_ = std::move(job);
+  }
+  [[nodiscard]] std::string job() const {
+    std::lock_guard lock(mutex_);
+    return job_;
+  }
 
   /// The step and micro-batch the next collectives belong to (-1: unknown). `check_step`: every
   /// rank gives the same step to the same collectives (a plan-driven loop: loom::Trainer over a
@@ -296,6 +309,7 @@ class FlightRecorder {
     r.reason = std::move(reason);
     const double now = seconds();
     std::lock_guard lock(mutex_);
+    r.job = job_;
     r.step = step_;
     r.micro_batch = micro_batch_;
     r.taken_s = now;
@@ -368,6 +382,7 @@ class FlightRecorder {
   int rank_ = 0;
   int world_size_ = 1;
   std::string host_;
+  std::string job_;
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   std::int64_t wall_start_ms_ = 0;
   mutable std::mutex mutex_;

@@ -62,8 +62,8 @@ struct GlooConnection {
 /// `timeout` are GlooOptions' fields; `master_addr` feeds the device rule.
 /// Throws: loom::ConfigError (an interface this host does not have), loom::CommError (the device
 ///         could not be created; a peer reported that it failed to join, at once, naming it; a
-///         backend failure), loom::TimeoutError("connect", ...) when a peer does not connect within
-///         `timeout`. Every failure is reported to the peers through the join watch before it is thrown.
+///         backend failure; a peer that closed its connection while connecting),
+///         loom::TimeoutError("connect", ...) when a peer does not connect within `timeout`. Every failure is reported to the peers through the join watch before it is thrown.
 inline GlooConnection connect_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
                                    const std::string& interface, int threads, std::chrono::milliseconds timeout,
                                    const std::string& master_addr) {
@@ -166,10 +166,18 @@ inline GlooConnection connect_gloo(c10::intrusive_ptr<c10d::Store> store, int ra
     }
     const double waited = seconds_since(start);
     const std::string advertised = fmt::format("this rank's Gloo address: {}", connection.device);
-    if (mentions_timeout(text) || mentions_peer_gone(text)) {
+    if (mentions_timeout(text)) {
       TimeoutError error("connect", rank, waited,
                          fmt::format("Gloo could not connect all {} ranks (rank {} on {}; {}): {}", world_size, rank,
                                      host_and_pid(), advertised, text));
+      watch.report_failure(fmt::format("{} failed to join: {}", me, error.what()), report_wait);
+      throw error;
+    }
+    if (mentions_peer_gone(text)) {
+      CommError error(fmt::format(
+          "GlooCommunicator: rank {}/{} could not connect: a peer closed its connection while Gloo connected after "
+          "{:.3f} s (it exited, crashed or gave up) ({}; {}): {}",
+          rank, world_size, waited, host_and_pid(), advertised, text));
       watch.report_failure(fmt::format("{} failed to join: {}", me, error.what()), report_wait);
       throw error;
     }

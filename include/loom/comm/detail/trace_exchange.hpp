@@ -17,6 +17,9 @@
 //     collect_wait again), so that the rank hosting the store does not take it away under the
 //     others' reads. The store requests run on a helper thread, so a store that cannot be reached
 //     delays the error by 2 x collect_wait at most.
+// The job: rank 0 makes an id for its communicator's job and posts it as "loom_trace/job"; the
+// other ranks' watchers read it (the records carry it: Record::job, so that loom-trace keeps to one
+// job's records in a folder that holds an earlier run's too).
 // Records are written once per communicator (the first failure's); later failures still get the
 // verdict. Everything here is best effort and never throws: a store that is gone (its host exited)
 // leaves the ranks that can still write their own files, and the verdict names the ranks missing.
@@ -46,6 +49,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -76,6 +80,7 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
   static constexpr const char* kRequestsKey = "loom_trace/requests";
   static constexpr const char* kPostedKey = "loom_trace/posted";
   static constexpr const char* kCollectedKey = "loom_trace/collected";
+  static constexpr const char* kJobKey = "loom_trace/job";
   static constexpr std::chrono::milliseconds kPollInterval{100};
   static constexpr std::chrono::milliseconds kCollectWait{1000};
   static constexpr std::size_t kProbeEntries = 64;
@@ -99,6 +104,14 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
             std::clamp<std::chrono::milliseconds>(timeout / 20, std::chrono::seconds(1), std::chrono::seconds(5))),
         folder_(folder.empty() ? default_trace_folder() : std::move(folder)),
         abort_(std::move(abort)) {
+    // The job's id: rank 0 makes it and posts it; the other ranks' watchers read it (learn_job).
+    if (recorder_->rank() == 0 || !side_) {
+      recorder_->set_job(fresh_job_id());
+      try {
+        if (store_ && recorder_->world_size() > 1) store_->set(kJobKey, bytes(recorder_->job()));
+      } catch (const std::exception&) {
+      }
+    }
     if (recorder_->world_size() > 1 && side_) watcher_ = std::thread([this] { watch(); });
     try {
       live().add(this);
@@ -232,6 +245,26 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
   static std::string rank_key(int q) { return fmt::format("loom_trace/rank/{}", q); }
   static std::string probe_key(int q) { return fmt::format("loom_trace/probe/{}", q); }
 
+  /// A new job id: 16 hexadecimal digits from the wall clock (ms) and 24 random bits, so that the
+  /// ids of jobs started one after another differ.
+  static std::string fresh_job_id() {
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
+    std::random_device random;
+    return fmt::format("{:010x}{:06x}", static_cast<std::uint64_t>(ms) & 0xffffffffffULL, random() & 0xffffffU);
+  }
+
+  /// Reads the job id rank 0 posted, once it is there (a check, then a get: never waits). Never throws.
+  void learn_job() noexcept {
+    try {
+      if (!recorder_->job().empty() || !side_ || !side_->check({kJobKey})) return;
+      const auto value = side_->get(kJobKey);
+      recorder_->set_job(std::string(value.begin(), value.end()));
+    } catch (const std::exception&) {
+    }
+  }
+
   /// After collecting: stays until every rank that posted a record has collected too (at most
   /// collect_wait), so that the rank hosting the store does not exit under the others' reads.
   void linger() noexcept {
@@ -341,6 +374,7 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
     if (posted_) return;
     posted_ = true;
     try {
+      learn_job();
       trace::Record r = recorder_->snapshot(reason);
       try {
         trace::write_record(folder(), r);
@@ -361,6 +395,7 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
     int failures = 0;  // consecutive store errors
     while (!stop_.load()) {
       try {
+        learn_job();
         if (side_->check({kRequestKey})) {
           const auto value = side_->get(kRequestKey);
           post("requested by " + std::string(value.begin(), value.end()));

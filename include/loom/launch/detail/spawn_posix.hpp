@@ -37,6 +37,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <loom/detail/exception_text.hpp>
 #include <loom/detail/torch_api.hpp>
 #include <loom/error.hpp>
 #include <loom/launch/environment.hpp>
@@ -188,7 +189,10 @@ template <class F>
       fn(env);
     }
   } catch (const std::exception& e) {
-    write_all(message_fd, fmt::format("{}: {}", demangled_type_name(typeid(e)), e.what()));
+    // LibTorch's errors without their C++ backtrace (what_without_backtrace, and any backtrace a
+    // message quotes): the parent's SpawnError is read by a person.
+    write_all(message_fd,
+              fmt::format("{}: {}", demangled_type_name(typeid(e)), without_backtrace(exception_text(e))));
     code = 1;
   } catch (...) {
     auto* t = abi::__cxa_current_exception_type();
