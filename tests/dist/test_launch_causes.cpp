@@ -15,32 +15,18 @@
 #include <loom/launch/rendezvous.hpp>
 #include <loom/launch/spawn.hpp>
 
+#include "support/temp_dir.hpp"
+
 namespace test_launch_causes {
 
 namespace fs = std::filesystem;
 
 namespace {
 
-/// A fresh temporary folder, removed at scope exit: the ranks write their outcome there.
-struct Folder {
-  fs::path path;
-  Folder() {
-    std::string templ = (fs::temp_directory_path() / "loom-causes-XXXXXX").string();
-    REQUIRE(mkdtemp(templ.data()) != nullptr);
-    path = templ;
-  }
-  ~Folder() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  [[nodiscard]] std::string read(const std::string& name) const {
-    std::ifstream in(path / name);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
-};
+/// The folder the ranks write their outcome to (removed at scope exit).
+using Folder = loom::test::TempDir;
 
+/// Writes `text` to `p` through a rename, so a reader polling for `p` never sees it half written.
 void write_file(const fs::path& p, const std::string& text) {
   std::ofstream out(p.string() + ".tmp");
   out << text;

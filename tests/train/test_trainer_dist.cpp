@@ -294,11 +294,8 @@ TEST_SUITE("dist") {
     loom::test::run_ranks(
         2,
         [](loom::GlooCommunicator& comm) {
-          loom::test::Mlp model(at::kDouble);
-          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
-          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
-                                   loom::test::kTrainerPlan);
-          loom::Trainer trainer(comm, model.list(), sgd);
+          loom::test::TrainerSetup setup(comm);
+          auto& [model, sgd, loader, trainer] = setup;
           std::string what = "(no error)";
           int64_t body_runs = 0;
           try {
@@ -330,11 +327,8 @@ TEST_SUITE("dist") {
     loom::test::run_ranks(
         2,
         [](loom::GlooCommunicator& comm) {
-          loom::test::Mlp model(at::kDouble);
-          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
-          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
-                                   loom::test::kTrainerPlan);
-          loom::Trainer trainer(comm, model.list(), sgd);
+          loom::test::TrainerSetup setup(comm);
+          auto& [model, sgd, loader, trainer] = setup;
           int calls = 0;
           trainer.on_step([&](const loom::SyncResult&) {
             auto& options = sgd.param_groups()[0].options();

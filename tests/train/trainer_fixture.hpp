@@ -72,6 +72,23 @@ std::vector<at::Tensor> train_short(Comm& comm, int epochs, LoaderOptions loadin
   return model.params;
 }
 
+/// The fixture's model, SGD (lr 0.05), a loader over the fixture's data (kTrainerPlan) and a Trainer
+/// on `comm`: what most single-scenario tests start from.
+template <class Comm>
+struct TrainerSetup {
+  Mlp model{at::kDouble};
+  torch::optim::SGD sgd{model.params, torch::optim::SGDOptions(0.05)};
+  BatchLoader<decltype(trainer_fetch())> loader;
+  Trainer<Comm, torch::optim::SGD> trainer;
+  explicit TrainerSetup(Comm& comm, TrainerOptions options = {})
+      : loader(comm, trainer_shapes(), trainer_fetch(), kTrainerPlan),
+        trainer(comm, model.list(), sgd, std::move(options)) {}
+  /// One epoch of the fixture's loss.
+  void train_epoch(int64_t epoch) {
+    for (Batch& b : trainer.epoch(loader, epoch)) trainer.backward(mean_loss(model, b), b);
+  }
+};
+
 /// A float16 run whose step gradients are legal but whose summed losses are not: one parameter w
 /// (float16, 0), 64 samples x_i = 2048, loss (w * x).mean(), so every batch's mean gradient is 2048;
 /// batches of 16, 3 per step (steps of 48 and 16 samples: 48 * 2048 overflows float16). One epoch of
