@@ -237,29 +237,29 @@ TEST_CASE(
   const auto timeout = std::chrono::seconds(3);
   bool threw = false;
   try {
-    loom::spawn(
-        3,
-        [timeout](const loom::Environment& env) {
-          loom::GlooCommunicator comm(env, {.timeout = timeout});
-          if (env.rank == 1) std::_Exit(3);  // dies before the collective
-          auto t = torch::ones({1024});
-          const auto start = std::chrono::steady_clock::now();
-          try {
-            comm.all_reduce(t, loom::ReduceOp::sum);
-          } catch (const loom::CommError& e) {
-            const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            const std::string what = e.what();
-            expect(dynamic_cast<const loom::TimeoutError*>(&e) == nullptr,
-                   "a closed peer is a CommError, not a TimeoutError: " + what);
-            expect(what.starts_with(fmt::format("loom: all_reduce failed on rank {}: peer rank ", env.rank)) &&
-                       what.find("closed its connection") != std::string::npos,
-                   "the CommError names collective, rank and the peer that closed its connection: " + what);
-            expect(waited <= 3.0 + 2.0, fmt::format("CommError within the timeout (waited {:.3f} s)", waited));
-            throw;  // reported by spawn
-          }
-          throw std::runtime_error("all_reduce returned although rank 1 is dead");
-        },
-        {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(10)});
+    loom::spawn(3,
+                [timeout](const loom::Environment& env) {
+                  loom::GlooCommunicator comm(env, {.timeout = timeout});
+                  if (env.rank == 1) std::_Exit(3);  // dies before the collective
+                  auto t = torch::ones({1024});
+                  const auto start = std::chrono::steady_clock::now();
+                  try {
+                    comm.all_reduce(t, loom::ReduceOp::sum);
+                  } catch (const loom::CommError& e) {
+                    const double waited =
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+                    const std::string what = e.what();
+                    expect(dynamic_cast<const loom::TimeoutError*>(&e) == nullptr,
+                           "a closed peer is a CommError, not a TimeoutError: " + what);
+                    expect(what.starts_with(fmt::format("loom: all_reduce failed on rank {}: peer rank ", env.rank)) &&
+                               what.find("closed its connection") != std::string::npos,
+                           "the CommError names collective, rank and the peer that closed its connection: " + what);
+                    expect(waited <= 3.0 + 2.0, fmt::format("CommError within the timeout (waited {:.3f} s)", waited));
+                    throw;  // reported by spawn
+                  }
+                  throw std::runtime_error("all_reduce returned although rank 1 is dead");
+                },
+                {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(10)});
   } catch (const loom::SpawnError& e) {
     threw = true;
     MESSAGE(std::string(e.what()));

@@ -75,16 +75,16 @@ TEST_CASE("rendezvous: a MASTER_PORT whose server accepts and never answers is a
   REQUIRE(::listen(fd, 16) == 0);
   Folder out;
   const std::string result = (out.path / "result").string();
-  loom::spawn(
-      1,
-      [&, port = port](int) {
-        loom::Environment client;
-        client.rank = 1;
-        client.world_size = 2;
-        client.master_port = port;
-        write_file(result, outcome([&] { (void)loom::rendezvous(client, {.timeout = std::chrono::seconds(2)}); }));
-      },
-      {.timeout = std::chrono::seconds(30)});
+  loom::spawn(1,
+              [&, port = port](int) {
+                loom::Environment client;
+                client.rank = 1;
+                client.world_size = 2;
+                client.master_port = port;
+                write_file(result,
+                           outcome([&] { (void)loom::rendezvous(client, {.timeout = std::chrono::seconds(2)}); }));
+              },
+              {.timeout = std::chrono::seconds(30)});
   ::close(fd);
   const std::string line = out.read("result");
   INFO(line);
@@ -96,15 +96,14 @@ TEST_CASE("rendezvous: a MASTER_PORT whose server accepts and never answers is a
 
 TEST_CASE("rendezvous: ranks that disagree on WORLD_SIZE are told which rank says what, at once") {
   Folder out;
-  loom::spawn(
-      2,
-      [&](const loom::Environment& env0) {
-        loom::Environment env = env0;
-        if (env.rank == 1) env.world_size = 3;
-        write_file(out.path / fmt::format("rank{}", env0.rank),
-                   outcome([&] { (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(3)}); }));
-      },
-      {.timeout = std::chrono::seconds(30)});
+  loom::spawn(2,
+              [&](const loom::Environment& env0) {
+                loom::Environment env = env0;
+                if (env.rank == 1) env.world_size = 3;
+                write_file(out.path / fmt::format("rank{}", env0.rank),
+                           outcome([&] { (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(3)}); }));
+              },
+              {.timeout = std::chrono::seconds(30)});
   for (int r = 0; r < 2; ++r) {
     const std::string line = out.read(fmt::format("rank{}", r));
     INFO("rank ", r, ": ", line);
@@ -116,15 +115,14 @@ TEST_CASE("rendezvous: ranks that disagree on WORLD_SIZE are told which rank say
 
 TEST_CASE("rendezvous: two processes with RANK=0 are told so, at once") {
   Folder out;
-  loom::spawn(
-      2,
-      [&](const loom::Environment& env0) {
-        loom::Environment env = env0;
-        env.rank = 0;  // spawn's rank 1 claims rank 0 too
-        write_file(out.path / fmt::format("process{}", env0.rank),
-                   outcome([&] { (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(3)}); }));
-      },
-      {.timeout = std::chrono::seconds(30)});
+  loom::spawn(2,
+              [&](const loom::Environment& env0) {
+                loom::Environment env = env0;
+                env.rank = 0;  // spawn's rank 1 claims rank 0 too
+                write_file(out.path / fmt::format("process{}", env0.rank),
+                           outcome([&] { (void)loom::rendezvous(env, {.timeout = std::chrono::seconds(3)}); }));
+              },
+              {.timeout = std::chrono::seconds(30)});
   for (int p = 0; p < 2; ++p) {
     const std::string line = out.read(fmt::format("process{}", p));
     INFO("process ", p, ": ", line);
@@ -136,23 +134,22 @@ TEST_CASE("rendezvous: two processes with RANK=0 are told so, at once") {
 
 TEST_CASE("rendezvous: two processes with RANK=1 are told so, at once") {
   Folder out;
-  loom::spawn(
-      3,
-      [&](const loom::Environment& env0) {
-        loom::Environment env = env0;
-        env.world_size = 2;
-        if (env.rank == 2) env.rank = 1;
-        c10::intrusive_ptr<c10d::Store> store;
-        write_file(out.path / fmt::format("process{}", env0.rank),
-                   outcome([&] { store = loom::rendezvous(env, {.timeout = std::chrono::seconds(3)}); }));
-        // Rank 0 keeps its store until every process is done with it.
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-        while (std::chrono::steady_clock::now() < deadline &&
-               !(fs::exists(out.path / "process0") && fs::exists(out.path / "process1") &&
-                 fs::exists(out.path / "process2")))
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      },
-      {.timeout = std::chrono::seconds(30)});
+  loom::spawn(3,
+              [&](const loom::Environment& env0) {
+                loom::Environment env = env0;
+                env.world_size = 2;
+                if (env.rank == 2) env.rank = 1;
+                c10::intrusive_ptr<c10d::Store> store;
+                write_file(out.path / fmt::format("process{}", env0.rank),
+                           outcome([&] { store = loom::rendezvous(env, {.timeout = std::chrono::seconds(3)}); }));
+                // Rank 0 keeps its store until every process is done with it.
+                const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+                while (std::chrono::steady_clock::now() < deadline &&
+                       !(fs::exists(out.path / "process0") && fs::exists(out.path / "process1") &&
+                         fs::exists(out.path / "process2")))
+                  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+              },
+              {.timeout = std::chrono::seconds(30)});
   // Rank 0 and the first RANK=1 to arrive may meet before the second one does: at least the
   // second claimant is told, and nobody waits for the timeout.
   int told = 0;
@@ -175,41 +172,38 @@ TEST_CASE("rendezvous: a second job on a running job's MASTER_PORT names the oth
   ::close(fd);  // job 1 hosts its store on it
   const fs::path up = out.path / "up", done = out.path / "done";
   // Two jobs side by side, each a loom::spawn of its own (own secret), started from two processes.
-  loom::spawn(
-      2,
-      [&, port = port](int outer) {
-        const auto wait_for = [](const fs::path& p) {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-          while (!fs::exists(p) && std::chrono::steady_clock::now() < deadline)
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        };
-        if (outer == 0) {  // job 1: two ranks that join and stay until job 2 is done
-          loom::spawn(
-              2,
-              [&](const loom::Environment& env) {
-                loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
-                if (env.rank == 0) write_file(up, "1");
-                wait_for(done);
-                comm.barrier();
+  loom::spawn(2,
+              [&, port = port](int outer) {
+                const auto wait_for = [](const fs::path& p) {
+                  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+                  while (!fs::exists(p) && std::chrono::steady_clock::now() < deadline)
+                    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+                };
+                if (outer == 0) {  // job 1: two ranks that join and stay until job 2 is done
+                  loom::spawn(2,
+                              [&](const loom::Environment& env) {
+                                loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(20)});
+                                if (env.rank == 0) write_file(up, "1");
+                                wait_for(done);
+                                comm.barrier();
+                              },
+                              {.timeout = std::chrono::seconds(40), .master_port = port});
+                  return;
+                }
+                wait_for(up);
+                try {
+                  loom::spawn(2,
+                              [&](const loom::Environment& env) {
+                                write_file(out.path / fmt::format("job2rank{}", env.rank), outcome([&] {
+                                             loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(2)});
+                                           }));
+                              },
+                              {.timeout = std::chrono::seconds(30), .master_port = port});
+                } catch (...) {
+                }
+                write_file(done, "1");
               },
-              {.timeout = std::chrono::seconds(40), .master_port = port});
-          return;
-        }
-        wait_for(up);
-        try {
-          loom::spawn(
-              2,
-              [&](const loom::Environment& env) {
-                write_file(out.path / fmt::format("job2rank{}", env.rank), outcome([&] {
-                             loom::GlooCommunicator comm(env, {.timeout = std::chrono::seconds(2)});
-                           }));
-              },
-              {.timeout = std::chrono::seconds(30), .master_port = port});
-        } catch (...) {
-        }
-        write_file(done, "1");
-      },
-      {.timeout = std::chrono::seconds(60)});
+              {.timeout = std::chrono::seconds(60)});
   for (int r = 0; r < 2; ++r) {
     const std::string line = out.read(fmt::format("job2rank{}", r));
     INFO("job 2's rank ", r, ": ", line);
@@ -221,21 +215,21 @@ TEST_CASE("rendezvous: a second job on a running job's MASTER_PORT names the oth
 
 TEST_CASE("spawn: a rank's LibTorch error is reported without its backtrace, each failed rank on a line of its own") {
   try {
-    loom::spawn(
-        2,
-        [](int rank) {
-          if (rank == 1) TORCH_CHECK(false, "the batch has 3 columns, the model wants 4");
-          std::this_thread::sleep_for(std::chrono::seconds(60));  // terminated by spawn
-        },
-        {.timeout = std::chrono::seconds(50), .grace = std::chrono::milliseconds(200)});
+    loom::spawn(2,
+                [](int rank) {
+                  if (rank == 1) TORCH_CHECK(false, "the batch has 3 columns, the model wants 4");
+                  std::this_thread::sleep_for(std::chrono::seconds(60));  // terminated by spawn
+                },
+                {.timeout = std::chrono::seconds(50), .grace = std::chrono::milliseconds(200)});
     FAIL("spawn did not throw");
   } catch (const loom::SpawnError& e) {
     const std::string what = e.what();
     INFO(what);
     REQUIRE(e.failures().size() == 2);
     CHECK(e.failures()[0].message == "c10::Error: the batch has 3 columns, the model wants 4");
-    CHECK(what == "loom: spawn: rank 1 threw c10::Error: the batch has 3 columns, the model wants 4 (of 2 ranks)\n"
-                  "  then rank 0 was terminated by spawn");
+    CHECK(what ==
+          "loom: spawn: rank 1 threw c10::Error: the batch has 3 columns, the model wants 4 (of 2 ranks)\n"
+          "  then rank 0 was terminated by spawn");
   }
 }
 
@@ -244,7 +238,8 @@ TEST_CASE("without_backtrace: LibTorch's backtrace lines go, the message's own l
       "all_reduce failed: Connection reset by peer\nException raised from recvBytes at Utils.hpp:787 (most recent "
       "call first):\nframe #0: c10::Error::Error(...) + 0x9d (0x7f in libc10.so)\nframe #1: <unknown function> + "
       "0x67 (0x7f in libtorch_cpu.so)\nhint: check the network\n";
-  CHECK(loom::detail::without_backtrace(text) == "all_reduce failed: Connection reset by peer\nhint: check the network");
+  CHECK(loom::detail::without_backtrace(text) ==
+        "all_reduce failed: Connection reset by peer\nhint: check the network");
   CHECK(loom::detail::without_backtrace("one line") == "one line");
 }
 

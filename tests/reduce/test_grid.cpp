@@ -281,15 +281,16 @@ TEST_CASE("grid: the exponent rule, by hand") {
   CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, false, true) == 32);    // 26 bits: unchanged
   CHECK(d::next_grid_exponent(32, 1, false, true) == 40);                        // rises by at most 8
   CHECK(d::next_grid_exponent(32, 0, false, false) == 32);                       // no gradient: nothing to go by
-  CHECK(d::next_grid_exponent(32, 0, false, true) == 40);   // gradients that rounded to 0: a finer grid
-  CHECK(d::next_grid_exponent(92, 0, false, true) == 96);   // up to the ceiling
-  CHECK(d::next_grid_exponent(96, 0, false, true) == 96);   // and no further
-  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, true, true) == 30);     // near the limit: 2 lower
+  CHECK(d::next_grid_exponent(32, 0, false, true) == 40);  // gradients that rounded to 0: a finer grid
+  CHECK(d::next_grid_exponent(92, 0, false, true) == 96);  // up to the ceiling
+  CHECK(d::next_grid_exponent(96, 0, false, true) == 96);  // and no further
+  CHECK(d::next_grid_exponent(32, std::int64_t{1} << 25, true, true) == 30);  // near the limit: 2 lower
   CHECK(d::backed_off_grid_exponent(32) == 16);
   CHECK(d::next_grid_exponent(d::kGridMaxExponent, 1, false, true) == d::kGridMaxExponent);
 }
 
-TEST_CASE("deterministic reducer: a gradient below the first grid's half step (2^-40) is trained from its second window") {
+TEST_CASE(
+    "deterministic reducer: a gradient below the first grid's half step (2^-40) is trained from its second window") {
   // The first grid's step is 2^-32: 2^-40 rounds to 0. The parameter was used, so the next grid is
   // 2^8 finer, where 2^-40 is one step: the second window's gradient is 2^-40 exactly. A parameter
   // that gets no gradient keeps its grid; one whose gradient is exactly 0 rises to the ceiling only.

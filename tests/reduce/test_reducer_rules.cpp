@@ -308,7 +308,9 @@ TEST_CASE("Reducer: a float16 wire never narrows a bfloat16 parameter's gradient
   CHECK(narrow.finish_window().non_finite);
 }
 
-TEST_CASE("Reducer: one verdict per window (apply, skip_non_finite, skip_no_samples, not_reduced) and the Accumulator reads it") {
+TEST_CASE(
+    "Reducer: one verdict per window (apply, skip_non_finite, skip_no_samples, not_reduced) and the Accumulator reads "
+    "it") {
   loom::LocalCommunicator comm;
   auto w = torch::zeros({2}, torch::kDouble).requires_grad_();
   loom::Reducer reducer(comm, {.names = {"w"}, .params = {w}});

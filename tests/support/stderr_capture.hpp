@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
-
 #include <unistd.h>
 
 namespace loom::test {

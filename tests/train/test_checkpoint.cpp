@@ -388,8 +388,8 @@ TEST_CASE("checkpoint: bytes flipped inside a weight tensor are a DataError nami
   trailer_damaged[bytes.size() - 3] = trailer_damaged[bytes.size() - 3] == '0' ? '1' : '0';
   write_bytes(bad, trailer_damaged);
   Run other;
-  CHECK_THROWS_WITH_AS((void)loom::load_checkpoint(bad, other.trainer, other.loader),
-                       doctest::Contains("the checksum"), loom::DataError);
+  CHECK_THROWS_WITH_AS((void)loom::load_checkpoint(bad, other.trainer, other.loader), doctest::Contains("the checksum"),
+                       loom::DataError);
 
   // A file of format v1 (an archive without the trailer): refused, naming both formats.
   const fs::path v1 = temp_file("v1.pt");
@@ -398,9 +398,9 @@ TEST_CASE("checkpoint: bytes flipped inside a weight tensor are a DataError nami
     archive.write("loom_checkpoint", c10::IValue(std::string("loom-checkpoint v1")));
     archive.save_to(v1.string());
   }
-  CHECK_THROWS_WITH_AS(
-      (void)loom::load_checkpoint(v1, other.trainer, other.loader),
-      doctest::Contains(fmt::format("{} has format 'loom-checkpoint v1'", v1.string()).c_str()), loom::DataError);
+  CHECK_THROWS_WITH_AS((void)loom::load_checkpoint(v1, other.trainer, other.loader),
+                       doctest::Contains(fmt::format("{} has format 'loom-checkpoint v1'", v1.string()).c_str()),
+                       loom::DataError);
   fs::remove_all(file.parent_path());
 }
 
@@ -424,8 +424,7 @@ std::vector<Options> round_trip_options(const fs::path& file, std::vector<Option
   };
   {
     auto [model, opt] = make(saved);
-    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
-                             loom::test::kTrainerPlan);
+    loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
     loom::Trainer trainer(comm, model->list(), *opt);
     for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(loom::test::mean_loss(*model, b), b);
     loom::save_checkpoint(file, trainer, loader);
@@ -445,11 +444,11 @@ TEST_CASE("checkpoint: every parameter group's options come back (SGD, Adam, Ada
   namespace optim = torch::optim;
   const fs::path file = temp_file("options.pt");
   {
-    const auto g = round_trip_options<optim::SGD>(
-        file,
-        {optim::SGDOptions(0.02).momentum(0.8).dampening(0.1).weight_decay(1e-3),
-         optim::SGDOptions(0.005).momentum(0.7).nesterov(true).weight_decay(2e-3)},
-        optim::SGDOptions(0.5));
+    const auto g =
+        round_trip_options<optim::SGD>(file,
+                                       {optim::SGDOptions(0.02).momentum(0.8).dampening(0.1).weight_decay(1e-3),
+                                        optim::SGDOptions(0.005).momentum(0.7).nesterov(true).weight_decay(2e-3)},
+                                       optim::SGDOptions(0.5));
     REQUIRE(g.size() == 2);
     CHECK(g[0].lr() == 0.02);
     CHECK(g[0].momentum() == 0.8);
@@ -462,11 +461,11 @@ TEST_CASE("checkpoint: every parameter group's options come back (SGD, Adam, Ada
     CHECK(g[1].weight_decay() == 2e-3);
   }
   {
-    const auto g = round_trip_options<optim::Adam>(
-        file,
-        {optim::AdamOptions(0.003).betas({0.8, 0.95}).eps(1e-6).weight_decay(0.01),
-         optim::AdamOptions(0.0015).betas({0.85, 0.99}).eps(1e-7).amsgrad(true)},
-        optim::AdamOptions(0.1));
+    const auto g =
+        round_trip_options<optim::Adam>(file,
+                                        {optim::AdamOptions(0.003).betas({0.8, 0.95}).eps(1e-6).weight_decay(0.01),
+                                         optim::AdamOptions(0.0015).betas({0.85, 0.99}).eps(1e-7).amsgrad(true)},
+                                        optim::AdamOptions(0.1));
     REQUIRE(g.size() == 2);
     CHECK(g[0].lr() == 0.003);
     CHECK(std::get<0>(g[0].betas()) == 0.8);
@@ -553,7 +552,8 @@ TEST_CASE("checkpoint: an optimizer whose options cannot serialize themselves is
   fs::remove_all(file.parent_path());
 }
 
-TEST_CASE("checkpoint: a learning rate changed during the run is restored; the resumed run equals the uninterrupted one") {
+TEST_CASE(
+    "checkpoint: a learning rate changed during the run is restored; the resumed run equals the uninterrupted one") {
   const fs::path file = temp_file("lr.pt");
   auto schedule = [](auto& run) {  // the rate halves after every step
     run.trainer.on_step([&](const loom::SyncResult&) {
@@ -721,8 +721,8 @@ TEST_CASE("checkpoint: missing folders are created; a changed batching option is
   auto shapes = loom::test::trainer_shapes();
   shapes[4] = {7, loom::test::kIn};
   loom::BatchLoader loader3(comm, shapes, loom::test::trainer_fetch(), loom::test::kTrainerPlan);
-  CHECK_THROWS_WITH_AS((void)loom::load_checkpoint(file, trainer, loader3),
-                       doctest::Contains("the shapes differ"), loom::InvalidArgument);
+  CHECK_THROWS_WITH_AS((void)loom::load_checkpoint(file, trainer, loader3), doctest::Contains("the shapes differ"),
+                       loom::InvalidArgument);
   CHECK(trainer.steps() == 0);
   fs::remove_all(root.parent_path());
 }

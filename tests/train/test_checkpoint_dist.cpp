@@ -85,25 +85,24 @@ TEST_SUITE("dist") {
     const fs::path blocker = fs::temp_directory_path() / fmt::format("loom-blocker-{}", ::getpid());
     std::ofstream(blocker) << "a file, not a folder\n";
     const fs::path nowhere = blocker / "sub" / "c.pt";
-    loom::test::run_ranks(
-        2,
-        [&](loom::GlooCommunicator& comm) {
-          loom::test::Mlp model(at::kDouble);
-          torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
-          loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
-                                   loom::test::kTrainerPlan);
-          loom::Trainer trainer(comm, model.list(), sgd);
-          std::string what = "(no error)";
-          try {
-            loom::save_checkpoint(nowhere, trainer, loader);
-          } catch (const loom::Error& e) {
-            what = e.what();
-          }
-          if (what.find("rank 0 could not save " + nowhere.string() + ": cannot create the folder " +
-                        nowhere.parent_path().string()) == std::string::npos)
-            throw std::runtime_error(fmt::format("rank {}: {}", comm.rank(), what));
-        },
-        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+    loom::test::run_ranks(2,
+                          [&](loom::GlooCommunicator& comm) {
+                            loom::test::Mlp model(at::kDouble);
+                            torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
+                            loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                                     loom::test::kTrainerPlan);
+                            loom::Trainer trainer(comm, model.list(), sgd);
+                            std::string what = "(no error)";
+                            try {
+                              loom::save_checkpoint(nowhere, trainer, loader);
+                            } catch (const loom::Error& e) {
+                              what = e.what();
+                            }
+                            if (what.find("rank 0 could not save " + nowhere.string() + ": cannot create the folder " +
+                                          nowhere.parent_path().string()) == std::string::npos)
+                              throw std::runtime_error(fmt::format("rank {}: {}", comm.rank(), what));
+                          },
+                          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
     fs::remove(blocker);
   }
 }

@@ -117,7 +117,9 @@ TEST_CASE("evaluate on the training loader: put back between epochs, refused ins
   torch::optim::SGD sgd2(fresh.params, torch::optim::SGDOptions(0.05));
   loom::BatchLoader resumed(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan);
   loom::Trainer trainer2(comm, fresh.list(), sgd2);
-  resumed.resume(loom::GlobalCursor{.seed = loom::test::kTrainerPlan.seed, .epoch = 0, .step = 2,
+  resumed.resume(loom::GlobalCursor{.seed = loom::test::kTrainerPlan.seed,
+                                    .epoch = 0,
+                                    .step = 2,
                                     .fingerprint = resumed.sampler().cursor().fingerprint});
   (void)loom::evaluate(comm, resumed, [&](loom::Batch& b) { return fresh.forward(b.data.mean(1)); });
   for (loom::Batch& b : trainer2.epoch(resumed, 0)) trainer2.backward(loom::test::mean_loss(fresh, b), b);

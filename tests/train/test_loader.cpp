@@ -256,8 +256,7 @@ TEST_CASE("BatchLoader num_workers: a fetch that reuses one buffer across thread
     std::this_thread::sleep_for(std::chrono::microseconds(500));
     return std::make_pair(view, y);
   };
-  loom::BatchLoader bad(comm, loom::test::trainer_shapes(), shared_fetch, loom::test::kTrainerPlan,
-                        {.num_workers = 2});
+  loom::BatchLoader bad(comm, loom::test::trainer_shapes(), shared_fetch, loom::test::kTrainerPlan, {.num_workers = 2});
   bad.begin_epoch(0);
   CHECK_THROWS_WITH_AS((void)drain(bad), doctest::Contains("fetch reuses one buffer across threads"),
                        loom::InvalidArgument);

@@ -891,7 +891,8 @@ TEST_CASE("Trainer: a step skipped for NaN is reported on rank 0 with its epoch,
   for (const auto& p : model.params) CHECK(torch::isfinite(p).all().item<bool>());
 }
 
-TEST_CASE("Trainer: skipped_steps.error makes a skipped step a loom::Error; max_consecutive stops a run that never steps") {
+TEST_CASE(
+    "Trainer: skipped_steps.error makes a skipped step a loom::Error; max_consecutive stops a run that never steps") {
   loom::LocalCommunicator comm;
   {
     loom::test::Mlp model(at::kDouble);

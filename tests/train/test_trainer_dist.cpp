@@ -291,36 +291,35 @@ TEST_SUITE("dist") {
     // The per-batch learning-rate habit: the loop body changes lr after every backward. Steps whose
     // batches are dealt unevenly run the body more often on one rank, so the next step's window
     // compares different options.
-    loom::test::run_ranks(
-        2,
-        [](loom::GlooCommunicator& comm) {
-          loom::test::TrainerSetup setup(comm);
-          auto& [model, sgd, loader, trainer] = setup;
-          std::string what = "(no error)";
-          int64_t body_runs = 0;
-          try {
-            for (loom::Batch& b : trainer.epoch(loader, 0)) {
-              trainer.backward(loom::test::mean_loss(model, b), b);
-              auto& options = sgd.param_groups()[0].options();
-              options.set_lr(options.get_lr() * 0.5);
-              ++body_runs;
-            }
-          } catch (const loom::Error& e) {
-            what = e.what();
-          }
-          // At the next step's window, or the epoch's last window when the last step was uneven.
-          expect(what.find("Trainer: the replicas differ ") != std::string::npos,
-                 fmt::format("rank {} (body ran {} times): {}", comm.rank(), body_runs, what));
-          expect(what.find("parameter group 0's option lr is") != std::string::npos, what);
-          expect(what.find("on rank 1 but") != std::string::npos, what);
-          expect(what.find("on_step()") != std::string::npos, what);
-          // The step that found it was not applied, and no replica went on alone.
-          for (const auto& p : model.params) {
-            auto all = comm.all_gather(p.detach().contiguous());
-            expect(torch::equal(all[0], all[1]), "replicas differ after the error");
-          }
-        },
-        {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+    loom::test::run_ranks(2,
+                          [](loom::GlooCommunicator& comm) {
+                            loom::test::TrainerSetup setup(comm);
+                            auto& [model, sgd, loader, trainer] = setup;
+                            std::string what = "(no error)";
+                            int64_t body_runs = 0;
+                            try {
+                              for (loom::Batch& b : trainer.epoch(loader, 0)) {
+                                trainer.backward(loom::test::mean_loss(model, b), b);
+                                auto& options = sgd.param_groups()[0].options();
+                                options.set_lr(options.get_lr() * 0.5);
+                                ++body_runs;
+                              }
+                            } catch (const loom::Error& e) {
+                              what = e.what();
+                            }
+                            // At the next step's window, or the epoch's last window when the last step was uneven.
+                            expect(what.find("Trainer: the replicas differ ") != std::string::npos,
+                                   fmt::format("rank {} (body ran {} times): {}", comm.rank(), body_runs, what));
+                            expect(what.find("parameter group 0's option lr is") != std::string::npos, what);
+                            expect(what.find("on rank 1 but") != std::string::npos, what);
+                            expect(what.find("on_step()") != std::string::npos, what);
+                            // The step that found it was not applied, and no replica went on alone.
+                            for (const auto& p : model.params) {
+                              auto all = comm.all_gather(p.detach().contiguous());
+                              expect(torch::equal(all[0], all[1]), "replicas differ after the error");
+                            }
+                          },
+                          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
   }
 
   TEST_CASE("the same schedule in on_step trains every replica alike; a parameter changed on one rank is named") {
@@ -357,7 +356,8 @@ TEST_SUITE("dist") {
           }
           expect(what.find("the replicas differ at the end of epoch 1") != std::string::npos,
                  fmt::format("rank {}: {}", comm.rank(), what));
-          expect(what.find("parameter 3 ('b2') holds other values on rank 1 than on rank 0") != std::string::npos, what);
+          expect(what.find("parameter 3 ('b2') holds other values on rank 1 than on rank 0") != std::string::npos,
+                 what);
           // check_replicas names it too, at any point every rank reaches.
           what = "(no error)";
           try {

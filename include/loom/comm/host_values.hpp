@@ -47,7 +47,8 @@ template <Communicator C>
   for (std::size_t r = 0; r < all.size(); ++r) {
     const at::Tensor host = all[r].to(c10::kCPU).contiguous();
     if (host.numel() != static_cast<std::int64_t>(values.size()))
-      throw Error(fmt::format("all_gather_int64: rank {} sent {} values, this rank {}", r, host.numel(), values.size()));
+      throw Error(
+          fmt::format("all_gather_int64: rank {} sent {} values, this rank {}", r, host.numel(), values.size()));
     const auto* p = host.data_ptr<std::int64_t>();
     out.emplace_back(p, p + host.numel());
   }

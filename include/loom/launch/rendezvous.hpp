@@ -55,18 +55,18 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
-#include <condition_variable>
 #include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <optional>
-#include <string_view>
 #include <netinet/in.h>
+#include <optional>
 #include <poll.h>
 #include <string>
+#include <string_view>
 #include <sys/socket.h>
 #include <thread>
 #include <unistd.h>
@@ -156,20 +156,22 @@ inline void store_check_in(c10d::Store& store, const std::string& prefix, int ra
   try {
     std::string conflict;
     store.add(seen_key, 1);
-    const std::string claim = store_text(store.compareSet(fmt::format("{}/rank/{}", prefix, rank), {}, store_bytes(me)));
+    const std::string claim =
+        store_text(store.compareSet(fmt::format("{}/rank/{}", prefix, rank), {}, store_bytes(me)));
     if (claim != me) {
       conflict = fmt::format("two processes claim RANK={}: {} and {}; every process of a job needs a RANK of its own{}",
                              rank, claim, me, hint);
     } else {
-      const std::string first = store_text(
-          store.compareSet(prefix + "/world_size", {}, store_bytes(fmt::format("{} {}", world_size, rank))));
+      const std::string first =
+          store_text(store.compareSet(prefix + "/world_size", {}, store_bytes(fmt::format("{} {}", world_size, rank))));
       int first_size = 0, first_rank = 0;
       if (std::sscanf(first.c_str(), "%d %d", &first_size, &first_rank) == 2 && first_size != world_size) {
         // The higher rank first, so every rank words the same disagreement the same way.
         const bool mine_first = rank > first_rank;
-        conflict = fmt::format("the ranks disagree on WORLD_SIZE: rank {} says WORLD_SIZE={}, rank {} says WORLD_SIZE={}",
-                               mine_first ? rank : first_rank, mine_first ? world_size : first_size,
-                               mine_first ? first_rank : rank, mine_first ? first_size : world_size);
+        conflict =
+            fmt::format("the ranks disagree on WORLD_SIZE: rank {} says WORLD_SIZE={}, rank {} says WORLD_SIZE={}",
+                        mine_first ? rank : first_rank, mine_first ? world_size : first_size,
+                        mine_first ? first_rank : rank, mine_first ? first_size : world_size);
       }
     }
     if (!conflict.empty()) {
@@ -187,8 +189,8 @@ inline void store_check_in(c10d::Store& store, const std::string& prefix, int ra
     const std::string outcome = store_text(store.get(done_key));
     if (outcome.starts_with(kCheckInConflict)) {
       told();
-      throw ConfigError(fmt::format("rendezvous: {} (reported to rank {} on {})",
-                                    outcome.substr(kCheckInConflict.size()), rank, me));
+      throw ConfigError(
+          fmt::format("rendezvous: {} (reported to rank {} on {})", outcome.substr(kCheckInConflict.size()), rank, me));
     }
   } catch (const ConfigError&) {
     throw;
@@ -443,7 +445,8 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
   // apart: no secret on either side), or the error to throw.
   auto check_identity = [&](const detail::StoreContact& c) -> std::string {
     const auto id = detail::parse_store_identity(c.identity);
-    if (!id) return fmt::format("{} answers as a store, but not as one hosted by a loom rank 0 ('{}')", where, c.identity);
+    if (!id)
+      return fmt::format("{} answers as a store, but not as one hosted by a loom rank 0 ('{}')", where, c.identity);
     if (id->tag != tag) return other_job(*id);
     return {};
   };
@@ -454,9 +457,9 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
       const auto whole = std::chrono::floor<std::chrono::seconds>(left);
       if (!host &&
           !detail::port_answers(env.master_addr, env.master_port, std::chrono::ceil<std::chrono::milliseconds>(left)))
-        throw TimeoutError("rendezvous", env.rank, detail::seconds_since(start),
-                           fmt::format("could not reach the store at {}{} (no answer within the timeout)", where,
-                                       hosted_by));
+        throw TimeoutError(
+            "rendezvous", env.rank, detail::seconds_since(start),
+            fmt::format("could not reach the store at {}{} (no answer within the timeout)", where, hosted_by));
       if (host) {
         opts.timeout = options.timeout;
         store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);

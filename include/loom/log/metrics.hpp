@@ -28,8 +28,8 @@
 #include <fmt/format.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/error.hpp>
 #include <loom/comm/host_values.hpp>
+#include <loom/error.hpp>
 #include <loom/trace/recorder.hpp>
 
 namespace loom {

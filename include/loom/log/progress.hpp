@@ -41,8 +41,8 @@
 #include <fmt/format.h>
 
 #include <loom/comm/communicator.hpp>
-#include <loom/error.hpp>
 #include <loom/comm/host_values.hpp>
+#include <loom/error.hpp>
 #include <loom/log/rank.hpp>
 #include <loom/log/sink.hpp>
 #include <loom/trace/recorder.hpp>

@@ -241,8 +241,8 @@ class GlobalBatchSampler {
                               ? num_steps()
                               : static_cast<int64_t>(plan_epoch(shapes_, o_, c.epoch).steps.size());
     if (c.step < 0 || c.step > steps)
-      throw InvalidArgument(fmt::format("GlobalBatchSampler::resume: step {} is outside [0, {}] for epoch {}", c.step,
-                                        steps, c.epoch));
+      throw InvalidArgument(
+          fmt::format("GlobalBatchSampler::resume: step {} is outside [0, {}] for epoch {}", c.step, steps, c.epoch));
   }
 
   /// Continues at `c.step` of `c.epoch` on this sampler's world size (step = that epoch's number of

@@ -193,10 +193,10 @@ inline std::vector<Record> read_folder(const std::filesystem::path& folder) {
 
 /// One job's records out of a folder's, and what was left out.
 struct JobSelection {
-  std::string job;               ///< the job kept ("" : records that name no job)
-  std::vector<Record> records;   ///< its records, sorted by rank
-  std::vector<Record> skipped;   ///< the other jobs' records, sorted by job then rank
-  std::string skipped_text;      ///< e.g. "skipped 2 records of 1 other job: job 5e1f (ranks 2, 3)"; "" when none
+  std::string job;              ///< the job kept ("" : records that name no job)
+  std::vector<Record> records;  ///< its records, sorted by rank
+  std::vector<Record> skipped;  ///< the other jobs' records, sorted by job then rank
+  std::string skipped_text;     ///< e.g. "skipped 2 records of 1 other job: job 5e1f (ranks 2, 3)"; "" when none
 };
 
 /// When a record was taken, in ms since the Unix epoch (its recorder's start plus taken_s).
@@ -238,7 +238,8 @@ inline JobSelection select_job(std::vector<Record> records, const std::string& j
     for (std::size_t i = 0; i < out.skipped.size();) {
       std::vector<int> ranks;
       std::size_t k = i;
-      for (; k < out.skipped.size() && out.skipped[k].job == out.skipped[i].job; ++k) ranks.push_back(out.skipped[k].rank);
+      for (; k < out.skipped.size() && out.skipped[k].job == out.skipped[i].job; ++k)
+        ranks.push_back(out.skipped[k].rank);
       parts.push_back(fmt::format("{} ({} {})", job_name(out.skipped[i].job), ranks.size() == 1 ? "rank" : "ranks",
                                   fmt::join(ranks, ", ")));
       ++jobs;

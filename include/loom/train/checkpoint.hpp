@@ -185,10 +185,10 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
     LossScaler probe = *scaler;
     probe.load_state(*info.trainer.loss_scaler);  // a state this scaler refuses: refused here
   } else if (info.trainer.loss_scaler) {
-    throw InvalidArgument(fmt::format(
-        "load_checkpoint: {} holds a loss scaler state ({}), but this Trainer has no loss scaler "
-        "(TrainerOptions::loss_scaling unset)",
-        file.string(), to_string(*info.trainer.loss_scaler)));
+    throw InvalidArgument(
+        fmt::format("load_checkpoint: {} holds a loss scaler state ({}), but this Trainer has no loss scaler "
+                    "(TrainerOptions::loss_scaling unset)",
+                    file.string(), to_string(*info.trainer.loss_scaler)));
   }
   if (auto grid = read.optional_text("grid_exponents"))
     info.trainer.grid_exponents = detail::parse_grid_exponents(file, *grid);

@@ -66,8 +66,8 @@
 
 #include <loom/collate/batch.hpp>
 #include <loom/comm/communicator.hpp>
-#include <loom/error.hpp>
 #include <loom/comm/host_values.hpp>
+#include <loom/error.hpp>
 #include <loom/sample/eval.hpp>
 #include <loom/trace/recorder.hpp>
 #include <loom/train/batch_source.hpp>

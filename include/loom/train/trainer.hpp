@@ -471,9 +471,8 @@ class Trainer {
 
   /// A window found the ranks' replica fingerprints different (the same verdict on every rank).
   [[noreturn]] void replicas_differ() {
-    const std::string where = replica_.checksums.empty()
-                                  ? fmt::format("at step {} of epoch {}", current_step_, epoch_)
-                                  : fmt::format("at the end of epoch {}", epoch_);
+    const std::string where = replica_.checksums.empty() ? fmt::format("at step {} of epoch {}", current_step_, epoch_)
+                                                         : fmt::format("at the end of epoch {}", epoch_);
     broken_ = fmt::format("the replicas differed {}", where);
     detail::throw_replicas_differ(*comm_, replica_, reducer_.parameters(), where);
   }
@@ -549,10 +548,10 @@ class Trainer {
   SyncResult last_{};
   std::function<void(const SyncResult&)> on_step_;
   std::function<void(const SyncResult&)> before_step_;
-  detail::SkipReport skips_;            // skipped steps: counts, warnings, errors (TrainerOptions::skipped_steps)
-  detail::ReplicaState replica_;        // what this rank's windows compare (share_replica_state)
-  const EpochPlan* plan_ = nullptr;     // the running epoch's plan (a PlannedBatchSource), for step_indices
-  int64_t steps_in_epoch_ = 0;          // steps applied or skipped in the running epoch
+  detail::SkipReport skips_;         // skipped steps: counts, warnings, errors (TrainerOptions::skipped_steps)
+  detail::ReplicaState replica_;     // what this rank's windows compare (share_replica_state)
+  const EpochPlan* plan_ = nullptr;  // the running epoch's plan (a PlannedBatchSource), for step_indices
+  int64_t steps_in_epoch_ = 0;       // steps applied or skipped in the running epoch
   int64_t epoch_ = 0;
   int64_t current_step_ = 0;
   bool planned_ = false;  // the running epoch's source is a PlannedBatchSource (flight recorder steps checked)

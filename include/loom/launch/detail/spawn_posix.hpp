@@ -191,8 +191,7 @@ template <class F>
   } catch (const std::exception& e) {
     // LibTorch's errors without their C++ backtrace (what_without_backtrace, and any backtrace a
     // message quotes): the parent's SpawnError is read by a person.
-    write_all(message_fd,
-              fmt::format("{}: {}", demangled_type_name(typeid(e)), without_backtrace(exception_text(e))));
+    write_all(message_fd, fmt::format("{}: {}", demangled_type_name(typeid(e)), without_backtrace(exception_text(e))));
     code = 1;
   } catch (...) {
     auto* t = abi::__cxa_current_exception_type();

@@ -824,8 +824,8 @@ class ReducerState {
           names, ". Reduction::grid_overflow reports each such step; this warning is shown once.");
     } else if (!summary.non_finite && !verdict.too_many_contributions) {
       for (std::size_t k = 0; k < slots_.size(); ++k)
-        slots_[k].grid_exponent = next_grid_exponent(slots_[k].grid_exponent, largest[k], near[k] != 0,
-                                                     summary.used[k] != 0);
+        slots_[k].grid_exponent =
+            next_grid_exponent(slots_[k].grid_exponent, largest[k], near[k] != 0, summary.used[k] != 0);
     }
     if (clip) {
       // Per parameter, summed in parameter order: the bucket split (rank 0's first ready order, which

@@ -67,8 +67,18 @@ struct WindowMeta {
   static Row encode(const BackwardPlan& plan, std::optional<std::int64_t> f,
                     std::optional<std::int64_t> replica = std::nullopt) {
     const std::int64_t d = plan.loss_divisor, g = f.value_or(0), h = replica.value_or(0);
-    return {plan.window_samples, plan.final ? 1 : 0, plan.leaving ? 1 : 0, d, d * d, d > 0 ? 1 : 0, g, g * g,
-            f ? 1 : 0,           h,                  h * h,                 replica ? 1 : 0};
+    return {plan.window_samples,
+            plan.final ? 1 : 0,
+            plan.leaving ? 1 : 0,
+            d,
+            d * d,
+            d > 0 ? 1 : 0,
+            g,
+            g * g,
+            f ? 1 : 0,
+            h,
+            h * h,
+            replica ? 1 : 0};
   }
 
   /// Writes `row` into `meta` (int64 [kLength], on any device).

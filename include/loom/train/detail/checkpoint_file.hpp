@@ -28,9 +28,9 @@
 #include <torch/serialize/output-archive.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/detail/hash.hpp>
 #include <loom/error.hpp>
-#include <loom/comm/host_values.hpp>
 #include <loom/reduce/parameters.hpp>
 #include <loom/trace/recorder.hpp>
 
@@ -41,7 +41,9 @@ namespace loom::detail {
 inline constexpr std::string_view kChecksumTag = "\nloom-checksum fnv1a64 ";
 inline constexpr std::size_t kTrailerSize = 40;
 
-inline std::string checksum_trailer(uint64_t checksum) { return fmt::format("{}{:016x}\n", kChecksumTag, checksum); }
+inline std::string checksum_trailer(uint64_t checksum) {
+  return fmt::format("{}{:016x}\n", kChecksumTag, checksum);
+}
 
 /// Creates `file`'s folder and its missing parents.
 /// Throws: loom::DataError naming the folder and the system's reason.
@@ -200,8 +202,8 @@ inline torch::serialize::InputArchive open_checkpoint(const std::filesystem::pat
                                                       const at::Device& device, const char* format) {
   if (bytes.empty()) throw DataError(fmt::format("load_checkpoint: {} is empty", file.string()));
   std::size_t size = bytes.size();
-  const bool trailed = size >= kTrailerSize &&
-                       std::string_view(bytes).substr(size - kTrailerSize, kChecksumTag.size()) == kChecksumTag;
+  const bool trailed =
+      size >= kTrailerSize && std::string_view(bytes).substr(size - kTrailerSize, kChecksumTag.size()) == kChecksumTag;
   if (trailed) {
     size -= kTrailerSize;
     Fnv1a checksum;
@@ -211,8 +213,7 @@ inline torch::serialize::InputArchive open_checkpoint(const std::filesystem::pat
       throw DataError(fmt::format(
           "load_checkpoint: {}: the checksum of its {} bytes is {} but its trailer says {}: the file changed after "
           "save_checkpoint wrote it (damaged storage or copy); resume from another checkpoint",
-          file.string(), size, expected.substr(kChecksumTag.size(), 16),
-          bytes.substr(size + kChecksumTag.size(), 16)));
+          file.string(), size, expected.substr(kChecksumTag.size(), 16), bytes.substr(size + kChecksumTag.size(), 16)));
   }
   torch::serialize::InputArchive archive;
   try {
@@ -229,13 +230,15 @@ inline torch::serialize::InputArchive open_checkpoint(const std::filesystem::pat
         "load_checkpoint: {} is a LibTorch archive but not a loom checkpoint (it has no loom_checkpoint key)",
         file.string()));
   if (version.toStringRef() != format)
-    throw DataError(fmt::format("load_checkpoint: {} has format '{}'; this loom reads '{}' only (resume it with the "
-                                "loom that wrote it, or start afresh)",
-                                file.string(), version.toStringRef(), format));
+    throw DataError(
+        fmt::format("load_checkpoint: {} has format '{}'; this loom reads '{}' only (resume it with the "
+                    "loom that wrote it, or start afresh)",
+                    file.string(), version.toStringRef(), format));
   if (!trailed)
-    throw DataError(fmt::format("load_checkpoint: {} lacks the checksum trailer that save_checkpoint writes (the "
-                                "file was cut or changed at its end)",
-                                file.string()));
+    throw DataError(
+        fmt::format("load_checkpoint: {} lacks the checksum trailer that save_checkpoint writes (the "
+                    "file was cut or changed at its end)",
+                    file.string()));
   return archive;
 }
 

@@ -28,7 +28,9 @@
 namespace loom::detail {
 
 /// The dynamic type of a parameter group's options, e.g. "torch::optim::SGDOptions".
-inline std::string options_type(const torch::optim::OptimizerOptions& o) { return c10::demangle(typeid(o).name()); }
+inline std::string options_type(const torch::optim::OptimizerOptions& o) {
+  return c10::demangle(typeid(o).name());
+}
 
 /// Writes every parameter group's options through their own serialize() (param_group_count,
 /// param_group_<i>_type, param_group_<i>_size, param_group_<i>_options); an optimizer that is no
@@ -53,7 +55,8 @@ void write_param_groups(torch::serialize::OutputArchive& archive, const Opt& opt
             i, options_type(o), first_line(e.what())));
       }
       archive.write(fmt::format("param_group_{}_type", i), c10::IValue(options_type(o)));
-      archive.write(fmt::format("param_group_{}_size", i), c10::IValue(static_cast<int64_t>(groups[i].params().size())));
+      archive.write(fmt::format("param_group_{}_size", i),
+                    c10::IValue(static_cast<int64_t>(groups[i].params().size())));
       archive.write(fmt::format("param_group_{}_options", i), options);
     }
   } else {
@@ -95,8 +98,8 @@ class StagedParamGroups {
           std::unique_ptr<torch::optim::OptimizerOptions> copy = mine.clone();
           copy->serialize(options);
         } catch (const std::exception& e) {
-          throw DataError(fmt::format("load_checkpoint: {}: parameter group {}'s options ({}) cannot be read: {}",
-                                      file, i, type, first_line(e.what())));
+          throw DataError(fmt::format("load_checkpoint: {}: parameter group {}'s options ({}) cannot be read: {}", file,
+                                      i, type, first_line(e.what())));
         }
         archives_.push_back(std::move(options));
       }
@@ -139,9 +142,9 @@ inline void check_plan_fields(CheckpointReader& read, const GlobalBatchSampler& 
     const std::string value = read.text(fmt::format("plan_value_{}", i));
     for (const auto& [my_name, my_value] : mine) {
       if (my_name != name || my_value == value) continue;
-      differences.push_back(name == "shapes" ? fmt::format("the shapes differ (FNV-1a {} there, {} here)", value,
-                                                           my_value)
-                                             : fmt::format("{} = {} there, {} here", name, value, my_value));
+      differences.push_back(name == "shapes"
+                                ? fmt::format("the shapes differ (FNV-1a {} there, {} here)", value, my_value)
+                                : fmt::format("{} = {} there, {} here", name, value, my_value));
     }
   }
   if (!differences.empty())

@@ -20,7 +20,6 @@
 #include <vector>
 
 #include <c10/util/Exception.h>
-
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>

@@ -29,8 +29,8 @@
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/host_values.hpp>
 #include <loom/detail/hash.hpp>
-#include <loom/reduce/detail/host_path.hpp>
 #include <loom/error.hpp>
+#include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/parameters.hpp>
 #include <loom/trace/recorder.hpp>
 #include <loom/train/detail/optimizer_options.hpp>
@@ -48,7 +48,7 @@ inline std::uint64_t tensor_checksum(const at::Tensor& t) {
 
 /// What one rank holds that every replica must share.
 struct ReplicaState {
-  std::vector<OptionValue> options;       ///< every parameter group's options (optimizer_option_values)
+  std::vector<OptionValue> options;        ///< every parameter group's options (optimizer_option_values)
   std::vector<std::uint64_t> checksums{};  ///< per parameter of the list (tensor_checksum); empty: not taken
 
   /// A 64-bit hash of the options' values and the checksums.
@@ -104,17 +104,19 @@ std::string describe_replica_difference(Comm& comm, const ReplicaState& mine, co
   for (std::size_t r = 1; r < all.size(); ++r) {
     const auto* other = all[r].data();
     if (other[0] != ref[0])
-      return fmt::format("the optimizer has {} parameter-group options on rank {} but {} on rank 0 (another optimizer "
-                         "or another number of parameter groups)",
-                         other[0], r, ref[0]);
+      return fmt::format(
+          "the optimizer has {} parameter-group options on rank {} but {} on rank 0 (another optimizer "
+          "or another number of parameter groups)",
+          other[0], r, ref[0]);
     for (std::int64_t i = 0; i < ref[0]; ++i) {
       const std::int64_t pos = 2 + 3 * i;
       if (other[pos] == ref[pos] && other[pos + 1] == ref[pos + 1] && other[pos + 2] == ref[pos + 2]) continue;
       const auto& o = mine.options[static_cast<std::size_t>(i)];
       if (other[pos] != ref[pos] || other[pos + 1] != ref[pos + 1])
-        return fmt::format("the optimizer's parameter groups differ in kind on rank {} and rank 0 (option {} of group "
-                           "{} on this rank is '{}')",
-                           r, i, o.group, o.name);
+        return fmt::format(
+            "the optimizer's parameter groups differ in kind on rank {} and rank 0 (option {} of group "
+            "{} on this rank is '{}')",
+            r, i, o.group, o.name);
       return fmt::format("parameter group {}'s option {} is {} on rank {} but {} on rank 0", o.group, o.name,
                          value_of(other[pos + 2]), r, value_of(ref[pos + 2]));
     }
