@@ -929,6 +929,25 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("Trainer: a step skipped on the float16 wire says the wire may have overflowed, not only inf/NaN") {
+  // A float32 parameter with a finite gradient of 1e5 on a float16 wire (largest value 65504): the
+  // step is skipped, and the report names the wire.
+  loom::LocalCommunicator comm;
+  auto w = torch::zeros({1}, torch::kDouble).to(torch::kFloat).requires_grad_();
+  torch::optim::SGD sgd(std::vector<at::Tensor>{w}, torch::optim::SGDOptions(1e-5));
+  const std::vector<std::vector<int64_t>> shapes(4, std::vector<int64_t>{1});
+  auto fetch = [](int64_t) { return std::make_pair(torch::ones({1}), torch::zeros({1})); };
+  loom::BatchLoader loader(comm, shapes, fetch, loom::GlobalBatchOptions{.seed = 1, .max_samples = 4});
+  loom::Trainer trainer(comm, loom::ParameterList{.names = {"w"}, .params = {w}}, sgd,
+                        {.reducer = {.wire_dtype = at::kHalf}, .skipped_steps = {.error = true}});
+  CHECK_THROWS_WITH_AS(
+      [&] {
+        for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward((w * b.data * 1e5).sum() / 4, b);
+      }(),
+      doctest::Contains("inf/NaN gradients, or a gradient above 65504 on the float16 wire"), loom::Error);
+  CHECK(w.item<double>() == 0.0);
+}
+
 TEST_CASE("Trainer::before_step: the averaged gradients before optimizer.step(); clipping there equals the reducer's") {
   // clip_grad_norm_ in before_step with max norm 0.05 trains to the parameters of the reducer's own
   // global-norm clipping (ReducerOptions::max_grad_norm = 0.05): both scale every gradient by

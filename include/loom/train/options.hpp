@@ -34,7 +34,7 @@ enum class LossReduction {
 ///
 /// Example: `loom::TrainerOptions{.skipped_steps = {.error = true}}` — the first skipped step stops the run.
 struct SkippedStepOptions {
-  bool error = false;                 ///< a skipped step is a loom::Error on every rank (after its warning)
+  bool error = false;                 ///< a skipped step is a loom::Error on every rank (its message the warning's)
   std::int64_t max_consecutive = 50;  ///< this many skipped steps in a row is a loom::Error (0: no limit)
   bool warn = true;                   ///< rank 0 prints the warnings (stderr)
 };

@@ -425,10 +425,13 @@ class Trainer {
     optimizer_->zero_grad();
     guard_.hide(reducer_.parameters(), /*keep=*/false);
     if (skipped)
-      skips_.skipped(current_step_,
-                     s.verdict == StepVerdict::skip_grid_overflow ? "a gradient too large for the deterministic grid"
-                                                                  : "inf/NaN gradients",
-                     detail::step_indices(plan_, current_step_));
+      skips_.skipped(
+          current_step_,
+          s.verdict == StepVerdict::skip_grid_overflow ? "a gradient too large for the deterministic grid"
+          : reducer_.options().wire_dtype == at::kHalf
+              ? "inf/NaN gradients, or a gradient above 65504 on the float16 wire (ReducerOptions::wire_dtype)"
+              : "inf/NaN gradients",
+          detail::step_indices(plan_, current_step_));
     if (on_step_) {
       const detail::FlagScope running(in_on_step_);
       on_step_(s);

@@ -141,9 +141,10 @@ ReplicaState replica_state_of(Opt& optimizer, const ParameterList& list, bool wi
 
 /// Where a learning-rate schedule belongs, for the replica errors.
 inline constexpr const char* kReplicaAdvice =
-    "Every rank must hold the same parameters and optimizer options: change options (a learning-rate schedule) in "
-    "on_step(), which every rank runs at every step, or between epochs, never in the loop body, which ranks run "
-    "different numbers of times per step (docs/loop.md, \"PyTorch habits\")";
+    "Every rank must hold the same parameters and optimizer options: change them alike on every rank (a "
+    "learning-rate schedule in on_step(), which every rank runs at every step, or between epochs), never in the "
+    "loop body, which ranks run different numbers of times per step, nor on one rank only (docs/loop.md, \"PyTorch "
+    "habits\")";
 
 /// After a window found the ranks' fingerprints different (the same verdict on every rank): names
 /// what differs (every rank takes part: two all_gathers) and throws loom::Error "Trainer: the replicas
@@ -157,8 +158,8 @@ template <Communicator Comm>
     what = describe_replica_difference(comm, mine, list);
   }
   if (what.empty()) what = "their fingerprints differ, though no option or parameter compared differs";
-  throw Error(
-      fmt::format("Trainer: the replicas differ {} (the step was not applied): {}. {}", where, what, kReplicaAdvice));
+  throw Error(fmt::format("Trainer: the replicas differ {} (this window's step was not applied): {}. {}", where, what,
+                          kReplicaAdvice));
 }
 
 /// Compares the optimizer's options and the parameters across the ranks now (two all_gathers; every
