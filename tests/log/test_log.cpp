@@ -484,6 +484,41 @@ TEST_CASE("Progress, terminal: a live bar redrawn in place, throttled, ending wi
   CHECK(tty.writes() == 3);
 }
 
+TEST_CASE(
+    "Progress bar and Logger on one terminal: the Logger's line replaces the open bar line, the bar goes on below") {
+  ManualClock clock;
+  loom::MemorySink tty(true);
+  loom::LocalCommunicator comm;
+  loom::Logger log(tty, loom::RankInfo{});
+  {
+    loom::Progress p{
+        tty,
+        loom::RankInfo{},
+        {.total = 20, .label = "fit", .redraw_interval = std::chrono::seconds(1), .sync_every = 1, .bar_width = 4},
+        clock};
+    clock.advance(std::chrono::seconds(1));
+    p.step(comm, 10);
+    log.info("epoch 0 loss {:.1f}", 0.5);  // used to continue the bar's line
+    clock.advance(std::chrono::seconds(1));
+    p.step(comm, 10);
+    p.finish(comm);
+  }
+  log.info("done");  // the bar's line ended: nothing to replace
+  CHECK(tty.text() ==
+        "\rfit [##--]  50.0% 10/20, 10.0 samples/s, ETA 0:00:01\x1b[K"
+        "\r\x1b[Kepoch 0 loss 0.5\n"
+        "\rfit [####] 100.0% 20/20, 10.0 samples/s, ETA 0:00:00\x1b[K"
+        "\rfit [####] 100.0% 20/20, 10.0 samples/s, elapsed 0:00:02\x1b[K\n"
+        "done\n");
+  // A Logger on a sink that is no terminal never writes the control characters.
+  loom::MemorySink file;
+  loom::Logger to_file(file, loom::RankInfo{});
+  loom::detail::bar_line_open() = true;
+  to_file.info("x");
+  CHECK(file.text() == "x\n");
+  loom::detail::bar_line_open() = false;
+}
+
 TEST_CASE("Progress per node: leaders' lines carry their rank; options are validated") {
   ManualClock clock;
   loom::MemorySink out;

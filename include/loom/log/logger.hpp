@@ -157,7 +157,7 @@ class Logger {
     if constexpr (OrderedRankPolicy<Policy>) {
       pending_.append(text);
     } else {
-      sink_.write(text);
+      write_line(std::move(text));
       if (level >= LogLevel::warning) sink_.flush();
     }
   }
@@ -180,7 +180,7 @@ class Logger {
       if (me_.rank == 0) {
         std::string text;
         for (const auto& part : all) text.append(part);
-        if (!text.empty()) sink_.write(text);
+        if (!text.empty()) write_line(text);
       }
     }
     sink_.flush();
@@ -196,6 +196,14 @@ class Logger {
   [[nodiscard]] const Sink& sink() const noexcept { return sink_; }
 
  private:
+  /// Writes whole lines; on a terminal where a Progress bar's line is open, replaces that line first.
+  void write_line(std::string text) {
+    if constexpr (TerminalSink<Sink>) {
+      if (sink_.is_terminal() && detail::bar_line_open().exchange(false)) text.insert(0, detail::kReplaceBarLine);
+    }
+    sink_.write(text);
+  }
+
   static constexpr std::string_view level_tag(LogLevel level) noexcept {
     switch (level) {
       case LogLevel::debug: return "debug: ";

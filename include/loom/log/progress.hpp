@@ -126,6 +126,7 @@ class Progress {
   /// Leaves the terminal on a fresh line if a bar was drawn and finish() was not called.
   ~Progress() {
     if (bar_drawn_ && !finished_) {
+      detail::bar_line_open() = false;
       try {
         sink_.write("\n");
       } catch (...) {  // a destructor must not throw
@@ -254,6 +255,7 @@ class Progress {
     if (final) text += "\n";
     sink_.write(text);
     bar_drawn_ = true;
+    detail::bar_line_open() = !final;
   }
 
   Sink sink_;

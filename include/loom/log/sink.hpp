@@ -20,6 +20,7 @@
 // terminal detection is isatty(3) as in tqdm and Python's sys.stdout.isatty().
 #pragma once
 
+#include <atomic>
 #include <cerrno>
 #include <concepts>
 #include <cstdio>
@@ -214,5 +215,21 @@ class MemorySink {
 static_assert(TerminalSink<StreamSink>, "StreamSink must model TerminalSink");
 static_assert(TerminalSink<FileSink>, "FileSink must model TerminalSink");
 static_assert(TerminalSink<MemorySink>, "MemorySink must model TerminalSink");
+
+namespace detail {
+
+/// Whether a Progress bar was drawn on a terminal and its line not ended ('\r' redraws leave the
+/// cursor on the bar's line): a Logger line written to a terminal now starts with
+/// kReplaceBarLine, so it replaces the bar instead of continuing its line (the bar is drawn again,
+/// on the next line, at its next redraw), as tqdm.write does. Set and cleared by Progress.
+inline std::atomic<bool>& bar_line_open() noexcept {
+  static std::atomic<bool> open{false};
+  return open;
+}
+
+/// Carriage return and "erase to the end of the line": what replaces an open bar's line.
+inline constexpr std::string_view kReplaceBarLine = "\r\x1b[K";
+
+}  // namespace detail
 
 }  // namespace loom
