@@ -205,7 +205,19 @@ TEST_CASE("concepts: GradientReducer models and non-models") {
   static_assert(!CanMakeReducer<int>);
   static_assert(std::is_move_constructible_v<loom::Reducer<loom::LocalCommunicator>>);
   static_assert(!std::is_copy_constructible_v<loom::Reducer<loom::LocalCommunicator>>);
-  CHECK(true);
+  // The weakest model runs too: an Accumulator drives it with one plan per micro-batch and reads
+  // its verdict.
+  PlanRecorder recorder;
+  loom::Accumulator acc(recorder, {.micro_batches_per_step = 2});
+  CHECK_FALSE(acc.run(3, [] {}).boundary);
+  const loom::SyncResult step = acc.run(2, [] {});
+  REQUIRE(recorder.plans.size() == 2);
+  CHECK_FALSE(recorder.plans[0].sync);
+  CHECK(recorder.plans[1].sync);
+  CHECK(recorder.plans[1].window_samples == 5);
+  CHECK(recorder.finishes == 1);
+  CHECK(step.apply);
+  CHECK(step.global_samples == 5);
 }
 
 TEST_CASE("Accumulator drives any GradientReducer: sync only on the K-th micro-batch, remainder at end_epoch") {

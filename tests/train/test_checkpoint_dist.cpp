@@ -87,14 +87,10 @@ TEST_SUITE("dist") {
     const fs::path nowhere = blocker / "sub" / "c.pt";
     loom::test::run_ranks(2,
                           [&](loom::GlooCommunicator& comm) {
-                            loom::test::Mlp model(at::kDouble);
-                            torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05));
-                            loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
-                                                     loom::test::kTrainerPlan);
-                            loom::Trainer trainer(comm, model.list(), sgd);
+                            loom::test::TrainerSetup run(comm);
                             std::string what = "(no error)";
                             try {
-                              loom::save_checkpoint(nowhere, trainer, loader);
+                              loom::save_checkpoint(nowhere, run.trainer, run.loader);
                             } catch (const loom::Error& e) {
                               what = e.what();
                             }

@@ -210,7 +210,6 @@ TEST_CASE("Trainer: every forgotten or misplaced protocol step is a loom error n
         std::ranges::input_range<loom::EpochRange<loom::Trainer<loom::LocalCommunicator, torch::optim::SGD>, Loader>>);
     static_assert(!loom::StepOptimizer<int>);
     static_assert(loom::StepOptimizer<loom::StepFunctions>);
-    CHECK(true);
   }
 }
 
