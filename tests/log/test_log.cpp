@@ -498,7 +498,7 @@ TEST_CASE(
         clock};
     clock.advance(std::chrono::seconds(1));
     p.step(comm, 10);
-    log.info("epoch 0 loss {:.1f}", 0.5);  // used to continue the bar's line
+    log.info("epoch 0 loss {:.1f}", 0.5);  // replaces the bar's open line
     clock.advance(std::chrono::seconds(1));
     p.step(comm, 10);
     p.finish(comm);

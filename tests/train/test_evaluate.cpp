@@ -95,8 +95,8 @@ TEST_CASE("evaluate on the training loader: put back between epochs, refused ins
   loom::Trainer trainer(comm, model.list(), sgd);
   auto fn = [&](loom::Batch& b) { return model.forward(b.data.mean(1)); };
   for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(loom::test::mean_loss(model, b), b);
-  // Between epochs: the cursor names epoch 1's first step before and after evaluate (it used to be
-  // rewound into epoch 0, so a checkpoint written next resumed one epoch early).
+  // Between epochs: the cursor names epoch 1's first step before and after evaluate (rewound into
+  // epoch 0, a checkpoint written next would resume one epoch early).
   CHECK(loader.sampler().cursor().epoch == 1);
   CHECK(loom::evaluate(comm, loader, fn).indices.size() == static_cast<std::size_t>(kTrainerSamples));
   CHECK(loader.sampler().cursor().epoch == 1);

@@ -245,8 +245,8 @@ TEST_CASE("BatchLoader num_workers: a worker's error reaches next() when its bat
 
 TEST_CASE("BatchLoader num_workers: a fetch that reuses one buffer across threads is an error; thread_local is not") {
   // A decoder writing every sample into one buffer and returning a view of it: with 2 workers one
-  // thread's decode overwrites the other's sample before it is copied (wrong batches, silently,
-  // before this check).
+  // thread's decode overwrites the other's sample before it is copied (wrong batches, were it not
+  // refused).
   loom::LocalCommunicator comm;
   auto shared = std::make_shared<at::Tensor>(torch::zeros({5, loom::test::kIn}, torch::kDouble));
   auto shared_fetch = [shared](int64_t i) {
