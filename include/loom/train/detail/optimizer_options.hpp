@@ -64,6 +64,14 @@ inline bool has_lr(const torch::optim::OptimizerOptions& o) {
 inline void append_group_options(std::int64_t g, const torch::optim::OptimizerOptions& o,
                                  std::vector<OptionValue>& out) {
   auto add = [&](const char* name, double v) { out.push_back({g, name, v}); };
+  auto add_adam = [&](const auto& a) {  // AdamOptions and AdamWOptions name the same options
+    add("lr", a.lr());
+    add("beta1", std::get<0>(a.betas()));
+    add("beta2", std::get<1>(a.betas()));
+    add("eps", a.eps());
+    add("weight_decay", a.weight_decay());
+    add("amsgrad", a.amsgrad() ? 1 : 0);
+  };
   if (const auto* s = dynamic_cast<const torch::optim::SGDOptions*>(&o)) {
     add("lr", s->lr());
     add("momentum", s->momentum());
@@ -71,19 +79,9 @@ inline void append_group_options(std::int64_t g, const torch::optim::OptimizerOp
     add("weight_decay", s->weight_decay());
     add("nesterov", s->nesterov() ? 1 : 0);
   } else if (const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&o)) {
-    add("lr", a->lr());
-    add("beta1", std::get<0>(a->betas()));
-    add("beta2", std::get<1>(a->betas()));
-    add("eps", a->eps());
-    add("weight_decay", a->weight_decay());
-    add("amsgrad", a->amsgrad() ? 1 : 0);
+    add_adam(*a);
   } else if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) {
-    add("lr", w->lr());
-    add("beta1", std::get<0>(w->betas()));
-    add("beta2", std::get<1>(w->betas()));
-    add("eps", w->eps());
-    add("weight_decay", w->weight_decay());
-    add("amsgrad", w->amsgrad() ? 1 : 0);
+    add_adam(*w);
   } else if (const auto* r = dynamic_cast<const torch::optim::RMSpropOptions*>(&o)) {
     add("lr", r->lr());
     add("alpha", r->alpha());
