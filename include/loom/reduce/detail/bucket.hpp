@@ -2,9 +2,9 @@
 // parameters' gradients, per-gradient bookkeeping, and the allocation of buckets for an order.
 //
 // Shape: a bucket's `flat` is [gradients | one used-flag per gradient | the window meta's limbs
-//        (window_meta.hpp; the first bucket only, floating mode) | the range flag (floating mode, CPU
-//        float32/float64 buckets that are neither compressed nor float32-accumulated)], one dtype and
-//        device; each slot is a tensor sharing `flat`'s storage with its parameter's shape.
+//        (window_meta.hpp; the first bucket only, floating arithmetic) | the range flag (floating
+//        arithmetic, CPU float32/float64 buckets that are neither compressed nor float32-accumulated)],
+//        one dtype and device; the integer arithmetic's buckets are its own (grid_reduce.hpp). Each slot is a tensor sharing `flat`'s storage with its parameter's shape.
 //        A float32-accumulated bucket (`main`) holds float16/bfloat16 parameters' gradients in float32.
 #pragma once
 
@@ -21,7 +21,6 @@
 
 #include <loom/error.hpp>
 #include <loom/reduce/buckets.hpp>
-#include <loom/reduce/detail/exact.hpp>
 #include <loom/reduce/detail/host_path.hpp>
 #include <loom/reduce/detail/scale.hpp>
 #include <loom/reduce/detail/window_meta.hpp>
@@ -69,11 +68,6 @@ struct GradSlot {
   bool used = false;            // a gradient arrived during the current window
   bool fired = false;           // a gradient arrived during the current sync backward
   bool was_undefined = false;   // its .grad() was undefined when the window began
-  int grid_exponent = kGridInitialExponent;  // deterministic mode: the grid step is 2^-grid_exponent
-  std::int64_t window_contributions = 0;     // deterministic mode: micro-batches put on the grid this window
-  bool grid_pending = false;   // deterministic mode: `view` holds this micro-batch's gradient, not on the grid yet
-  bool grid_sums = false;      // deterministic mode: the int64 sums hold this window's earlier contributions
-  bool grad_detached = false;  // deterministic mode, int32 wire: .grad() was taken off `view` when the bucket left
 };
 
 /// One flat bucket: the unit of an all-reduce.
@@ -97,14 +91,6 @@ struct GradBucket {
   at::Tensor bad;              // float32 [1] on the bucket's device: inf/NaN in the reduced bucket (device path)
   bool bad_host = false;       // the same verdict, computed on the host (CPU path)
   at::Tensor flags_host;       // pinned staging for the used-flags (and the meta's limbs) of a bucket on a GPU
-  at::Tensor qflat;            // deterministic mode: int64 [gradients on the grid | GridTail], else undefined
-  at::Tensor qhead;
-  at::Tensor qtail;
-  at::Tensor qflags_host;   // deterministic mode, bucket on a GPU: pinned staging of [used n | contributions n]
-  at::Tensor grid_lengths;  // deterministic mode, bucket on a GPU: the slots' element counts (int64 [n]),
-                            // the segments of the whole-bucket grid operators (exact.hpp)
-  at::Tensor qwire;         // deterministic mode, float32/float64 bucket on the CPU: the int32 wire
-                            // [gradients | GridTail | wide flag] (exact.hpp), else undefined
   std::vector<std::size_t> slots;
   std::size_t pending = 0;
   bool ready = false;
@@ -168,12 +154,13 @@ inline c10::ScalarType wire_dtype_of(c10::ScalarType requested, const GradBucket
 
 /// Allocates buckets for `assignment` (slot indices), points each slot of `slots` at its memory and
 /// moves every defined gradient of a non-float32 slot into it (a float32 slot takes its gradient at
-/// the window's start). `world_size`: the pre-division of a compressed bucket. `carry_meta`: the
-/// first bucket carries the window meta's limbs when its wire dtype has room for them on
-/// `world_size` ranks (MetaLimbs::bits >= 1; GradBucket::meta_bits says whether it does).
+/// the window's start). `world_size`: the pre-division of a compressed bucket. `floating`: the
+/// floating arithmetic's extras: the first bucket carries the window meta's limbs when its wire
+/// dtype has room for them on `world_size` ranks (MetaLimbs::bits >= 1; GradBucket::meta_bits says
+/// whether it does), CPU float32/float64 buckets a range flag.
 inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<std::size_t>>& assignment,
                                                 std::vector<GradSlot>& slots, const ParameterList& list,
-                                                const ReducerOptions& options, int world_size, bool carry_meta) {
+                                                const ReducerOptions& options, int world_size, bool floating) {
   auto param = [&](std::size_t k) -> const at::Tensor& { return list.params[slots[k].param]; };
   at::NoGradGuard no_grad;
   std::vector<GradBucket> fresh(assignment.size());
@@ -190,10 +177,10 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
     const auto opts = at::TensorOptions().dtype(dtype).device(first.device());
     const bool compressed = options.wire_dtype && dtype == at::kFloat;
     const c10::ScalarType wire_dtype = compressed ? wire_dtype_of(*options.wire_dtype, b) : dtype;
-    if (carry_meta && bi == 0 && !options.deterministic) b.meta_bits = MetaLimbs::bits(wire_dtype, world_size);
+    if (floating && bi == 0) b.meta_bits = MetaLimbs::bits(wire_dtype, world_size);
     const std::int64_t limbs = b.meta_bits > 0 ? MetaLimbs::count(b.meta_bits) : 0;
-    const bool ranged = !options.deterministic && !b.main && !compressed && on_host(first) &&
-                        (dtype == at::kFloat || dtype == at::kDouble);
+    const bool ranged =
+        floating && !b.main && !compressed && on_host(first) && (dtype == at::kFloat || dtype == at::kDouble);
     b.flat = at::zeros({total + n + limbs + (ranged ? 1 : 0)}, opts);
     b.head = b.flat.narrow(0, 0, total);
     b.tail = b.flat.narrow(0, total, n);
@@ -206,18 +193,6 @@ inline std::vector<GradBucket> allocate_buckets(const std::vector<std::vector<st
       b.wire_tail = b.wire.narrow(0, total, n);
       b.meta = b.wire.narrow(0, total + n, limbs);
       b.wire_div = at::full({1}, static_cast<double>(world_size), opts);
-    }
-    if (options.deterministic) {
-      b.qflat = at::zeros({total + GridTail::length(n)}, opts.dtype(at::kLong));
-      b.qhead = b.qflat.narrow(0, 0, total);
-      b.qtail = b.qflat.narrow(0, total, GridTail::length(n));
-      if (!on_host(first)) {
-        b.qflags_host = at::empty({2 * n}, at::TensorOptions().dtype(at::kLong).pinned_memory(first.is_cuda()));
-        std::vector<std::int64_t> lengths;
-        for (std::size_t k : b.slots) lengths.push_back(param(k).numel());
-        b.grid_lengths = at::tensor(lengths, at::kLong).to(first.device());
-      }
-      if (has_fused_scan(b.flat)) b.qwire = at::empty({b.qflat.numel() + 1}, opts.dtype(at::kInt));
     }
     if (!on_host(first))
       b.flags_host = at::empty({n + limbs}, at::TensorOptions().dtype(wire_dtype).pinned_memory(first.is_cuda()));
