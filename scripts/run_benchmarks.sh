@@ -3,9 +3,11 @@
 #
 # Usage: scripts/run_benchmarks.sh [BUILD_DIR] [OUTDIR]     (defaults: build-torch2, bench-results)
 # Writes OUTDIR/<suite>.txt (console output, RATIO lines at the end), OUTDIR/<suite>.json (every
-# repetition, Google Benchmark JSON), OUTDIR/load.txt (uptime before and after each suite) and the
-# figures OUTDIR/reduce_sweep.png, OUTDIR/collate_sweep.png (scripts/plot_benchmarks.sh) and
-# OUTDIR/time_to_accuracy.png (scripts/plot_time_to_accuracy.sh, from bench_finetune's curves).
+# repetition, Google Benchmark JSON; bench_ops has none), OUTDIR/load.txt (uptime before and after
+# each suite), OUTDIR/commit.txt, the figures OUTDIR/reduce_sweep.png, OUTDIR/collate_sweep.png
+# (scripts/plot_benchmarks.sh) and OUTDIR/time_to_accuracy.png (scripts/plot_time_to_accuracy.sh,
+# from bench_finetune's curves), and last OUTDIR/results.md: every RATIO line with its goal, met or
+# not, the load and the timings, as markdown (scripts/bench_tables.py; docs/benchmarks.md's tables).
 # Run it on a quiet machine: nothing else building, load average under 1.5 (it warns otherwise);
 # the figures in docs/benchmarks.md quote the load next to each table. A suite keeps both cores
 # busy (bench_reduce's two ranks), so before each suite the script waits until the 1-minute load
@@ -59,9 +61,9 @@ run schedule "$bench/bench_schedule" --benchmark_repetitions=5 --benchmark_enabl
   --benchmark_out="$out/schedule.json" --benchmark_out_format=json
 [ -x "$bench/bench_generators" ] && run generators "$bench/bench_generators" --benchmark_repetitions=5 \
   --benchmark_enable_random_interleaving=true --benchmark_out="$out/generators.json" --benchmark_out_format=json
-run comm "$bench/bench_comm"
+run comm "$bench/bench_comm" --benchmark_out="$out/comm.json" --benchmark_out_format=json
 [ -x "$bench/bench_ops" ] && run ops "$bench/bench_ops"
-run plan "$bench/bench_plan"
+run plan "$bench/bench_plan" --benchmark_out="$out/plan.json" --benchmark_out_format=json
 [ -x "$bench/bench_loader" ] && run loader "$bench/bench_loader" --benchmark_repetitions=5 \
   --benchmark_enable_random_interleaving=true --benchmark_out="$out/loader.json" --benchmark_out_format=json
 [ -x "$bench/bench_finetune" ] && run finetune "$bench/bench_finetune" --target=0.48 --max-epochs=10 \
@@ -73,3 +75,5 @@ if command -v gnuplot >/dev/null; then
 else
   echo "gnuplot not installed: no figures (apt-get install gnuplot-nox)" >&2
 fi
+python3 "$(dirname "$0")/bench_tables.py" "$out" > "$out/results.md"
+echo "wrote $out/results.md"
