@@ -187,7 +187,7 @@ TEST_CASE(
 
 TEST_CASE("Accumulator: boundaries every S samples; the remainder keeps its true count") {
   Scalar s;
-  loom::Accumulator acc(s.reducer, {.micro_batches_per_step = 0, .samples_per_step = 6});
+  loom::Accumulator acc(s.reducer, {.micro_batches_per_step = 0, .local_samples_per_step = 6});
   std::vector<std::int64_t> boundaries;
   int i = 0;
   for (std::vector<double> xs :
@@ -229,6 +229,12 @@ TEST_CASE("Accumulator: a rank with no sample gets no NaN; misuse is a loom erro
   CHECK_THROWS_WITH_AS(loom::Accumulator(s.reducer, {.micro_batches_per_step = -1}),
                        doctest::Contains("micro_batches_per_step = -1"), loom::InvalidArgument);
   CHECK_THROWS_WITH_AS((void)acc.micro_batch(-2), doctest::Contains("num_samples = -2"), loom::InvalidArgument);
+  {
+    loom::Batch half;
+    half.num_samples = 4;
+    half.weight = 0.5;  // would count 4 samples while a loss scaled by it adds half: refused, named
+    CHECK_THROWS_WITH_AS((void)acc.micro_batch(half), doctest::Contains("Batch::weight is 0.5"), loom::InvalidArgument);
+  }
   {
     auto open = acc.micro_batch(1);
     CHECK_THROWS_WITH_AS((void)acc.micro_batch(1), doctest::Contains("previous micro-batch was not finished"),

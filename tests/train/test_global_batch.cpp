@@ -14,6 +14,7 @@
 #include <loom/comm/local.hpp>
 #include <loom/sample/global_batch.hpp>
 #include <loom/sample/sample_seed.hpp>
+#include <loom/sample/sampled_batch.hpp>
 
 namespace test_global_batch {
 
@@ -38,6 +39,7 @@ Shapes random_shapes(uint64_t seed, int n, int sizes) {
 std::vector<std::vector<int64_t>> steps_over_ranks(const Shapes& shapes, loom::GlobalBatchOptions o, int w,
                                                    int64_t epoch, std::map<int64_t, int>* uses = nullptr) {
   std::vector<std::vector<int64_t>> steps;
+  std::map<int64_t, std::set<int64_t>> step_samples;  // per step: the Batch::step_samples every item carried
   for (int r = 0; r < w; ++r) {
     o.world_size = w;
     o.rank = r;
@@ -50,6 +52,7 @@ std::vector<std::vector<int64_t>> steps_over_ranks(const Shapes& shapes, loom::G
       ++items;
       REQUIRE(b->step >= last_step);
       last_step = b->step;
+      step_samples[b->step].insert(b->step_samples);
       if (b->idle) {
         CHECK(b->weight == 0.0);
         CHECK(b->indices.empty());
@@ -66,6 +69,9 @@ std::vector<std::vector<int64_t>> steps_over_ranks(const Shapes& shapes, loom::G
     CHECK(items == s.size());
   }
   for (auto& v : steps) std::sort(v.begin(), v.end());
+  // Every item of a step, idle ones included, on every rank, carries the samples the ranks ran in it.
+  for (std::size_t k = 0; k < steps.size(); ++k)
+    CHECK(step_samples[static_cast<int64_t>(k)] == std::set<int64_t>{static_cast<int64_t>(steps[k].size())});
   return steps;
 }
 
@@ -187,6 +193,10 @@ TEST_CASE("GlobalBatchSampler: a rank with no batch of a step yields one idle it
   REQUIRE(b);
   CHECK(b->idle);
   CHECK(b->step_end);
+  CHECK(b->step_samples == 6);  // the step's 6 samples run on ranks 0-2
+  const loom::Batch joined = loom::collate_sampled(*b, [](int64_t) { return at::zeros({1, 4}); });
+  CHECK(joined.idle);
+  CHECK(joined.step_samples == 6);
   CHECK_FALSE(s.next());
   o.rank = 0;
   o.world_size = 2;
@@ -196,6 +206,9 @@ TEST_CASE("GlobalBatchSampler: a rank with no batch of a step yields one idle it
   CHECK_FALSE(first->step_end);
   CHECK(second->step_end);
   CHECK(first->indices == std::vector<int64_t>{0, 1});
+  CHECK(loom::collate_sampled(*first, [](int64_t i) {
+          return at::full({1, 4}, static_cast<double>(i));
+        }).step_samples == 6);
   CHECK(second->indices == std::vector<int64_t>{4, 5});
   CHECK_FALSE(two.next());
 }

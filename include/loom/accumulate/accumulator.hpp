@@ -32,7 +32,7 @@
 //   step's planned global samples), and pass it as micro_batch's / join_step's loss_divisor; the
 //   reduction multiplies it back (loom::Trainer does this for 16-bit parameters).
 // Boundaries: after every `micro_batches_per_step` micro-batches and/or once the window holds
-//   `samples_per_step` samples, whichever comes first (0 disables a rule), and after a micro-batch
+//   `local_samples_per_step` samples, whichever comes first (0 disables a rule), and after a micro-batch
 //   opened with closes_step (a batch with step_end: GlobalBatchSampler defines steps itself; set
 //   K = 0 and S = 0 with it, so the steps do not depend on the world size). A rank with no batch in
 //   such a step calls join_step(). A window never carries into the next epoch: end_epoch()
@@ -74,11 +74,11 @@ namespace loom {
 
 /// Options of Accumulator; use with designated initializers.
 ///
-/// Example: `loom::AccumulatorOptions{.micro_batches_per_step = 0, .samples_per_step = 256}`.
+/// Example: `loom::AccumulatorOptions{.micro_batches_per_step = 0, .local_samples_per_step = 256}`.
 /// Units: micro-batches; samples.
 struct AccumulatorOptions {
   std::int64_t micro_batches_per_step = 1;          ///< K: a boundary every K micro-batches (0 = rule off)
-  std::int64_t samples_per_step = 0;                ///< S: a boundary once the window holds >= S samples (0 = off)
+  std::int64_t local_samples_per_step = 0;          ///< S: a boundary once the window holds >= S samples (0 = off)
   std::optional<LossScalerOptions> loss_scaling{};  ///< dynamic loss scaling (see LossScaler)
 };
 
@@ -155,9 +155,9 @@ class Accumulator {
     if (options_.micro_batches_per_step < 0)
       throw InvalidArgument(
           fmt::format("Accumulator: micro_batches_per_step = {} (must be >= 0)", options_.micro_batches_per_step));
-    if (options_.samples_per_step < 0)
+    if (options_.local_samples_per_step < 0)
       throw InvalidArgument(
-          fmt::format("Accumulator: samples_per_step = {} (must be >= 0)", options_.samples_per_step));
+          fmt::format("Accumulator: local_samples_per_step = {} (must be >= 0)", options_.local_samples_per_step));
     if (options_.loss_scaling) scaler_.emplace(*options_.loss_scaling);
   }
 
@@ -185,7 +185,7 @@ class Accumulator {
     const bool boundary =
         closes_step ||
         (options_.micro_batches_per_step > 0 && window_micro_batches_ >= options_.micro_batches_per_step) ||
-        (options_.samples_per_step > 0 && window_samples_ >= options_.samples_per_step);
+        (options_.local_samples_per_step > 0 && window_samples_ >= options_.local_samples_per_step);
     open_ = true;
     try {
       reducer_->prepare_backward({.sync = boundary,
@@ -202,7 +202,14 @@ class Accumulator {
 
   /// Opens a micro-batch for a collated batch: counts batch.counted_samples() (0 when weight == 0);
   /// closes the window after it when batch.step_end is set. `loss_divisor`: as above.
+  /// Throws: loom::InvalidArgument for a Batch::weight other than 1 (counts) or 0 (a repeated batch):
+  ///         a fractional weight would count every sample while scaling the loss.
   [[nodiscard]] MicroBatch micro_batch(const Batch& batch, std::int64_t loss_divisor = 1) {
+    if (batch.weight != 0.0 && batch.weight != 1.0)
+      throw InvalidArgument(fmt::format(
+          "Accumulator::micro_batch: Batch::weight is {}; it is 1 (the batch counts) or 0 (a repeated batch that "
+          "counts no sample); to weight samples differently, scale the loss",
+          batch.weight));
     return micro_batch(batch.counted_samples(), batch.step_end, loss_divisor);
   }
 

@@ -42,9 +42,11 @@ struct Batch {
                                  ///< loom::Accumulator closes the window after it
   int64_t step = -1;             ///< optimizer step within the epoch (batch samplers); -1: not planned
   bool idle = false;             ///< no samples: this rank only joins step `step` (weight 0)
+  int64_t step_samples = 0;      ///< samples step `step` holds over all ranks (GlobalBatchSampler); 0: not planned
 
   /// The samples this batch counts for: num_samples, or 0 for a weight-0 (repeated) batch. The one
-  /// rule loom::Accumulator (window sample counts) and loom::Metrics (weights of means) both apply.
+  /// rule loom::Accumulator (window sample counts), loom::Trainer (the loss's weight) and
+  /// loom::Metrics (weights of means) apply; loom::Accumulator refuses a weight other than 0 or 1.
   [[nodiscard]] int64_t counted_samples() const noexcept { return weight == 0 ? 0 : num_samples; }
 };
 

@@ -196,6 +196,7 @@ class GlobalBatchSampler {
     if (step_ >= num_steps()) return std::nullopt;
     SampledBatch s;
     s.step = step_;
+    s.step_samples = plan_.steps[static_cast<std::size_t>(step_)].num_samples;
     if (current_.empty()) {
       s.weight = 0.0;
       s.idle = true;

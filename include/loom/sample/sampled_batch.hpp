@@ -37,12 +37,13 @@ struct SampledBatch {
   int64_t step = 0;                     ///< step within the epoch
   int64_t batch_id = -1;                ///< position in the epoch's plan (-1 when idle)
   bool step_end = false;                ///< this rank's last batch of its optimizer step (GlobalBatchSampler)
+  int64_t step_samples = 0;             ///< samples the step holds over all ranks (GlobalBatchSampler); 0: not planned
 
   friend bool operator==(const SampledBatch&, const SampledBatch&) = default;
 };
 
 /// Collates the samples of a SampledBatch: fetches each index, pads to its padded_shape, and
-/// copies the batch's weight, step, step_end and idle flag. Idle batches give an empty Batch
+/// copies the batch's weight, step, step_end, step_samples and idle flag. Idle batches give an empty Batch
 /// (num_samples 0, weight 0, idle, no tensors).
 /// Each sample's bytes are copied (to a staging buffer, then into the batch) before the next
 /// fetch, so a `fetch` that decodes into one reused output buffer gives correct rows.
@@ -57,6 +58,7 @@ Batch collate_sampled(const SampledBatch& sb, Fetch&& fetch, CollateOptions o = 
     b.weight = 0.0;
     b.step = sb.step;
     b.step_end = sb.step_end;
+    b.step_samples = sb.step_samples;
     b.idle = true;
     return b;
   }
@@ -70,6 +72,7 @@ Batch collate_sampled(const SampledBatch& sb, Fetch&& fetch, CollateOptions o = 
   b.weight = sb.weight;
   b.step = sb.step;
   b.step_end = sb.step_end;
+  b.step_samples = sb.step_samples;
   return b;
 }
 

@@ -13,63 +13,19 @@
 // core: a BatchLoader and a Trainer built from the process group, the model and the optimizer, then
 //   for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
 //
-// What loom does, so the loop cannot forget it:
-//   - the loss is the batch MEAN (PyTorch's default reduction; TrainerOptions::loss = sum for a
-//     summed loss); loom multiplies it by the batch's real samples, so the step's gradient is the
-//     mean over every sample of the step on every rank (ReducerOptions::average = samples), and a
-//     repeated batch (weight 0) adds nothing; with float16/bfloat16 parameters and a loader whose
-//     sampler exposes plan() (BatchLoader) it multiplies by the batch's samples / the step's planned
-//     global samples instead (BackwardPlan::loss_divisor), so a backward's gradient is its share of
-//     the step's mean and does not overflow float16 (small ones can underflow without loss
-//     scaling: set TrainerOptions::loss_scaling for float16), and the reducer sums the
-//     micro-batches in float32 (ReducerOptions::float32_accumulation);
-//   - the step boundary comes from the plan (Batch::step_end): the optimizer's step() and
-//     zero_grad() run there, inside backward(); a step with inf/NaN is skipped on every rank and
-//     reported (rank 0's warning names its epoch, step and samples; TrainerOptions::skipped_steps
-//     makes it an error, and 50 in a row are one by default); before_step() runs before
-//     optimizer.step() with the averaged gradients on the parameters (clipping goes there);
-//   - a step in which this rank has no batch is joined without a backward (the loop never sees it);
-//   - the epoch's end (remainder and join) runs when the loop over trainer.epoch(...) ends.
-// What is checked, each a loom error naming what was forgotten or misplaced (docs/loop.md lists the
-// messages):
-//   - a batch the loop received but never passed to backward() (at the next batch or the end);
-//   - a backward() outside backward() (loss.backward() by hand: its gradient would not be reduced);
-//   - backward() twice for one batch, or for a batch the loop did not just receive;
-//   - a loss that is not a one-element floating tensor requiring grad;
-//   - a parameter written in place outside the Trainer's step and on_step() (its version counter
-//     moved), or a gradient set by hand between two calls of the Trainer;
-//   - replicas that differ: every step's reduction compares the optimizer's parameter-group options
-//     across the ranks (riding in the window meta, Reducer::compare_replicas; a learning rate
-//     changed in the loop body parts them), each epoch's last one also checksums of the parameters:
-//     loom::Error on every rank naming the rank and the option or parameter (check_replicas() on
-//     demand); ranks whose TrainerOptions::reducer differ stop at construction;
-//   - leaving the loop before the epoch's end (break, return): ranks run the body different numbers
-//     of times, so no place in the body is the same step on every rank. The rank that leaves closes
-//     one last window marked "leaving" (BackwardPlan::leaving), the ranks still in that step see it
-//     in their reduction, and every rank throws loom::Error; trainer.stop() from on_step() is the
-//     way to end an epoch early (a break right after the boundary at which stop() took effect is
-//     that stop). The Trainer refuses further use afterwards. An exception out of the loop body
-//     sends nothing; when it left a step open, the Trainer refuses further use too.
-// At construction (loom::InvalidArgument, before any collective): reducer options that contradict
-// the Trainer's weighting (ReducerOptions::average other than samples); an optimizer (one with
-// param_groups(), as every torch::optim optimizer) holding a tensor that is not one of the model's
-// parameters, or missing one of its trainable parameters; a second Trainer or Reducer on a model
-// whose first one is still alive (loom::Reducer's rule). Gradients the parameters already hold (a
-// smoke-test backward) are cleared: the first step starts from zero, as the PyTorch habit of
-// zero_grad() at the top of the loop would have it.
-// Between the Trainer's calls the parameters hold no gradients, so a leftover zero_grad() or
-// optimizer.step() in the loop body changes nothing (docs/loop.md explains why).
-// One rule the loop keeps: no collective in the loop body. A step's batches are dealt to the ranks
-// by cost, so ranks run the body different numbers of times; per-step work that talks to the other
-// ranks (a progress count, a checkpoint) goes into on_step(), which every rank runs at every step.
-// The low-level layer (loom::Reducer, loom::Accumulator) stays public for loops of another shape.
+// What it does for the loop (the loss weighted by the batch's real samples, the step boundary from
+// the plan, steps with inf/NaN skipped and reported, idle steps joined, the epoch's end) and what
+// it checks (a batch never passed to backward, a backward by hand, a parameter written in the loop
+// body, replicas that differ, leaving the loop early, ranks that plan differently): docs/loop.md,
+// "What loom checks", with every message. One rule the loop keeps: no collective in the loop body
+// (ranks run it different numbers of times per step); per-step work that talks to the other ranks
+// goes into on_step(), which every rank runs at every step.
 //
-// Cost: one Accumulator micro-batch per batch (the callgrind comparison of
-// scripts/callgrind_overhead.sh holds this layer to the hand-written loop); one tiny collective per
-// epoch end, and one all_gather of 7 integers per epoch start (the plan check); the optimizer's
-// options hashed on the host per backward; every parameter's bytes read once per epoch end (the
-// replica checksum; a GPU parameter copied to the host first).
-// Throws: see above; the reducer's, accumulator's, loader's and optimizer's errors.
+// Cost: one Accumulator micro-batch per batch; one all_gather of the plan's fingerprint per epoch
+// start, one tiny collective per epoch end; the optimizer's options hashed on the host per
+// backward; every parameter's bytes read once per epoch end (the replica checksum).
+// Throws: loom::Error for a protocol step out of order, loom::InvalidArgument for bad input (both
+//         listed in docs/loop.md); the reducer's, accumulator's, loader's and optimizer's errors.
 // Source: the short path over a low-level layer of HF Accelerate (accumulate / backward /
 //         gather_for_metrics) and Lightning Fabric (backward, no_backward_sync).
 #pragma once
@@ -105,30 +61,26 @@
 
 namespace loom {
 
-/// The short training path. See the file comment. Not copyable or movable (the epoch range and
-/// the reducer's hooks point at it).
-///
-/// Example: see the file comment.
-/// Throws: see the file comment.
-/// Source: see the file comment.
+/// The short training path: epoch(), backward() and the step at each boundary (guide: docs/loop.md).
+/// Not copyable or movable (the epoch range and the reducer's hooks point at it).
+/// Example: `loom::Trainer trainer(pg, *model, sgd); for (auto& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);`
 template <Communicator Comm, StepOptimizer Opt>
 class Trainer {
  public:
   using ReducerType = Reducer<Comm>;
 
-  /// Checks the options and the optimizer's parameters against `params`, clears gradients the
-  /// parameters already hold, then checks and broadcasts the parameters (rank 0's everywhere) and
-  /// builds the reducer and accumulator.
-  /// Throws: loom::InvalidArgument (see the file comment: options, optimizer parameters, a second
-  ///         Trainer on the same model; the reducer's checks), the communicator's errors.
+  /// Checks the options and the optimizer's parameters against `params`, clears gradients they hold,
+  /// broadcasts rank 0's parameters and builds the reducer and accumulator.
+  /// Throws: loom::InvalidArgument (options, the optimizer's parameters, a second Trainer on the
+  ///         same model, the reducer's checks; docs/loop.md lists them), the communicator's errors.
   Trainer(Comm& comm, ParameterList params, Opt& optimizer, TrainerOptions options = {})
       : comm_(&comm),
         optimizer_(&optimizer),
         options_(std::move(options)),
-        reducer_(
-            make_reducer(comm, detail::prepared_parameters(std::move(params), optimizer, options_), options_.reducer)),
+        reducer_(detail::make_trainer_reducer<ReducerType>(
+            comm, detail::prepared_parameters(std::move(params), optimizer, options_), options_.reducer)),
         accumulator_(reducer_,
-                     {.micro_batches_per_step = 0, .samples_per_step = 0, .loss_scaling = options_.loss_scaling}),
+                     {.micro_batches_per_step = 0, .local_samples_per_step = 0, .loss_scaling = options_.loss_scaling}),
         skips_(options_.skipped_steps, options_.loss_scaling.has_value(), comm.rank()) {
     const auto& list = reducer_.parameters();
     guard_ = detail::TrainableGuard(list);
@@ -145,13 +97,11 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  /// The loop over this rank's batches of epoch `epoch` (see EpochRange). Parameters may be changed between epochs (a checkpoint loaded, an evaluation's write-back):
-  /// the check for changes outside the optimizer step starts afresh here.
-  /// Every rank must plan alike: one all_gather of 7 integers compares the loader's plan (seed, epoch,
-  /// step, options and shapes, dealing, world size) across ranks (loom::check_same_plan).
-  /// Throws: loom::Error when this Trainer refuses further use (a previous loop was left early);
-  ///         loom::InvalidArgument when the ranks plan differently, or the loader was resumed into
-  ///         another epoch (the loader's errors).
+  /// The loop over this rank's batches of epoch `epoch` (an EpochRange); the ranks' plans are
+  /// compared first (loom::check_same_plan). Parameters may change between epochs.
+  /// Example: `for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);`
+  /// Throws: loom::Error when this Trainer refuses further use; loom::InvalidArgument when the ranks
+  ///         plan differently or the loader was resumed into another epoch.
   template <BatchSource Loader>
   [[nodiscard]] EpochRange<Trainer, Loader> epoch(Loader& loader, int64_t epoch) {
     if (!broken_.empty())
@@ -167,7 +117,6 @@ class Trainer {
       failed = std::current_exception();
     }
     epoch_ = epoch;
-    step_divisors_.clear();
     skips_.begin_epoch(epoch);
     steps_in_epoch_ = 0;
     plan_ = nullptr;
@@ -176,9 +125,6 @@ class Trainer {
     planned_ = PlannedBatchSource<Loader>;
     if constexpr (PlannedBatchSource<Loader>) {
       if (!failed) plan_ = &loader.sampler().plan();
-      if (sixteen_bit_ && !failed)
-        for (const auto& step : loader.sampler().plan().steps)
-          step_divisors_.push_back(std::clamp<int64_t>(step.num_samples, 1, kMaxLossDivisor));
       trace::set_position(*comm_, 0, 0, planned_);
       trace::Scope scope(*comm_, trace::Context::sampler_check);
       check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch), failed);
@@ -188,8 +134,7 @@ class Trainer {
     guard_.record_versions(reducer_.parameters());
     return EpochRange<Trainer, Loader>(this, &loader);
   }
-  /// What epoch() is called with when the loader is no BatchSource: one static_assert saying what it
-  /// must be (the empty span only lets the caller's range-for compile on to that message).
+  /// A loader that is no BatchSource: one static_assert saying what it must be.
   template <class Loader>
   requires(!BatchSource<Loader>) std::span<Batch> epoch(Loader&, int64_t) {
     static_assert(
@@ -200,12 +145,9 @@ class Trainer {
     return {};
   }
 
-  /// Advances the running epoch loop (what EpochRange's iterator does): joins the steps in which
-  /// this rank has no batch (idle batches), closes the epoch at the source's end, and ends the loop at
-  /// the step boundary after stop(). Returns this rank's next batch (valid until the next call), or
-  /// nullptr when the loop is over.
-  /// Throws: loom::Error without a running loop (epoch() first, once per loop) or when the previous
-  ///         batch was never passed to backward; the source's, the reducer's and on_step's errors.
+  /// EpochRange's step: joins steps without a batch here, closes the epoch at the source's end, stops
+  /// at the boundary after stop(). Returns the next batch (valid until the next call) or nullptr.
+  /// Throws: loom::Error without a running loop or when the previous batch missed its backward.
   template <BatchSource Loader>
   Batch* next_batch(Loader& loader) {
     if (!loop_open_) throw Error("Trainer::next_batch: no epoch loop is running (call trainer.epoch(loader, e) first)");
@@ -222,7 +164,7 @@ class Trainer {
         return nullptr;
       }
       if (batch->idle) {
-        join(batch->step);
+        join(*batch);
         continue;
       }
       receive(std::move(*batch));
@@ -230,13 +172,9 @@ class Trainer {
     }
   }
 
-  /// A started loop ended before next_batch returned nullptr (EpochRange's destructor):
-  ///  - by an exception (`by_exception`): nothing is sent (the error is on its way); when a step was
-  ///    open, this Trainer refuses further use (its gradients and counts belong to a step that never
-  ///    closed);
-  ///  - right after stop() took effect at a boundary: as if the loop had ended by stop() (the other
-  ///    ranks stop there too);
-  ///  - otherwise (a break or return): every rank is told, and this throws loom::Error (see the file comment).
+  /// EpochRange's destructor before the loop's end: after an exception nothing is sent (a step left
+  /// open makes this Trainer refuse further use); right after stop() it is that stop; after a break
+  /// or return every rank is told and this throws loom::Error (docs/loop.md, "What loom checks").
   void end_loop_early(bool by_exception) {
     loop_open_ = false;
     if (by_exception) {
@@ -250,12 +188,11 @@ class Trainer {
     leave_loop();
   }
 
-  /// Backward of `loss` for `batch`, the batch the epoch loop just yielded; at the end of this rank's
-  /// share of a step: the reduction, optimizer.step() (unless inf/NaN anywhere) and zero_grad().
-  /// Returns the SyncResult (boundary, apply, global samples, norm).
+  /// Backward of `loss` for the batch the loop just yielded; at this rank's end of a step also the
+  /// reduction, optimizer.step() (when the verdict is apply) and zero_grad(). Returns the SyncResult.
   /// Shape: `loss` has one element (the batch mean, or the sum with LossReduction::sum).
-  /// Throws: loom::InvalidArgument (a bad loss), loom::Error (a protocol step out of order, see the
-  ///         file comment), the reducer's errors.
+  /// Throws: loom::InvalidArgument (a bad loss), loom::Error (a protocol step out of order), the
+  ///         reducer's errors.
   SyncResult backward(const at::Tensor& loss, const Batch& batch) {
     check_no_stray_backward("Trainer::backward");
     if (!current_ || !same_batch(*current_, batch))
@@ -270,12 +207,14 @@ class Trainer {
     detail::check_trainer_loss(loss);
     guard_.check_untouched(reducer_.parameters(), "Trainer::backward");
     guard_.restore(reducer_.parameters(), "Trainer::backward");
-    const int64_t divisor = loss_divisor(current_step_);
+    const int64_t divisor = loss_divisor(batch);
     share_replica_state(/*with_parameters=*/false);
     auto mb = accumulator_.micro_batch(batch, divisor);
     at::Tensor total = loss.reshape({});
-    double factor = batch.weight / static_cast<double>(divisor);
-    if (options_.loss == LossReduction::mean) factor *= static_cast<double>(batch.num_samples);
+    // The loss's weight: its real samples (mean loss) or 1 (summed loss); 0 for a repeated batch.
+    const auto counted = static_cast<double>(batch.counted_samples());
+    const double factor =
+        (options_.loss == LossReduction::mean ? counted : (counted > 0 ? 1.0 : 0.0)) / static_cast<double>(divisor);
     if (factor != 1.0) total = total * factor;
     mb.scale(total).backward();
     arrivals_seen_ = reducer_.gradient_arrivals();
@@ -286,39 +225,26 @@ class Trainer {
     return last_;
   }
 
-  /// Calls `fn(result)` after every step boundary on this rank — applied or skipped, including
-  /// steps this rank only joined and the epoch's end — so every rank calls it equally often
-  /// (unlike the loop body: a step's batches are dealt unevenly). The place for per-step work that
-  /// must stay in step across ranks: a progress count (Progress::add_global(r.global_samples)), a
-  /// learning-rate schedule, a checkpoint every N steps.
+  /// Calls `fn(result)` after every step boundary (applied, skipped or joined), equally often on
+  /// every rank: the place for per-step work across ranks (progress, a schedule, checkpoints).
   /// Example: `trainer.on_step([&](const loom::SyncResult& r) { progress.add_global(r.global_samples); });`
   void on_step(std::function<void(const SyncResult&)> fn) { on_step_ = std::move(fn); }
 
-  /// Calls `fn(result)` at every step boundary that applies a step, after the reduction and before
-  /// optimizer.step(): each parameter's .grad() holds the step's averaged gradient, the same on every
-  /// rank. The place for clipping (torch::nn::utils::clip_grad_norm_ / clip_grad_value_), gradient
-  /// logging or surgery; what it does must be the same on every rank (it runs on every rank at the
-  /// same steps). In the loop body the parameters hold no gradient, so clipping there does nothing.
+  /// Calls `fn(result)` before each applied optimizer.step(), with the step's averaged gradients on
+  /// the parameters (the same on every rank): the place for clipping or gradient surgery.
   /// Example: `trainer.before_step([&](const loom::SyncResult&) { torch::nn::utils::clip_grad_value_(params, 0.5); });`
   void before_step(std::function<void(const SyncResult&)> fn) { before_step_ = std::move(fn); }
 
-  /// Compares the optimizer's options and the parameters' values (checksums of their bytes) across
-  /// the ranks now: two small all_gathers. Every rank must call it at the same point (between epoch
-  /// loops, or in on_step); save_checkpoint calls it before writing. The Trainer also compares the
-  /// options at every step and the parameters at every epoch's end, inside its reductions.
-  /// Throws: loom::Error on every rank naming the first option (group, name, both values, the rank) or
-  ///         parameter that differs; the communicator's errors.
+  /// Compares the optimizer's options and the parameters' checksums across the ranks now (two small
+  /// all_gathers; every rank at the same point, e.g. in on_step). save_checkpoint calls it.
+  /// Throws: loom::Error on every rank naming the first option or parameter that differs.
   void check_replicas(const char* where = "Trainer::check_replicas") {
     detail::check_replicas_now(*comm_, *optimizer_, reducer_.parameters(), where);
   }
 
-  /// Ends the running epoch loop at the current step boundary: the range stops yielding batches
-  /// without running further steps (and without the end-of-epoch flush, which has nothing to do at
-  /// a boundary). Call it from on_step, which every rank runs at the same step, so every rank stops
-  /// there. The next epoch() clears it.
+  /// Ends the running epoch loop at the current step boundary on every rank (call it from on_step).
   /// Example: `trainer.on_step([&](const loom::SyncResult&) { if (++n == max_steps) trainer.stop(); });`
-  /// Throws: loom::Error when called outside on_step (from the loop body it would stop this rank
-  ///         alone, at a step the other ranks do not stop at).
+  /// Throws: loom::Error outside on_step (from the loop body it would stop this rank alone).
   void stop() {
     if (!in_on_step_)
       throw Error(
@@ -342,15 +268,12 @@ class Trainer {
   }
   /// What a checkpoint keeps of this Trainer (loom::save_checkpoint, loom/train/checkpoint.hpp).
   [[nodiscard]] TrainerState state() const {
-    return {steps_, skipped_, loss_scaler_state(),
-            reducer_.options().deterministic ? reducer_.grid_exponents() : std::vector<int>{}};
+    return {steps_, skipped_, loss_scaler_state(), reducer_.grid_exponents()};
   }
-  /// Continues the step counts and the loss scaler from a checkpoint's state, between epoch loops,
-  /// and a deterministic reducer's grid exponents (ignored when this Trainer's reducer is not
-  /// deterministic; a state without them keeps the current grids, e.g. a floating run's checkpoint).
-  /// Throws: loom::Error while an epoch loop runs; loom::InvalidArgument for negative counts, as
-  ///         load_loss_scaler_state, when this Trainer scales the loss and `state` has no scaler
-  ///         state, or as Reducer::load_grid_exponents (another count of trainable parameters).
+  /// Continues the step counts, the loss scaler and a deterministic reducer's grid exponents from a
+  /// checkpoint's state, between epoch loops (grids absent from `state` stay as they are).
+  /// Throws: loom::Error inside an epoch loop; loom::InvalidArgument for negative counts, a missing
+  ///         scaler state, or as Reducer::load_grid_exponents.
   void load_state(const TrainerState& state) {
     if (loop_open_) throw Error("Trainer::load_state: an epoch loop is running; load a checkpoint between epochs");
     detail::check_trainer_state(state);
@@ -490,13 +413,13 @@ class Trainer {
     backward_done_ = false;
   }
 
-  void join(int64_t step) {
+  void join(const Batch& idle) {
     check_between_calls();
     guard_.restore(reducer_.parameters(), "Trainer::epoch");
-    current_step_ = step;
-    trace::set_position(*comm_, step, 0, planned_);
+    current_step_ = idle.step;
+    trace::set_position(*comm_, idle.step, 0, planned_);
     share_replica_state(/*with_parameters=*/false);
-    last_ = accumulator_.join_step(loss_divisor(step));
+    last_ = accumulator_.join_step(loss_divisor(idle));
     apply(last_);
   }
 
@@ -514,14 +437,12 @@ class Trainer {
     skips_.end_epoch(steps_in_epoch_);
   }
 
-  /// What the losses of `step` are divided by (BackwardPlan::loss_divisor): with float16/bfloat16
-  /// parameters the step's planned global sample count (capped at kMaxLossDivisor), the same on every
-  /// rank, so a backward's gradient is its share of the step's mean and stays in the 16-bit range;
-  /// otherwise 1 (the loss times its samples, divided once by the global count after the all-reduce).
-  int64_t loss_divisor(int64_t step) const {
-    return step >= 0 && step < static_cast<int64_t>(step_divisors_.size())
-               ? step_divisors_[static_cast<std::size_t>(step)]
-               : 1;
+  /// What the losses of `batch`'s step are divided by (BackwardPlan::loss_divisor): with
+  /// float16/bfloat16 parameters the step's planned global samples (Batch::step_samples, capped at
+  /// kMaxLossDivisor), the same on every rank, so a backward's gradient is its share of the step's
+  /// mean and stays in the 16-bit range; otherwise 1 (divided once by the global count after the all-reduce).
+  int64_t loss_divisor(const Batch& batch) const {
+    return sixteen_bit_ && batch.step_samples > 0 ? std::clamp<int64_t>(batch.step_samples, 1, kMaxLossDivisor) : 1;
   }
 
   [[noreturn]] void forgotten() { throw Error(detail::forgotten_message(epoch_, batch_number_, current_step_)); }
@@ -529,24 +450,11 @@ class Trainer {
   Comm* comm_;
   Opt* optimizer_;
   TrainerOptions options_;
-  // The reducer; its refusals (bad TrainerOptions::reducer, parameters it cannot reduce) name the Trainer.
-  static ReducerType make_reducer(Comm& comm, ParameterList params, const ReducerOptions& options) {
-    try {
-      return ReducerType(comm, std::move(params), options);
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(
-          fmt::format("Trainer: its loom::Reducer (TrainerOptions::reducer, the model's parameters) "
-                      "refused: {}",
-                      detail::first_line(e.what())));
-    }
-  }
-
   ReducerType reducer_;
   Accumulator<ReducerType> accumulator_;
-  detail::TrainableGuard guard_;        // the trainable parameters' versions and held gradients
-  std::vector<int64_t> step_divisors_;  // this epoch's loss divisor per step (empty: 1 for every step)
-  bool sixteen_bit_ = false;            // a trainable parameter is float16 or bfloat16
-  std::string broken_;                  // why this Trainer refuses further use (empty: usable)
+  detail::TrainableGuard guard_;  // the trainable parameters' versions and held gradients
+  bool sixteen_bit_ = false;      // a trainable parameter is float16 or bfloat16
+  std::string broken_;            // why this Trainer refuses further use (empty: usable)
   std::optional<Batch> current_;
   SyncResult last_{};
   std::function<void(const SyncResult&)> on_step_;

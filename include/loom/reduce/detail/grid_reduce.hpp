@@ -115,11 +115,10 @@ ReducedWindow reduce_on_grid(WindowCore<Comm>& core, std::vector<GridSlot>& grid
           const std::int64_t numel = core.param(k).numel();
           const std::int64_t offset = slots[k].offset;
           scalar_t* dst = b.flat.data_ptr<scalar_t>() + offset;
-          v[static_cast<std::size_t>(j)] =
-              narrow ? dequantize_cpu(q.wire.data_ptr<std::int32_t>() + offset, dst, numel, grid[k].exponent,
-                                      multiplier, divisor, bad)
-                     : dequantize_cpu(q.flat.data_ptr<std::int64_t>() + offset, dst, numel, grid[k].exponent,
-                                      multiplier, divisor, bad);
+          v[static_cast<std::size_t>(j)] = narrow ? dequantize_cpu(q.wire.data_ptr<std::int32_t>() + offset, dst, numel,
+                                                                   grid[k].exponent, multiplier, divisor, bad)
+                                                  : dequantize_cpu(q.flat.data_ptr<std::int64_t>() + offset, dst, numel,
+                                                                   grid[k].exponent, multiplier, divisor, bad);
         }
       });
       if (b.main && !bad) bad = !at::isfinite(b.head.to(b.param_dtype)).all().template item<bool>();
@@ -143,9 +142,9 @@ ReducedWindow reduce_on_grid(WindowCore<Comm>& core, std::vector<GridSlot>& grid
       for (std::size_t k : b.slots) {
         const auto& s = slots[k];
         const std::int64_t numel = core.param(k).numel();
-        auto [largest, not_finite] = dequantize_aten(q.flat.narrow(0, s.offset, numel),
-                                                     b.flat.narrow(0, s.offset, numel), grid[k].exponent, multiplier,
-                                                     divisor);
+        auto [largest, not_finite] =
+            dequantize_aten(q.flat.narrow(0, s.offset, numel), b.flat.narrow(0, s.offset, numel), grid[k].exponent,
+                            multiplier, divisor);
         parts.push_back(largest);
         bad.add_(not_finite);
       }

@@ -68,9 +68,9 @@ struct WindowCore {
   bool meta_ready = false;                 // meta holds the window's sum (decoded from the first bucket)
   std::pair<at::Tensor, at::Tensor> meta_tables;  // MetaLimbs::tables for a first bucket off the host
   HostReads reads;
-  bool in_hook = false;            // a gradient hook is running (HostReads::in_hooks)
-  std::int64_t loss_divisor = 1;   // this rank's BackwardPlan::loss_divisor of the current sync window (0: none)
-  double grad_scale = 1.0;         // BackwardPlan::grad_scale of the current sync window
+  bool in_hook = false;           // a gradient hook is running (HostReads::in_hooks)
+  std::int64_t loss_divisor = 1;  // this rank's BackwardPlan::loss_divisor of the current sync window (0: none)
+  double grad_scale = 1.0;        // BackwardPlan::grad_scale of the current sync window
   WindowState window = WindowState::closed;
 
   WindowCore(Comm& c, ParameterList l, ReducerOptions o)
@@ -169,18 +169,17 @@ struct WindowCore {
 /// 10. `reattach(core, k)`: slot k's .grad() is the slot again (a window ends).
 /// Not required: thread safety (the caller locks), knowledge of hooks or of the window meta's encoding.
 template <class A, class Comm>
-concept WindowArithmetic =
-    requires(A a, WindowCore<Comm>& core, const BackwardPlan& plan, std::size_t k, bool clip) {
-      { A::kFloating } -> std::convertible_to<bool>;
-      a.buckets_allocated(core);
-      a.begin_window(core);
-      a.before_backward(core);
-      a.begin_sync(core, plan);
-      a.gradient_arrived(core, k);
-      a.check_not_late(core, k);
-      a.launch(core, k);
-      { a.reduce(core, clip) } -> std::same_as<ReducedWindow>;
-      a.reattach(core, k);
-    };
+concept WindowArithmetic = requires(A a, WindowCore<Comm>& core, const BackwardPlan& plan, std::size_t k, bool clip) {
+  { A::kFloating } -> std::convertible_to<bool>;
+  a.buckets_allocated(core);
+  a.begin_window(core);
+  a.before_backward(core);
+  a.begin_sync(core, plan);
+  a.gradient_arrived(core, k);
+  a.check_not_late(core, k);
+  a.launch(core, k);
+  { a.reduce(core, clip) } -> std::same_as<ReducedWindow>;
+  a.reattach(core, k);
+};
 
 }  // namespace loom::detail

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -239,5 +240,18 @@ class TrainableGuard {
   std::vector<int64_t> versions_;       // their version counters after the Trainer's last write
   std::vector<at::Tensor> hidden_;      // inside a step: their gradients between the Trainer's calls
 };
+
+/// Builds the Trainer's reducer; its refusals (bad TrainerOptions::reducer, parameters it cannot
+/// reduce) name the Trainer. Throws: loom::InvalidArgument "Trainer: its loom::Reducer ... refused: ...".
+template <class ReducerType, class Comm>
+ReducerType make_trainer_reducer(Comm& comm, ParameterList params, const ReducerOptions& options) {
+  try {
+    return ReducerType(comm, std::move(params), options);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(
+        fmt::format("Trainer: its loom::Reducer (TrainerOptions::reducer, the model's parameters) refused: {}",
+                    first_line(e.what())));
+  }
+}
 
 }  // namespace loom::detail
