@@ -1,5 +1,6 @@
 // loom::Reducer in one process: LocalCommunicator and the recording archetypes. Multi-rank
 // behaviour is in test_reduce_dist.cpp and tests/accumulate/test_field_dist.cpp (real processes over Gloo).
+#include <cmath>
 #include <optional>
 #include <sstream>
 
@@ -293,6 +294,29 @@ TEST_CASE("Reducer: buckets are rebuilt once, after the first step, in the order
   reducer.finish_window();
   CHECK(reducer.bucket_params() == ready_order);
   CHECK(torch::allclose(w1.grad(), before[0], 1e-12, 0));  // (g + g) / 2
+}
+
+TEST_CASE("Reducer: rebuild_buckets = false keeps the reverse registration order for good") {
+  // The same model as above: the ready order (w3, w2, w1) differs from the reverse registration order.
+  auto w1 = torch::full({4}, 0.5).requires_grad_();
+  auto w2 = torch::full({4}, 0.25).requires_grad_();
+  auto w3 = torch::full({4}, 2.0).requires_grad_();
+  loom::LocalCommunicator comm;
+  loom::Reducer reducer(comm, {.names = {"w2", "w3", "w1"}, .params = {w2, w3, w1}},
+                        {.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1, .rebuild_buckets = false});
+  const std::vector<std::vector<std::size_t>> registration_reversed = {{2}, {1}, {0}};
+  auto x = torch::arange(4, torch::kDouble).add(1.0);
+  for (int window = 0; window < 3; ++window) {
+    reducer.prepare_backward({.sync = true, .window_samples = 1});
+    (w3 * torch::tanh(w2 * torch::tanh(w1 * x))).sum().backward();
+    reducer.finish_window();
+    CHECK_FALSE(reducer.rebuilt());
+    CHECK(reducer.bucket_params() == registration_reversed);
+    // d/dw3 of sum(w3 * tanh(w2 * tanh(w1 * x))) = tanh(0.25 * tanh(0.5 * x)), x = 1..4, by hand in float64.
+    for (int i = 0; i < 4; ++i)
+      CHECK(w3.grad()[i].item<double>() == doctest::Approx(std::tanh(0.25 * std::tanh(0.5 * (i + 1)))).epsilon(1e-6));
+    for (auto* p : {&w1, &w2, &w3}) p->mutable_grad().zero_();
+  }
 }
 
 TEST_CASE("Reducer: a parameter used nowhere keeps its gradient (undefined stays undefined, stale 7 stays 7)") {
