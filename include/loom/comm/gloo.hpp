@@ -155,8 +155,7 @@ struct GlooOptions {
                                ///< else "loom-trace" in the working folder (docs/debugging.md)
 };
 
-/// A communicator over c10d's ProcessGroupGloo. Models AsyncCommunicator; its async calls return a
-/// GlooWork (loom/comm/detail/gloo_work.hpp).
+/// A communicator over c10d's ProcessGroupGloo. Models AsyncCommunicator; all_reduce_async returns a GlooWork.
 ///
 /// Example: see the header comment.
 /// Shape: collectives take one contiguous tensor of the same shape and dtype on every rank.
@@ -414,6 +413,8 @@ class GlooCommunicator {
 
 static_assert(WorkHandle<GlooWork>, "GlooWork must model loom::WorkHandle");
 static_assert(AsyncCommunicator<GlooCommunicator>, "GlooCommunicator must model loom::AsyncCommunicator");
+static_assert(trace::TracedCommunicator<GlooCommunicator>,
+              "GlooCommunicator must model loom::trace::TracedCommunicator");
 
 }  // namespace loom
 

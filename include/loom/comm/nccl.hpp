@@ -398,6 +398,8 @@ class NcclCommunicator {
 };
 
 static_assert(AsyncCommunicator<NcclCommunicator>, "NcclCommunicator must model loom::AsyncCommunicator");
+static_assert(trace::TracedCommunicator<NcclCommunicator>,
+              "NcclCommunicator must model loom::trace::TracedCommunicator");
 static_assert(WorkHandle<NcclWork>, "NcclWork must model loom::WorkHandle");
 
 }  // namespace loom

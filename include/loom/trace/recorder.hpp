@@ -5,7 +5,8 @@
 // communicator records each public collective call as it is issued, completes or fails. loom's
 // parts say who is calling through a Scope (the reducer's window meta and buckets, metrics, the
 // sampler check, ...); a call outside any Scope is `Context::user`. The Trainer (or a user's own
-// loop, through set_position) says which step and micro-batch the rank is in.
+// loop, through set_position) says which step and micro-batch the rank is in. Both reach the
+// recorder of a communicator that models TracedCommunicator (below); any other is not recorded.
 //
 // Example:
 //   loom::GlooCommunicator comm(env);
@@ -274,13 +275,33 @@ class FlightRecorder {
   std::shared_ptr<const std::function<std::string(const std::string&)>> handler_;
 };
 
-/// The communicator's recorder, or nullptr when it keeps none (LocalCommunicator, a user's own
-/// communicator without a `flight_recorder()` member returning FlightRecorder*).
+/// A communicator that keeps a flight recorder loom's parts can reach: GlooCommunicator,
+/// NcclCommunicator and ProcessGroup model it; LocalCommunicator does not.
+///
+/// Example: `static_assert(loom::trace::TracedCommunicator<loom::GlooCommunicator>);`
+///
+/// Requirements:
+///  1. `c.flight_recorder()` on a `C&` returns something convertible to `FlightRecorder*`. Reason:
+///     loom's parts reach the recorder through the communicator they were given (recorder_of):
+///     Scope names the part issuing a collective, set_position the step and micro-batch, and the
+///     reducer sends the recorder's fingerprint in its window meta; none of them knows the backend.
+///  2. The pointer may be null (the recorder is off, as with GlooOptions::flight_recorder = false,
+///     or the communicator was moved from). Reason: turning the recorder off must not change the
+///     communicator's type; every caller checks.
+/// Not required: being a loom::Communicator (this folder sits below loom/comm/; the parts that take
+/// a communicator constrain it there), owning the recorder (a wrapper may return its inner
+/// communicator's), thread safety beyond FlightRecorder's own. A type without the member is no
+/// error: recorder_of returns nullptr, and Scope and set_position do nothing.
+template <class C>
+concept TracedCommunicator = requires(C& c) {
+  { c.flight_recorder() } -> std::convertible_to<FlightRecorder*>;
+};
+
+/// The communicator's recorder, or nullptr when it keeps none (a type that does not model
+/// TracedCommunicator: LocalCommunicator, a user's own communicator without `flight_recorder()`).
 template <class C>
 FlightRecorder* recorder_of(C& comm) noexcept {
-  if constexpr (requires {
-                  { comm.flight_recorder() } -> std::convertible_to<FlightRecorder*>;
-                })
+  if constexpr (TracedCommunicator<C>)
     return comm.flight_recorder();
   else
     return nullptr;
