@@ -3,8 +3,10 @@
 #include <string>
 #include <vector>
 
+#include <loom/comm/local.hpp>
 #include <loom/trace/all.hpp>
 
+#include "support/recording_communicator.hpp"
 #include "support/temp_dir.hpp"
 
 namespace test_trace {
@@ -57,7 +59,48 @@ std::vector<Entry> steps(std::int64_t from, std::int64_t to) {
   return out;
 }
 
+/// A communicator of one's own that keeps a flight recorder (models TracedCommunicator).
+struct OwnRecorder {
+  FlightRecorder recorder{0, 1, "h:1", 8};
+  FlightRecorder* flight_recorder() { return &recorder; }
+};
+
+/// A flight_recorder() member of another type: not a TracedCommunicator.
+struct WrongRecorder {
+  [[nodiscard]] int* flight_recorder() const { return nullptr; }
+};
+
 }  // namespace
+
+static_assert(loom::trace::TracedCommunicator<OwnRecorder>);
+static_assert(!loom::trace::TracedCommunicator<const OwnRecorder>, "a non-const flight_recorder() needs a non-const C");
+static_assert(!loom::trace::TracedCommunicator<WrongRecorder>, "flight_recorder() must return a FlightRecorder*");
+static_assert(!loom::trace::TracedCommunicator<loom::LocalCommunicator>, "LocalCommunicator keeps no recorder");
+static_assert(!loom::trace::TracedCommunicator<loom::test::RecordingCommunicator>,
+              "the recording test communicator records calls, not a flight record");
+
+TEST_CASE("TracedCommunicator: loom's parts reach a model's recorder, and nothing without one") {
+  OwnRecorder own;
+  CHECK(loom::trace::recorder_of(own) == &own.recorder);
+  loom::trace::set_position(own, 5, 1);
+  {
+    loom::trace::Scope scope(own, Context::metrics, 2);
+    own.recorder.issue(Op::all_reduce, c10::ScalarType::Float, 4);
+  }
+  const Record r = own.recorder.snapshot();
+  REQUIRE(r.entries.size() == 1);
+  CHECK(r.entries[0].context == Context::metrics);
+  CHECK(r.entries[0].index == 2);
+  CHECK(r.entries[0].step == 5);
+  CHECK(own.recorder.context().first == Context::user);  // the scope restored it
+
+  loom::LocalCommunicator local;
+  CHECK(loom::trace::recorder_of(local) == nullptr);
+  loom::trace::set_position(local, 5, 1);  // no effect, no crash
+  loom::trace::Scope scope(local, Context::metrics);
+  WrongRecorder wrong;
+  CHECK(loom::trace::recorder_of(wrong) == nullptr);
+}
 
 TEST_CASE("flight recorder: the ring keeps the last entries in order, with contexts, positions and states") {
   FlightRecorder rec(1, 2, "h:1", 4);

@@ -97,16 +97,12 @@
     "loom/comm/gloo.hpp needs -DUSE_C10D_GLOO (LibTorch's c10d Gloo headers are empty without it); loom's Meson dependency adds it. Add -DUSE_DISTRIBUTED -DUSE_C10D_GLOO to your compile flags."
 #else
 
-#include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -120,8 +116,10 @@
 
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/detail/gloo_connect.hpp>
+#include <loom/comm/detail/gloo_group.hpp>
 #include <loom/comm/detail/gloo_metadata.hpp>
 #include <loom/comm/detail/gloo_peers.hpp>
+#include <loom/comm/detail/gloo_work.hpp>
 #include <loom/comm/detail/trace_exchange.hpp>
 #include <loom/detail/exception_text.hpp>
 #include <loom/detail/host_and_pid.hpp>
@@ -157,301 +155,7 @@ struct GlooOptions {
                                ///< else "loom-trace" in the working folder (docs/debugging.md)
 };
 
-namespace detail {
-
-/// Whether ProcessGroupGloo accepts the dtype. Its dtype switch has no bfloat16 case ("Invalid scalar
-/// type") in 1.13 and, per pytorch/pytorch#111131 (open through 2024), in the 2.x releases loom
-/// targets, so loom stages bfloat16 on every version rather than guess which release added it.
-inline bool gloo_supports_dtype(c10::ScalarType dtype) noexcept {
-  return dtype != c10::ScalarType::BFloat16;
-}
-
-inline c10d::ReduceOp::RedOpType to_c10d(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum:
-    case ReduceOp::avg: return c10d::ReduceOp::SUM;  // avg: divided afterwards
-    case ReduceOp::min: return c10d::ReduceOp::MIN;
-    case ReduceOp::max: return c10d::ReduceOp::MAX;
-  }
-  return c10d::ReduceOp::SUM;
-}
-
-/// What a GlooCommunicator and its GlooWorks share about its process group: whether one of its
-/// collectives failed (or abort() was called), and how many of its collectives Gloo still runs.
-struct GlooGroupState {
-  std::atomic<bool> broken{false};
-  std::mutex m;
-  std::condition_variable cv;
-  std::int64_t running = 0;
-
-  /// True when no collective runs any more, waiting at most `wait` for that.
-  bool drained(std::chrono::milliseconds wait) {
-    std::unique_lock<std::mutex> lock(m);
-    return cv.wait_for(lock, wait, [&] { return running == 0; });
-  }
-};
-
-/// Counts `work` in `state->running` until its future completes (with a result or an error). A work
-/// without a future is not counted.
-inline void track_running(const std::shared_ptr<GlooGroupState>& state, const c10::intrusive_ptr<c10d::Work>& work) {
-  c10::intrusive_ptr<c10::ivalue::Future> future;
-  try {
-    future = work->getFuture();
-  } catch (const std::exception&) {
-    return;
-  }
-  if (!future) return;
-  {
-    std::lock_guard<std::mutex> lock(state->m);
-    ++state->running;
-  }
-  future->addCallback([state](c10::ivalue::Future& f) {
-    if (f.hasError()) state->broken = true;
-    {
-      std::lock_guard<std::mutex> lock(state->m);
-      --state->running;
-    }
-    state->cv.notify_all();
-  });
-}
-
-/// A GlooCommunicator's process group. Destroying it (or assigning over it) destroys the process
-/// group, as an intrusive_ptr would, except when the communicator is broken (a collective failed,
-/// abort(), or Gloo closed one of its connections) and Gloo still runs one of its collectives 200 ms
-/// later: ~ProcessGroupGloo would then join a worker thread that may wait in Gloo until its timeout,
-/// so the process group is left to the process instead (see the header).
-class GlooGroup {
- public:
-  GlooGroup() = default;
-  GlooGroup(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, std::shared_ptr<const GlooPeerTable> peers)
-      : state_(std::make_shared<GlooGroupState>()), peers_(std::move(peers)), pg_(std::move(pg)) {}
-  GlooGroup(GlooGroup&&) noexcept = default;
-  GlooGroup& operator=(GlooGroup&& other) noexcept {
-    if (this != &other) {
-      leave();
-      state_ = std::move(other.state_);
-      peers_ = std::move(other.peers_);
-      pg_ = std::move(other.pg_);
-    }
-    return *this;
-  }
-  GlooGroup(const GlooGroup&) = delete;
-  GlooGroup& operator=(const GlooGroup&) = delete;
-  ~GlooGroup() { leave(); }
-
-  c10d::ProcessGroupGloo* operator->() const noexcept { return pg_.get(); }
-  explicit operator bool() const noexcept { return static_cast<bool>(pg_); }
-  [[nodiscard]] const c10::intrusive_ptr<c10d::ProcessGroupGloo>& get() const noexcept { return pg_; }
-  [[nodiscard]] const std::shared_ptr<GlooGroupState>& state() const noexcept { return state_; }
-
- private:
-  void leave() noexcept {
-    if (!pg_ || !state_) return;
-    const bool broken = state_->broken.load() || (peers_ && peers_->now().closed);
-    if (broken && !state_->drained(std::chrono::milliseconds(200))) (void)pg_.release();
-  }
-
-  std::shared_ptr<GlooGroupState> state_;
-  std::shared_ptr<const GlooPeerTable> peers_;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
-};
-
-}  // namespace detail
-
-/// A pending Gloo collective; `wait()` finishes it (and applies avg's division / bfloat16's
-/// copy-back). Models WorkHandle. Copies share one pending state (like c10d::Work), so waiting on
-/// two copies finishes the collective once; after a failure every wait() rethrows the same error.
-///
-/// Example: `auto w = comm.all_reduce_async(t, loom::ReduceOp::sum); ...; w.wait();`
-/// Throws (wait): loom::TimeoutError naming collective, rank and seconds; loom::CommError.
-class GlooWork {
- public:
-  /// An empty handle: already complete.
-  GlooWork() = default;
-
-  /// Blocks until the collective finished; idempotent.
-  void wait() {
-    if (!state_) return;
-    State& s = *state_;
-    if (s.error) std::rethrow_exception(s.error);
-    if (s.done) return;
-    const auto start = std::chrono::steady_clock::now();
-    const std::shared_ptr<detail::TraceExchange> trace = s.trace.lock();  // null once the communicator is gone
-    if (trace) trace->recorder().waiting(s.seq);
-    // Gloo enforces the timeout itself; the margin only guards against a stuck worker thread.
-    const auto deadline = start + s.timeout + std::chrono::seconds(5);
-    std::string lost;
-    try {
-      lost = wait_watching_connections(s, deadline);
-    } catch (const std::exception&) {
-      // (allocation failures) Gloo's own wait below still ends the collective.
-    }
-    if (!lost.empty()) fail(s, lost, start, trace);
-    try {
-      s.work->wait(
-          std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
-                   std::chrono::milliseconds(1)));
-      s.done = true;
-      if (trace && s.completes_entry) trace->recorder().complete(s.seq);
-      if (s.finish) s.finish();
-    } catch (const std::exception& e) {
-      fail(s, detail::exception_text(e), start, trace);
-    }
-  }
-
-  /// Whether wait() would return at once.
-  [[nodiscard]] bool is_completed() const {
-    return !state_ || state_->done || state_->error || state_->work->isCompleted();
-  }
-
- private:
-  friend class GlooCommunicator;
-
-  struct State {
-    c10::intrusive_ptr<c10d::Work> work;
-    std::string collective;
-    int rank = 0;
-    int world_size = 1;
-    std::chrono::milliseconds timeout{0};
-    std::function<void()> finish;
-    std::shared_ptr<const detail::GlooPeerTable> peers;
-    std::shared_ptr<detail::GlooGroupState> group;  ///< the communicator's failure flag and running count
-    std::weak_ptr<detail::TraceExchange> trace;     ///< the communicator's flight recorder and dump
-    std::int64_t seq = -1;                          ///< this collective's flight-record entry
-    bool completes_entry = true;                    ///< false for the metadata check's gather
-    std::chrono::steady_clock::time_point issued{};
-    bool done = false;
-    std::exception_ptr error;
-  };
-
-  GlooWork(c10::intrusive_ptr<c10d::Work> work, std::string collective, int rank, int world_size,
-           std::chrono::milliseconds timeout, std::function<void()> finish,
-           std::shared_ptr<const detail::GlooPeerTable> peers, std::shared_ptr<detail::GlooGroupState> group,
-           std::shared_ptr<detail::TraceExchange> trace, std::int64_t seq)
-      : state_(std::make_shared<State>(State{std::move(work), std::move(collective), rank, world_size, timeout,
-                                             std::move(finish), std::move(peers), std::move(group), std::move(trace),
-                                             seq, true, std::chrono::steady_clock::now(), false, nullptr})) {}
-
-  /// How often a wait looks at the connections; how long a collective may still end by itself
-  /// once one of them was closed.
-  static constexpr auto kWatchInterval = std::chrono::milliseconds(50);
-  static constexpr auto kClosedGrace = std::chrono::milliseconds(1000);
-
-  /// Waits until the collective finished (successfully or not: wait() then reads which) or `deadline`,
-  /// and returns ""; or returns the text of the failure when Gloo closed one of this rank's
-  /// connections and the collective did not end by itself: kClosedGrace later when no connection is
-  /// left open (two ranks, or every peer gone), else only once no data arrived on the open ones for
-  /// a tenth of the timeout (at least kClosedGrace; a broadcast: never): a peer that finished the
-  /// collective and exited leaves the others to end it. Gloo fails the operations it has queued on
-  /// a connection that ended, but not a receive whose message it was reading then
-  /// (gloo/transport/tcp/pair.cc, signalException): that one would wait for the whole timeout.
-  static std::string wait_watching_connections(State& s, std::chrono::steady_clock::time_point deadline) {
-    if (!s.peers || s.peers->connections() == 0 || s.work->isCompleted()) return {};
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    try {
-      future = s.work->getFuture();
-    } catch (const std::exception&) {
-      return {};  // a work without a future: Gloo's own wait alone
-    }
-    if (!future) return {};
-    struct Done {
-      std::mutex m;
-      std::condition_variable cv;
-      bool done = false;
-    };
-    auto done = std::make_shared<Done>();
-    future->addCallback([done](c10::ivalue::Future&) {
-      {
-        std::lock_guard<std::mutex> lock(done->m);
-        done->done = true;
-      }
-      done->cv.notify_all();
-    });
-    const auto quiet_needed = std::max<std::chrono::milliseconds>(kClosedGrace, s.timeout / 10);
-    const bool broadcast = s.collective == "broadcast";
-    std::optional<std::chrono::steady_clock::time_point> closed_at;
-    std::unique_lock<std::mutex> lock(done->m);
-    for (;;) {
-      if (done->cv.wait_for(lock, kWatchInterval, [&] { return done->done; })) return {};
-      lock.unlock();  // the completion callback must not wait for the checks
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) return {};
-      const auto connections = s.peers->now();
-      lock.lock();
-      if (!connections.closed) continue;
-      if (!closed_at) closed_at = now;
-      if (now - *closed_at < kClosedGrace) continue;
-      // A broadcast's receivers may finish and exit before a slow one joined: with connections left,
-      // only the peers gone can say it will not end.
-      if (connections.open > 0 && (broadcast || std::chrono::milliseconds(connections.quiet_ms) < quiet_needed))
-        continue;
-      return fmt::format(
-          "Connection closed by peer [{}]:{} (seen by loom: Gloo closed this rank's connection to it after an error "
-          "{:.3f} s ago, and the collective still waits on it)",
-          connections.closed->remote.ip, connections.closed->remote.port,
-          std::chrono::duration<double>(now - *closed_at).count());
-    }
-  }
-
-  /// Records the failure (text: Gloo's or loom's), ends every connection of this rank, and throws the
-  /// loom error.
-  [[noreturn]] static void fail(State& s, const std::string& text, std::chrono::steady_clock::time_point start,
-                                const std::shared_ptr<detail::TraceExchange>& trace) {
-    const double waited = detail::seconds_since(start);
-    const double since_issue = detail::seconds_since(s.issued);
-    // The communicator is broken now: end every connection, so the peers fail at once naming
-    // this rank, and this rank's queued collectives do not wait for their timeouts.
-    if (s.group) s.group->broken = true;
-    if (s.peers) s.peers->shutdown_connections();
-    std::string verdict;
-    if (trace) {
-      trace->recorder().fail(s.seq);
-      verdict = trace->on_failure(what_of(error_for(s, text, waited, since_issue, "")));
-    }
-    s.error = error_for(s, text, waited, since_issue, verdict);
-    std::rethrow_exception(s.error);
-  }
-
-  static std::string what_of(const std::exception_ptr& e) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      return x.what();
-    }
-  }
-
-  /// "peer rank p" when Gloo's message names one of this rank's connections or when there is only one
-  /// peer; "a peer" otherwise.
-  static std::string peer_of(const State& s, const std::string& text) {
-    int peer = s.peers ? s.peers->rank_named_in(text) : -1;
-    if (peer < 0 && s.world_size == 2) peer = 1 - s.rank;
-    return peer >= 0 ? fmt::format("peer rank {}", peer) : std::string("a peer (Gloo's message names none)");
-  }
-
-  /// Turns a Gloo failure into loom's error: a timeout is a TimeoutError; a vanished peer (a closed or
-  /// reset connection) is a CommError naming it, not a timeout: nobody waited for anything. `verdict`
-  /// (the flight recorder's, or empty) ends the message.
-  static std::exception_ptr error_for(const State& s, const std::string& text, double waited, double since_issue,
-                                      const std::string& verdict) {
-    const std::string where = fmt::format("rank {}/{} on {}", s.rank, s.world_size, detail::host_and_pid());
-    if (detail::mentions_timeout(text))
-      return std::make_exception_ptr(
-          TimeoutError(s.collective, s.rank, since_issue,
-                       fmt::format("no answer from {} within the {:.3f} s timeout ({}; Gloo: {}){}", peer_of(s, text),
-                                   s.timeout.count() / 1000.0, where, text, verdict)));
-    if (detail::mentions_peer_gone(text))
-      return std::make_exception_ptr(CommError(
-          fmt::format("{} failed on rank {}: {} closed its connection (it exited, crashed or gave up after an error "
-                      "of its own), so the collective can never complete ({}; Gloo: {}){}",
-                      s.collective, s.rank, peer_of(s, text), where, text, verdict)));
-    return std::make_exception_ptr(CommError(fmt::format("{} failed on {} after {:.3f} s ({}): {}{}", s.collective,
-                                                         where, waited, peer_of(s, text), text, verdict)));
-  }
-
-  std::shared_ptr<State> state_;
-};
-
-/// A communicator over c10d's ProcessGroupGloo. Models AsyncCommunicator.
+/// A communicator over c10d's ProcessGroupGloo. Models AsyncCommunicator; all_reduce_async returns a GlooWork.
 ///
 /// Example: see the header comment.
 /// Shape: collectives take one contiguous tensor of the same shape and dtype on every rank.
@@ -709,6 +413,8 @@ class GlooCommunicator {
 
 static_assert(WorkHandle<GlooWork>, "GlooWork must model loom::WorkHandle");
 static_assert(AsyncCommunicator<GlooCommunicator>, "GlooCommunicator must model loom::AsyncCommunicator");
+static_assert(trace::TracedCommunicator<GlooCommunicator>,
+              "GlooCommunicator must model loom::trace::TracedCommunicator");
 
 }  // namespace loom
 

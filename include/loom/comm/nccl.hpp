@@ -57,7 +57,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -68,30 +67,25 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
+#include <fmt/format.h>
 #include <nccl.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/detail/nccl_error.hpp>
 #include <loom/comm/detail/nccl_state.hpp>
 #include <loom/comm/detail/nccl_tensor.hpp>
+#include <loom/comm/detail/nccl_trace.hpp>
 #include <loom/comm/detail/nccl_unique_id.hpp>
-#include <loom/comm/detail/store_side.hpp>
+#include <loom/comm/detail/nccl_work.hpp>
 #include <loom/comm/detail/trace_exchange.hpp>
-#include <loom/cuda/buffer.hpp>
 #include <loom/cuda/device.hpp>
-#include <loom/cuda/error.hpp>
 #include <loom/cuda/stream.hpp>
-#include <loom/detail/host_and_pid.hpp>
 #include <loom/detail/process_counter.hpp>
+#include <loom/error.hpp>
 #include <loom/launch/environment.hpp>
 #include <loom/launch/rendezvous.hpp>
 #include <loom/trace/recorder.hpp>
-
-#if LOOM_TORCH_HAS_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace loom {
 
@@ -127,118 +121,8 @@ struct NcclOptions {
   std::string trace_folder{};
 };
 
-namespace detail {
-
-/// Rethrows the CommError `error` of flight-record entry `seq` with the flight recorder's verdict
-/// appended (TimeoutError stays a TimeoutError, NcclError and CudaError keep their codes); any other exception
-/// propagates unchanged.
-[[noreturn]] inline void rethrow_with_flight_record(const std::exception_ptr& error, TraceExchange& trace,
-                                                    std::int64_t seq) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const TimeoutError& e) {
-    trace.recorder().fail(seq);
-    const std::string text = e.what();
-    const std::string verdict = trace.on_failure(text);
-    // TimeoutError's message is "<collective> timed out on rank <r> after <s> s: <detail>".
-    const std::string head = TimeoutError(e.collective(), e.rank(), e.seconds_waited()).what();
-    std::string detail = text.size() > head.size() + 2 ? text.substr(head.size() + 2) : std::string{};
-    detail += detail.empty() && verdict.rfind("; ", 0) == 0 ? verdict.substr(2) : verdict;
-    throw TimeoutError(e.collective(), e.rank(), e.seconds_waited(), detail);
-  } catch (const NcclError& e) {
-    trace.recorder().fail(seq);
-    throw NcclError(e.code(), e.what() + trace.on_failure(e.what()));
-  } catch (const CudaError& e) {
-    trace.recorder().fail(seq);
-    throw CudaError(e.code(), e.what() + trace.on_failure(e.what()));
-  } catch (const CommError& e) {
-    trace.recorder().fail(seq);
-    throw CommError(e.what() + trace.on_failure(e.what()));
-  }
-}
-
-}  // namespace detail
-
-/// The handle of an asynchronous NCCL collective; models loom::WorkHandle. Copies refer to the
-/// same collective (like c10d::Work handles), so containers of handles work as with any value.
-///
-/// Example:
-///   auto work = comm.all_reduce_async(bucket, loom::ReduceOp::sum);
-///   ...                       // more backward work on the compute stream
-///   work.wait();              // host waits (bounded by comm.timeout())
-///
-/// Throws (wait): loom::TimeoutError naming the collective, rank and seconds waited (the
-/// communicator is aborted first); loom::NcclError for an asynchronous NCCL failure.
-class NcclWork {
- public:
-  /// `trace`, `seq`: the communicator's flight recorder and this collective's entry in it (none:
-  /// empty and -1).
-  NcclWork(std::shared_ptr<detail::NcclState> state, cuda::Event done, std::string_view collective,
-           std::chrono::steady_clock::time_point start, at::Tensor keep_alive = {},
-           std::weak_ptr<detail::TraceExchange> trace = {}, std::int64_t seq = -1)
-      : state_(std::move(state)),
-        pending_(std::make_shared<Pending>(Pending{std::move(done), std::string(collective), start,
-                                                   std::move(keep_alive), std::move(trace), seq, nullptr, false})) {}
-
-  /// Blocks the host until the collective finished, at most the communicator's timeout after it
-  /// was issued; then aborts the communicator and throws loom::TimeoutError (with the flight
-  /// recorder's verdict, see the file comment).
-  /// After a failure every wait() (on this handle or a copy) rethrows the same error.
-  void wait() {
-    if (pending_->finished) return;
-    if (pending_->error) std::rethrow_exception(pending_->error);
-    const std::shared_ptr<detail::TraceExchange> trace = pending_->trace.lock();  // null once the communicator is gone
-    if (trace) trace->recorder().waiting(pending_->seq);
-    try {
-      try {
-        state_->wait_event([this] { return pending_->done.query(); }, pending_->collective, pending_->start);
-      } catch (const CommError&) {
-        if (!trace) throw;
-        detail::rethrow_with_flight_record(std::current_exception(), *trace, pending_->seq);
-      }
-    } catch (...) {
-      pending_->error = std::current_exception();
-      throw;
-    }
-    if (trace) trace->recorder().complete(pending_->seq);
-    pending_->finished = true;
-    pending_->keep = at::Tensor();
-  }
-  /// Whether the collective has finished (no blocking). After an abort it may be true for a
-  /// collective whose wait() then throws CommError (the data is not known to be complete).
-  /// A collective seen complete here is marked completed in the flight record too (a handle only
-  /// polled, or only used through block(), is never waited for).
-  [[nodiscard]] bool is_completed() const {
-    if (pending_->finished) return true;
-    if (!pending_->done.query()) return false;
-    if (state_->phase.load() == detail::NcclState::Phase::live)
-      if (const auto trace = pending_->trace.lock()) trace->recorder().complete(pending_->seq);
-    return true;
-  }
-  /// Makes `stream` wait for the collective on the GPU; the host does not block (no timeout:
-  /// call wait() or is_completed() somewhere to notice a hang).
-  void block(cudaStream_t stream) const { pending_->done.block(stream); }
-  /// Name of the collective ("all_reduce", ...).
-  [[nodiscard]] std::string_view collective() const noexcept { return pending_->collective; }
-  /// The completion event (recorded on the communicator's stream).
-  [[nodiscard]] const cuda::Event& event() const noexcept { return pending_->done; }
-
- private:
-  struct Pending {
-    cuda::Event done;
-    std::string collective;
-    std::chrono::steady_clock::time_point start;
-    at::Tensor keep;                             // the buffer the collective reads/writes, alive until it finished
-    std::weak_ptr<detail::TraceExchange> trace;  // the communicator's flight recorder
-    std::int64_t seq = -1;                       // this collective's flight-record entry
-    std::exception_ptr error;                    // the first wait()'s error, rethrown by later waits
-    bool finished = false;
-  };
-  std::shared_ptr<detail::NcclState> state_;
-  std::shared_ptr<Pending> pending_;  // shared by copies: they all refer to the same collective
-};
-
-/// A process group of one GPU per rank over NCCL. Models loom::AsyncCommunicator. Move-only.
+/// A process group of one GPU per rank over NCCL. Models loom::AsyncCommunicator. Move-only. Its
+/// async calls return an NcclWork (loom/comm/detail/nccl_work.hpp).
 ///
 /// Lifecycle: usable after construction; abort() stops it at once, from any thread (outstanding
 /// collectives are cancelled, their waits throw CommError, peers see an error); finalize() waits
@@ -290,27 +174,11 @@ class NcclCommunicator {
     s.poll_interval = options.poll_interval;
     s.name = options.name;
     cuda::DeviceGuard on(s.site.device);
-    s.stream = options.stream != nullptr ? cuda::Stream::borrow(options.stream, s.site.device)
-                                         : cuda::Stream::create(s.site.device);
-    s.ready.emplace(s.site.device);
-
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = options.nonblocking ? 0 : 1;
-    if (!s.name.empty()) config.commName = s.name.c_str();
-    const auto start = std::chrono::steady_clock::now();
-    // No other thread can see the state yet: init writes s.comm without the lock.
-    const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, world_size, id, rank, &config);
-    if (rc != ncclSuccess && rc != ncclInProgress && s.comm == nullptr)
-      detail::throw_nccl_error(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__,
-                               nullptr, s.site);
-    if (rc != ncclSuccess && rc != ncclInProgress)
-      s.fail(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__);
-    // Non-blocking: init may still run in NCCL's threads even after ncclSuccess; poll its state.
-    if (rc == ncclInProgress || options.nonblocking)
-      s.poll_in_progress("ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__,
-                         "nccl_init", start);
+    detail::init_nccl_comm(s, id, options.stream, options.nonblocking);
     s.store = store;
-    if (options.flight_recorder) start_flight_recorder(options, std::move(store), joined.n);
+    if (options.flight_recorder)
+      trace_ = detail::start_nccl_flight_recorder(state_, options.store_prefix, options.timeout, options.trace_capacity,
+                                                  options.trace_folder, std::move(store), joined.n);
   }
 
  public:
@@ -362,9 +230,9 @@ class NcclCommunicator {
   /// stream of t's device; `t` must stay alive and unmodified until wait() returned.
   NcclWork all_reduce_async(at::Tensor& t, ReduceOp op) {
     check_tensor(t, "all_reduce");
-    NcclWork w =
-        all_reduce_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), op, producer_stream(t), t);
-    record_use(t);
+    NcclWork w = all_reduce_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), op,
+                                  detail::producer_stream(t, stream()), t);
+    detail::record_stream_use(t, stream());
     return w;
   }
 
@@ -373,8 +241,8 @@ class NcclCommunicator {
     check_tensor(t, "broadcast");
     detail::check_root(root, world_size(), "broadcast");
     NcclWork w = broadcast_async(t.data_ptr(), static_cast<std::size_t>(t.numel()), t.scalar_type(), root,
-                                 producer_stream(t), t);
-    record_use(t);
+                                 detail::producer_stream(t, stream()), t);
+    detail::record_stream_use(t, stream());
     w.wait();
   }
 
@@ -384,9 +252,9 @@ class NcclCommunicator {
     const int64_t n = t.numel();
     at::Tensor flat = at::empty({world_size() * n}, t.options());
     NcclWork w = all_gather_async(t.data_ptr(), flat.data_ptr(), static_cast<std::size_t>(n), t.scalar_type(),
-                                  producer_stream(t), flat);
-    record_use(t);
-    record_use(flat);
+                                  detail::producer_stream(t, stream()), flat);
+    detail::record_stream_use(t, stream());
+    detail::record_stream_use(flat, stream());
     w.wait();
     std::vector<at::Tensor> out;
     out.reserve(static_cast<std::size_t>(world_size()));
@@ -417,16 +285,18 @@ class NcclCommunicator {
                             at::Tensor keep_alive = {}, std::string_view collective = "all_reduce") {
     auto& s = *state_;
     const ncclDataType_t type = detail::to_nccl_dtype(dtype, collective);
-    check_pointer(data, count, collective);
+    detail::check_nccl_pointer(data, count, collective);
     cuda::DeviceGuard on(s.site.device);
     // The barrier is recorded as Gloo records it: no tensor of the caller's.
-    const std::int64_t seq = collective == "barrier" ? record(trace::Op::barrier, c10::ScalarType::Undefined, 0)
-                                                     : record(trace::Op::all_reduce, dtype, count);
-    return recorded(seq, [&] {
-      auto start = begin(collective, after);
+    const std::int64_t seq =
+        collective == "barrier"
+            ? detail::record_collective(trace_.get(), trace::Op::barrier, c10::ScalarType::Undefined, 0)
+            : detail::record_collective(trace_.get(), trace::Op::all_reduce, dtype, count);
+    return detail::recorded(trace_.get(), seq, [&] {
+      auto start = detail::begin_collective(s, collective, after);
       s.run([&](ncclComm_t c) { return ncclAllReduce(data, data, count, type, detail::to_nccl_op(op), c, stream()); },
             "ncclAllReduce(data, data, count, dtype, op, comm, stream)", __FILE__, __LINE__, collective, start);
-      return finish(collective, start, std::move(keep_alive), seq);
+      return detail::finish_collective(state_, trace_, collective, start, std::move(keep_alive), seq);
     });
   }
 
@@ -442,14 +312,14 @@ class NcclCommunicator {
     auto& s = *state_;
     const ncclDataType_t type = detail::to_nccl_dtype(dtype, "broadcast");
     detail::check_root(root, world_size(), "broadcast");
-    check_pointer(data, count, "broadcast");
+    detail::check_nccl_pointer(data, count, "broadcast");
     cuda::DeviceGuard on(s.site.device);
-    const std::int64_t seq = record(trace::Op::broadcast, dtype, count);
-    return recorded(seq, [&] {
-      auto start = begin("broadcast", after);
+    const std::int64_t seq = detail::record_collective(trace_.get(), trace::Op::broadcast, dtype, count);
+    return detail::recorded(trace_.get(), seq, [&] {
+      auto start = detail::begin_collective(s, "broadcast", after);
       s.run([&](ncclComm_t c) { return ncclBroadcast(data, data, count, type, root, c, stream()); },
             "ncclBroadcast(data, data, count, dtype, root, comm, stream)", __FILE__, __LINE__, "broadcast", start);
-      return finish("broadcast", start, std::move(keep_alive), seq);
+      return detail::finish_collective(state_, trace_, "broadcast", start, std::move(keep_alive), seq);
     });
   }
 
@@ -464,15 +334,15 @@ class NcclCommunicator {
                             at::Tensor keep_alive = {}) {
     auto& s = *state_;
     const ncclDataType_t type = detail::to_nccl_dtype(dtype, "all_gather");
-    check_pointer(send, count, "all_gather");
-    check_pointer(recv, count, "all_gather");
+    detail::check_nccl_pointer(send, count, "all_gather");
+    detail::check_nccl_pointer(recv, count, "all_gather");
     cuda::DeviceGuard on(s.site.device);
-    const std::int64_t seq = record(trace::Op::all_gather, dtype, count);
-    return recorded(seq, [&] {
-      auto start = begin("all_gather", after);
+    const std::int64_t seq = detail::record_collective(trace_.get(), trace::Op::all_gather, dtype, count);
+    return detail::recorded(trace_.get(), seq, [&] {
+      auto start = detail::begin_collective(s, "all_gather", after);
       s.run([&](ncclComm_t c) { return ncclAllGather(send, recv, count, type, c, stream()); },
             "ncclAllGather(send, recv, count, dtype, comm, stream)", __FILE__, __LINE__, "all_gather", start);
-      return finish("all_gather", start, std::move(keep_alive), seq);
+      return detail::finish_collective(state_, trace_, "all_gather", start, std::move(keep_alive), seq);
     });
   }
 
@@ -516,111 +386,11 @@ class NcclCommunicator {
     check_rank(rank, world_size);
     const auto n = static_cast<std::int64_t>(detail::next_in_process(detail::Counted::nccl_communicator));
     const std::string key = fmt::format("{}/{}/unique_id", options.store_prefix, n);
-    if (rank == 0) {
-      ncclUniqueId id{};
-      const ncclResult_t rc = ncclGetUniqueId(&id);
-      if (rc != ncclSuccess)
-        detail::throw_nccl_error(rc, "ncclGetUniqueId(&id)", __FILE__, __LINE__, nullptr,
-                                 {rank, world_size, options.device});
-      detail::publish_unique_id(store, key, id);
-      return {id, n};
-    }
-    return {detail::fetch_unique_id(store, key, rank, options.timeout), n};
-  }
-
-  /// The flight recorder and its exchange; the exchange's keys live under "<store_prefix>/<n>/" in
-  /// `store` (none without a store: then a failure writes this rank's record only).
-  void start_flight_recorder(const NcclOptions& options, c10::intrusive_ptr<c10d::Store> store, std::int64_t n) {
-    const detail::NcclSite& site = state_->site;
-    c10::intrusive_ptr<c10d::Store> prefixed;
-    c10::intrusive_ptr<c10d::Store> side;
-    if (store && n >= 0) {
-      prefixed =
-          c10::make_intrusive<c10d::PrefixStore>(fmt::format("{}/{}", options.store_prefix, n), std::move(store));
-      try {
-        side = detail::second_connection(prefixed, options.timeout);
-      } catch (const std::exception&) {
-        side = prefixed;  // no second connection: the watcher shares the first (NCCL does not wait on it)
-      }
-    }
-    auto recorder = std::make_shared<trace::FlightRecorder>(site.rank, site.world_size, detail::host_and_pid(),
-                                                            options.trace_capacity);
-    std::weak_ptr<detail::NcclState> state = state_;
-    trace_ = std::make_shared<detail::TraceExchange>(
-        recorder, std::move(prefixed), std::move(side), options.timeout, options.trace_folder,
-        [state] {
-          if (auto s = state.lock())
-            s->abort("the flight recorder found that the ranks issued different collectives under one number");
-        },
-        static_cast<int>(detail::next_in_process(detail::Counted::flight_recorder)));
-    std::weak_ptr<detail::TraceExchange> weak = trace_;
-    recorder->set_failure_handler([weak](const std::string& error) {
-      auto t = weak.lock();
-      return t ? t->on_failure(error) : std::string{};
-    });
-  }
-
-  /// The flight-record entry of a collective (-1 without a recorder).
-  std::int64_t record(trace::Op op, c10::ScalarType dtype, std::size_t count) noexcept {
-    return trace_ ? trace_->recorder().issue(op, dtype, static_cast<std::int64_t>(count)) : -1;
-  }
-
-  /// Runs `start` (which enqueues collective `seq` and returns its handle); a CommError from it
-  /// (the communicator aborted earlier, NCCL refused the call, a non-blocking enqueue timed out)
-  /// marks the entry failed and carries the flight recorder's verdict.
-  template <class Start>
-  NcclWork recorded(std::int64_t seq, Start&& start) {
-    if (!trace_) return start();
-    try {
-      return start();
-    } catch (const CommError&) {
-      detail::rethrow_with_flight_record(std::current_exception(), *trace_, seq);
-    }
+    return {detail::exchange_unique_id(store, key, {rank, world_size, options.device}, options.timeout), n};
   }
 
   void check_tensor(const at::Tensor& t, std::string_view collective) const {
     detail::check_nccl_tensor(t, device_index(), collective);
-  }
-
-  static void check_pointer(const void* p, std::size_t count, std::string_view collective) {
-    if (p == nullptr && count > 0)
-      throw InvalidArgument(fmt::format("{}: null device pointer for {} elements", collective, count));
-  }
-
-  /// LibTorch's current stream on t's device (what produced t); without a CUDA LibTorch no CUDA
-  /// tensor exists and check_tensor has thrown before this is reached.
-  [[nodiscard]] cudaStream_t producer_stream([[maybe_unused]] const at::Tensor& t) const {
-#if LOOM_TORCH_HAS_CUDA
-    return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-#else
-    return stream();
-#endif
-  }
-
-  /// Tells LibTorch's caching allocator that the communicator's stream uses t's memory.
-  void record_use([[maybe_unused]] const at::Tensor& t) const {
-#if LOOM_TORCH_HAS_CUDA
-    t.record_stream(c10::cuda::getStreamFromExternal(stream(), t.device().index()).unwrap());
-#endif
-  }
-
-  /// Checks the state and orders the communicator's stream after `after` (the caller holds a
-  /// DeviceGuard for the communicator's device).
-  std::chrono::steady_clock::time_point begin(std::string_view collective, cudaStream_t after) {
-    auto& s = *state_;
-    s.ensure_live(collective);
-    if (after != stream()) {
-      s.ready->record(after);
-      s.ready->block(stream());
-    }
-    return std::chrono::steady_clock::now();
-  }
-
-  NcclWork finish(std::string_view collective, std::chrono::steady_clock::time_point start, at::Tensor keep_alive,
-                  std::int64_t seq) {
-    cuda::Event done(state_->site.device);
-    done.record(stream());
-    return NcclWork(state_, std::move(done), collective, start, std::move(keep_alive), trace_, seq);
   }
 
   std::shared_ptr<detail::NcclState> state_;
@@ -628,6 +398,8 @@ class NcclCommunicator {
 };
 
 static_assert(AsyncCommunicator<NcclCommunicator>, "NcclCommunicator must model loom::AsyncCommunicator");
+static_assert(trace::TracedCommunicator<NcclCommunicator>,
+              "NcclCommunicator must model loom::trace::TracedCommunicator");
 static_assert(WorkHandle<NcclWork>, "NcclWork must model loom::WorkHandle");
 
 }  // namespace loom

@@ -316,6 +316,7 @@ class ProcessGroup {
 };
 
 static_assert(AsyncCommunicator<ProcessGroup>, "ProcessGroup must model loom::AsyncCommunicator");
+static_assert(trace::TracedCommunicator<ProcessGroup>, "ProcessGroup must model loom::trace::TracedCommunicator");
 static_assert(WorkHandle<ProcessGroupWork>);
 
 }  // namespace loom

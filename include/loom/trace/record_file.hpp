@@ -38,7 +38,7 @@
 #include <fmt/ranges.h>
 
 #include <loom/error.hpp>
-#include <loom/trace/recorder.hpp>
+#include <loom/trace/record.hpp>
 
 namespace loom::trace {
 

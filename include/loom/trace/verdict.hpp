@@ -29,7 +29,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <loom/trace/recorder.hpp>
+#include <loom/trace/record.hpp>
 
 namespace loom::trace {
 

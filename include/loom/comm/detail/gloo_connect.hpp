@@ -36,7 +36,7 @@
 #include <loom/detail/host_and_pid.hpp>
 #include <loom/detail/process_counter.hpp>
 #include <loom/error.hpp>
-#include <loom/launch/rendezvous.hpp>
+#include <loom/launch/detail/check_in.hpp>
 
 namespace loom::detail {
 

@@ -299,6 +299,32 @@ struct BasicNcclState {
 /// The state NcclCommunicator uses: the real NCCL calls.
 using NcclState = BasicNcclState<NcclApi>;
 
+/// Gives `s` its stream (`stream`, the caller's, or a new non-blocking one on s.site.device) and its
+/// ready event, and joins the NCCL communicator of `id` as s.site's rank (ncclCommInitRankConfig; in
+/// non-blocking mode init is polled until done, at most s.timeout). The caller holds a DeviceGuard for
+/// s.site.device and has set s.site, s.timeout, s.poll_interval and s.name.
+/// Throws: loom::NcclError (init failed), loom::TimeoutError("nccl_init"), loom::CudaError.
+inline void init_nccl_comm(NcclState& s, const ncclUniqueId& id, cudaStream_t stream, bool nonblocking) {
+  s.stream = stream != nullptr ? cuda::Stream::borrow(stream, s.site.device) : cuda::Stream::create(s.site.device);
+  s.ready.emplace(s.site.device);
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = nonblocking ? 0 : 1;
+  if (!s.name.empty()) config.commName = s.name.c_str();
+  const auto start = std::chrono::steady_clock::now();
+  // No other thread can see the state yet: init writes s.comm without the lock.
+  const ncclResult_t rc = ncclCommInitRankConfig(&s.comm, s.site.world_size, id, s.site.rank, &config);
+  if (rc != ncclSuccess && rc != ncclInProgress && s.comm == nullptr)
+    throw_nccl_error(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, nullptr,
+                     s.site);
+  if (rc != ncclSuccess && rc != ncclInProgress)
+    s.fail(rc, "ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__);
+  // Non-blocking: init may still run in NCCL's threads even after ncclSuccess; poll its state.
+  if (rc == ncclInProgress || nonblocking)
+    s.poll_in_progress("ncclCommInitRankConfig(&comm, world_size, id, rank, &config)", __FILE__, __LINE__, "nccl_init",
+                       start);
+}
+
 }  // namespace loom::detail
 
 #endif  // LOOM_HAS_NCCL

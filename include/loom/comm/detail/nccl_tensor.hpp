@@ -1,15 +1,18 @@
 // loom/comm/detail/nccl_tensor.hpp — what NCCL is told about a tensor: its ncclDataType_t, the
-// ncclRedOp_t of a loom::ReduceOp, and the check that it is a CUDA tensor on the communicator's
-// device (used by loom/comm/nccl.hpp).
+// ncclRedOp_t of a loom::ReduceOp, the check that it is a CUDA tensor on the communicator's device
+// (or a non-null device pointer), and the streams around it: the one that produced it, and the
+// communicator's, which LibTorch's caching allocator is told uses its memory (used by
+// loom/comm/nccl.hpp).
 //
 // Example: `ncclAllReduce(p, p, n, to_nccl_dtype(t.scalar_type(), "all_reduce"), to_nccl_op(op), ...)`
-// Throws: loom::InvalidArgument naming the dtype, the collective or the tensor's device.
+// Throws: loom::InvalidArgument naming the dtype, the collective, the tensor's device or the null pointer.
 #pragma once
 
 #include <loom/config.hpp>
 
 #if LOOM_HAS_NCCL
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
@@ -20,6 +23,10 @@
 
 #include <loom/comm/communicator.hpp>
 #include <loom/error.hpp>
+
+#if LOOM_TORCH_HAS_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace loom::detail {
 
@@ -60,6 +67,30 @@ inline void check_nccl_tensor(const at::Tensor& t, int device, std::string_view 
   if (t.device().index() != device)
     throw InvalidArgument(fmt::format("{}: the tensor is on {}, but this rank's NcclCommunicator uses cuda:{}",
                                       collective, t.device().str(), device));
+}
+
+/// Throws loom::InvalidArgument when device pointer `p` of `count` elements is null (and count > 0).
+inline void check_nccl_pointer(const void* p, std::size_t count, std::string_view collective) {
+  if (p == nullptr && count > 0)
+    throw InvalidArgument(fmt::format("{}: null device pointer for {} elements", collective, count));
+}
+
+/// LibTorch's current stream on t's device (what produced t); `fallback` without a CUDA LibTorch, where
+/// no CUDA tensor exists and check_nccl_tensor has thrown before this is reached.
+[[nodiscard]] inline cudaStream_t producer_stream([[maybe_unused]] const at::Tensor& t,
+                                                  [[maybe_unused]] cudaStream_t fallback) {
+#if LOOM_TORCH_HAS_CUDA
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#else
+  return fallback;
+#endif
+}
+
+/// Tells LibTorch's caching allocator that `stream` (the communicator's) uses t's memory.
+inline void record_stream_use([[maybe_unused]] const at::Tensor& t, [[maybe_unused]] cudaStream_t stream) {
+#if LOOM_TORCH_HAS_CUDA
+  t.record_stream(c10::cuda::getStreamFromExternal(stream, t.device().index()).unwrap());
+#endif
 }
 
 }  // namespace loom::detail

@@ -4,8 +4,10 @@
 //
 // Example:
 //   if (rank == 0) publish_unique_id(store, key, id); else id = fetch_unique_id(store, key, rank, timeout);
+//   // or both sides in one call: id = exchange_unique_id(store, key, {rank, world_size, device}, timeout);
 // Throws: loom::TimeoutError("nccl_unique_id") naming the key when rank 0 never published it;
-//         loom::CommError when the stored bytes are not NCCL_UNIQUE_ID_BYTES long.
+//         loom::CommError when the stored bytes are not NCCL_UNIQUE_ID_BYTES long; loom::NcclError
+//         when rank 0 cannot make the id.
 // Source: c10d ProcessGroupNCCL's broadcastUniqueNCCLID (the same store protocol).
 #pragma once
 
@@ -24,6 +26,7 @@
 #include <nccl.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <loom/comm/detail/nccl_error.hpp>
 #include <loom/error.hpp>
 
 namespace loom::detail {
@@ -63,6 +66,21 @@ inline ncclUniqueId fetch_unique_id(c10d::Store& store, const std::string& key, 
                        fmt::format("rank 0 did not publish store key '{}' (store says: {})", key, e.what()));
   }
   return unique_id_from_bytes(store.get(key), key);
+}
+
+/// The unique id of the communicator `site` joins: rank 0 makes it (ncclGetUniqueId) and publishes it
+/// at `key`, the others fetch it from there (at most `timeout`).
+/// Throws: loom::NcclError (ncclGetUniqueId failed), and what fetch_unique_id throws.
+inline ncclUniqueId exchange_unique_id(c10d::Store& store, const std::string& key, const NcclSite& site,
+                                       std::chrono::milliseconds timeout) {
+  if (site.rank == 0) {
+    ncclUniqueId id{};
+    const ncclResult_t rc = ncclGetUniqueId(&id);
+    if (rc != ncclSuccess) throw_nccl_error(rc, "ncclGetUniqueId(&id)", __FILE__, __LINE__, nullptr, site);
+    publish_unique_id(store, key, id);
+    return id;
+  }
+  return fetch_unique_id(store, key, site.rank, timeout);
 }
 
 }  // namespace loom::detail

@@ -1,27 +1,34 @@
 // loom/schedule/detail/device_window.hpp — one device slot's bounded window inside LoaderEngine:
 // `depth` steps [consumed, consumed + depth) in a ring of slots, each holding the samples pulled
 // for that step (by position of their generator in the device) and its batch buffer, or, once
-// collated, its batch; plus the device's collate function, transfer and batch buffer pool, and
-// the batch a dry device gets under EndPolicy::drain.
+// collated, its batch; plus the device's collate function, transfer and batch buffer pool, the
+// staging of an arriving sample into its step's buffer, the samples of a complete step handed to
+// collation, and the batch a dry device gets under EndPolicy::drain.
 //
 // Threads: the engine guards the window, `consumed`, `next_collate` and `collating` with its mutex;
-// the collate function runs on one worker at a time (collating), the transfer's finish on the consumer.
+// the collate function runs on one worker at a time (collating), the transfer's finish on the consumer;
+// a sample is staged by the worker that pulled it (stage_sample).
 #pragma once
 
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <utility>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/SmallVector.h>
 
 #include <loom/collate/pool.hpp>
 #include <loom/error.hpp>
 #include <loom/schedule/collate_fn.hpp>
+#include <loom/schedule/detail/own_sample.hpp>
 
 namespace loom::detail {
 
@@ -105,6 +112,74 @@ struct DeviceWindow {
     front.arrived = 0;
     ++consumed;
     return item;
+  }
+
+  /// Makes sample `s` (just pulled for slot `sl`'s step, position p) the loader's own before its
+  /// generator runs again. With staged rows (stage_rows), a data tensor of the step's row layout (the
+  /// first arrived sample's shape and dtype) is copied into row p of the step's pooled buffer and
+  /// replaced by that row (the copy collation would make anyway); every other tensor loom reads is
+  /// copied unless it owns its memory (own_sample). Returns whether the data was staged. `has_rows`:
+  /// sl.rows was seen set under the engine's mutex `m`, which is taken here to set them. The slot's
+  /// rows and their layout do not change once set until the step is collated, which waits for this
+  /// sample, so they are read here without the mutex. Throws what the copy throws (out of memory, the
+  /// allocator's).
+  bool stage_sample(Slot& sl, bool has_rows, int p, Sample& s, std::mutex& m) {
+    at::Tensor* data = stage_rows ? data_tensor(s) : nullptr;
+    if (data == nullptr || !data->defined() || !data->is_cpu() || data->dim() == 0 || data->numel() == 0) {
+      own_sample(s);
+      return false;
+    }
+    if (!has_rows) {
+      std::lock_guard lk(m);
+      if (!sl.rows.storage) {
+        sl.row_shape.assign(data->sizes().begin(), data->sizes().end());
+        sl.row_dtype = data->scalar_type();
+        sl.row_bytes = static_cast<std::int64_t>(data->nbytes());
+        sl.rows = pool->acquire_block(sl.row_bytes * static_cast<std::int64_t>(width));
+      }
+    }
+    if (data->scalar_type() != sl.row_dtype || data->sizes() != c10::IntArrayRef(sl.row_shape)) {
+      own_sample(s);
+      return false;
+    }
+    auto* dst = static_cast<char*>(writable_bytes(sl.rows.storage)) + sl.rows.offset + sl.row_bytes * p;
+    if (data->is_contiguous())
+      std::memcpy(dst, data->data_ptr(), static_cast<std::size_t>(sl.row_bytes));
+    else
+      carve(sl.rows, sl.row_bytes * p, sl.row_dtype, data->sizes()).copy_(*data);
+    *data = at::Tensor();  // moved into its row: the generator's tensor is not held any longer
+    own_sample(s, data);
+    return true;
+  }
+
+  /// Moves the samples of the complete step in slot `sl` into `samples`, and the ids of their
+  /// generators (`gens`: this device's, by position) into `ids`; returns false when there are none
+  /// (drain: the device ran dry at that step). Every sample's data in its row: `rows` becomes the
+  /// step's rows, which the collate function gets as CollateContext::rows. Otherwise (drain, or a
+  /// sample of another shape) each staged sample's data becomes a view of its row again, and the
+  /// collate function reads the samples as they are. Then the slot lets go of its rows.
+  bool take_samples(Slot& sl, const std::vector<int>& gens, std::vector<Sample>& samples, std::vector<int>& ids,
+                    at::Tensor& rows) {
+    const bool all_in_rows = sl.staged == gens.size();
+    samples.reserve(gens.size());
+    ids.reserve(gens.size());
+    for (std::size_t p = 0; p < gens.size(); ++p) {
+      if (!sl.samples[p]) continue;
+      samples.push_back(std::move(*sl.samples[p]));
+      sl.samples[p].reset();
+      ids.push_back(gens[p]);
+      if (!all_in_rows && sl.in_row[p] != 0)
+        *data_tensor(samples.back()) =
+            carve(sl.rows, sl.row_bytes * static_cast<std::int64_t>(p), sl.row_dtype, sl.row_shape);
+    }
+    if (samples.empty()) return false;
+    if (all_in_rows) {
+      c10::SmallVector<std::int64_t, 8> shape{static_cast<std::int64_t>(gens.size())};
+      shape.append(sl.row_shape.begin(), sl.row_shape.end());
+      rows = carve(sl.rows, 0, sl.row_dtype, shape);
+    }
+    sl.rows = ByteBlock{};
+    return true;
   }
 
   /// The batch of type B a dry device gets at `ctx` under drain: collate_fn.empty(ctx) if the

@@ -12,7 +12,7 @@
 // sample pays nothing; one that returns a reused buffer, a cached tensor or an element of an
 // in-memory dataset pays one copy of that tensor per sample.
 // With DefaultCollate (no padding, no mask, DefaultProjection) the loaders copy the data tensor
-// into its row of the step's pooled batch buffer instead (LoaderEngine::take_sample, using
+// into its row of the step's pooled batch buffer instead (DeviceWindow::stage_sample, using
 // data_tensor() below) and call own_sample for the rest of the sample.
 #pragma once
 
