@@ -175,7 +175,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
   info.trainer.steps = read.integer("trainer_steps");
   info.trainer.skipped_steps = read.integer("trainer_skipped_steps");
   if (auto scaler = read.optional_text("loss_scaler")) info.trainer.loss_scaler = parse_loss_scaler_state(*scaler);
-  detail::check_trainer_state(info.trainer);
+  detail::check_trainer_state(info.trainer, /*scales_loss=*/false);  // the scaler is checked below, naming the file
   if (const LossScaler* scaler = trainer.accumulator().loss_scaler()) {
     if (!info.trainer.loss_scaler)
       throw InvalidArgument(fmt::format(

@@ -1,16 +1,8 @@
-// loom/train/trainer.hpp — Trainer: the short, safe training loop over loom's reducer and
-// accumulator. The user writes forward, the loss and one call; loom owns every step of the
-// protocol a loop can get wrong.
+// loom/train/trainer.hpp — Trainer: the short training loop over loom's reducer and accumulator.
+// The user writes forward, the loss and one call; loom owns every step of the protocol.
 //
-// One sentence: `for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loss_of(b), b);`
-// runs each rank's share of every world-size-invariant optimizer step, weights each batch by its
-// real samples, reduces gradients across ranks while backward runs, steps and zeroes the optimizer
-// at each step boundary, joins steps in which this rank has no batch, and closes the epoch when
-// the loop ends.
-//
-// Example: the README's loop — examples/readme_loop.cpp between its "----" markers, the one copy
-// (README.md and docs/loop.md show it; tests/examples/check_readme_loop.py keeps them equal). Its
-// core: a BatchLoader and a Trainer built from the process group, the model and the optimizer, then
+// Example (the README's loop, examples/readme_loop.cpp, kept equal by tests/examples/check_readme_loop.py):
+//   loom::Trainer trainer(pg, *model, optimizer);
 //   for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
 //
 // What it does for the loop (the loss weighted by the batch's real samples, the step boundary from
@@ -195,15 +187,7 @@ class Trainer {
   ///         reducer's errors.
   SyncResult backward(const at::Tensor& loss, const Batch& batch) {
     check_no_stray_backward("Trainer::backward");
-    if (!current_ || !same_batch(*current_, batch))
-      throw Error(
-          "Trainer::backward: this batch is not the one the epoch loop just yielded (pass each batch of "
-          "`for (loom::Batch& b : trainer.epoch(loader, e))` to backward once, in order)");
-    if (backward_done_)
-      throw Error(
-          fmt::format("Trainer::backward: called twice for batch {} of step {} (one backward per batch; sum "
-                      "several losses first)",
-                      batch_number_, current_step_));
+    detail::check_backward_order(current_ ? &*current_ : nullptr, batch, backward_done_, batch_number_, current_step_);
     detail::check_trainer_loss(loss);
     guard_.check_untouched(reducer_.parameters(), "Trainer::backward");
     guard_.restore(reducer_.parameters(), "Trainer::backward");
@@ -246,10 +230,7 @@ class Trainer {
   /// Example: `trainer.on_step([&](const loom::SyncResult&) { if (++n == max_steps) trainer.stop(); });`
   /// Throws: loom::Error outside on_step (from the loop body it would stop this rank alone).
   void stop() {
-    if (!in_on_step_)
-      throw Error(
-          "Trainer::stop: call it from on_step(), which every rank runs at the same step; from the loop body it "
-          "would stop this rank alone (ranks run the body different numbers of times per step)");
+    if (!in_on_step_) throw Error(detail::kStopOutsideOnStep);
     stop_ = true;
   }
   [[nodiscard]] bool stopped() const noexcept { return stopped_; }         ///< the last epoch loop ended by stop()
@@ -276,11 +257,8 @@ class Trainer {
   ///         scaler state, or as Reducer::load_grid_exponents.
   void load_state(const TrainerState& state) {
     if (loop_open_) throw Error("Trainer::load_state: an epoch loop is running; load a checkpoint between epochs");
-    detail::check_trainer_state(state);
-    if (state.loss_scaler)
-      load_loss_scaler_state(*state.loss_scaler);
-    else if (accumulator_.loss_scaler() != nullptr)
-      throw InvalidArgument("Trainer::load_state: this Trainer scales the loss but the state has no loss scaler state");
+    detail::check_trainer_state(state, accumulator_.loss_scaler() != nullptr);
+    if (state.loss_scaler) load_loss_scaler_state(*state.loss_scaler);
     if (!state.grid_exponents.empty() && reducer_.options().deterministic)
       reducer_.load_grid_exponents(state.grid_exponents);
     steps_ = state.steps;
@@ -305,12 +283,7 @@ class Trainer {
   [[nodiscard]] const TrainerOptions& options() const noexcept { return options_; }
 
  private:
-  static bool same_batch(const Batch& a, const Batch& b) {
-    return a.num_samples == b.num_samples && a.data.unsafeGetTensorImpl() == b.data.unsafeGetTensorImpl();
-  }
-
-  // Every gradient an autograd hook delivers is counted by the reducer; between two calls of the
-  // trainer the count must not move.
+  // The reducer counts every gradient its hooks deliver: between two calls of the Trainer none arrives.
   void check_no_stray_backward(const char* where) {
     if (reducer_.gradient_arrivals() != arrivals_seen_) throw Error(detail::stray_backward_message(where));
   }
@@ -348,13 +321,8 @@ class Trainer {
     optimizer_->zero_grad();
     guard_.hide(reducer_.parameters(), /*keep=*/false);
     if (skipped)
-      skips_.skipped(
-          current_step_,
-          s.verdict == StepVerdict::skip_grid_overflow ? "a gradient too large for the deterministic grid"
-          : reducer_.options().wire_dtype == at::kHalf
-              ? "inf/NaN gradients, or a gradient above 65504 on the float16 wire (ReducerOptions::wire_dtype)"
-              : "inf/NaN gradients",
-          detail::step_indices(plan_, current_step_));
+      skips_.skipped(current_step_, detail::skip_reason(s.verdict, reducer_.options()),
+                     detail::step_indices(plan_, current_step_));
     if (on_step_) {
       const detail::FlagScope running(in_on_step_);
       on_step_(s);

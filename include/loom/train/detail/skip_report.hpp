@@ -18,6 +18,8 @@
 #include <fmt/format.h>
 
 #include <loom/error.hpp>
+#include <loom/reduce/concepts.hpp>
+#include <loom/reduce/options.hpp>
 #include <loom/sample/global_plan.hpp>
 #include <loom/train/options.hpp>
 
@@ -41,6 +43,16 @@ inline std::vector<int64_t> step_indices(const EpochPlan* plan, int64_t step) {
     out.insert(out.end(), indices.begin(), indices.end());
   }
   return out;
+}
+
+/// Why a skipped step was skipped, for the warning: `verdict` is skip_grid_overflow or
+/// skip_non_finite; a float16 wire (ReducerOptions::wire_dtype) is named as a possible cause.
+/// Example: skip_reason(StepVerdict::skip_non_finite, {}) == "inf/NaN gradients".
+inline const char* skip_reason(StepVerdict verdict, const ReducerOptions& options) {
+  if (verdict == StepVerdict::skip_grid_overflow) return "a gradient too large for the deterministic grid";
+  return options.wire_dtype == at::kHalf
+             ? "inf/NaN gradients, or a gradient above 65504 on the float16 wire (ReducerOptions::wire_dtype)"
+             : "inf/NaN gradients";
 }
 
 /// Counts skipped steps and says so (see the file comment).

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <loom/collate/batch.hpp>
 #include <loom/error.hpp>
 #include <loom/reduce/detail/hooks.hpp>
 #include <loom/reduce/options.hpp>
@@ -52,12 +53,20 @@ inline std::string loop_left_message(int64_t epoch, int64_t batch, int64_t step)
 }
 
 /// The error for batch `batch` of step `step` that never reached Trainer::backward.
-/// Trainer::load_state's counts are never negative.
-inline void check_trainer_state(const TrainerState& s) {
+/// Trainer::load_state's counts are never negative, and a Trainer that scales the loss
+/// (`scales_loss`) needs the state's loss scaler state. Throws: loom::InvalidArgument.
+inline void check_trainer_state(const TrainerState& s, bool scales_loss) {
   if (s.steps < 0 || s.skipped_steps < 0)
     throw InvalidArgument(
         fmt::format("Trainer::load_state: steps {} and skipped_steps {} must be >= 0", s.steps, s.skipped_steps));
+  if (scales_loss && !s.loss_scaler)
+    throw InvalidArgument("Trainer::load_state: this Trainer scales the loss but the state has no loss scaler state");
 }
+
+/// The error for Trainer::stop() outside on_step().
+inline constexpr const char* kStopOutsideOnStep =
+    "Trainer::stop: call it from on_step(), which every rank runs at the same step; from the loop body it would stop "
+    "this rank alone (ranks run the body different numbers of times per step)";
 
 /// A backward ran outside trainer.backward (the reducer counted gradients the Trainer did not ask for).
 inline std::string stray_backward_message(const char* where) {
@@ -240,6 +249,21 @@ class TrainableGuard {
   std::vector<int64_t> versions_;       // their version counters after the Trainer's last write
   std::vector<at::Tensor> hidden_;      // inside a step: their gradients between the Trainer's calls
 };
+
+/// Trainer::backward's order: `batch` must be the one the loop just yielded (`current`, by its data
+/// tensor), and its backward not done yet. Throws: loom::Error naming the batch and step.
+inline void check_backward_order(const Batch* current, const Batch& batch, bool done, int64_t batch_number,
+                                 int64_t step) {
+  if (current == nullptr || current->num_samples != batch.num_samples ||
+      current->data.unsafeGetTensorImpl() != batch.data.unsafeGetTensorImpl())
+    throw Error(
+        "Trainer::backward: this batch is not the one the epoch loop just yielded (pass each batch of "
+        "`for (loom::Batch& b : trainer.epoch(loader, e))` to backward once, in order)");
+  if (done)
+    throw Error(fmt::format(
+        "Trainer::backward: called twice for batch {} of step {} (one backward per batch; sum several losses first)",
+        batch_number, step));
+}
 
 /// Builds the Trainer's reducer; its refusals (bad TrainerOptions::reducer, parameters it cannot
 /// reduce) name the Trainer. Throws: loom::InvalidArgument "Trainer: its loom::Reducer ... refused: ...".
