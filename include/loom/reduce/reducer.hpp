@@ -17,8 +17,7 @@
 // prepare_backward / finish_window sequence. Cost: one all-reduce per bucket per step, as DDP; one
 // host read per finish_window, none in a hook. Failure: a verdict other than apply zeroes the
 // window's gradients on every rank alike.
-// Guide: docs/reduce.md#the-rules; deterministic mode:
-// docs/elastic.md#bit-identical-training-on-any-world-size-reduceroptionsdeterministic.
+// Guide: docs/reduce.md#the-rules (deterministic mode: docs/elastic.md).
 #pragma once
 
 #include <cstdint>
