@@ -9,18 +9,7 @@
 //   (loss * b.weight).backward();             // a repeated batch (weight 0) adds no gradient
 //   if (mb.finish()) optimizer.step();
 //
-// Shape: `data` is N x (sample shape); for padded buckets the sample shape is the bucket's padded
-//        shape and `mask` (same shape as `data`, dtype bool, true = real element) says which
-//        elements are real. `targets` is N x (target shape) (int64 class ids: shape N), or
-//        undefined when the samples have no target. `indices` has N entries: the dataset index of
-//        each row of `data`, in row order. `num_samples` == N == indices.size().
-// Weight: `weight` is 1 for an ordinary batch and 0 for a batch a distributed batch sampler
-//        repeated only so every rank runs the same number of steps (its samples were already
-//        counted elsewhere; multiply the loss by it, or skip it in metrics).
-// Step: `step` is the optimizer step within the epoch the batch belongs to, and `step_end` marks
-//        this rank's last batch of it, when a sampler defines the steps (GlobalBatchSampler; -1 and
-//        false otherwise). `idle` marks an empty batch: this rank has no samples in step `step` and
-//        only joins the others' synchronisation (num_samples 0, weight 0, no tensors).
+// Guide: docs/collate.md#what-a-batch-holds-loomcollatebatchhpp.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +19,13 @@
 
 namespace loom {
 
-/// A collated batch of N samples. See the file comment for shapes and dtypes.
+/// A collated batch of N samples.
+///
+/// Example: `b.data.size(0) == b.num_samples` and `b.indices[i]` is row i's dataset index.
+/// Shape: data N x (sample shape), for padded buckets the bucket's padded shape, with `mask` (bool,
+///        like data, true = real element); targets N x (target shape) (int64 class ids: N), or
+///        undefined without targets; indices N entries, in row order.
+/// Units: num_samples in samples; weight 1, or 0 for a repeated batch (multiply the loss by it).
 struct Batch {
   at::Tensor data;               ///< N x (sample shape); dtype of the samples
   at::Tensor targets;            ///< N x (target shape), or undefined

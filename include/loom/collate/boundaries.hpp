@@ -1,29 +1,14 @@
 // loom/collate/boundaries.hpp — bucket boundaries that minimise padding, chosen from a size histogram.
 //
-// Given how many samples have each size (a histogram) and a number of buckets, auto_boundaries
-// picks the upper edges that minimise the total padded elements, exactly, by dynamic programming
-// over the sorted distinct sizes. Every size pads up to the smallest boundary at or above it, so
-// the optimal edges are always sizes that occur (a boundary between two occurring sizes can move
-// down to the lower one and pad less), and the problem is to cut the sorted distinct sizes into at
-// most k contiguous groups, a group costing count(group) x (its largest size)^exponent.
-//
 // Example:
 //   std::map<int64_t, int64_t> lengths{{10, 50}, {12, 30}, {40, 5}, {100, 2}};   // size -> count
 //   loom::BoundaryPlan plan = loom::auto_boundaries(lengths, 2);
 //   // plan.boundaries == {12, 100}: 80 x 12 + 7 x 100 = 1660 padded elements for 1260 real ones
 //   loom::PaddedBucketOptions o{.pad = {{.dim = 0, .boundaries = plan.boundaries}}, .max_elements = 4096};
 //
-// exponent: the number of dimensions padded to the same boundary. 1 for sequences (a sample of
-// length s in bucket b costs b elements), 2 for square images padded on H and W (b x b pixels).
-// Multiply by the unpadded dimensions (channels, features) yourself: they scale every cost
-// equally and do not change the optimum.
-//
-// Units: sizes in elements along the padded dimension; counts in samples; costs in elements.
-// Complexity: O(k m^2) time, O(k m) memory for m distinct sizes (m = 4096 and k = 16: ~0.3 s).
-// Throws: loom::InvalidArgument for an empty histogram, a size <= 0, a count < 0, num_buckets < 1,
-//         exponent < 1, or an element count that overflows int64 — naming the value.
-// Source: the exact DP for 1-D optimal partitioning (as in optimal histogram / Jenks-style
-//         segmentation); the padding criterion is that of tf.data's bucket_by_sequence_length.
+// Units: sizes in elements along the padded dimension; counts in samples; costs in elements (per
+//        padded dimension: multiply by the unpadded ones, channels or features, yourself).
+// Guide: docs/collate.md#automatic-boundaries-loomcollateboundarieshpp.
 #pragma once
 
 #include <algorithm>
@@ -42,7 +27,7 @@ namespace loom {
 /// Bucket edges and their padding cost on a histogram.
 ///
 /// Example: `plan.padding_fraction()` is 1 - real / padded elements, in [0, 1).
-/// Units: elements (per padded dimension product, see the file comment).
+/// Units: elements, size^exponent per sample (the unpadded dimensions left out).
 struct BoundaryPlan {
   std::vector<int64_t> boundaries{};  ///< ascending upper edges; the last is the largest size
   int64_t real_elements = 0;          ///< sum over samples of size^exponent
@@ -114,12 +99,17 @@ inline std::vector<int64_t> round_up_boundaries(const std::map<int64_t, int64_t>
   return b;
 }
 
-/// At most `num_buckets` boundaries minimising padded elements on `histogram` (exact DP).
+/// At most `num_buckets` boundaries minimising padded elements on `histogram` (exact DP);
+/// `exponent` is the number of dimensions padded to the same boundary (1 sequences, 2 square images).
 ///
-/// Example: see the file comment.
+/// Example: `loom::auto_boundaries({{10, 50}, {12, 30}, {40, 5}, {100, 2}}, 2).boundaries`
+///          == std::vector<int64_t>{12, 100}.
 /// Shape: boundaries ascending; each is a size present in the histogram; the last is the largest size.
-/// Throws: see the file comment.
-/// Source: see the file comment.
+/// Cost: O(k m^2) time, O(k m) memory for m distinct sizes (m = 4096 and k = 16: ~0.3 s).
+/// Throws: loom::InvalidArgument for an empty histogram, a size <= 0, a count < 0, num_buckets < 1,
+///         exponent < 1, or an element count that overflows int64 — naming the value.
+/// Source: the exact DP for 1-D optimal partitioning (as in optimal histogram / Jenks-style
+///         segmentation); the padding criterion is that of tf.data's bucket_by_sequence_length.
 inline BoundaryPlan auto_boundaries(const std::map<int64_t, int64_t>& histogram, int64_t num_buckets,
                                     int exponent = 1) {
   detail::check_histogram(histogram, exponent);

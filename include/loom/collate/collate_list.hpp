@@ -1,9 +1,5 @@
-// loom/collate/collate_list.hpp — loom::collate: one batch from a given list of samples.
-//
-// The list is known in full (the samples of a batch a bucket batch sampler planned, the k-th
-// samples of a device's generators): every sample is padded to one shape (given, or the
-// per-dimension maximum of the list) and copied once into one preallocated batch, through the one
-// collate kernel the bucket collators use (detail/batch_writer.hpp).
+// loom/collate/collate_list.hpp — loom::collate: one batch from a given list of samples (the
+// samples of a batch a bucket batch sampler planned, the k-th samples of a device's generators).
 //
 // Example:
 //   std::vector<std::pair<at::Tensor, int64_t>> s = {{at::ones({2}), 3}, {at::ones({3}), 4}};
@@ -11,13 +7,9 @@
 //   loom::Batch b = loom::collate(s, ids, {.mask = true});
 //   // b.data 2 x 3 float32 [[1, 1, 0], [1, 1, 1]]; b.mask like it, true = real; b.targets {3, 4}
 //
-// Reading: every sample is read when the walk over the list reaches it. A forward range whose
-// elements are lvalues (a std::vector of samples) holds its samples for the whole call, so they
-// are read in place; any other range (a view that decodes on demand, perhaps into one reused
-// buffer) has each sample copied into a staging buffer as it is reached, and from there into the
-// batch. A view whose elements are references to one object it overwrites is not a range that
-// holds its samples: make it yield samples by value (as collate_sampled does for its fetch).
-//
+// Reading: a std::vector of samples (a forward range of lvalues) is read in place; any other range
+// has each sample copied as the walk reaches it, so a view over one reused buffer must yield
+// samples by value. Guide: docs/collate.md#storage-read-on-arrival-reuse-buffers-loomcollatepoolhpp.
 // Source: like a DataLoader collate_fn (torch.utils.data.default_collate), but copying into one
 // preallocated buffer instead of stacking; padding to the batch's maximum as in
 // torch.nn.utils.rnn.pad_sequence.
@@ -83,8 +75,8 @@ concept CollatableRange = (std::ranges::forward_range<const R> ||
                            ranges::forward_range<const R>)&&SampleProjection<P, list_sample_t<R>>;
 
 /// Collates a given list of samples into one Batch (e.g. the samples of a PlannedBatch that a
-/// bucket batch sampler chose), copying each sample once into the batch storage. See the file
-/// comment for when samples are read in place and when they are copied on arrival.
+/// bucket batch sampler chose): each sample padded to one shape (given, or the per-dimension
+/// maximum) and copied once into the batch storage, by the bucket collators' kernel.
 ///
 /// Example: `auto b = loom::collate(samples, planned.indices, {.padded_shape = planned.padded_shape});`
 /// Shape: data N x padded shape (samples' dtype), targets an int64 N-vector (integer targets) or
@@ -94,7 +86,7 @@ concept CollatableRange = (std::ranges::forward_range<const R> ||
 ///         undefined or not on the CPU, samples that differ in number of dimensions, dtype or
 ///         target kind / shape / dtype, a zero-size dimension, or a sample larger than
 ///         padded_shape; each message names the sample index.
-/// Source: see the file comment.
+/// Source: torch.utils.data.default_collate, copying instead of stacking; torch.nn.utils.rnn.pad_sequence.
 template <class Range, class Projection = DefaultProjection>
 requires CollatableRange<Range, Projection> Batch collate(const Range& samples, std::span<const int64_t> indices,
                                                           const CollateOptions& o = {}, const Projection& proj = {}) {

@@ -1,19 +1,5 @@
 // loom/collate/collator.hpp — BucketCollator: samples in, one at a time; loom::Batch out, whenever
-// a bucket's batch closes.
-//
-// A BucketCollator sorts samples into buckets (exact shape or padded, see options.hpp and
-// planner.hpp) and emits a loom::Batch whenever a bucket's batch closes. Every sample is read
-// when push() receives it, never later: the collator keeps no reference to the caller's tensors,
-// so a source that decodes each sample into one reused output buffer (and hands out views of it)
-// gets correct batches. For buckets whose padded shape is known up front (exact shapes,
-// boundaries, multiples) the sample's bytes go straight into the bucket's open batch buffer (one
-// copy). For buckets padded to the batch's largest size the padded shape is known only when the
-// batch closes, so the bytes are first copied into the bucket's staging buffer (a byte buffer
-// reused from batch to batch), then into the batch when it closes (two copies; the cost against one
-// copy at close time is in docs/benchmarks.md, "Collation"). Rows are written by the one collate
-// kernel (detail/batch_writer.hpp) that loom::collate uses too; there is no per-group vector of
-// tensors and no torch::stack. With a BufferPool (pool.hpp) the batch buffers are reused across
-// batches, which removes the page faults that dominate collation cost.
+// a bucket's batch closes. Also brings loom::collate and CollateOptions (collate_list.hpp).
 //
 // Example:
 //   loom::BucketCollator<> c(loom::ShapeBucketOptions{.max_samples = 4});
@@ -24,24 +10,9 @@
 //   c.flush();                                           // partial buckets: emitted, not dropped
 //   while (auto b = c.try_pop()) train_step(*b);
 //
-// Shape: Batch::data is N x (padded) sample shape in the samples' dtype; Batch::targets is an
-//        int64 N-vector for integer targets, N x (target shape) for tensor targets, undefined for
-//        NoTarget; Batch::mask (padded collators with mask = true) is bool like data, true = real.
-//        Batch::indices are the dataset indices (from the projection's index(), from push(index, s),
-//        or the 0-based input position), in row order; Batch::num_samples = N; Batch::weight = 1.
-// Throws: loom::InvalidArgument naming the sample index and the bad value for: a data tensor that
-//         is undefined or not on the CPU; samples of a different number of dimensions than the
-//         first; a zero-size dimension; a dtype different from the dtype of its bucket; a tensor
-//         target whose shape or dtype differs from its bucket's; a sample above max_elements on its
-//         own (unless OversizePolicy::skip); flush() before any sample was pushed (empty dataset);
-//         pop() with no batch ready. Bad options throw when the collator is built (options.hpp).
-// Thread safety: one collator per thread; batches may outlive the collator.
-// Source: the map-keyed-by-shape grouping is the usual hand-written collate function; the
-//         copy-into-preallocated-storage idea is what torch's DataLoader does with pin_memory
-//         buffers, minus the stack.
-//
-// This header also brings loom::collate and CollateOptions (collate_list.hpp): one batch from a
-// given list of samples.
+// Every sample is read when push() receives it: the collator keeps no reference to the caller's
+// tensors, so a source may reuse one output buffer. One collator per thread; batches may outlive it.
+// Guide: docs/collate.md#storage-read-on-arrival-reuse-buffers-loomcollatepoolhpp.
 #pragma once
 
 #include <cstddef>
@@ -68,12 +39,21 @@
 
 namespace loom {
 
-/// Groups samples into shape buckets and emits loom::Batch objects. See the file comment.
+/// Groups samples into shape buckets (exact or padded, as the options say) and emits loom::Batch
+/// objects.
 ///
-/// Example: see the file comment.
-/// Shape: see the file comment (Batch::data N x padded sample shape, targets, mask, indices).
-/// Throws: see the file comment.
-/// Source: see the file comment.
+/// Example: `loom::BucketCollator<> c(loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 4096});`
+/// Shape: Batch::data N x (padded) sample shape in the samples' dtype; targets an int64 N-vector
+///        (integer targets), N x (target shape) (tensor targets) or undefined (NoTarget); mask (padded,
+///        mask = true) bool like data, true = real; indices from the projection's index(), from
+///        push(index, s), or the 0-based input position, in row order; num_samples N; weight 1.
+/// Throws: loom::InvalidArgument naming the sample index and the bad value: data undefined or not
+///         on the CPU, another number of dimensions than the first sample, a zero-size dimension,
+///         a dtype or tensor-target shape/dtype other than its bucket's, a sample above
+///         max_elements alone (unless OversizePolicy::skip), flush() before any push (an empty
+///         dataset), pop() with no batch ready; bad options when built (options.hpp).
+/// Source: the map-keyed-by-shape grouping of hand-written collate functions; copying into
+///         preallocated storage as torch's DataLoader does with pin_memory buffers, minus the stack.
 template <class Projection = DefaultProjection>
 class BucketCollator {
  public:

@@ -1,9 +1,5 @@
-// loom/collate/options.hpp — what a bucketing collator (or the bucket batch sampler) is told.
-//
-// Two aggregates, used with designated initializers:
-//   ShapeBucketOptions   exact-shape buckets: samples of identical shape share a batch
-//   PaddedBucketOptions  padded buckets: sizes on chosen dimensions are rounded up to bucket
-//                        boundaries (explicit, a multiple, or the largest in the batch) and padded
+// loom/collate/options.hpp — what a bucketing collator (or the bucket batch sampler) is told:
+// ShapeBucketOptions (exact-shape buckets) and PaddedBucketOptions (padded buckets).
 //
 // Example:
 //   loom::ShapeBucketOptions exact{.max_samples = 64};
@@ -14,22 +10,10 @@
 //                                            {.dim = -1, .boundaries = {32, 64, 128}}},
 //                                    .max_samples = 32};
 //
-// Batch limits (at least one of max_samples / max_elements must be set):
-//   max_samples   samples per batch.
-//   max_elements  *padded* elements per batch: count x product of the batch's padded sample shape
-//                 (pixels x channels, tokens x features, ...), like fairseq's max_tokens, but the
-//                 padding counts, because padding costs memory and compute as real elements do.
-//   multiple_of   when a batch is closed by the element budget, it keeps the largest multiple of
-//                 k samples (the rest start the next batch); a batch of fewer than k is emitted
-//                 whole. Batches flushed at the end of the input may be any size.
-// A batch closes when the next sample would break a limit; at the end of the input (or on an
-// explicit flush) partial batches are emitted, never dropped, unless drop_incomplete is set; the
-// number of samples dropped is then reported (CollateStats::dropped_incomplete).
-//
-// Throws (when the collator is built): loom::InvalidArgument naming the option and its value for
-// max_samples <= 0, max_elements <= 0, neither set, multiple_of < 1, max_samples not a multiple of
-// multiple_of, unsorted or non-positive boundaries, a negative multiple, boundaries and a multiple
-// on one dimension, or one dimension listed twice.
+// Units: max_samples in samples; max_elements in *padded* elements (not bytes); set at least one.
+// Throws: loom::InvalidArgument naming the option and its value, when the collator is built
+//         (BatchRules::check lists them).
+// Guide: docs/collate.md#collators (the limits, padding rules, partial batches).
 // Source: budget semantics follow fairseq's data_utils.batch_by_size (max_tokens, required_batch_size_multiple),
 //         with the cost taken as count x padded size as fairseq's num_tokens_fn does for padded batches.
 #pragma once

@@ -1,10 +1,6 @@
 // loom/collate/planner.hpp — BucketPlanner: which samples go into which batch, from shapes alone.
-//
-// The planner is the shape-only half of a bucketing collator: it takes (dataset index, shape)
-// pairs in order and decides bucket membership, padded shapes and when each batch closes, without
-// touching tensor data. Collators (collator.hpp) copy bytes where the planner says; the
-// distributed bucket batch sampler (loom/sample/bucket_batch.hpp) runs the same planner over the
-// whole dataset's shapes so every rank derives the same batches. One planner, one set of rules.
+// The collators copy bytes where it says; loom/sample/bucket_batch.hpp plans a whole dataset with
+// it on every rank alike. One planner, one set of rules.
 //
 // Example:
 //   loom::BucketPlanner planner(loom::PaddedBucketOptions{.pad = {{.dim = 0}}, .max_elements = 150});
@@ -12,22 +8,8 @@
 //   for (int64_t i = 0; i < 5; ++i) planner.add(i, {len[i]}, out);   // len = {100, 10, 10, 10, 100}
 //   planner.flush(out);          // out: {0}, {1, 2, 3}, {4} with padded shapes {100}, {10}, {100}
 //
-// Rules (see options.hpp for the option meanings):
-//   - A sample's bucket key is its shape with padded dimensions replaced by their padded size
-//     (boundary or multiple) or by "any" (pad to the batch's largest). Exact buckets pad nothing.
-//   - Fixed buckets (no "any" dimension) have a capacity: min(max_samples, max_elements / padded
-//     numel), rounded down to a multiple of multiple_of when at least that many fit; the batch is
-//     emitted the moment it reaches its capacity.
-//   - "Any" buckets are closed lazily: when the next sample would push count x padded numel over
-//     max_elements, the largest multiple of multiple_of pending samples (all of them if fewer) is
-//     emitted first; max_samples closes them eagerly.
-//   - Batches are emitted in the order they close; flush() then emits the pending buckets in the
-//     order the buckets were first seen. Same input order, same batches.
-//
-// Throws: loom::InvalidArgument for bad options (see options.hpp) and for bad samples, naming the
-//         sample index and its shape: a different number of dimensions from the first sample, a
-//         zero-size or negative dimension, a size above the last boundary, a sample larger than
-//         max_elements on its own (unless OversizePolicy::skip), a padded dimension out of range.
+// Same input order, same batches. Guide (bucket keys, capacities, when a batch closes):
+// docs/collate.md#planning-from-shapes-to-batches-loomcollateplannerhpp.
 // Source: the greedy in-order packing is fairseq's batch_by_size; buckets by padded length are
 //         tf.data's bucket_by_sequence_length idea.
 #pragma once
@@ -77,13 +59,16 @@ inline int64_t checked_mul(int64_t a, int64_t b, int64_t index, c10::IntArrayRef
 
 }  // namespace detail
 
-/// Shape-only bucketing: decides batches from (index, shape) pairs. See the file comment.
+/// Shape-only bucketing: decides batches from (index, shape) pairs, without touching tensor data.
 ///
-/// Example: see the file comment.
+/// Example: `planner.add(7, {3, 32, 48}, out);` appends to `out` the batches sample 7 closes.
 /// Shape: shapes exclude the batch dimension; all samples given to one planner have the same
 ///        number of dimensions.
-/// Throws: loom::InvalidArgument (see the file comment).
-/// Source: see the file comment.
+/// Throws: loom::InvalidArgument for bad options (BatchRules::check) and for bad samples, naming the
+///         sample index and its shape: another number of dimensions than the first sample, a
+///         zero-size or negative dimension, a size above the last boundary, a sample larger than
+///         max_elements on its own (unless OversizePolicy::skip), a padded dimension out of range.
+/// Source: fairseq's batch_by_size; tf.data's bucket_by_sequence_length.
 class BucketPlanner {
  public:
   /// kAny marks a dimension padded to the batch's largest size in a bucket key.

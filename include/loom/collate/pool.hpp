@@ -1,32 +1,17 @@
 // loom/collate/pool.hpp — batch storage: the allocation hook and a pool of reusable buffers.
 //
-// Collating is a memory copy, and a fresh batch tensor costs more than the copy itself: the
-// kernel maps its pages on first touch (page faults), which made `torch::stack` of 64 x 3x224x224
-// float32 5-8x slower than a memcpy of the same bytes on our machines. A BufferPool keeps batch
-// buffers alive and hands them out again once every tensor viewing them is gone, so steady-state
-// collation writes into warm, already-mapped memory.
-//
 // Example:
 //   auto pool = std::make_shared<loom::BufferPool>();                   // pageable host memory
 //   auto batches = samples | loom::views::bucket_by_shape({.max_samples = 64, .pool = pool});
 //   for (loom::Batch& b : batches) step(b);   // b's buffer returns to the pool when b is dropped
+//   loom::BufferPoolOptions pinned{.allocate = loom::cuda::pinned_empty};   // loom/cuda/pinned.hpp
 //
-// Pinned memory (for non_blocking host-to-device copies) is a BatchAllocator:
-//   auto pinned = [](c10::IntArrayRef sizes, c10::ScalarType dtype) {
-//     return at::empty(sizes, at::TensorOptions(dtype).pinned_memory(true));
-//   };
-//   auto pool = std::make_shared<loom::BufferPool>(loom::BufferPoolOptions{.allocate = pinned});
-// or, with any LibTorch (CUDA build or not), loom/cuda/pinned.hpp's cudaHostAlloc allocator:
-//   loom::BufferPoolOptions{.allocate = loom::cuda::pinned_empty}
-//
-// Reuse rule: a buffer is free when the pool holds the only reference to its storage (the
-// storage's use count is 1). A batch, any view of it, or a tensor sharing its storage keeps it busy
-// (a batch's data, mask and targets share one buffer: keeping only the targets keeps it busy too).
-// Caution: a non_blocking copy from a pooled buffer to a device must have completed (synchronise
-// its stream) before the last host tensor viewing the buffer is dropped, or the pool may refill
-// the buffer while the copy still reads it.
+// Reuse rule: a buffer is free when the pool holds the only reference to its storage; a batch, a
+// view of it or a tensor sharing its storage (its targets too) keeps it busy. A non_blocking copy
+// from a pooled buffer must complete before the last host tensor viewing it is dropped.
 // Thread safety: a pool may be shared by collators on different threads (a mutex guards it);
 // batches may be dropped on any thread.
+// Guide: docs/collate.md#storage-read-on-arrival-reuse-buffers-loomcollatepoolhpp.
 #pragma once
 
 #include <algorithm>

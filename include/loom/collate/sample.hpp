@@ -1,8 +1,5 @@
-// loom/collate/sample.hpp — how a collator reads a sample: the SampleProjection customization point.
-//
-// A collator needs three things from each sample: its data tensor, its target (an int64 class id,
-// a tensor, or nothing) and, optionally, its dataset index. A *projection* is a small object that
-// extracts them, so any sample type works — not only `std::pair<torch::Tensor, int64_t>`.
+// loom/collate/sample.hpp — how a collator reads a sample: the SampleProjection customization point
+// (data tensor, target, optional dataset index), so any sample type works.
 //
 // Example:
 //   struct Utterance { torch::Tensor features; std::string text; int64_t speaker; int64_t id; };
@@ -13,16 +10,9 @@
 //   };
 //   auto batches = utterances | loom::views::bucket_by_shape({.max_samples = 32}, UtteranceProjection{});
 //
-// DefaultProjection handles, with no code from the user:
-//   - std::pair<at::Tensor, int64_t>         data = first, target = second (class id)
-//   - std::pair<at::Tensor, at::Tensor>      data = first, target = second (tensor target)
-//   - std::tuple<at::Tensor, T> (any 2-element tuple-like: std::get<0> the data, std::get<1> the
-//     target, an integer or a tensor)
-//   - a struct with `.data` and `.target`    (target: an integer or a tensor), optionally `.index`
-//   - a struct with `.data` only, or a bare at::Tensor     (no target: Batch::targets undefined)
-//
 // Shape: the data tensor is one sample without the batch dimension (e.g. C x H x W); the collator
 //        adds the leading N. Its shape is the sample's *shape key* for bucketing.
+// Guide: docs/collate.md#any-sample-type-projections-loomcollatesamplehpp.
 // Source: projections follow the C++20 ranges idea of a projection (std::ranges::sort(r, {}, proj)).
 #pragma once
 
@@ -118,10 +108,12 @@ void for_each_read_tensor(S& s, F&& f) {
 }
 }  // namespace detail
 
-/// The projection collators use unless given another: reads (tensor, target) pairs and 2-tuples,
-/// `.data/.target[/.index]` structs and bare tensors (see the file comment). It is loom's one
-/// reading of a sample: the collators, loom::collate and the generator loader's DefaultCollate
-/// all go through it (or through a projection the user gives instead).
+/// The projection collators use unless given another: reads std::pair<at::Tensor, int64_t> and
+/// std::pair<at::Tensor, at::Tensor> (first the data, second the target), any 2-element tuple-like
+/// (std::get<0>, std::get<1>), structs with `.data` and `.target` (an integer or a tensor;
+/// optionally `.index`), structs with `.data` only and bare tensors (no target: Batch::targets
+/// undefined). It is loom's one reading of a sample: the collators, loom::collate and the generator
+/// loader's DefaultCollate all go through it (or through a projection the user gives instead).
 ///
 /// Example: `std::pair<at::Tensor, int64_t> s{torch::zeros({3, 8, 8}), 7};`
 ///          `DefaultProjection{}.target(s) == 7`.

@@ -1,25 +1,6 @@
 // loom/collate/transfer.hpp — the transfer step of a loader: a collated host batch on its way to
-// its device. The one way batches reach a device: the generator loaders (loom/schedule/) and
-// loom::BatchLoader (loom/train/loader.hpp) take it, and loom::cuda::CudaTransfer
-// (loom/cuda/transfer.hpp) models it, so it lives below all three.
-//
-// A generator loader calls `t.start(batch, label)` on a worker thread right after the collate
-// step (for one device: one call at a time, in step order, on whichever worker collated that
-// step), keeps the returned Ticket next to the batch in the prefetch queue, and calls
-// `t.finish(batch, label, ticket)` on the consumer's thread just before handing the batch out.
-// BatchLoader calls both on the thread calling load() or next() (its workers only collate). A CUDA transfer copies into pinned
-// staging memory and issues a non-blocking copy on the device's own stream in start(), then
-// records an event; finish() makes the consumer's current stream wait on the event (not the whole
-// device).
-//
-// Models: HostTransfer, the default of the generator loaders, leaves the batch where it is and
-// does nothing. DeviceTransfer, the default of loom::BatchLoader, copies the batch's tensors with
-// Tensor::to(device, non_blocking) to any LibTorch device. loom::cuda::CudaTransfer is the CUDA
-// model with its own copy stream and pinned staging.
-//
-// Device labels: the generator loaders pass their device slot (0 .. num_devices - 1);
-// loom::BatchLoader passes its device's index (0 for the CPU or a device without an index). Both
-// models map label d to device index d of their type, or to devices[d] when a list is given.
+// its device. The generator loaders (loom/schedule/) and loom::BatchLoader take a BatchTransfer and
+// loom::cuda::CudaTransfer models it, so it lives below all three.
 //
 // Example:
 //   struct CountingTransfer {                  // a transfer that only counts what it saw
@@ -29,6 +10,10 @@
 //   };
 //   static_assert(loom::BatchTransfer<CountingTransfer, loom::Batch>);
 //
+// Protocol: start(batch, label) on the thread that collated it (a generator loader's worker;
+// BatchLoader's caller of load() or next()), finish(batch, label, ticket) on the consumer's thread
+// before the batch is handed out. Label: a generator loader's device slot, BatchLoader's device index.
+// Guide: docs/collate.md#on-to-a-device-the-transfer-seam-loomcollatetransferhpp.
 // Source: the staging / per-device stream / event protocol of torch.utils.data's pin_memory
 // thread followed by `.to(device, non_blocking=True)`, done per device.
 #pragma once

@@ -7,16 +7,11 @@
 //   auto tokens = sequences | ranges::views::transform(to_sample)         // 1-D int64 token tensors
 //               | loom::views::bucket_padded({.pad = {{.dim = 0}}, .pad_value = 0, .max_elements = 4096});
 //
-// The views are lazy and single-pass: each step pulls samples from the input only until a batch
-// closes, and the end of the input flushes the partial buckets. They accept single-pass input
-// ranges (generators, istream views) and never read an input element twice (for in-memory ranges
-// of samples held by reference, they look up to three elements ahead, at their tensor metadata
-// and the first bytes of the next one's data, only to prefetch them; see State::prefetch_next).
-// Iterating a view a second time is not supported (begin() may be called once). The batches are the same, in the
-// same order, as a BucketCollator given the same samples would emit (they are built by one).
-//
+// Single pass: begin() once per view; each input element is read once. The batches are those a
+// BucketCollator given the same samples would emit (they are built by one).
 // Throws: as BucketCollator (collator.hpp), from begin() and from ++; an empty input range throws
 //         loom::InvalidArgument ("the dataset is empty").
+// Guide: docs/collate.md#views.
 // Source: adaptor shape follows range-v3's views::chunk (a *_fn object with a pipe form made with
 //         make_view_closure(bind_back(...))).
 #pragma once

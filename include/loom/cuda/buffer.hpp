@@ -8,6 +8,7 @@
 //   float* p = buf.as<float>();
 //
 // Units: bytes. Throws: loom::CudaError (no device, out of memory) naming the call and size.
+// Guide: docs/gpu.md#what-exists.
 #pragma once
 
 #include <cstddef>

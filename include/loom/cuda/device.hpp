@@ -9,6 +9,7 @@
 //   }                                  // the previous device is current again
 //
 // Throws: loom::CudaError (DeviceGuard with a device that does not exist, or no device at all).
+// Guide: docs/gpu.md#what-exists.
 // Source: the scope-guard shape of c10::cuda::CUDAGuard, on the bare runtime API so that it also
 //         serves programs whose LibTorch has no CUDA.
 #pragma once

@@ -1,9 +1,5 @@
 // loom/cuda/error.hpp — checking CUDA runtime calls: LOOM_CUDA_CHECK and loom::CudaError.
 //
-// Every CUDA runtime call loom makes goes through LOOM_CUDA_CHECK, which turns a failing
-// cudaError_t into a loom::CudaError whose message names the call as written, file:line, the
-// code's name and text, the device and the runtime/driver versions:
-//
 // Example:
 //   void* p = nullptr;
 //   LOOM_CUDA_CHECK(cudaHostAlloc(&p, 1 << 20, cudaHostAllocPortable));
@@ -12,11 +8,11 @@
 //   //  loom/cuda/pinned.hpp:51: cudaErrorNoDevice (no CUDA-capable device is detected);
 //   //  device -1, CUDA runtime 13.0, driver 0.0"
 //
-// CudaError derives from loom::CommError: on the GPU path a CUDA failure is what makes a
-// collective or a transfer fail, and callers catching CommError see it.
-//
-// Throws: loom::CudaError from LOOM_CUDA_CHECK. Destructors use detail::cuda_noexcept, which
-//         reports on stderr (except during process teardown) and never throws.
+// Throws: loom::CudaError (a loom::CommError: on the GPU path a CUDA failure is what makes a
+//         collective or a transfer fail) from LOOM_CUDA_CHECK. Destructors use
+//         detail::cuda_noexcept, which reports on stderr (except during process teardown) and
+//         never throws.
+// Guide: docs/gpu.md#what-exists.
 // Source: the "check every call, say which call" habit of c10's C10_CUDA_CHECK and NCCLUtils.
 #pragma once
 

@@ -1,10 +1,5 @@
-// loom/cuda/pinned.hpp — page-locked (pinned) host memory as at::Tensor, with a caching pool.
-//
-// Host-to-device copies from pinned memory run asynchronously at full PCIe/NVLink speed; from
-// ordinary pageable memory CUDA first stages them through a hidden buffer and the host waits.
-// These functions allocate with cudaHostAlloc (portable: usable from every device's context)
-// and hand the memory out as CPU tensors whose deleter frees or recycles it, so collators can
-// build batches directly in pinned memory. This works with any LibTorch, CUDA-enabled or not.
+// loom/cuda/pinned.hpp — page-locked (pinned) host memory as at::Tensor, with a caching pool; with
+// any LibTorch, CUDA-enabled or not.
 //
 // Example:
 //   loom::cuda::PinnedPool pool;                                    // one per scheduler/collator
@@ -17,9 +12,8 @@
 // Units: bytes for every size in PinnedPool::Stats.
 // Throws: loom::CudaError when cudaHostAlloc fails (no device, out of pinned memory), naming the
 //         call and the byte count; loom::InvalidArgument for negative sizes.
-// Reuse rule: a block goes back to the pool when its tensor (and every view of it) is gone. A
-//         copy still reading the block must keep the tensor alive until the copy finished
-//         (loom::cuda::BatchTransfer does this); the pool cannot see in-flight copies.
+// A block goes back to the pool when its tensor (and every view) is gone: a copy still reading it
+// must keep the tensor alive. Guide: docs/gpu.md#pinned-host-memory.
 // Source: the idea of PyTorch's CachingHostAllocator (pin_memory), minus its stream tracking.
 #pragma once
 

@@ -12,6 +12,7 @@
 //   ready.block(compute_stream);                       // compute waits on the GPU, host does not
 //
 // Throws: loom::CudaError from every call that can fail; destructors never throw.
+// Guide: docs/gpu.md#streams-and-ordering.
 // Source: the ownership model of c10::cuda::CUDAStream / at::cuda::CUDAEvent (owned vs. external
 //         streams, events created lazily per device), written on the bare runtime API.
 #pragma once

@@ -1,24 +1,6 @@
 // loom/cuda/transfer.hpp — non-blocking host-to-device copies on a copy stream, completed by an
-// event the consumer waits on.
-//
-// Three levels:
-//  * copy_h2d_async(dst, src, bytes, stream): raw pointers, any LibTorch (see also DeviceBuffer).
-//  * transfer_batch(host_batch, device, stream) -> InFlightBatch (LibTorch with CUDA only,
-//    LOOM_TORCH_HAS_CUDA): copies a loom::Batch's tensors to `device` on `stream` and returns the
-//    device batch with its completion event; InFlightBatch::wait() makes the consumer's stream
-//    wait for the copy on the GPU (the host does not block) and tells LibTorch's caching
-//    allocator that the consumer stream uses the memory.
-//  * CudaTransfer (LOOM_TORCH_HAS_CUDA): the same protocol as a model of loom::BatchTransfer
-//    (loom/collate/transfer.hpp; the generator loaders and loom::BatchLoader take it): start()
-//    (on a generator loader's worker thread) stages pageable tensors into pinned memory and
-//    queues the copies on that thread's own stream; finish() on the consumer's thread makes
-//    LibTorch's current stream wait on the event.
-//
-// Example (a generator loader whose batches arrive on the GPUs):
-//   loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> loader(
-//       std::move(gens), {.num_devices = 2}, {}, loom::cuda::CudaTransfer{});
-//   for (auto& step : loader)
-//     for (auto& db : step.devices) model[db.device]->forward(db.batch.data);  // on cuda:db.device
+// event the consumer waits on: copy_h2d_async (raw pointers, any LibTorch), and, with a CUDA
+// LibTorch (LOOM_TORCH_HAS_CUDA), transfer_batch -> InFlightBatch and CudaTransfer.
 //
 // Example (by hand):
 //   auto copy = loom::cuda::Stream::create(device);
@@ -26,11 +8,10 @@
 //   t.wait();                                                // current stream waits for the copy
 //   auto out = model->forward(t.batch.data);
 //
-// Shape: the device batch has the host batch's shapes and dtypes; indices, num_samples, weight
-//        are copied as they are.
 // Units: bytes for copy_h2d_async.
 // Throws: loom::CudaError (naming the call) from every CUDA call; loom::InvalidArgument when a
 //         host tensor is already on a GPU, or `bytes` > 0 with a null pointer.
+// Guide: docs/gpu.md#streams-and-ordering.
 // Source: the pin_memory + non_blocking=True + stream/event hand-off that PyTorch's DataLoader
 //         users write by hand (see "CUDA semantics: streams" in the PyTorch docs), with the
 //         record_stream rule from the same page.
@@ -162,7 +143,8 @@ class InFlightBatch {
 /// device batch with its completion event. Pinned host tensors (PinnedPool) make the copy truly
 /// asynchronous; pageable ones make the host wait for the copy (CUDA's rule).
 ///
-/// Shape: unchanged. Throws: loom::CudaError, loom::InvalidArgument (tensor already on a GPU).
+/// Shape: the host batch's shapes and dtypes; indices, num_samples, weight are copied as they are.
+/// Throws: loom::CudaError, loom::InvalidArgument (tensor already on a GPU).
 inline InFlightBatch transfer_batch(const Batch& host, int device, const Stream& stream) {
   DeviceGuard on(device);
   const c10::cuda::CUDAStreamGuard current(
@@ -197,7 +179,11 @@ struct CudaTransferOptions {
 /// and the batch's memory is recorded as used on that stream. The ticket keeps the host
 /// memory alive until the copy completed.
 ///
-/// Example: see the file comment.
+/// Example (a generator loader whose batches arrive on the GPUs):
+///   loom::GeneratorLoader<Gen, loom::DefaultCollate<>, loom::cuda::CudaTransfer> loader(
+///       std::move(gens), {.num_devices = 2}, {}, loom::cuda::CudaTransfer{});
+///   for (auto& step : loader)
+///     for (auto& db : step.devices) model[db.device]->forward(db.batch.data);  // on cuda:db.device
 /// Throws: loom::CudaError; loom::InvalidArgument (batch tensor already on a GPU, bad label).
 class CudaTransfer {
  public:

@@ -5,7 +5,7 @@
 //   #include <loom/dist/all.hpp>
 //   loom::run([](loom::ProcessGroup& pg) { /* one rank */ }, {.nproc = 2});
 //
-// See docs/launching.md.
+// Guide: docs/launching.md (the backend and device: docs/gpu.md#which-backend).
 #pragma once
 
 #include <loom/dist/process_group.hpp>

@@ -1,28 +1,13 @@
 // loom/dist/process_group.hpp — ProcessGroup: the communicator a training loop asks for, with the
 // backend picked from the device: NCCL on a GPU, Gloo on the CPU, any world size (1 included).
 //
-// One sentence: `loom::ProcessGroup pg(env)` joins the job an Environment describes and holds the
-// one communicator that fits this machine — so a loop never branches between LocalCommunicator,
-// GlooCommunicator and NcclCommunicator — and says which device its tensors live on.
-//
 // Example:
 //   loom::ProcessGroup pg(loom::Environment::from_env());   // or loom::run gives you one
 //   auto t = torch::ones({4}, torch::TensorOptions().device(pg.device()));
 //   pg.all_reduce(t, loom::ReduceOp::sum);                  // world_size() in every element
 //
-// Backend (ProcessGroupOptions::backend):
-//   automatic (default): NCCL when this build has NCCL and a CUDA LibTorch and the CUDA runtime
-//     sees a device (the rank's GPU is chosen by loom::rank_cuda_device: its LOCAL_RANK among
-//     CUDA_VISIBLE_DEVICES); else Gloo on the CPU; else (no Gloo in the build) a LocalCommunicator,
-//     which needs world size 1.
-//   gloo, nccl, local: that backend, or loom::ConfigError saying why it is not available.
-// Device: NCCL: cuda:<ordinal>; Gloo and local: the CPU (Gloo also moves CUDA tensors, staged
-//   through host memory, but loom's parts allocate on device()).
-// Cost: each collective dispatches on the held backend once (a std::variant visit, no virtual
-//   call); the backends' own costs are unchanged.
-//
-// Throws: loom::ConfigError (an unavailable backend, too few GPUs for the node's ranks), and the
-//         backend's rendezvous / connect errors (loom::TimeoutError, loom::CommError).
+// Tensors handed to its collectives live on pg.device() (NCCL: the rank's GPU; else the CPU).
+// Guide: docs/gpu.md#which-backend; launchers and timeouts: docs/launching.md.
 // Source: torch.distributed.init_process_group(backend=...) and its "cuda:nccl,cpu:gloo" device
 //         mapping; torchrun's LOCAL_RANK device convention.
 #pragma once
@@ -65,7 +50,7 @@ namespace loom {
 
 /// Which communicator a ProcessGroup holds.
 enum class Backend {
-  automatic,  ///< NCCL on a GPU, else Gloo, else local (see the file comment)
+  automatic,  ///< NCCL on a GPU, else Gloo, else local (docs/gpu.md#which-backend)
   gloo,       ///< GlooCommunicator (CPU tensors over TCP)
   nccl,       ///< NcclCommunicator (one GPU per rank)
   local,      ///< LocalCommunicator (world size 1 only)
@@ -96,7 +81,7 @@ inline Backend parse_backend(std::string_view text) {
 /// Example: `loom::ProcessGroupOptions{.backend = loom::Backend::gloo, .timeout = std::chrono::seconds(30)}`.
 /// Units: timeout is wall-clock, per collective and for the rendezvous.
 struct ProcessGroupOptions {
-  Backend backend = Backend::automatic;  ///< see the file comment
+  Backend backend = Backend::automatic;  ///< which communicator (automatic: from the device)
   /// Bound on the rendezvous and every collective; unset: the environment variable LOOM_TIMEOUT
   /// (seconds, e.g. 600 or 2.5), else loom::kDefaultTimeout (300 s). See process_group_timeout.
   std::optional<std::chrono::milliseconds> timeout{};
@@ -152,9 +137,10 @@ class ProcessGroupWork {
 
 /// The job's communicator, backend chosen from the device. Models AsyncCommunicator. Move-only.
 ///
-/// Example: see the file comment.
-/// Throws: see the file comment.
-/// Source: see the file comment.
+/// Example: `loom::ProcessGroup pg(env, {.backend = loom::Backend::gloo});`
+/// Throws: loom::ConfigError (an unavailable backend, too few GPUs for the node's ranks), and the
+///         backend's rendezvous / connect errors (loom::TimeoutError, loom::CommError).
+/// Source: torch.distributed.init_process_group.
 class ProcessGroup {
   template <class F>
   decltype(auto) visit(F&& f) {
@@ -178,7 +164,7 @@ class ProcessGroup {
                                >;
 
   /// Joins the job `env` describes (rendezvous at MASTER_ADDR:MASTER_PORT unless world size 1).
-  /// Throws: see the file comment; loom::ConfigError for a bad LOOM_TIMEOUT (process_group_timeout).
+  /// Throws: as ProcessGroup; loom::ConfigError for a bad LOOM_TIMEOUT (process_group_timeout).
   explicit ProcessGroup(const Environment& env, ProcessGroupOptions options = {})
       : env_(env),
         options_(with_timeout(std::move(options))),

@@ -1,10 +1,6 @@
 // loom/dist/run.hpp — one entry point for "run this function as my rank": inside a job started by
-// torchrun, mpirun or srun it joins that job; started by hand it spawns local ranks itself.
-//
-// One sentence: `loom::run(fn, {.nproc = 2})` reads the launcher's variables; when there are any,
-// it builds this process's ProcessGroup and calls fn(group) once; when there are none, it forks
-// `nproc` ranks on this machine (loom::spawn, with torchrun's variables) and calls fn(group) in
-// each — so a program has no branch between "launched" and "standalone".
+// torchrun, mpirun or srun it joins that job (fn(group) once); started by hand it forks `nproc`
+// local ranks (loom::spawn, with torchrun's variables) and calls fn(group) in each.
 //
 // Example:
 //   int main(int argc, char** argv) try {
@@ -16,14 +12,11 @@
 //   //   ./train                       -> 2 local ranks (spawned)
 //   //   torchrun --nproc-per-node 4 ./train, mpirun -np 4 ./train, srun -n 4 ./train -> joins as one rank
 //
-// Rules: nproc == 1 without a launcher runs fn in this process (rank 0 of 1, no fork, no port).
-//   With a launcher, nproc is ignored (the launcher decided). Children of spawn follow spawn's
-//   fork rule (one intra-op thread each by default; see loom/launch/spawn.hpp).
-// Throws: loom::InvalidArgument (nproc < 1); loom::ConfigError (bad launcher variables); the
-//         ProcessGroup's errors; loom::SpawnError naming the rank that failed when spawning.
-// Source: torch.multiprocessing.spawn for the standalone case and torch.distributed.run's
-//         environment for the launched one; Accelerate's `notebook_launcher` / `accelerate launch`
-//         split, folded into one call.
+// nproc == 1 without a launcher runs fn in this process (rank 0 of 1, no fork, no port); with a
+// launcher nproc is ignored. Spawned ranks follow spawn's fork rule (one intra-op thread each).
+// Guide: docs/launching.md#loomspawn-ranks-on-this-machine.
+// Source: torch.multiprocessing.spawn and torch.distributed.run's environment, folded into one call
+//         as Accelerate's `notebook_launcher` / `accelerate launch`.
 #pragma once
 
 #include <concepts>
@@ -49,8 +42,9 @@ struct RunOptions {
 
 /// Runs `fn(ProcessGroup&)` as this process's rank, or as `options.nproc` spawned local ranks.
 ///
-/// Example: see the file comment.
-/// Throws: see the file comment.
+/// Example: `loom::run([](loom::ProcessGroup& pg) { train(pg); }, {.nproc = 2});`
+/// Throws: loom::InvalidArgument (nproc < 1); loom::ConfigError (bad launcher variables); the
+///         ProcessGroup's errors; loom::SpawnError naming the rank that failed when spawning.
 template <class F>
 requires std::invocable<F&, ProcessGroup&>
 void run(F&& fn, const RunOptions& options = {}) {

@@ -5,6 +5,7 @@
 //   #include <loom/log/all.hpp>
 //   loom::Logger log{loom::StreamSink{}, loom::rank_info(loom::Environment::from_env())};
 //   log.info("hello from the job's rank 0");
+// Guide: docs/log.md.
 #pragma once
 
 #include <loom/log/logger.hpp>

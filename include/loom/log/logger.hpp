@@ -10,15 +10,10 @@
 //   loom::Logger ord{loom::StreamSink{}, loom::RankOrdered{}, me};
 //   ord.info("shard {}", shard);  ord.sync(comm);                     // rank 0 prints ranks 0,1,2,... in turn
 //
-// Line format: `<policy prefix><level tag><message>\n`, the level tag being "debug: ", "" (info),
-// "warning: " or "error: ". A message with embedded '\n' becomes several lines, each prefixed.
-// Every line (or every multi-line message) reaches the sink in one write.
-//
-// Cost: on a rank whose policy does not emit, or below the level, a call is one comparison;
-// nothing is formatted. Sink and policy are template parameters: no virtual call.
-//
+// Cost: on a rank whose policy does not emit, or below the level, a call is one comparison.
 // Throws: format strings are checked at compile time (fmt::format_string); at run time only what
 //         the sink throws, and loom::InvalidArgument for an out-of-range RankInfo.
+// Guide: docs/log.md#rank-policies-rankpolicy.
 // Source: levels and `{}` formatting as in spdlog / Python logging; rank filtering as in
 //         Accelerate's `get_logger(..., main_process_only=True)`.
 #pragma once

@@ -7,20 +7,10 @@
 //   auto n = loom::main_process_first(comm, me, [&] { return prepare_cache(dir); });  // rank 0, then the rest
 //   loom::main_process_first(comm, me, [&] { unpack(dir); }, loom::Leader::local_rank_zero);  // per node
 //
-// Protocol (every rank calls main_process_first at the same point; it is a collective):
-//   1. leaders run the block; the others wait in an all_reduce of a failure flag;
-//   2. when a leader's block threw: its rank and message travel to every rank (all_gather); the
-//      leader rethrows its own exception, every other rank throws loom::RemoteError naming the
-//      failed rank(s) and their messages. Nobody runs the block a second time; nobody hangs;
-//   3. otherwise the others run the block, and a second failure-flag all_reduce (plus an
-//      all_gather of messages on failure) makes a failure on any of them reach every rank the same
-//      way. Without failures: two all_reduces of one float64.
-//
-// Units: the waiting ranks wait at most comm.timeout() for the leaders' block; a longer
-// preparation needs a communicator with a longer timeout (else loom::TimeoutError).
-// Throws: the block's own exception on the rank where it was thrown; loom::RemoteError on the
-//         others; loom::InvalidArgument when `me` does not match the communicator (rank, world size);
-//         what the communicator throws (loom::TimeoutError).
+// Protocol: a collective (every rank, same point); a block that throws on any rank reaches every
+// rank, and nobody runs the block twice or hangs. Cost: two all_reduces of one float64.
+// Units: the waiting ranks wait at most comm.timeout() for the leaders' block.
+// Guide: docs/log.md#main_process_first.
 // Source: the pattern of Accelerate's `main_process_first()` / torch's
 //         `torch_distributed_zero_first`, with the failure path made explicit instead of a hang.
 #pragma once
@@ -99,7 +89,10 @@ std::string exchange_failures(C& comm, const std::exception_ptr& mine) {
 ///   loom::main_process_first(comm, me, [&] { build_index(dir); });
 ///   // rank 0 builds the index; ranks 1..n-1 start their build_index only after rank 0's returned
 ///
-/// Throws: see the header comment. A failure on any rank reaches all ranks; no rank hangs.
+/// Throws: the block's own exception on the rank where it was thrown; loom::RemoteError on the
+///         others, naming the failed rank(s) and their messages; loom::InvalidArgument when `me`
+///         does not match the communicator (rank, world size); what the communicator throws
+///         (loom::TimeoutError, e.g. a preparation longer than comm.timeout()).
 template <Communicator C, std::invocable F>
 auto main_process_first(C& comm, const RankInfo& me, F&& block, Leader leader = Leader::global_rank_zero)
     -> std::invoke_result_t<F&> {

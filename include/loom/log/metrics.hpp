@@ -7,15 +7,10 @@
 //   double epoch_loss = loom::global_mean(comm, loss);                     // every rank, same point
 //   log.info("epoch {} loss {:.7f}", epoch, epoch_loss);                   // printed by rank 0
 //
-// Why weighted: the mean of per-batch means is wrong when batches differ in size. One rank with
-// batches (value, size) = (0.7, 256), (0.8, 256), (0.9, 10) has the epoch mean
-// (0.7*256 + 0.8*256 + 0.9*10) / 522 = 393/522 = 0.7528736, not 0.8. Over ranks, loom sums
-// value*weight and weight in float64 and divides once: 2 ranks with sizes 3 and 2 and value 1.0
-// give exactly 1.0 (no integer division of sizes anywhere).
-//
 // Collectives: global_mean / global_means are issued by every rank at the same point (one
 // float64 all_reduce of 2 numbers per metric); never call them from rank 0 alone.
 // Units: weights are counts (samples, tokens) or any non-negative float; sums exact up to 2^53.
+// Guide (why weighted, the field cases): docs/log.md#weightedmean-and-global_mean-metricshpp.
 // Source: the sample-weighted epoch metric of torchmetrics' MeanMetric / Keras' Mean with
 //         sample_weight, reduced as (sum, count) pairs like torchmetrics' "sum" states.
 #pragma once

@@ -1,31 +1,15 @@
 // loom/log/named_metrics.hpp — Metrics: sample-weighted means by name, reduced over ranks with one
 // collective for all names, whatever order (or subset) of names each rank added.
 //
-// One sentence: `metrics.add("loss", loss, batch)` accumulates the batch's mean loss weighted by its
-// real samples (a repeated batch, weight 0, counts nothing), on the loss's device without a host
-// read; the first `metrics.mean("loss")` — called by every rank at the same point — all-gathers
-// every rank's (name, weighted sum, weight) table once and matches entries by name.
-//
 // Example:
 //   loom::Metrics metrics(pg);
-//   for (loom::Batch& b : trainer.epoch(loader, epoch)) {
-//     auto loss = F::cross_entropy(model->forward(b.data), b.targets);   // mean over the batch
-//     trainer.backward(loss, b);
-//     metrics.add("loss", loss, b);
-//     if (b.num_samples > 4) metrics.add("big_batch_loss", loss, b);     // some ranks may never add it
-//   }
-//   log.info("loss {:.4f}", metrics.mean("loss"));                       // every rank calls mean()
+//   metrics.add("loss", loss, batch);             // the batch's mean loss, weighted by its samples
+//   metrics.add("accuracy", correct / n, n);      // doubles: a mean and its weight
+//   double epoch_loss = metrics.mean("loss");     // every rank, after the loop: one all_gather
 //
-// Rules: names are matched by a 64-bit hash of their text (FNV-1a; two names added on one rank
-//   with the same hash are an error; across ranks the 2^-64 chance is accepted). The table has room for
-//   MetricsOptions::capacity names per rank (default 64); more is a loom::InvalidArgument. The
-//   reduction happens once, at the first mean()/means()/weight() call; adding afterwards is a
-//   loom::Error (start a new Metrics for the next period). A name no rank added is a
-//   loom::InvalidArgument; a name whose total weight is 0 has mean NaN.
-// Collective: one all_gather of capacity x 4 float64 numbers on the communicator's device, one host
-//   read of the result.
-// Shape: values are one-element tensors (the batch mean) or doubles; weights in samples.
-// Throws: see Rules; the communicator's errors.
+// Collective: the first mean()/means()/weight(), on every rank at the same point (after the loop,
+// never in its body): one all_gather of capacity x 4 float64 numbers, one host read.
+// Guide: docs/log.md#metrics-sample-weighted-means-by-name-named_metricshpp.
 // Source: torchmetrics' MeanMetric (sum and weight states) keyed by name, like a
 //         MetricCollection; weights as Keras' sample_weight.
 #pragma once
@@ -54,11 +38,16 @@ struct MetricsOptions {
   std::size_t capacity = 64;  ///< names one rank may add (the size of the exchanged table)
 };
 
-/// Sample-weighted means by name over all ranks. See the file comment.
+/// Sample-weighted means by name over all ranks, matched by a 64-bit hash of the name; one Metrics
+/// covers one period (an epoch).
 ///
-/// Example: see the file comment.
-/// Throws: see the file comment.
-/// Source: see the file comment.
+/// Example: `metrics.add("loss", loss, batch); ... double l = metrics.mean("loss");`
+/// Shape: values are one-element tensors (the batch mean) or doubles. Units: weights in samples.
+/// Throws: loom::InvalidArgument for more names than MetricsOptions::capacity on one rank, two names
+///         with the same hash on one rank, a name no rank added, a negative or non-finite weight,
+///         a value that is not a one-element tensor; loom::Error for add() after the reduction;
+///         the communicator's errors.
+/// Source: torchmetrics' MeanMetric keyed by name, like a MetricCollection.
 template <Communicator Comm>
 class Metrics {
  public:

@@ -11,23 +11,12 @@
 //   // not a terminal, every 30 s:  "epoch 3: 1200/5000 samples (24.0%), 120.0 samples/s, elapsed 0:00:10, ETA 0:00:32"
 //   // terminal, redrawn in place:  "epoch 3 [#######-----------------------]  24.0% 1200/5000, 120.0 samples/s, ETA 0:00:32"
 //
-// Who shows it: global rank 0 (default) or local rank 0 of every node (`.shown_on =
-// loom::Leader::local_rank_zero`, lines then carry "[rank r/w] "); 2 nodes x 2 ranks: ranks 0 and 2.
-// Every rank keeps counting and takes part in the sums, shown or not.
-//
-// Collectives: step() issues one float64 all_reduce (each rank's cumulative sample count) on every
-// sync_every-th call, finish() one more. Every rank must call step() the same number of times and
-// finish() once, like any collective (loom's distributed samplers give every rank the same number
-// of steps). The display decision (time-based) is taken after the sum, on the showing rank only, so
-// it can never make ranks disagree about collectives.
-//
-// Units: samples (whatever the caller counts), seconds; the rate is the average since construction.
-// Clock: any type with now() returning a time point (std::chrono::steady_clock by default; tests
-// inject a manual clock so their output is exact).
+// Collectives: every rank calls step() equally often and finish() once (under loom::Trainer, use
+// add_global from on_step instead, which communicates nothing). Units: samples, seconds.
 // Throws: loom::InvalidArgument for a negative sample count or bad options (naming them); what the
 //         communicator throws.
-// Source: the bar/line split follows tqdm (a live bar on a tty, `mininterval` throttling) and
-//         Keras' `verbose=2` (one line per interval in logs); ETA = remaining / average rate.
+// Guide: docs/log.md#progress.
+// Source: tqdm (a live bar on a tty, `mininterval`) and Keras' `verbose=2` (a line per interval).
 #pragma once
 
 #include <algorithm>

@@ -14,6 +14,7 @@
 //   AllRanks       every rank writes, "[rank r/w] " prefix (`.with_prefix = false`: one file per rank)
 //   RankOrdered    every rank's lines, printed by rank 0 in rank order at Logger::sync (a collective)
 //
+// Guide: docs/log.md#rank-policies-rankpolicy.
 // Source: "rank 0 logs" and "local rank 0 per node" follow torch.distributed / Accelerate's
 // `is_main_process` / `is_local_main_process`; the "[rank r/w]" prefix is loom's own.
 #pragma once

@@ -1,10 +1,6 @@
-// loom/log/sink.hpp — where log lines and progress output go: the LogSink concept ladder and
-// three models (a C stream such as stdout, a file of its own, an in-memory buffer for tests).
-//
-// A sink receives finished text: the Logger and Progress format a whole line (prefix, message,
-// '\n') first and hand it to the sink in one `write` call, so a line from one process is never
-// split by a line from another writing to the same terminal or pipe. Sinks are held by value and
-// called directly (no virtual dispatch).
+// loom/log/sink.hpp — where log lines and progress output go: the LogSink concept ladder (LogSink,
+// then TerminalSink) and three models (a C stream such as stdout, a file of its own, an in-memory
+// buffer for tests).
 //
 // Example:
 //   loom::MemorySink mem;                        // copies share one buffer
@@ -12,10 +8,8 @@
 //   log.info("epoch {} done", 3);
 //   // mem.text() == "epoch 3 done\n"
 //
-// Concept ladder:
-//   LogSink       write(text), flush()
-//   TerminalSink  + is_terminal(): lets Progress choose a live bar (terminal) or plain lines (CI logs)
-//
+// A sink receives whole lines in one `write` call, so a line from one process is never split by
+// another's on the same terminal or pipe. Guide: docs/log.md#sinks-logsink-terminalsink.
 // Source: the split of formatting from output follows spdlog's sinks (a sink only writes bytes);
 // terminal detection is isatty(3) as in tqdm and Python's sys.stdout.isatty().
 #pragma once

@@ -1,24 +1,9 @@
-// loom/reduce/buckets.hpp — how gradients are grouped into flat buckets (a pure function, no
+// loom/reduce/buckets.hpp — how gradients are grouped into flat buckets: a pure function (no
 // tensors, no communication), so the rule can be tested and reused by other reducers.
 //
-// One sentence: walk the gradients in launch order, keep one open bucket per (dtype, device), close
-// it when it reaches its byte cap (the first bucket of each kind has a smaller cap), and list the
-// buckets by the launch position of their first gradient.
-//
-// Example:
-//   std::vector<loom::GradSpec> specs = {{.numel = 1000, .element_size = 4, .kind = 0},
-//                                        {.numel = 3000, .element_size = 4, .kind = 0},
-//                                        {.numel = 500,  .element_size = 8, .kind = 1}};
-//   auto buckets = loom::assign_buckets(specs, loom::reverse_order(3),
-//                                       {.first_bucket_cap_bytes = 2000, .bucket_cap_bytes = 1 << 20});
-//   // buckets == {{2}, {1}, {0}}: index 2 (4000 bytes of float64) fills kind 1's first bucket;
-//   // index 1 (12000 bytes) alone passes kind 0's 2000-byte first cap; index 0 opens the next
-//   // kind-0 bucket, which is flushed at the end.
-//
+// Example: `auto buckets = loom::assign_buckets(specs, loom::reverse_order(specs.size()));`
 // Units: caps in bytes; numel in elements; element_size in bytes.
-// Source: the size-capped, type-segregated assignment of PyTorch DDP's
-//         compute_bucket_assignment_by_size (~25 MiB buckets, a 1 MiB first bucket, parameters in
-//         reverse registration order because backward produces the last layer's gradients first).
+// Guide: docs/reduce.md#buckets-views-overlap.
 #pragma once
 
 #include <algorithm>
@@ -68,15 +53,24 @@ inline std::vector<std::size_t> reverse_order(std::size_t n) {
   return order;
 }
 
-/// Groups gradients into buckets: returns, per bucket in launch order, the indices (into `specs`)
-/// of its gradients in the order they were visited.
+/// Groups gradients into buckets: walks them in `order`, keeps one open bucket per kind, closes it
+/// when it reaches its cap (the first of each kind has the smaller cap), and returns, per bucket in
+/// launch order (by the position of its first gradient), the indices into `specs` it holds.
 ///
-/// Example: see the file comment.
+/// Example:
+///   std::vector<loom::GradSpec> specs = {{.numel = 1000, .element_size = 4, .kind = 0},
+///                                        {.numel = 3000, .element_size = 4, .kind = 0},
+///                                        {.numel = 500,  .element_size = 8, .kind = 1}};
+///   auto buckets = loom::assign_buckets(specs, loom::reverse_order(3),
+///                                       {.first_bucket_cap_bytes = 2000, .bucket_cap_bytes = 1 << 20});
+///   // {{2}, {1}, {0}}: 2 fills kind 1's first bucket; 1 (12000 bytes) alone passes kind 0's
+///   // 2000-byte first cap; 0 opens the next kind-0 bucket, flushed at the end.
 /// Shape: `order` is a permutation of 0..specs.size()-1 (the order gradients are expected to become
 ///        ready); every index appears in exactly one bucket.
 /// Throws: loom::InvalidArgument when `order` is not a permutation (names the bad index), when a
 ///         cap is 0, or when a spec has numel < 0 or element_size < 1.
-/// Source: DDP's compute_bucket_assignment_by_size (see file comment).
+/// Source: PyTorch DDP's compute_bucket_assignment_by_size (size-capped, one dtype per bucket; the
+///         reverse registration order because backward produces the last layer's gradients first).
 inline std::vector<std::vector<std::size_t>> assign_buckets(std::span<const GradSpec> specs,
                                                             std::span<const std::size_t> order, BucketCaps caps = {}) {
   if (caps.first_bucket_cap_bytes == 0 || caps.bucket_cap_bytes == 0)

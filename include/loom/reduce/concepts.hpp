@@ -1,18 +1,14 @@
 // loom/reduce/concepts.hpp — the GradientReducer concept: what an accumulator needs from the box
-// that turns every rank's local gradients into the same global gradient.
-//
-// One sentence: before each micro-batch's backward the accumulator says whether that backward
-// closes the step window (`prepare_backward`), and after the closing backward it asks for the
-// reduced, averaged gradient (`finish_window`), which every rank receives identically.
+// that turns every rank's local gradients into the same global gradient, and what it reports.
 //
 // Example:
-//   loom::Reducer reducer(comm, loom::parameters_of(*model));          // models GradientReducer
+//   reducer.prepare_backward({.sync = false});                         // accumulate only (no_sync)
 //   reducer.prepare_backward({.sync = true, .window_samples = 32});    // this backward closes the window
-//   loss_sum.backward();                                               // buckets leave while backward runs
-//   loom::Reduction r = reducer.finish_window();                       // p.grad() now = global mean gradient
-//   if (!r.non_finite && !r.no_samples && !r.grid_overflow) optimizer.step();
+//   loss_sum.backward();
+//   if (reducer.finish_window().verdict == loom::StepVerdict::apply) optimizer.step();
 //
 // Units: samples are counted by the caller (rows of a batch, tokens, whatever the loss sums over).
+// Guide: docs/reduce.md#the-step-verdict.
 // Source: PyTorch DDP's split of Reducer::prepare_for_backward / the autograd hooks /
 //         finalize_backward, and its no_sync() context (a backward that only accumulates).
 #pragma once

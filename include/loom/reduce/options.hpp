@@ -18,7 +18,8 @@
 
 namespace loom {
 
-/// How the summed gradient is divided. See the file comment for when to use which.
+/// How the summed gradient is divided: `samples` for the exact mean over every sample of the step,
+/// `world_size` to reproduce DDP. Guide: docs/reduce.md#averaging-the-two-conventions.
 enum class Average {
   samples,     ///< by the all-reduced sample count of the window (exact global mean; default)
   world_size,  ///< by the number of ranks (DDP)
@@ -58,26 +59,14 @@ struct ReducerOptions {
   bool detect_non_finite = true;          ///< scan for inf/NaN and report Reduction::non_finite (the caller skips)
   std::optional<double> max_grad_norm{};  ///< clip by the global L2 norm (after averaging and unscaling)
   bool broadcast_buffers = true;          ///< copy rank 0's buffers to every rank at each step boundary
-  /// Bit-identical gradients on any number of ranks: each micro-batch's gradient of a parameter is put
-  /// on a power-of-two grid as int64 before it is added to anything, summed as integers locally and
-  /// across ranks, and turned back once per window (reduce/detail/exact.hpp), so the reduced
-  /// gradient does not depend on the world size, on which rank ran which micro-batch, or on their
-  /// order. Grid: one exponent per parameter, from the previous window's reduced maximum (the first
-  /// window: step 2^-32; a parameter whose gradients all rounded to 0 gets a 2^8 finer grid per
-  /// window, down to 2^-96); a contribution too large for its grid makes every rank skip the step
-  /// together (Reduction::grid_overflow) with a 2^16-times coarser grid for that parameter. Costs
-  /// int64 buckets beside the floating ones (8 bytes per element more memory, 12 on the CPU with
-  /// the int32 wire). A CPU bucket travels as int32 when every rank's integers fit (float32's wire
-  /// bytes), else it is sent again as int64 (Reduction::grid_wide_buckets); the sums are the same
-  /// integers either way. Needs average = samples or none (world_size divides by the world size)
-  /// and no wire_dtype. The unit put on the grid is the micro-batch (all backward passes between
-  /// two prepare_backward calls, added by autograd in floating point): for bit-identical runs a
-  /// micro-batch must hold the same backward passes on any world size (the Accumulator and the
-  /// Trainer plan them so). Inside a window .grad() is zeroed at each prepare_backward (the
-  /// micro-batch is on the grid); a float32/float64 parameter with a gradient in the last
-  /// micro-batch has no .grad() from the moment its CPU bucket is sent until finish_window (the
-  /// floating gradient stays in the bucket for a possible int64 resend).
-  /// What else a bit-identical run needs (same intra-op threads, deterministic kernels): docs/elastic.md.
+  /// Bit-identical gradients on any number of ranks: each micro-batch's gradient (all backward
+  /// passes between two prepare_backward calls) goes on a per-parameter power-of-two grid as int64,
+  /// is summed as integers and turned back once per window (reduce/detail/exact.hpp). Needs
+  /// average = samples or none and no wire_dtype; a micro-batch must hold the same backward passes
+  /// on any world size (the Accumulator and the Trainer plan them so). Cost: 8 bytes of memory per
+  /// element more (12 on the CPU). Inside a window .grad() holds only the current micro-batch.
+  /// Guide (the grid, the int32 wire, what else a bit-identical run needs):
+  /// docs/elastic.md#bit-identical-training-on-any-world-size-reduceroptionsdeterministic.
   bool deterministic = false;
 };
 

@@ -1,11 +1,6 @@
-// loom/reduce/parameters.hpp — the parameters and buffers of a model as a reducer sees them, the
-// construction-time check that every rank holds the same ones, and the broadcast that makes the
-// replicas start identical.
-//
-// One sentence: a ParameterList is three parallel facts (names, parameter tensors, buffer tensors)
-// taken from an nn::Module (reduce/module.hpp), a TorchScript module (reduce/jit.hpp) or built by
-// hand; check_same_parameters() compares it across ranks with one small collective, and
-// broadcast_from_rank0() copies rank 0's values into every other rank.
+// loom/reduce/parameters.hpp — a model's parameters and buffers as a reducer sees them
+// (ParameterList), the construction-time check that every rank holds the same ones, and the
+// broadcast that makes the replicas start identical.
 //
 // Example:
 //   loom::ParameterList list{.names = {"w", "b"}, .params = {w, b}, .buffers = {running_mean}};
@@ -14,6 +9,7 @@
 //
 // Shape: any shapes and strides; frozen parameters (requires_grad == false) are checked and
 //        broadcast too (replicas must agree on them) but never reduced.
+// Guide: docs/reduce.md#errors.
 // Source: DDP's _verify_param_shape_across_processes + _sync_module_states (one coalesced
 //         broadcast per dtype, ~250 MiB pieces, parameters then buffers, from rank 0).
 #pragma once

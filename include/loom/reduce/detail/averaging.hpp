@@ -5,14 +5,10 @@
 //
 // Units: the divisor is a sample count, the world size or 1, times n / sum d over the loss-divisor
 //        voters (see window_summary.hpp); grad_scale is 1 / loss scale.
-// Source: DDP divides each gradient by the world size before its bucket's all-reduce. loom divides
-//         each bucket when it is launched, when the average is by world size and the world size is
-//         a power of two (dividing before the sum then gives the bits of dividing after it, unless a
-//         quotient is subnormal or the undivided sum would overflow), on CPU float32/float64
-//         buckets, and carries a range flag in the bucket so that no pass over the reduced bucket
-//         is needed when nothing is left to multiply; any other divisor (a sample
-//         count is only known once the window meta is summed, and comes back with the first
-//         bucket) is applied after the all-reduce, so a hook never waits for it.
+// Rule: a CPU float32/float64 bucket is divided when it is launched only by a power-of-two world
+//       size (or 1), as DDP divides before its all-reduce; every other divisor is applied after the
+//       all-reduce, so a hook never waits. Why, and the range flag: docs/reduce.md#the-rules
+//       ("Non-finite gradients").
 #pragma once
 
 #include <algorithm>
@@ -188,8 +184,9 @@ class WindowAverage {
   double grad_scale_ = 1.0;
   bool divide_ = true;  // divide by the divisor (exact) rather than multiply by grad_scale / divisor
   // What a bucket with a range flag is divided by when it is launched: the world size when averaging
-  // by it and it is a power of two (exact, see the file comment), 1 when not averaging, 0 (no
-  // division before) otherwise; the same on every rank (options and world size only), as the sum needs.
+  // by it and it is a power of two (the bits of dividing after the sum, but for subnormal quotients
+  // and an overflowing sum), 1 when not averaging, 0 (no division before) otherwise; the same on
+  // every rank (options and world size only), as the sum needs.
   double pre_divisor_ = 0.0;
   std::vector<Factor> factors_;  // this window's device factors
 };

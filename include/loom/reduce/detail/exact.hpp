@@ -1,32 +1,18 @@
-// loom/reduce/detail/exact.hpp — the arithmetic of the deterministic reducer
-// (ReducerOptions::deterministic): every micro-batch's gradient of a parameter (what autograd
-// accumulated between two prepare_backward calls) is put on that parameter's power-of-two grid as
-// int64 (q = round(g x 2^e)) before it is added to anything else, the
-// integers are summed on the rank and across ranks (integer addition is exact and associative, so
-// the sum does not depend on how many ranks there are or in which order the micro-batches came), and
-// the sum is turned back to floating point once per window. Also: the rule that moves each grid
-// exponent e from one window to the next, and the counters an integer bucket carries. The same
-// arithmetic with ATen operators, for buckets off the host, is in grid_aten.hpp.
+// loom/reduce/detail/exact.hpp — the CPU arithmetic of the deterministic reducer
+// (ReducerOptions::deterministic): a micro-batch's gradient onto its parameter's power-of-two grid
+// as int64 (q = round(g x 2^e), half to even), the int32 wire, the sum turned back once per window,
+// the rule that moves each grid exponent e from one window to the next, and the counters an integer
+// bucket carries. The same arithmetic with ATen operators, for buckets off the host: grid_aten.hpp.
 //
 // Shape: an integer bucket is int64 [gradients | GridTail]; a slot is the same element range
-//        [offset, offset + numel) as in the floating bucket, whatever the parameter's strides.
-// Wire:  a bucket on the CPU travels as int32 [gradients | GridTail | wide flag] when every value of
-//        every rank is at most wire_limit(world size) in magnitude (so the int32 sum cannot wrap);
-//        a rank whose values do not fit sets the wide flag, and when the reduced flag is set every
-//        rank all-reduces the bucket again as int64. Either wire gives the same integer sums, so the
-//        choice (which depends on the world size) does not change the result, only the bytes. The
-//        window's last micro-batch goes from its floating gradient (plus the int64 sums of the
-//        earlier ones) straight onto the wire (quantize_to_wire_cpu), leaving both unchanged for
-//        the int64 resend (quantize_add_cpu with keep_gradient).
+//        [offset, offset + numel) as in the floating bucket, whatever the parameter's strides. On
+//        the CPU it travels as int32 [gradients | GridTail | wide flag] when every value fits
+//        wire_limit(world size), else again as int64 (quantize_add_cpu with keep_gradient).
 // Units: the grid step of a parameter is 2^-e gradient units; "grid units" are multiples of it.
-// Bounds: one contribution must stay below 2^42 grid units (kGridLimit) and a window may hold at
-//         most 2^20 contributions per element over all ranks, so no int64 sum can overflow. Each
-//         contribution is rounded to the nearest grid point (half to even): the reduced sum of an
-//         element differs from the exact sum of its contributions by at most C x 2^-(e+1), C the
-//         number of contributions (micro-batches that delivered the parameter's gradient, over
-//         all ranks); turning the sum back adds the usual roundings of a multiply, a divide and
-//         the cast to the parameter's dtype (and, for a sum above 2^53 grid units, the rounding of
-//         the integer to float64): float64(Q) x (2^-e x multiplier / divisor), then the cast.
+// Bounds: a contribution below 2^42 grid units (kGridLimit), at most 2^20 per element and window,
+//         so no int64 sum overflows; the turned-back sum is float64(Q) x (2^-e x multiplier /
+//         divisor), then the cast (a Q above 2^53 also rounds to float64). Error bound, the wire:
+//         docs/elastic.md#bit-identical-training-on-any-world-size-reduceroptionsdeterministic.
 // Source: fixed-point (integer) accumulation as in reproducible summation (Demmel and Nguyen,
 //         "Fast reproducible floating-point summation", 2013), here with one exponent per tensor
 //         chosen from the previous window instead of per-element bins.

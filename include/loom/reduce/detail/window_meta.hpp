@@ -7,17 +7,11 @@
 //        this rank issued since its previous window; has f: 1 when the rank's communicator keeps a
 //        flight recorder; g: the caller's 20-bit fingerprint of what must be equal on every replica,
 //        Reducer::compare_replicas, e.g. the Trainer's optimizer options).
-// Limbs: in floating mode the row is not an all-reduce of its own. Each field is cut into limbs of
-//        b bits, b = p - ceil(log2 world size) for the first bucket's wire dtype of significand
-//        precision p (24 float32, 53 float64, 11 float16, 8 bfloat16), and the limbs are written as
-//        values of that dtype after the bucket's used-flags. A limb is below 2^b, so its sum over
-//        the ranks is an integer below 2^p: exact in that dtype in any summation order, and the
-//        fields are put back together from the summed limbs (MetaLimbs::decode). A DDP-equivalent
-//        step then issues exactly DDP's collectives (one all-reduce per bucket). Where b < 1
-//        (bfloat16 on more than 128 ranks, float16 on more than 1024) or in deterministic mode the
-//        row goes as its own int64 all-reduce (trace context "reducer window"). The decode checks
-//        every summed limb (a whole number below world size x 2^b) on the host; a first bucket on
-//        a GPU is decoded with device ops, unchecked (no host read).
+// Limbs: in floating mode each field is cut into limbs of b = p - ceil(log2 world size) bits (p the
+//        first bucket's significand precision) after the bucket's used-flags, each limb's sum exact
+//        in any order (MetaLimbs); where b < 1 or in deterministic mode the row is an int64
+//        all-reduce of its own. The decode checks every summed limb on the host; a first bucket on
+//        a GPU is decoded with device ops, unchecked (no host read). Why: docs/reduce.md#buckets-views-overlap.
 // Units: samples; loss divisors are the BackwardPlan's (dimensionless integers).
 #pragma once
 
@@ -93,7 +87,7 @@ struct WindowMeta {
   static at::Tensor slice(const at::Tensor& meta, Field field) { return meta.narrow(0, field, 1); }
 };
 
-/// The window meta as limbs in a floating-point bucket (see the header comment).
+/// The window meta as limbs of `bits` bits in a floating-point bucket, after its used-flags.
 struct MetaLimbs {
   /// The most bits each field of a row can hold (a row's values are never negative): samples any
   /// int64, the flags and votes 1, d <= 2^20 (kMaxLossDivisor) and d^2, f < 2^20 and f^2, g < 2^20 and g^2.
