@@ -265,7 +265,7 @@ TEST_CASE(
   const auto exact = (mean * kN).to(torch::kFloat).to(torch::kDouble) / kN;  // the float32 reduction's answer
   const auto got = w.grad().to(torch::kDouble);
   const auto err = (got - exact).abs();
-  // The documented bound (docs/reduce.md, reducer.hpp): per element, with W ranks and share
+  // The documented bound (docs/reduce.md): per element, with W ranks and share
   // s = local sum / W on the wire, |error| <= (count / W)^-1 ... expressed here for W = 1:
   // |error| <= 2^-11 |exact| + 2^-25 * 64 / 64 (one rounding to float16 of the share 64 m, then / 64),
   // plus float32's own rounding.

@@ -56,7 +56,6 @@ struct ReducerOptions {
   bool overlap = true;                    ///< send full buckets from autograd hooks (false: all in finish_window)
   bool check_parameters = true;           ///< construction: same options and parameters on every rank (2 all-gathers)
   bool broadcast_parameters = true;       ///< construction: copy rank 0's parameters and buffers everywhere
-  bool detect_non_finite = true;          ///< scan for inf/NaN and report Reduction::non_finite (the caller skips)
   std::optional<double> max_grad_norm{};  ///< clip by the global L2 norm (after averaging and unscaling)
   bool broadcast_buffers = true;          ///< copy rank 0's buffers to every rank at each step boundary
   /// Bit-identical gradients on any number of ranks: each micro-batch's gradient (all backward

@@ -48,24 +48,24 @@ class WindowAverage {
 
   /// Called when bucket `b` is launched, before its all-reduce (floating mode): a bucket with a
   /// range flag is divided by the pre-divisor (pre_divisor_) in place when that is not 0, and its range flag set to
-  /// 1 when `check` and a quotient is inf, NaN or above (largest finite value) / (2 x world size),
+  /// 1 when a quotient is inf, NaN or above (largest finite value) / (2 x world size),
   /// else 0. Below that bound the sum of the ranks' quotients cannot overflow, so a zero summed flag
   /// says the reduced bucket is finite without reading it.
-  void pre_divide(GradBucket& b, bool check) {
+  void pre_divide(GradBucket& b) {
     b.late_gradient = false;
     if (!b.range_flag.defined()) return;
     bool beyond = false;
     if (divided_before(b)) {
       const double largest = b.flat.scalar_type() == at::kFloat ? static_cast<double>(std::numeric_limits<float>::max())
                                                                 : std::numeric_limits<double>::max();
-      beyond = scale_span_fused(b.flat, 0, b.head.numel(), pre_divisor_, /*divide=*/true, check,
+      beyond = scale_span_fused(b.flat, 0, b.head.numel(), pre_divisor_, /*divide=*/true, /*check=*/true,
                                 largest / (2.0 * world_size_));
     }
     AT_DISPATCH_FLOATING_TYPES(b.flat.scalar_type(), "loom_range_flag",
                                [&] { *b.range_flag.data_ptr<scalar_t>() = beyond ? scalar_t(1) : scalar_t(0); });
   }
 
-  /// Turns bucket `b`'s all-reduced sum into the average and scans the result for inf/NaN (`check`)
+  /// Turns bucket `b`'s all-reduced sum into the average and scans the result for inf/NaN
   /// in the same pass. A compressed bucket (b.wire) is first cast back from the wire, times its
   /// remaining factor. A bucket divided before its all-reduce (pre_divide) gets the rest of the
   /// factor; when nothing is left and neither a rank's range flag nor a late gradient
@@ -73,7 +73,7 @@ class WindowAverage {
   /// a CPU `meta`: one fused pass, the verdict on the host (b.bad_host); elsewhere ATen ops on the
   /// device, the verdict in b.bad (no host read).
   /// `meta`: the summed window meta (int64 [WindowMeta::kLength]), its all-reduce complete.
-  void apply(GradBucket& b, const at::Tensor& meta, bool check) {
+  void apply(GradBucket& b, const at::Tensor& meta) {
     if (on_host(meta) && on_host(b.flat)) {
       double value = host_factor(meta, /*post_wire=*/b.wire.defined());
       bool divide = divide_ && !b.wire.defined();
@@ -86,15 +86,14 @@ class WindowAverage {
         // Divided by pre_divisor_ before the sum: what is left of the factor is exact (a power of
         // two apart). Nothing left and no rank flagged a value: the bucket is the average and finite.
         value = divide ? value / pre_divisor_ : value * pre_divisor_;
-        if (value == 1.0 && !(check && (b.late_gradient || range_flagged(b)))) {
+        if (value == 1.0 && !b.late_gradient && !range_flagged(b)) {
           b.bad_host = false;
           return;
         }
       }
       if (has_fused_scan(b.flat)) {
-        b.bad_host = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide, check);
-        if (check && b.main && !b.bad_host)
-          b.bad_host = !at::isfinite(b.head.to(b.param_dtype)).all().template item<bool>();
+        b.bad_host = scale_and_check_span(b.flat, 0, b.head.numel(), value, divide, /*check=*/true);
+        if (b.main && !b.bad_host) b.bad_host = !at::isfinite(b.head.to(b.param_dtype)).all().template item<bool>();
         return;
       }
       // float16 / bfloat16 on the CPU: a one-element float32 operand makes ATen compute in float32.
@@ -103,7 +102,7 @@ class WindowAverage {
         b.head.div_(f);
       else if (value != 1.0)
         b.head.mul_(f);
-      b.bad_host = check && !at::isfinite(b.head).all().template item<bool>();
+      b.bad_host = !at::isfinite(b.head).all().template item<bool>();
       return;
     }
     if (b.wire.defined()) {
@@ -119,10 +118,8 @@ class WindowAverage {
       else
         b.head.mul_(f);
     }
-    if (check)  // a float32 average outside the parameters' 16-bit range would step with inf: non-finite too
-      b.bad.copy_(non_finite_flag(b.head, at::kFloat, b.main ? std::optional(b.param_dtype) : std::nullopt));
-    else
-      b.bad.zero_();
+    // A float32 average outside the parameters' 16-bit range would step with inf: non-finite too.
+    b.bad.copy_(non_finite_flag(b.head, at::kFloat, b.main ? std::optional(b.param_dtype) : std::nullopt));
   }
 
  private:

@@ -47,7 +47,7 @@ class FloatingWindow {
   template <class Comm>
   void launch(WindowCore<Comm>& core, std::size_t bi) {
     auto& b = core.buckets[bi];
-    average_.pre_divide(b, core.options.detect_non_finite);
+    average_.pre_divide(b);
     write_used_flags(b, core.slots, &core.meta_row);
     at::Tensor* target = &b.flat;
     if (b.wire.defined()) {
@@ -68,7 +68,7 @@ class FloatingWindow {
     for (std::size_t bi = 0; bi < core.buckets.size(); ++bi) {
       core.wait_bucket(bi);  // the first one also gives core.meta when it carries it
       LOOM_ASSERT(bi > 0 || !core.carries_meta() || core.meta_ready, "the window meta was not decoded before its use");
-      average_.apply(core.buckets[bi], core.meta, core.options.detect_non_finite);
+      average_.apply(core.buckets[bi], core.meta);
     }
     core.count_host_read();
     ReducedWindow out;

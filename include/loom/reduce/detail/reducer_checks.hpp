@@ -55,7 +55,7 @@ inline void check_reducer_options(const ReducerOptions& options) {
 /// collectives a window issues and what they carry (bucket caps, rebuild, average, wire dtype,
 /// float32 accumulation, deterministic, clipping, the inf/NaN scan, the construction checks and
 /// broadcasts). `overlap` only moves when a bucket is sent, so it may differ.
-/// Example: reducer_option_values({.deterministic = true})[9] == {"deterministic", 1}.
+/// Example: reducer_option_values({.deterministic = true})[8] == {"deterministic", 1}.
 inline std::vector<std::pair<const char*, std::int64_t>> reducer_option_values(const ReducerOptions& o) {
   std::int64_t clip = -1;  // no max_grad_norm; else its float64 bits
   if (o.max_grad_norm) std::memcpy(&clip, &*o.max_grad_norm, sizeof clip);
@@ -67,7 +67,6 @@ inline std::vector<std::pair<const char*, std::int64_t>> reducer_option_values(c
           {"float32_accumulation", o.float32_accumulation ? 1 : 0},
           {"check_parameters", o.check_parameters ? 1 : 0},
           {"broadcast_parameters", o.broadcast_parameters ? 1 : 0},
-          {"detect_non_finite", o.detect_non_finite ? 1 : 0},
           {"deterministic", o.deterministic ? 1 : 0},
           {"max_grad_norm", clip},
           {"broadcast_buffers", o.broadcast_buffers ? 1 : 0}};
@@ -76,8 +75,7 @@ inline std::vector<std::pair<const char*, std::int64_t>> reducer_option_values(c
 /// How reducer_option_values' entry `name` = `v` reads in a message ("true", "Half", "none", "1.5").
 inline std::string reducer_option_text(const std::string& name, std::int64_t v) {
   if (name == "rebuild_buckets" || name == "float32_accumulation" || name == "check_parameters" ||
-      name == "broadcast_parameters" || name == "detect_non_finite" || name == "deterministic" ||
-      name == "broadcast_buffers")
+      name == "broadcast_parameters" || name == "deterministic" || name == "broadcast_buffers")
     return v != 0 ? "true" : "false";
   if (name == "average") return std::string(to_string(static_cast<Average>(v)));
   if (name == "wire_dtype") return v < 0 ? "unset" : c10::toString(static_cast<c10::ScalarType>(v));
