@@ -7,6 +7,8 @@
    removed without the design page following fails here).
 3. docs/design.md's "Where to look" table names a file for each of the questions it lists, and
    each named file exists.
+4. docs/style.md's "Tests mirror `include/loom/`": every folder of include/loom has tests/<folder>/
+   with a test file (loom/cuda/'s in tests/gpu/, as the rule says).
 
 Usage: check_doc_rules.py SOURCE_ROOT
 """
@@ -59,6 +61,17 @@ def main():
         answered = [r for r in rows[1:] if re.search(r"`loom/[a-z0-9_/]+\.hpp`", r)]
         if len(answered) < 4 or len(answered) != len(rows) - 1:
             problems.append("docs/design.md's 'Where to look' table has a row without a `loom/.../x.hpp` file")
+
+    style = open(os.path.join(root, "docs", "style.md"), encoding="utf-8").read()
+    if "Tests mirror `include/loom/`" not in style:
+        problems.append("docs/style.md states no 'Tests mirror `include/loom/`' rule")
+    else:
+        for folder in sorted(os.listdir(os.path.join(include, "loom"))):
+            if not os.path.isdir(os.path.join(include, "loom", folder)) or folder == "detail":
+                continue
+            tests = os.path.join(root, "tests", "gpu" if folder == "cuda" else folder)
+            if not os.path.isdir(tests) or not any(n.endswith((".cpp", ".py", ".sh")) for n in os.listdir(tests)):
+                problems.append(f"include/loom/{folder}/ has no tests in {os.path.relpath(tests, root)}/")
 
     for p in problems:
         print("FAIL:", p)
