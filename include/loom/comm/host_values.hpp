@@ -1,4 +1,4 @@
-// loom/comm/host_values.hpp — collectives of a few host values (integers, float64 sums, strings)
+// loom/comm/host_values.hpp — collectives of host values (integers, float64 sums, strings)
 // over any Communicator: the values are packed on the host, moved to the communicator's device
 // (comm.device(); the CPU for Gloo and LocalCommunicator), exchanged, and read back. Every check
 // that compares ranks (plans, parameters, options, replicas), the logging parts and the failure
@@ -9,6 +9,7 @@
 //   auto rows = loom::detail::all_gather_int64(comm, mine);              // rows[r] == {r, 7}
 //   auto texts = loom::detail::all_gather_strings(comm, "ready");        // texts[r] == "ready"
 //   auto sums = loom::detail::all_reduce_sums(comm, std::vector<double>{1.0});  // {world size}
+//   auto text = loom::detail::broadcast_string(comm, rank0_text);        // rank 0's text
 // Shape: integers travel as one int64 tensor per rank, float64 sums as one tensor, strings as int32
 // words (a dtype every loom communicator supports; uint8 is not) after an int64 length.
 // Throws: the communicator's errors (loom::CommError, loom::TimeoutError); loom::Error when
@@ -109,6 +110,26 @@ template <Communicator C>
   }
   const double* p = t.data_ptr<double>();
   return std::vector<double>(p, p + values.size());
+}
+
+/// Rank 0's `text` on every rank (the argument of the other ranks is ignored): two broadcasts, its
+/// length, then its bytes as int32 words. Units: bytes.
+/// Example: `broadcast_string(comm, comm.rank() == 0 ? "weights" : "")` == "weights" on every rank.
+template <Communicator C>
+[[nodiscard]] std::string broadcast_string(C& comm, std::string_view text) {
+  const auto device = comm.device();
+  at::Tensor length = at::empty({1}, at::TensorOptions().dtype(at::kLong));
+  length.data_ptr<std::int64_t>()[0] = static_cast<std::int64_t>(text.size());
+  length = length.to(device);
+  comm.broadcast(length, 0);
+  const auto size = static_cast<std::size_t>(length.to(c10::kCPU).data_ptr<std::int64_t>()[0]);
+  at::Tensor words = at::zeros({std::max<std::int64_t>(static_cast<std::int64_t>((size + 3) / 4), 1)},
+                               at::TensorOptions().dtype(at::kInt));
+  if (comm.rank() == 0 && size > 0) std::memcpy(words.data_ptr(), text.data(), size);
+  words = words.to(device);
+  comm.broadcast(words, 0);
+  words = words.to(c10::kCPU);
+  return std::string(static_cast<const char*>(words.data_ptr()), size);
 }
 
 }  // namespace loom::detail

@@ -156,7 +156,7 @@ void agree_on_save(C& comm, const std::filesystem::path& file, const std::string
     throw Error(fmt::format("save_checkpoint: rank 0 could not save {}: {}", file.string(), all.front()));
 }
 
-/// Rank 0 reads `file`; every rank gets its bytes (two broadcasts: a header, then the bytes).
+/// Rank 0 reads `file`; every rank gets its bytes (broadcast_string: two broadcasts).
 /// Throws: loom::DataError on every rank when rank 0 cannot read it (naming the file and why).
 template <Communicator C>
 std::string broadcast_file(C& comm, const std::filesystem::path& file) {
@@ -171,25 +171,12 @@ std::string broadcast_file(C& comm, const std::filesystem::path& file) {
       if (in.bad()) failure = "a read error";
     }
   }
-  const std::string& payload = failure.empty() ? bytes : failure;
-  at::Tensor header = at::empty({2}, at::TensorOptions().dtype(at::kLong));
-  header[0] = failure.empty() ? 0 : 1;
-  header[1] = static_cast<int64_t>(payload.size());
-  header = header.to(comm.device());
   trace::Scope scope(comm, trace::Context::checkpoint);
-  comm.broadcast(header, 0);
-  const at::Tensor h = header.to(at::kCPU);
-  const bool failed = h[0].item<int64_t>() != 0;
-  const auto size = static_cast<std::size_t>(h[1].item<int64_t>());
-  const auto words = static_cast<int64_t>((size + 3) / 4);
-  at::Tensor data = at::zeros({std::max<int64_t>(words, 1)}, at::TensorOptions().dtype(at::kInt));
-  if (comm.rank() == 0 && size > 0) std::memcpy(data.data_ptr(), payload.data(), size);
-  data = data.to(comm.device());
-  comm.broadcast(data, 0);
-  data = data.to(at::kCPU);
-  std::string received(static_cast<const char*>(data.data_ptr()), size);
-  if (failed) throw DataError(fmt::format("load_checkpoint: {}: {}", file.string(), received));
-  return received;
+  // One leading byte says whether rank 0 sends the file ('1') or why it could not read it ('0').
+  const std::string received = broadcast_string(comm, failure.empty() ? "1" + bytes : "0" + failure);
+  const bool failed = received.empty() || received.front() != '1';
+  if (failed) throw DataError(fmt::format("load_checkpoint: {}: {}", file.string(), received.substr(1)));
+  return received.substr(1);
 }
 
 /// Opens the bytes as a LibTorch archive with every tensor mapped to `device`. A file that ends in
