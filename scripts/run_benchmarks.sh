@@ -14,6 +14,8 @@
 # average is below LOOM_BENCH_QUIET_LOAD (default 1.0) or LOOM_BENCH_QUIET_WAIT seconds have passed
 # (default 300), and writes the seconds it waited to load.txt.
 # Time: about 26 minutes on 2 cores, waits included (bench_finetune alone about 14).
+# LOOM_BENCH_SUITES="reduce ops" runs only the suites named (reduce collate schedule generators comm
+# ops plan loader finetune); results.md then holds those.
 set -euo pipefail
 build=${1:-build-torch2}
 out=${2:-bench-results}
@@ -44,8 +46,10 @@ wait_quiet() {  # lets the previous suite's load decay (the 1-minute average fal
   done
   echo "$1 waited ${waited} s for the load to fall" >> "$out/load.txt"
 }
+suites=${LOOM_BENCH_SUITES:-}  # e.g. "reduce ops": only those suites (default: every suite)
 run() {  # run NAME COMMAND...
   local name=$1; shift
+  if [ -n "$suites" ] && [[ " $suites " != *" $name "* ]]; then return 0; fi
   wait_quiet "$name"
   warn_if_loaded
   load "$name" before
@@ -69,7 +73,9 @@ run plan "$bench/bench_plan" --benchmark_out="$out/plan.json" --benchmark_out_fo
 [ -x "$bench/bench_finetune" ] && run finetune "$bench/bench_finetune" --target=0.48 --max-epochs=10 \
   --curve="$out/finetune_curve.csv" --benchmark_out="$out/finetune.json" --benchmark_out_format=json
 if command -v gnuplot >/dev/null; then
-  "$(dirname "$0")/plot_benchmarks.sh" "$out" "$out/reduce.json" "$out/collate.json"
+  if [ -f "$out/reduce.json" ] && [ -f "$out/collate.json" ]; then
+    "$(dirname "$0")/plot_benchmarks.sh" "$out" "$out/reduce.json" "$out/collate.json"
+  fi
   [ -f "$out/finetune_curve.csv" ] &&
     "$(dirname "$0")/plot_time_to_accuracy.sh" "$out/finetune_curve.csv" "$out/time_to_accuracy.png" 0.48
 else
