@@ -50,7 +50,7 @@ if [ "$mode" = thread ]; then
 else
   build_dir=${1:-build-asan}
   sanitizers=address,undefined
-  targets=(tests/comm/test_comm tests/launch/test_launch tests/trace/test_trace tests/trace/test_trace_dist tests/log/test_log tests/collate/test_collate
+  targets=(tests/comm/test_comm tests/launch/test_launch tests/trace/test_trace tests/log/test_log tests/collate/test_collate
            tests/sample/test_sample tests/sample/test_sample_dist tests/reduce/test_reduce
            tests/reduce/test_reduce_dist tests/accumulate/test_accumulate tests/accumulate/test_accumulate_dist
            tests/train/test_train tests/train/test_train_dist tests/schedule/test_schedule

@@ -108,7 +108,7 @@ case "${LOOM_TEST_DEBIAN:-multirank}" in
   multirank)
     suites=(launch trace-dist comm comm_mpirun comm_gloo_symbols dist_two_hosts log sample_dist accumulate-dist
             reduce-dist train-dist schedule_rank)
-    targets=(tests/launch/test_launch tests/trace/test_trace_dist tests/comm/test_comm tests/comm/test_mpirun
+    targets=(tests/launch/test_launch tests/trace/test_trace tests/comm/test_comm tests/comm/test_mpirun
              tests/dist/test_two_hosts
              tests/log/test_log tests/sample/test_sample_dist tests/accumulate/test_accumulate_dist
              tests/reduce/test_reduce_dist tests/train/test_train_dist tests/schedule/test_schedule_rank
