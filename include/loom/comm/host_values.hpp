@@ -112,22 +112,22 @@ template <Communicator C>
   return std::vector<double>(p, p + values.size());
 }
 
-/// Rank 0's `text` on every rank (the argument of the other ranks is ignored): two broadcasts, its
-/// length, then its bytes as int32 words. Units: bytes.
+/// Rank `root`'s `text` on every rank (the argument of the other ranks is ignored): two broadcasts,
+/// its length, then its bytes as int32 words. Units: bytes.
 /// Example: `broadcast_string(comm, comm.rank() == 0 ? "weights" : "")` == "weights" on every rank.
 template <Communicator C>
-[[nodiscard]] std::string broadcast_string(C& comm, std::string_view text) {
+[[nodiscard]] std::string broadcast_string(C& comm, std::string_view text, int root = 0) {
   const auto device = comm.device();
   at::Tensor length = at::empty({1}, at::TensorOptions().dtype(at::kLong));
   length.data_ptr<std::int64_t>()[0] = static_cast<std::int64_t>(text.size());
   length = length.to(device);
-  comm.broadcast(length, 0);
+  comm.broadcast(length, root);
   const auto size = static_cast<std::size_t>(length.to(c10::kCPU).data_ptr<std::int64_t>()[0]);
   at::Tensor words = at::zeros({std::max<std::int64_t>(static_cast<std::int64_t>((size + 3) / 4), 1)},
                                at::TensorOptions().dtype(at::kInt));
-  if (comm.rank() == 0 && size > 0) std::memcpy(words.data_ptr(), text.data(), size);
+  if (comm.rank() == root && size > 0) std::memcpy(words.data_ptr(), text.data(), size);
   words = words.to(device);
-  comm.broadcast(words, 0);
+  comm.broadcast(words, root);
   words = words.to(c10::kCPU);
   return std::string(static_cast<const char*>(words.data_ptr()), size);
 }

@@ -12,11 +12,13 @@
 //         mapping; torchrun's LOCAL_RANK device convention.
 #pragma once
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -26,13 +28,16 @@
 
 #include <c10/core/Device.h>
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/config.hpp>
+#include <loom/dist/elastic.hpp>
 #include <loom/error.hpp>
 #include <loom/launch/environment.hpp>
 #include <loom/launch/rank_device.hpp>
+#include <loom/launch/rendezvous.hpp>
 #include <loom/trace/recorder.hpp>
 
 #if LOOM_HAS_GLOO
@@ -88,6 +93,9 @@ struct ProcessGroupOptions {
   std::string interface {};  ///< Gloo: network interface (GlooOptions::interface)
   bool flight_recorder =
       true;  ///< keep a flight recorder (GlooOptions / NcclOptions::flight_recorder, docs/debugging.md)
+  /// Set: the job goes on when ranks die (recover(), loom/dist/elastic.hpp, docs/elastic.md); the
+  /// store must outlive every rank (loom::run / loom::spawn host it in a process of their own).
+  std::optional<ElasticOptions> elastic{};
 };
 
 /// The timeout a ProcessGroup with `options` uses: options.timeout when set, else LOOM_TIMEOUT
@@ -167,9 +175,15 @@ class ProcessGroup {
   /// Throws: as ProcessGroup; loom::ConfigError for a bad LOOM_TIMEOUT (process_group_timeout).
   explicit ProcessGroup(const Environment& env, ProcessGroupOptions options = {})
       : env_(env),
+        launch_rank_(env.rank),
         options_(with_timeout(std::move(options))),
         backend_(resolve(env_, options_)),
-        comm_(make(env_, options_, backend_)) {}
+        store_(elastic_store(env_, options_)),
+        comm_(make(env_, options_, backend_, store_)) {
+    if (store_)
+      membership_ = std::make_unique<detail::Membership>(store_, env_.rank, env_.world_size, *options_.elastic,
+                                                         *options_.timeout);
+  }
 
   ProcessGroup(ProcessGroup&&) noexcept = default;
   ProcessGroup& operator=(ProcessGroup&&) noexcept = default;
@@ -202,6 +216,69 @@ class ProcessGroup {
   [[nodiscard]] trace::FlightRecorder* flight_recorder() const noexcept {
     return visit([](auto& c) { return trace::recorder_of(c); });
   }
+  /// Whether this group goes on when ranks die (ProcessGroupOptions::elastic, more than one rank).
+  [[nodiscard]] bool elastic() const noexcept {
+    return membership_ != nullptr;
+  }
+  /// The rank this process had when the job started (RANK); rank() is its rank in the current group.
+  [[nodiscard]] int launch_rank() const noexcept {
+    return launch_rank_;
+  }
+  /// How many times the group was rebuilt over survivors (0 before any recovery).
+  [[nodiscard]] int generation() const noexcept {
+    return membership_ ? membership_->generation() : 0;
+  }
+
+  /// After a collective failed: agrees with the other survivors on who is left (each passing its
+  /// `progress`, see loom/dist/elastic.hpp), then replaces the broken communicator by one over the
+  /// survivors (ranks renumbered in launch-rank order; a group whose rebuild fails agrees again).
+  /// Every survivor calls it. `cause` is the error that brought it here (kept in the report).
+  /// Example: `catch (const loom::CommError& e) { auto r = pg.recover(steps, e.what()); if (r.lost.empty()) throw; }`
+  /// Throws: loom::Error when the group is not elastic; loom::CommError when fewer than
+  ///         ElasticOptions::min_ranks are left (naming who died) or this rank was left out;
+  ///         loom::TimeoutError when the agreement does not end within the timeout.
+  Recovery recover(int64_t progress, const std::string& cause) {
+    if (!membership_)
+      throw Error(
+          "ProcessGroup::recover: this group is not elastic (set ProcessGroupOptions::elastic, world size > 1)");
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<int> before = membership_->members();
+    Recovery r;
+    r.old_rank = rank();
+    r.cause = cause.substr(0, cause.find('\n'));
+    for (;;) {
+      auto [members, progress_of] = membership_->agree(progress);
+      r.lost.clear();
+      for (int m : before)
+        if (std::find(members.begin(), members.end(), m) == members.end()) r.lost.push_back(m);
+      r.members = members;
+      r.progress = progress_of;
+      r.generation = membership_->generation();
+      const int min = membership_->options().min_ranks;
+      if (static_cast<int>(members.size()) < min)
+        throw CommError(fmt::format(
+            "elastic: launch rank(s) {} died ({}); {} rank(s) are left, fewer than ElasticOptions::min_ranks = {}: "
+            "the job ends here; resume it from its last checkpoint (loom::load_checkpoint)",
+            detail::launch_ranks_text(r.lost), r.cause, members.size(), min));
+      const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), launch_rank_) - members.begin());
+      comm_.template emplace<LocalCommunicator>(*options_.timeout);  // the broken communicator goes first
+      Environment next = env_;
+      next.rank = new_rank;
+      next.world_size = static_cast<int>(members.size());
+      try {
+        auto prefixed =
+            c10::make_intrusive<c10d::PrefixStore>(fmt::format("loom/elastic/comm/g{}", r.generation), store_);
+        comm_ = make(next, options_, backend_, prefixed);
+      } catch (const CommError&) {
+        continue;  // a member died while the group was built: agree again (the same progress)
+      }
+      env_ = next;
+      r.new_rank = new_rank;
+      r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return r;
+    }
+  }
+
   /// The communicator itself, for calls loom does not wrap: std::get<loom::GlooCommunicator>(pg.native()).
   [[nodiscard]] Variant& native() noexcept {
     return comm_;
@@ -272,22 +349,34 @@ class ProcessGroup {
     return o;
   }
 
-  Variant make(const Environment& env, const ProcessGroupOptions& o, Backend b) {
+  // An elastic group of more than one rank keeps the job's store (the agreement and each rebuilt
+  // communicator use it); otherwise each communicator meets its peers by itself (null).
+  static c10::intrusive_ptr<c10d::Store> elastic_store(const Environment& env, const ProcessGroupOptions& o) {
+    if (!o.elastic || env.world_size == 1) return {};
+    return rendezvous(env, {.timeout = *o.timeout});
+  }
+
+  // The communicator of backend `b` for `env`, through `store` when one is given.
+  Variant make(const Environment& env, const ProcessGroupOptions& o, Backend b,
+               const c10::intrusive_ptr<c10d::Store>& store) {
     switch (b) {
 #if LOOM_HAS_GLOO
-      case Backend::gloo:
+      case Backend::gloo: {
         device_ = c10::Device(c10::kCPU);
-        return Variant(
-            std::in_place_type<GlooCommunicator>, env,
-            GlooOptions{.timeout = *o.timeout, .interface = o.interface, .flight_recorder = o.flight_recorder});
+        GlooOptions gloo{.timeout = *o.timeout, .interface = o.interface, .flight_recorder = o.flight_recorder};
+        if (store)
+          return Variant(std::in_place_type<GlooCommunicator>, store, env.rank, env.world_size, gloo, env.master_addr);
+        return Variant(std::in_place_type<GlooCommunicator>, env, gloo);
+      }
 #endif
 #if LOOM_PROCESS_GROUP_HAS_NCCL
       case Backend::nccl: {
         const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
         const RankDevice d = rank_cuda_device(env, cuda_device_count(), visible ? visible : "");
         device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d.ordinal));
-        return Variant(std::in_place_type<NcclCommunicator>, env,
-                       NcclOptions{.device = d.ordinal, .timeout = *o.timeout, .flight_recorder = o.flight_recorder});
+        NcclOptions nccl{.device = d.ordinal, .timeout = *o.timeout, .flight_recorder = o.flight_recorder};
+        if (store) return Variant(std::in_place_type<NcclCommunicator>, store, env.rank, env.world_size, nccl);
+        return Variant(std::in_place_type<NcclCommunicator>, env, nccl);
       }
 #endif
       default: device_ = c10::Device(c10::kCPU); return Variant(std::in_place_type<LocalCommunicator>, *o.timeout);
@@ -295,10 +384,13 @@ class ProcessGroup {
   }
 
   Environment env_;
+  int launch_rank_ = 0;
   ProcessGroupOptions options_;
   Backend backend_;
   c10::Device device_{c10::kCPU};
+  c10::intrusive_ptr<c10d::Store> store_;  // elastic only: the job's store
   Variant comm_;
+  std::unique_ptr<detail::Membership> membership_;  // elastic only
 };
 
 static_assert(AsyncCommunicator<ProcessGroup>, "ProcessGroup must model loom::AsyncCommunicator");

@@ -264,6 +264,35 @@ class GlobalBatchSampler {
     resume_pending_ = true;
   }
 
+  /// Deals epoch `epoch` from step `step` on (`step` = num_steps(): the epoch's end, where next()
+  /// gives nullopt) over `world_size` ranks, as rank `rank`; the plan stays the same. How the
+  /// survivors of a rank's death re-deal the step it died in (loom::Trainer with an elastic
+  /// ProcessGroup, docs/elastic.md).
+  /// Example: `sampler.reshard(0, 2, 1, 7);`  // rank 0 of 2 from step 7 of epoch 1
+  /// Throws: loom::InvalidArgument for a rank outside [0, world_size), a negative epoch or a step
+  ///         outside [0, steps of that epoch]; the sampler is then unchanged.
+  void reshard(int rank, int world_size, int64_t epoch, int64_t step) {
+    if (world_size < 1 || rank < 0 || rank >= world_size)
+      throw InvalidArgument(
+          fmt::format("GlobalBatchSampler::reshard: rank {} is outside [0, world size {})", rank, world_size));
+    if (epoch < 0) throw InvalidArgument(fmt::format("GlobalBatchSampler::reshard: epoch {} is negative", epoch));
+    const int64_t steps = epoch == plan_.epoch && !plan_.steps.empty()
+                              ? num_steps()
+                              : static_cast<int64_t>(plan_epoch(shapes_, o_, epoch).steps.size());
+    if (step < 0 || step > steps)
+      throw InvalidArgument(
+          fmt::format("GlobalBatchSampler::reshard: step {} is outside [0, {}] for epoch {}", step, steps, epoch));
+    o_.world_size = world_size;
+    o_.rank = rank;
+    resume_pending_ = false;
+    if (epoch != plan_.epoch) plan_ = plan_epoch(shapes_, o_, epoch);
+    epoch_size_ = 0;
+    for (std::size_t k = 0; k < plan_.steps.size(); ++k)
+      epoch_size_ += std::max<int64_t>(1, static_cast<int64_t>(mine(static_cast<int64_t>(k)).size()));
+    position_ = items_before(step);
+    seek(step);
+  }
+
   /// The shapes the plan was made from (`shapes()[i]`: dataset sample i's shape).
   [[nodiscard]] const std::vector<std::vector<int64_t>>& shapes() const noexcept { return shapes_; }
 

@@ -262,6 +262,16 @@ class BatchLoader {
     named("BatchLoader::resume", [&] { sampler_.resume(cursor); });
   }
 
+  /// Deals the rest of epoch `epoch` from step `step` over `world_size` ranks as rank `rank`
+  /// (GlobalBatchSampler::reshard); loads queued for the old deal are dropped. Used by Trainer after
+  /// a rank died (docs/elastic.md).
+  /// Throws as GlobalBatchSampler::reshard.
+  void reshard(int rank, int world_size, int64_t epoch, int64_t step) {
+    background_.drain();
+    buffer_check_->reset();
+    named("BatchLoader::reshard", [&] { sampler_.reshard(rank, world_size, epoch, step); });
+  }
+
   /// Prepares epoch `epoch` (rewinds, unless a resume pointed into it); used by Trainer::epoch.
   /// Throws: loom::InvalidArgument when a resume pointed into another epoch (GlobalBatchSampler::set_epoch).
   void begin_epoch(int64_t epoch) {

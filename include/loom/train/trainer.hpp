@@ -23,8 +23,10 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <functional>
 #include <optional>
@@ -45,9 +47,11 @@
 #include <loom/sample/global_batch.hpp>
 #include <loom/trace/recorder.hpp>
 #include <loom/train/batch_source.hpp>
+#include <loom/train/detail/loop_exit.hpp>
 #include <loom/train/detail/replica_check.hpp>
 #include <loom/train/detail/skip_report.hpp>
 #include <loom/train/detail/trainer_checks.hpp>
+#include <loom/train/detail/trainer_recovery.hpp>
 #include <loom/train/epoch_range.hpp>
 #include <loom/train/options.hpp>
 
@@ -71,10 +75,9 @@ class Trainer {
         options_(std::move(options)),
         reducer_(detail::make_trainer_reducer<ReducerType>(
             comm, detail::prepared_parameters(std::move(params), optimizer, options_), options_.reducer)),
-        accumulator_(reducer_,
-                     {.micro_batches_per_step = 0, .local_samples_per_step = 0, .loss_scaling = options_.loss_scaling}),
+        accumulator_(std::in_place, *reducer_, accumulator_options()),
         skips_(options_.skipped_steps, options_.loss_scaling.has_value(), comm.rank()) {
-    const auto& list = reducer_.parameters();
+    const auto& list = reducer_->parameters();
     guard_ = detail::TrainableGuard(list);
     for (std::size_t i : guard_.trainable()) {
       const auto dtype = list.params[i].scalar_type();
@@ -117,13 +120,11 @@ class Trainer {
     planned_ = PlannedBatchSource<Loader>;
     if constexpr (PlannedBatchSource<Loader>) {
       if (!failed) plan_ = &loader.sampler().plan();
-      trace::set_position(*comm_, 0, 0, planned_);
-      trace::Scope scope(*comm_, trace::Context::sampler_check);
-      check_same_plan(*comm_, loader.sampler(), fmt::format("Trainer::epoch({})", epoch), failed);
+      detail::TrainerRecovery::check_plan(*this, loader, failed);
     } else if (failed) {
       std::rethrow_exception(failed);
     }
-    guard_.record_versions(reducer_.parameters());
+    guard_.record_versions(reducer_->parameters());
     return EpochRange<Trainer, Loader>(this, &loader);
   }
   /// A loader that is no BatchSource: one static_assert saying what it must be.
@@ -144,19 +145,26 @@ class Trainer {
   Batch* next_batch(Loader& loader) {
     if (!loop_open_) throw Error("Trainer::next_batch: no epoch loop is running (call trainer.epoch(loader, e) first)");
     for (;;) {
-      if (stop_ && accumulator_.window_micro_batches() == 0) {  // stop() at a step boundary
+      if (elastic_.redeal) detail::TrainerRecovery::redeal(*this, loader);
+      if (stop_ && accumulator_->window_micro_batches() == 0) {  // stop() at a step boundary
         stopped_ = true;
         loop_open_ = false;
         return nullptr;
       }
       std::optional<Batch> batch = loader.next();
-      if (!batch) {
-        loop_open_ = false;
-        end_epoch();
-        return nullptr;
-      }
-      if (batch->idle) {
-        join(*batch);
+      try {
+        if (!batch) {
+          loop_open_ = false;
+          end_epoch();
+          return nullptr;
+        }
+        if (batch->idle) {
+          join(*batch);
+          continue;
+        }
+      } catch (const CommError& e) {
+        detail::TrainerRecovery::recover(*this, e);  // rethrows unless the job goes on without a dead rank
+        loop_open_ = true;
         continue;
       }
       receive(std::move(*batch));
@@ -167,18 +175,7 @@ class Trainer {
   /// EpochRange's destructor before the loop's end: after an exception nothing is sent (a step left
   /// open makes this Trainer refuse further use); right after stop() it is that stop; after a break
   /// or return every rank is told and this throws loom::Error (docs/loop.md, "What loom checks").
-  void end_loop_early(bool by_exception) {
-    loop_open_ = false;
-    if (by_exception) {
-      abandon_loop();
-      return;
-    }
-    if (stop_ && accumulator_.window_micro_batches() == 0) {
-      stopped_ = true;
-      return;
-    }
-    leave_loop();
-  }
+  void end_loop_early(bool by_exception) { detail::LoopExit::end_early(*this, by_exception); }
 
   /// Backward of `loss` for the batch the loop just yielded; at this rank's end of a step also the
   /// reduction, optimizer.step() (when the verdict is apply) and zero_grad(). Returns the SyncResult.
@@ -189,23 +186,29 @@ class Trainer {
     check_no_stray_backward("Trainer::backward");
     detail::check_backward_order(current_ ? &*current_ : nullptr, batch, backward_done_, batch_number_, current_step_);
     detail::check_trainer_loss(loss);
-    guard_.check_untouched(reducer_.parameters(), "Trainer::backward");
-    guard_.restore(reducer_.parameters(), "Trainer::backward");
+    guard_.check_untouched(reducer_->parameters(), "Trainer::backward");
+    guard_.restore(reducer_->parameters(), "Trainer::backward");
     const int64_t divisor = loss_divisor(batch);
     share_replica_state(/*with_parameters=*/false);
-    auto mb = accumulator_.micro_batch(batch, divisor);
-    at::Tensor total = loss.reshape({});
-    // The loss's weight: its real samples (mean loss) or 1 (summed loss); 0 for a repeated batch.
-    const auto counted = static_cast<double>(batch.counted_samples());
-    const double factor =
-        (options_.loss == LossReduction::mean ? counted : (counted > 0 ? 1.0 : 0.0)) / static_cast<double>(divisor);
-    if (factor != 1.0) total = total * factor;
-    mb.scale(total).backward();
-    arrivals_seen_ = reducer_.gradient_arrivals();
-    backward_done_ = true;
-    last_ = mb.finish();
-    apply(last_);
-    if (!last_.boundary) guard_.hide(reducer_.parameters(), /*keep=*/true);
+    try {
+      auto mb = accumulator_->micro_batch(batch, divisor);
+      at::Tensor total = loss.reshape({});
+      // The loss's weight: its real samples (mean loss) or 1 (summed loss); 0 for a repeated batch.
+      const auto counted = static_cast<double>(batch.counted_samples());
+      const double factor =
+          (options_.loss == LossReduction::mean ? counted : (counted > 0 ? 1.0 : 0.0)) / static_cast<double>(divisor);
+      if (factor != 1.0) total = total * factor;
+      mb.scale(total).backward();
+      arrivals_seen_ = reducer_->gradient_arrivals();
+      backward_done_ = true;
+      last_ = mb.finish();
+      apply(last_);
+    } catch (const CommError& e) {
+      detail::TrainerRecovery::recover(*this, e);  // rethrows unless the job goes on; the step is dealt again
+      last_ = SyncResult{};
+      return last_;
+    }
+    if (!last_.boundary) guard_.hide(reducer_->parameters(), /*keep=*/true);
     return last_;
   }
 
@@ -223,7 +226,7 @@ class Trainer {
   /// all_gathers; every rank at the same point, e.g. in on_step). save_checkpoint calls it.
   /// Throws: loom::Error on every rank naming the first option or parameter that differs.
   void check_replicas(const char* where = "Trainer::check_replicas") {
-    detail::check_replicas_now(*comm_, *optimizer_, reducer_.parameters(), where);
+    detail::check_replicas_now(*comm_, *optimizer_, reducer_->parameters(), where);
   }
 
   /// Ends the running epoch loop at the current step boundary on every rank (call it from on_step).
@@ -244,12 +247,12 @@ class Trainer {
   [[nodiscard]] int64_t epoch_skipped_steps() const noexcept { return skips_.in_epoch(); }
   /// The loss scaler's state (TrainerOptions::loss_scaling), for a checkpoint; nullopt without loss scaling.
   [[nodiscard]] std::optional<LossScalerState> loss_scaler_state() const {
-    const LossScaler* s = accumulator_.loss_scaler();
+    const LossScaler* s = accumulator_->loss_scaler();
     return s ? std::optional<LossScalerState>(s->state()) : std::nullopt;
   }
   /// What a checkpoint keeps of this Trainer (loom::save_checkpoint, loom/train/checkpoint.hpp).
   [[nodiscard]] TrainerState state() const {
-    return {steps_, skipped_, loss_scaler_state(), reducer_.grid_exponents()};
+    return {steps_, skipped_, loss_scaler_state(), reducer_->grid_exponents()};
   }
   /// Continues the step counts, the loss scaler and a deterministic reducer's grid exponents from a
   /// checkpoint's state, between epoch loops (grids absent from `state` stay as they are).
@@ -257,10 +260,10 @@ class Trainer {
   ///         scaler state, or as Reducer::load_grid_exponents.
   void load_state(const TrainerState& state) {
     if (loop_open_) throw Error("Trainer::load_state: an epoch loop is running; load a checkpoint between epochs");
-    detail::check_trainer_state(state, accumulator_.loss_scaler() != nullptr);
+    detail::check_trainer_state(state, accumulator_->loss_scaler() != nullptr);
     if (state.loss_scaler) load_loss_scaler_state(*state.loss_scaler);
-    if (!state.grid_exponents.empty() && reducer_.options().deterministic)
-      reducer_.load_grid_exponents(state.grid_exponents);
+    if (!state.grid_exponents.empty() && reducer_->options().deterministic)
+      reducer_->load_grid_exponents(state.grid_exponents);
     steps_ = state.steps;
     skipped_ = state.skipped_steps;
   }
@@ -268,30 +271,37 @@ class Trainer {
   /// Continues the loss scaler from a checkpoint's state (call before the first epoch loop).
   /// Throws: loom::InvalidArgument without TrainerOptions::loss_scaling, or for a bad state.
   void load_loss_scaler_state(const LossScalerState& state) {
-    LossScaler* s = accumulator_.loss_scaler();
+    LossScaler* s = accumulator_->loss_scaler();
     if (s == nullptr)
       throw InvalidArgument(
           "Trainer::load_loss_scaler_state: this Trainer has no loss scaler (TrainerOptions::loss_scaling unset)");
     s->load_state(state);
   }
 
+  /// The recoveries from ranks' deaths so far (an elastic ProcessGroup, docs/elastic.md), oldest first.
+  [[nodiscard]] const std::vector<Recovery>& recoveries() const noexcept { return elastic_.recoveries; }
+  /// Calls `fn(recovery)` on every survivor after each recovery, before training goes on; without
+  /// it the new rank 0 prints one line to stderr ("loom: recovered: rank 2 died at step 5 ...").
+  /// Example: `trainer.on_recovery([](const loom::Recovery& r) { log(r.lost, r.seconds); });`
+  void on_recovery(std::function<void(const Recovery&)> fn) { elastic_.on_recovery = std::move(fn); }
+
   /// The SyncResult of the last boundary or micro-batch.
   [[nodiscard]] const SyncResult& last_step() const noexcept { return last_; }
-  [[nodiscard]] ReducerType& reducer() noexcept { return reducer_; }
-  [[nodiscard]] Accumulator<ReducerType>& accumulator() noexcept { return accumulator_; }
+  [[nodiscard]] ReducerType& reducer() noexcept { return *reducer_; }
+  [[nodiscard]] Accumulator<ReducerType>& accumulator() noexcept { return *accumulator_; }
   [[nodiscard]] Comm& communicator() const noexcept { return *comm_; }
   [[nodiscard]] const TrainerOptions& options() const noexcept { return options_; }
 
  private:
   // The reducer counts every gradient its hooks deliver: between two calls of the Trainer none arrives.
   void check_no_stray_backward(const char* where) {
-    if (reducer_.gradient_arrivals() != arrivals_seen_) throw Error(detail::stray_backward_message(where));
+    if (reducer_->gradient_arrivals() != arrivals_seen_) throw Error(detail::stray_backward_message(where));
   }
 
   // Before the loop moves on: no stray backward, no parameter written, the last batch's backward done.
   void check_between_calls() {
     check_no_stray_backward("Trainer::epoch");
-    guard_.check_untouched(reducer_.parameters(), "Trainer::epoch");
+    guard_.check_untouched(reducer_->parameters(), "Trainer::epoch");
     if (current_ && !backward_done_) forgotten();
   }
 
@@ -303,7 +313,7 @@ class Trainer {
       throw Error(detail::ranks_left_message(epoch_, s.ranks_leaving, current_step_));
     }
     if (s.verdict == StepVerdict::replicas_differ) replicas_differ();
-    guard_.check_untouched(reducer_.parameters(), "Trainer: at a step boundary");
+    guard_.check_untouched(reducer_->parameters(), "Trainer: at a step boundary");
     const bool skipped = s.verdict == StepVerdict::skip_non_finite || s.verdict == StepVerdict::skip_grid_overflow;
     if (s.verdict == StepVerdict::apply) {
       if (before_step_) {
@@ -319,48 +329,24 @@ class Trainer {
       ++steps_in_epoch_;
     }
     optimizer_->zero_grad();
-    guard_.hide(reducer_.parameters(), /*keep=*/false);
+    ++elastic_.boundaries;
+    elastic_.next_step = current_step_ + 1;
+    guard_.hide(reducer_->parameters(), /*keep=*/false);
     if (skipped)
-      skips_.skipped(current_step_, detail::skip_reason(s.verdict, reducer_.options()),
+      skips_.skipped(current_step_, detail::skip_reason(s.verdict, reducer_->options()),
                      detail::step_indices(plan_, current_step_));
     if (on_step_) {
       const detail::FlagScope running(in_on_step_);
       on_step_(s);
     }
-    guard_.record_versions(reducer_.parameters());
-  }
-
-  /// An exception left the loop (EpochRange's destructor while unwinding): with a step open on this
-  /// rank the Trainer refuses further use (no collective is attempted).
-  void abandon_loop() noexcept {
-    if (accumulator_.window_micro_batches() == 0 && !guard_.holds_gradients()) return;
-    if (broken_.empty())
-      broken_ = fmt::format(
-          "an exception left the loop over epoch {} inside step {}, whose micro-batches were never reduced (the "
-          "ranks may be out of step); build a new Trainer",
-          epoch_, current_step_);
-  }
-
-  /// A loop over trainer.epoch(...) ended before the epoch's end, not by stop() and not by an
-  /// exception (EpochRange's destructor): one last window marked leaving, so the other ranks stop
-  /// with an error instead of waiting for this one; then the error here.
-  [[noreturn]] void leave_loop() {
-    const int64_t step = current_step_, batch = batch_number_;
-    current_.reset();
-    if (broken_.empty()) {
-      broken_ = fmt::format("its loop over epoch {} was left before the epoch's end (step {})", epoch_, step);
-      // No check may throw here: the other ranks wait for this window.
-      guard_.put_back(reducer_.parameters());
-      (void)accumulator_.leave_step();
-    }
-    throw Error(detail::loop_left_message(epoch_, batch, step));
+    guard_.record_versions(reducer_->parameters());
   }
 
   /// What must be equal on every replica goes into the reducer's next windows: the optimizer's
   /// options, and with `with_parameters` the parameters' checksums (Reducer::compare_replicas).
   void share_replica_state(bool with_parameters) {
-    replica_ = detail::replica_state_of(*optimizer_, reducer_.parameters(), with_parameters);
-    reducer_.compare_replicas(replica_.fingerprint());
+    replica_ = detail::replica_state_of(*optimizer_, reducer_->parameters(), with_parameters);
+    reducer_->compare_replicas(replica_.fingerprint());
   }
 
   /// A window found the ranks' replica fingerprints different (the same verdict on every rank).
@@ -368,14 +354,14 @@ class Trainer {
     const std::string where = replica_.checksums.empty() ? fmt::format("at step {} of epoch {}", current_step_, epoch_)
                                                          : fmt::format("at the end of epoch {}", epoch_);
     broken_ = fmt::format("the replicas differed {}", where);
-    detail::throw_replicas_differ(*comm_, replica_, reducer_.parameters(), where);
+    detail::throw_replicas_differ(*comm_, replica_, reducer_->parameters(), where);
   }
 
   void receive(Batch batch) {
     check_between_calls();
     current_step_ = batch.step;
     // The flight recorder's position: this batch's step and its micro-batch number in the step.
-    trace::set_position(*comm_, batch.step, accumulator_.window_micro_batches(), planned_);
+    trace::set_position(*comm_, batch.step, accumulator_->window_micro_batches(), planned_);
     current_ = std::move(batch);
     ++batch_number_;
     backward_done_ = false;
@@ -383,21 +369,21 @@ class Trainer {
 
   void join(const Batch& idle) {
     check_between_calls();
-    guard_.restore(reducer_.parameters(), "Trainer::epoch");
+    guard_.restore(reducer_->parameters(), "Trainer::epoch");
     current_step_ = idle.step;
     trace::set_position(*comm_, idle.step, 0, planned_);
     share_replica_state(/*with_parameters=*/false);
-    last_ = accumulator_.join_step(loss_divisor(idle));
+    last_ = accumulator_->join_step(loss_divisor(idle));
     apply(last_);
   }
 
   void end_epoch() {
     check_between_calls();
-    guard_.restore(reducer_.parameters(), "Trainer::epoch");
+    guard_.restore(reducer_->parameters(), "Trainer::epoch");
     current_.reset();
     // The epoch's last windows also compare the parameters' checksums across the ranks.
     share_replica_state(/*with_parameters=*/true);
-    while (auto s = accumulator_.end_epoch()) {
+    while (auto s = accumulator_->end_epoch()) {
       last_ = *s;
       apply(last_);
     }
@@ -413,13 +399,20 @@ class Trainer {
     return sixteen_bit_ && batch.step_samples > 0 ? std::clamp<int64_t>(batch.step_samples, 1, kMaxLossDivisor) : 1;
   }
 
+  friend struct detail::TrainerRecovery;
+  friend struct detail::LoopExit;
+
+  AccumulatorOptions accumulator_options() const {
+    return {.micro_batches_per_step = 0, .local_samples_per_step = 0, .loss_scaling = options_.loss_scaling};
+  }
+
   [[noreturn]] void forgotten() { throw Error(detail::forgotten_message(epoch_, batch_number_, current_step_)); }
 
   Comm* comm_;
   Opt* optimizer_;
   TrainerOptions options_;
-  ReducerType reducer_;
-  Accumulator<ReducerType> accumulator_;
+  std::optional<ReducerType> reducer_;  // rebuilt over the survivors after a rank died
+  std::optional<Accumulator<ReducerType>> accumulator_;
   detail::TrainableGuard guard_;  // the trainable parameters' versions and held gradients
   bool sixteen_bit_ = false;      // a trainable parameter is float16 or bfloat16
   std::string broken_;            // why this Trainer refuses further use (empty: usable)
@@ -438,6 +431,7 @@ class Trainer {
   int64_t steps_ = 0;
   int64_t skipped_ = 0;
   int64_t arrivals_seen_ = 0;
+  detail::ElasticProgress elastic_;  // where a recovery from a rank's death starts (trainer_recovery.hpp)
   bool backward_done_ = false;
   bool loop_open_ = false;   // an epoch loop is running (epoch() until next_batch returns nullptr)
   bool stop_ = false;        // stop() was called

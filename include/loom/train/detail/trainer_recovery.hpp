@@ -1,0 +1,164 @@
+// loom/train/detail/trainer_recovery.hpp — how loom::Trainer goes on after a rank died (an elastic
+// loom::ProcessGroup, loom/dist/elastic.hpp; docs/elastic.md): the survivors agree on who is left and
+// rebuild the group, take the state of the survivor that had come furthest
+// (loom/train/detail/elastic_state.hpp), rebuild the reducer and accumulator over the new group, and
+// deal the rest of the epoch again from the first step not every survivor had committed.
+//
+// Example (inside Trainer): `catch (const CommError& e) { detail::TrainerRecovery::recover(*this, e); }`
+// Throws: rethrows the caught error when the communicator is not elastic or no rank died; the
+//         ProcessGroup's recovery errors (fewer ranks than ElasticOptions::min_ranks, ...).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <loom/dist/elastic.hpp>
+#include <loom/error.hpp>
+#include <loom/reduce/parameters.hpp>
+#include <loom/sample/global_batch.hpp>
+#include <loom/trace/recorder.hpp>
+#include <loom/train/batch_source.hpp>
+#include <loom/train/detail/elastic_state.hpp>
+#include <loom/train/detail/trainer_checks.hpp>
+
+namespace loom::detail {
+
+/// A Trainer's record for recoveries: its progress (step boundaries passed, the agreement's
+/// measure), the next step of the running epoch, whether the loader must deal again, the
+/// recoveries so far and the user's callback.
+struct ElasticProgress {
+  int64_t boundaries = 0;
+  int64_t next_step = 0;
+  bool redeal = false;
+  std::vector<Recovery> recoveries;
+  std::function<void(const Recovery&)> on_recovery;
+};
+
+/// The Trainer's recovery, a friend of loom::Trainer.
+struct TrainerRecovery {
+  /// A collective of `t` failed (the caught `e`): with an elastic communicator and a dead rank,
+  /// the survivors rebuild the group, take the state of the one that had come furthest, rebuild
+  /// the reducer and deal the interrupted step again (redeal, at the next batch); otherwise
+  /// rethrows. Called only inside a catch block.
+  template <class T>
+  static void recover(T& t, const CommError& e) {
+    using Comm = std::remove_reference_t<decltype(*t.comm_)>;
+    using ReducerType = typename T::ReducerType;
+    if constexpr (!ElasticCommunicator<Comm>) {
+      throw;
+    } else {
+      if (!t.comm_->elastic() || !t.broken_.empty()) throw;
+      const auto start = std::chrono::steady_clock::now();
+      ParameterList list = t.reducer_->parameters();
+      TrainerPosition mine{t.state(), t.epoch_, t.elastic_.next_step};
+      mine.steps_in_epoch = t.steps_in_epoch_;
+      t.accumulator_.reset();
+      t.reducer_.reset();  // its hooks go before the parameters' gradients are dropped
+      {
+        const at::NoGradGuard no_grad;
+        for (auto& p : list.params)
+          if (p.defined() && p.grad().defined()) p.mutable_grad().reset();
+      }
+      std::string cause = e.what();
+      std::vector<int> lost;
+      for (;;) {
+        Recovery r;
+        try {
+          r = t.comm_->recover(t.elastic_.boundaries, cause);
+        } catch (...) {
+          t.broken_ = "the job could not go on after a rank died";
+          throw;
+        }
+        lost.insert(lost.end(), r.lost.begin(), r.lost.end());
+        if (lost.empty()) {
+          t.broken_ = fmt::format("a collective failed and no rank had died: {}", first_line(cause));
+          throw;
+        }
+        try {
+          const int source = state_source(r.progress);
+          const TrainerPosition pos = share_trainer_state(*t.comm_, source, list, *t.optimizer_, mine);
+          ReducerOptions reducer_options = t.options_.reducer;
+          reducer_options.broadcast_parameters = false;  // every survivor holds the source's parameters now
+          t.reducer_.emplace(make_trainer_reducer<ReducerType>(*t.comm_, list, reducer_options));
+          t.accumulator_.emplace(*t.reducer_, t.accumulator_options());
+          if (pos.state.loss_scaler) t.accumulator_->loss_scaler()->load_state(*pos.state.loss_scaler);
+          if (!pos.state.grid_exponents.empty() && t.reducer_->options().deterministic)
+            t.reducer_->load_grid_exponents(pos.state.grid_exponents);
+          t.steps_ = pos.state.steps;
+          t.skipped_ = pos.state.skipped_steps;
+          t.epoch_ = pos.epoch;
+          t.elastic_.next_step = pos.next_step;
+          t.steps_in_epoch_ = pos.steps_in_epoch;
+          t.elastic_.boundaries = r.progress[static_cast<std::size_t>(source)];
+        } catch (const CommError& again) {  // another rank died meanwhile: agree again
+          t.accumulator_.reset();
+          t.reducer_.reset();
+          cause = again.what();
+          continue;
+        }
+        std::sort(lost.begin(), lost.end());
+        r.lost = lost;
+        r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        t.guard_ = TrainableGuard(t.reducer_->parameters());
+        t.guard_.record_versions(t.reducer_->parameters());
+        t.current_.reset();
+        t.backward_done_ = false;
+        t.arrivals_seen_ = t.reducer_->gradient_arrivals();
+        t.elastic_.redeal = true;
+        t.elastic_.recoveries.push_back(r);
+        if (t.elastic_.on_recovery)
+          t.elastic_.on_recovery(r);
+        else if (t.comm_->rank() == 0)
+          std::fprintf(stderr, "%s\n", recovery_line(r, t.epoch_, t.elastic_.next_step).c_str());
+        return;
+      }
+    }
+  }
+
+  /// Trainer::epoch's plan check (loom::check_same_plan) at the start of epoch `t.epoch_`, again
+  /// over the survivors when a rank died in it; notes the step the epoch starts at.
+  template <class T, class Loader>
+  static void check_plan(T& t, Loader& loader, const std::exception_ptr& failed) {
+    const GlobalCursor at = loader.sampler().cursor();
+    t.elastic_.next_step = at.epoch == t.epoch_ ? at.step : 0;
+    for (;;) {
+      try {
+        trace::set_position(*t.comm_, 0, 0, t.planned_);
+        trace::Scope scope(*t.comm_, trace::Context::sampler_check);
+        check_same_plan(*t.comm_, loader.sampler(), fmt::format("Trainer::epoch({})", t.epoch_), failed);
+        return;
+      } catch (const CommError& e) {
+        recover(t, e);
+        redeal(t, loader);
+      }
+    }
+  }
+
+  /// After a recovery: this rank's share of the rest of the epoch, from the step every survivor
+  /// stands at, over the new group.
+  template <class T, class Loader>
+  static void redeal(T& t, Loader& loader) {
+    t.elastic_.redeal = false;
+    if constexpr (requires { loader.reshard(0, 1, int64_t{}, int64_t{}); }) {
+      loader.reshard(t.comm_->rank(), t.comm_->world_size(), t.epoch_, t.elastic_.next_step);
+      if constexpr (PlannedBatchSource<Loader>) t.plan_ = &loader.sampler().plan();
+    } else {
+      t.broken_ = "its loader cannot deal the epoch again over the survivors";
+      throw Error(
+          "Trainer: a rank died and the survivors go on, but this loader cannot deal the rest of the epoch over "
+          "them: it needs reshard(rank, world_size, epoch, step), as loom::BatchLoader has");
+    }
+  }
+};
+
+}  // namespace loom::detail
