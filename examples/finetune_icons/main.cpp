@@ -27,12 +27,17 @@
 //        build/examples/finetune_icons --nproc 2 --epochs 4
 //        torchrun --nproc-per-node 2 build/examples/finetune_icons     (torchrun's variables)
 //        mpirun -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 build/examples/finetune_icons
+// Elastic: --elastic MIN goes on while at least MIN ranks are alive; each recovery prints
+//        recovered: rank R died at step S, W ranks left, T s
+//        (try: --nproc 3 --elastic 2 --deterministic --kill-rank 1 --kill-at-step 5; the weights_fnv1a
+//        equals the run nobody killed). docs/elastic.md.
 // Output (rank 0): one line per epoch, then
 //        result: val_accuracy=A val_loss=L train_loss=T majority_baseline=B epochs=E steps=S seconds=X
 //                weights_fnv1a=H (a 64-bit hash of the final weights' bytes; with --deterministic the same
 //                on any --nproc)
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -89,6 +94,9 @@ struct Options {
   int64_t stop_after_steps = 0;  // stop fine-tuning after this many optimizer steps (simulates a crash; tests)
   int threads = 1;               // intra-op threads per rank
   bool deterministic = false;    // bit-identical weights on any number of ranks (ReducerOptions::deterministic)
+  int elastic = 0;               // go on while at least this many ranks are alive (0: a death ends the job)
+  int kill_rank = -1;            // demonstrates --elastic: this launch rank kills itself (SIGKILL) ...
+  int64_t kill_at_step = 0;      // ... when fine-tuning reaches this optimizer step
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -233,6 +241,12 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
                            plan, {.device = device, .num_workers = o.workers});
   loom::Trainer trainer(pg, *model, opt,
                         {.reducer = {.deterministic = o.deterministic}});  // rank 0's weights everywhere
+  // After a rank died (--elastic) the survivors are renumbered: the new rank 0 logs.
+  trainer.on_recovery([&](const loom::Recovery& r) {
+    log.set_rank(loom::rank_info(pg));
+    log.info("recovered: rank {} died at step {}, {} ranks left, {:.2f} s", fmt::join(r.lost, ","), r.step,
+             r.members.size(), r.seconds);
+  });
   double seconds_before = 0;
   int64_t first_epoch = 0;
   if (!resume.empty()) {
@@ -279,6 +293,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     });
     loom::Metrics metrics(pg);
     for (loom::Batch& b : trainer.epoch(loader, e)) {
+      if (pg.launch_rank() == o.kill_rank && trainer.steps() >= o.kill_at_step) std::raise(SIGKILL);
       const auto loss = torch::nn::functional::cross_entropy(model->forward(b.data), b.targets);
       trainer.backward(loss, b);
       metrics.add("loss", loss, b);
@@ -355,6 +370,11 @@ int main(int argc, char** argv) {
                  "stop after this many fine-tuning optimizer steps (tests resume)");
   app.add_flag("--skip-corrupt", o.task.skip_corrupt, "skip undecodable PNG files with a warning instead of failing");
   app.add_option("--threads", o.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("--elastic", o.elastic,
+                 "go on while at least this many ranks are alive when ranks die (0: off; docs/elastic.md)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--kill-rank", o.kill_rank, "demonstrates --elastic: this rank kills itself (SIGKILL) ...");
+  app.add_option("--kill-at-step", o.kill_at_step, "... when fine-tuning reaches this optimizer step");
   app.add_flag("--deterministic", o.deterministic,
                "bit-identical weights on any number of ranks (integer gradient sums; docs/elastic.md); compare the "
                "result line's weights_fnv1a across runs");
@@ -367,7 +387,9 @@ int main(int argc, char** argv) {
     loom::run([&](loom::ProcessGroup& pg) { run_rank(pg, o, start); },
               {.nproc = o.nproc,
                .group = {.backend = examples::group_backend(o.backend, o.device),
-                         .timeout = examples::group_timeout(o.timeout)},
+                         .timeout = examples::group_timeout(o.timeout),
+                         .elastic = o.elastic > 0 ? std::optional(loom::ElasticOptions{.min_ranks = o.elastic})
+                                                  : std::nullopt},
                .spawn = {.threads_per_rank = o.threads}});
   } catch (const loom::Error& e) {
     fmt::print(stderr, "finetune_icons: {}\n", e.what());

@@ -283,6 +283,30 @@ TEST_SUITE("runs") {
     CHECK(std::abs(accuracy[1] - f.at("val_accuracy")) <= 0.05);
   }
 
+  TEST_CASE("finetune_icons --elastic 2 --deterministic: a rank killed mid-run, the same weights as nobody killed") {
+    const std::string args = "--nproc 3 --subset 4 --epochs 1 --pretrain-epochs 1 --deterministic --elastic 2";
+    static const std::regex hash_field(R"(weights_fnv1a=([0-9a-f]{16}))");
+    auto hash_of = [&](const std::string& extra) {
+      TempDir dir;
+      const auto r = run(fmt::format("{} {} {} --out {}", q(example("finetune_icons")), args, extra, q(dir.path)));
+      INFO(r.output);
+      REQUIRE(r.exit_code == 0);
+      std::smatch m;
+      const std::string line = line_starting(r.output, "result:");
+      REQUIRE(std::regex_search(line, m, hash_field));
+      return std::make_pair(m[1].str(), r.output);
+    };
+    const auto [whole, whole_output] = hash_of("");
+    for (int victim : {1, 0}) {
+      CAPTURE(victim);
+      const auto [killed, output] = hash_of(fmt::format("--kill-rank {} --kill-at-step 3", victim));
+      INFO(output);
+      CHECK(output.find(fmt::format("recovered: rank {} died at step", victim)) != std::string::npos);
+      CHECK(output.find("2 ranks left") != std::string::npos);
+      CHECK(killed == whole);
+    }
+  }
+
   TEST_CASE("finetune_icons: under torchrun's and mpirun's variables, the same result as with spawn") {
     const std::string args = "--subset 4 --epochs 1 --pretrain-epochs 1";
     TempDir a, b, c;

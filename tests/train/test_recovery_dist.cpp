@@ -224,14 +224,21 @@ using Moment = Kill::Moment;
 }  // namespace
 
 TEST_SUITE("dist") {
-  TEST_CASE("deterministic, 3 ranks: a rank killed in forward, in the all-reduce, in the optimizer step or in a "
-            "checkpoint save; the survivors end with the uninterrupted run's weights, every sample once") {
-    SUBCASE("rank 1 in forward, step 2") { check_recovered({.kills = {{1, Moment::forward, 0, 2}}}); }
-    SUBCASE("rank 2 in the all-reduce, step 4") { check_recovered({.kills = {{2, Moment::all_reduce, 0, 4}}}); }
+  TEST_CASE(
+      "deterministic, 3 ranks: a rank killed in forward, in the all-reduce, in the optimizer step or in a "
+      "checkpoint save; the survivors end with the uninterrupted run's weights, every sample once") {
+    SUBCASE("rank 1 in forward, step 2") {
+      check_recovered({.kills = {{1, Moment::forward, 0, 2}}});
+    }
+    SUBCASE("rank 2 in the all-reduce, step 4") {
+      check_recovered({.kills = {{2, Moment::all_reduce, 0, 4}}});
+    }
     SUBCASE("rank 1 in the optimizer step, epoch 1 step 3") {
       check_recovered({.kills = {{1, Moment::optimizer_step, 1, 3}}});
     }
-    SUBCASE("rank 2 before a checkpoint save, step 3") { check_recovered({.kills = {{2, Moment::checkpoint, 0, 3}}}); }
+    SUBCASE("rank 2 before a checkpoint save, step 3") {
+      check_recovered({.kills = {{2, Moment::checkpoint, 0, 3}}});
+    }
   }
 
   TEST_CASE("float mode, 3 ranks: rank 2 killed in the all-reduce; every sample once, weights equal to 1e-12") {

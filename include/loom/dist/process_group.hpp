@@ -117,6 +117,27 @@ inline std::chrono::milliseconds process_group_timeout(const ProcessGroupOptions
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
 }
 
+namespace detail {
+
+/// `env` in a group rebuilt over survivors: rank `new_rank` of `nodes.size()` (nodes[i]: member i's
+/// node), the local rank and size counted among the members on this node, the nodes renumbered
+/// in order (a node whose ranks all died leaves no gap).
+inline Environment environment_after(Environment env, int new_rank, const std::vector<int>& nodes) {
+  const int mine = nodes[static_cast<std::size_t>(new_rank)];
+  std::vector<int> distinct(nodes);
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  env.rank = new_rank;
+  env.world_size = static_cast<int>(nodes.size());
+  env.local_rank = static_cast<int>(std::count(nodes.begin(), nodes.begin() + new_rank, mine));
+  env.local_world_size = static_cast<int>(std::count(nodes.begin(), nodes.end(), mine));
+  env.node_rank = static_cast<int>(std::lower_bound(distinct.begin(), distinct.end(), mine) - distinct.begin());
+  env.num_nodes = static_cast<int>(distinct.size());
+  return env;
+}
+
+}  // namespace detail
+
 /// A pending collective of any backend; models WorkHandle.
 class ProcessGroupWork {
  public:
@@ -175,11 +196,11 @@ class ProcessGroup {
   /// Throws: as ProcessGroup; loom::ConfigError for a bad LOOM_TIMEOUT (process_group_timeout).
   explicit ProcessGroup(const Environment& env, ProcessGroupOptions options = {})
       : env_(env),
-        launch_rank_(env.rank),
+        launch_env_(env),
         options_(with_timeout(std::move(options))),
         backend_(resolve(env_, options_)),
         store_(elastic_store(env_, options_)),
-        comm_(make(env_, options_, backend_, store_)) {
+        comm_(make(env_, options_, backend_, store_, env_)) {
     if (store_)
       membership_ = std::make_unique<detail::Membership>(store_, env_.rank, env_.world_size, *options_.elastic,
                                                          *options_.timeout);
@@ -222,7 +243,7 @@ class ProcessGroup {
   }
   /// The rank this process had when the job started (RANK); rank() is its rank in the current group.
   [[nodiscard]] int launch_rank() const noexcept {
-    return launch_rank_;
+    return launch_env_.rank;
   }
   /// How many times the group was rebuilt over survivors (0 before any recovery).
   [[nodiscard]] int generation() const noexcept {
@@ -247,12 +268,14 @@ class ProcessGroup {
     r.old_rank = rank();
     r.cause = cause.substr(0, cause.find('\n'));
     for (;;) {
-      auto [members, progress_of] = membership_->agree(progress);
+      auto agreed = membership_->agree(progress, env_.node_rank);
+      const std::vector<int>& members = agreed.members;
       r.lost.clear();
       for (int m : before)
         if (std::find(members.begin(), members.end(), m) == members.end()) r.lost.push_back(m);
       r.members = members;
-      r.progress = progress_of;
+      r.progress = agreed.progress;
+      r.nodes = agreed.nodes;
       r.generation = membership_->generation();
       const int min = membership_->options().min_ranks;
       if (static_cast<int>(members.size()) < min)
@@ -260,15 +283,14 @@ class ProcessGroup {
             "elastic: launch rank(s) {} died ({}); {} rank(s) are left, fewer than ElasticOptions::min_ranks = {}: "
             "the job ends here; resume it from its last checkpoint (loom::load_checkpoint)",
             detail::launch_ranks_text(r.lost), r.cause, members.size(), min));
-      const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), launch_rank_) - members.begin());
+      const int new_rank =
+          static_cast<int>(std::find(members.begin(), members.end(), launch_env_.rank) - members.begin());
       comm_.template emplace<LocalCommunicator>(*options_.timeout);  // the broken communicator goes first
-      Environment next = env_;
-      next.rank = new_rank;
-      next.world_size = static_cast<int>(members.size());
+      const Environment next = detail::environment_after(env_, new_rank, agreed.nodes);
       try {
         auto prefixed =
             c10::make_intrusive<c10d::PrefixStore>(fmt::format("loom/elastic/comm/g{}", r.generation), store_);
-        comm_ = make(next, options_, backend_, prefixed);
+        comm_ = make(next, options_, backend_, prefixed, launch_env_);
       } catch (const CommError&) {
         continue;  // a member died while the group was built: agree again (the same progress)
       }
@@ -356,9 +378,10 @@ class ProcessGroup {
     return rendezvous(env, {.timeout = *o.timeout});
   }
 
-  // The communicator of backend `b` for `env`, through `store` when one is given.
+  // The communicator of backend `b` for `env`, through `store` when one is given; the GPU follows
+  // `launch` (the job as it started: a rebuilt group keeps each rank's GPU).
   Variant make(const Environment& env, const ProcessGroupOptions& o, Backend b,
-               const c10::intrusive_ptr<c10d::Store>& store) {
+               const c10::intrusive_ptr<c10d::Store>& store, const Environment& launch) {
     switch (b) {
 #if LOOM_HAS_GLOO
       case Backend::gloo: {
@@ -372,7 +395,7 @@ class ProcessGroup {
 #if LOOM_PROCESS_GROUP_HAS_NCCL
       case Backend::nccl: {
         const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-        const RankDevice d = rank_cuda_device(env, cuda_device_count(), visible ? visible : "");
+        const RankDevice d = rank_cuda_device(launch, cuda_device_count(), visible ? visible : "");
         device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d.ordinal));
         NcclOptions nccl{.device = d.ordinal, .timeout = *o.timeout, .flight_recorder = o.flight_recorder};
         if (store) return Variant(std::in_place_type<NcclCommunicator>, store, env.rank, env.world_size, nccl);
@@ -383,8 +406,8 @@ class ProcessGroup {
     }
   }
 
-  Environment env_;
-  int launch_rank_ = 0;
+  Environment env_;         // the current group's (rank, world size, local rank, ... change after a recovery)
+  Environment launch_env_;  // the job's as it started
   ProcessGroupOptions options_;
   Backend backend_;
   c10::Device device_{c10::kCPU};

@@ -107,6 +107,17 @@ class Logger {
     }
   }
 
+  /// This process's rank changed (an elastic job's ranks are renumbered after a rank died,
+  /// docs/elastic.md): the policy decides again who writes, with the new prefix.
+  /// Example: `trainer.on_recovery([&](const loom::Recovery&) { log.set_rank(loom::rank_info(pg)); });`
+  /// Throws: loom::InvalidArgument when `me` is out of range (RankInfo::validate).
+  void set_rank(RankInfo me) {
+    me.validate();
+    me_ = me;
+    emits_ = static_cast<bool>(policy_.emits(me_));
+    prefix_ = policy_.prefix(me_);
+  }
+
   /// True when a line at `level` would be written (or buffered) on this rank.
   /// Use it to skip computing expensive arguments: `if (log.enabled(loom::LogLevel::debug)) ...`.
   [[nodiscard]] bool enabled(LogLevel level) const noexcept {

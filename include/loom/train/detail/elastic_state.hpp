@@ -51,9 +51,10 @@ struct TrainerPosition {
 
 /// The line the new rank 0 prints after a recovery without Trainer::on_recovery:
 /// "loom: recovered: rank 2 died at step 5 of epoch 0, 2 ranks left, 1.31 s".
-inline std::string recovery_line(const Recovery& r, int64_t epoch, int64_t step) {
+inline std::string recovery_line(const Recovery& r) {
   return fmt::format("loom: recovered: rank{} {} died at step {} of epoch {}, {} ranks left, {:.2f} s",
-                     r.lost.size() > 1 ? "s" : "", fmt::join(r.lost, ", "), step, epoch, r.members.size(), r.seconds);
+                     r.lost.size() > 1 ? "s" : "", fmt::join(r.lost, ", "), r.step, r.epoch, r.members.size(),
+                     r.seconds);
 }
 
 /// The survivor whose state the others take: the one with the most progress (committed steps),
@@ -70,11 +71,13 @@ inline int state_source(const std::vector<int64_t>& progress) {
 template <Communicator C, class Opt>
 TrainerPosition share_trainer_state(C& comm, int source, const ParameterList& list, Opt& optimizer,
                                     const TrainerPosition& mine) {
-  static_assert(requires(Opt& o, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
-    o.save(out);
-    o.load(in);
-  }, "loom::Trainer with an elastic process group: the optimizer must have save(OutputArchive&) and "
-     "load(InputArchive&), as every torch::optim optimizer (the survivors share its state)");
+  static_assert(
+      requires(Opt & o, torch::serialize::OutputArchive & out, torch::serialize::InputArchive & in) {
+        o.save(out);
+        o.load(in);
+      },
+      "loom::Trainer with an elastic process group: the optimizer must have save(OutputArchive&) and "
+      "load(InputArchive&), as every torch::optim optimizer (the survivors share its state)");
   std::string bytes;
   if (comm.rank() == source) {
     torch::serialize::OutputArchive archive;

@@ -109,6 +109,8 @@ struct TrainerRecovery {
         std::sort(lost.begin(), lost.end());
         r.lost = lost;
         r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        r.epoch = t.epoch_;
+        r.step = t.elastic_.next_step;
         t.guard_ = TrainableGuard(t.reducer_->parameters());
         t.guard_.record_versions(t.reducer_->parameters());
         t.current_.reset();
@@ -119,7 +121,7 @@ struct TrainerRecovery {
         if (t.elastic_.on_recovery)
           t.elastic_.on_recovery(r);
         else if (t.comm_->rank() == 0)
-          std::fprintf(stderr, "%s\n", recovery_line(r, t.epoch_, t.elastic_.next_step).c_str());
+          std::fprintf(stderr, "%s\n", recovery_line(r).c_str());
         return;
       }
     }
