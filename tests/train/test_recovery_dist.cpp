@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -52,6 +53,9 @@ struct Run {
   bool deterministic = true;
   int64_t epochs = 2;
   std::vector<Kill> kills{};
+  bool elastic = true;
+  int64_t checkpoint_every = 0;  // > 0: TrainerOptions::checkpoint in the run's folder, every N steps
+  int attempt = 0;               // a rerun of the same job logs its batches as attempt 1
 };
 
 // 3 batches of at most 2 samples per step (5 steps an epoch): every rank of 3 has a batch in most steps.
@@ -74,8 +78,12 @@ void train(const Run& run, const fs::path& dir) {
         loom::test::Mlp model(at::kDouble);
         torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
         loom::BatchLoader loader(pg, loom::test::trainer_shapes(), loom::test::trainer_fetch(), kPlan);
-        loom::Trainer trainer(pg, model.list(), sgd, {.reducer = {.deterministic = run.deterministic}});
-        std::FILE* log = std::fopen((dir / fmt::format("batches-{}.txt", me)).c_str(), "w");
+        std::optional<loom::CheckpointOptions> checkpoint;
+        if (run.checkpoint_every > 0)
+          checkpoint = loom::CheckpointOptions{.file = dir / "auto.ckpt", .every_steps = run.checkpoint_every};
+        loom::Trainer trainer(pg, model.list(), sgd,
+                              {.reducer = {.deterministic = run.deterministic}, .checkpoint = checkpoint});
+        std::FILE* log = std::fopen((dir / fmt::format("batches-{}.txt", me)).c_str(), "a");
         int64_t epoch = 0, step = 0;
         bool arm_all_reduce = false;
         // w1's gradient is the last one backward computes: the other ranks are in the all-reduce.
@@ -95,7 +103,7 @@ void train(const Run& run, const fs::path& dir) {
             step = b.step;
             check_kill(Kill::Moment::forward, epoch, step);
             std::fprintf(log, "%lld %lld %d", static_cast<long long>(epoch), static_cast<long long>(b.step),
-                         pg.generation());
+                         100 * run.attempt + pg.generation());
             for (int64_t i : b.indices) std::fprintf(log, " %lld", static_cast<long long>(i));
             std::fprintf(log, "\n");
             std::fflush(log);
@@ -113,7 +121,8 @@ void train(const Run& run, const fs::path& dir) {
       {.nproc = run.nproc,
        .group = {.backend = loom::Backend::gloo,
                  .timeout = std::chrono::seconds(30),
-                 .elastic = loom::ElasticOptions{.min_ranks = run.min_ranks}},
+                 .elastic =
+                     run.elastic ? std::optional(loom::ElasticOptions{.min_ranks = run.min_ranks}) : std::nullopt},
        .spawn = {.timeout = std::chrono::seconds(120), .grace = std::chrono::seconds(100)}});
 }
 
@@ -247,6 +256,23 @@ TEST_SUITE("dist") {
 
   TEST_CASE("deterministic, 4 ranks: two ranks killed one after the other") {
     check_recovered({.nproc = 4, .kills = {{2, Moment::forward, 0, 3}, {1, Moment::all_reduce, 1, 2}}});
+  }
+
+  TEST_CASE(
+      "the restart path: a job with TrainerOptions::checkpoint dies (not elastic), the same program rerun on "
+      "2 ranks resumes by itself; every sample once, the uninterrupted run's weights") {
+    const std::vector<double> reference = uninterrupted(Run{});
+    loom::test::TempDir dir("loom-recovery-restart");
+    Run first{.kills = {{1, Moment::forward, 1, 2}}, .elastic = false, .checkpoint_every = 2};
+    CHECK_THROWS_AS(train(first, dir.path), loom::SpawnError);  // rank 1 killed, the others' CommErrors
+    REQUIRE(std::filesystem::exists(dir.path / "auto.ckpt"));
+    Run second{.nproc = 2, .elastic = false, .checkpoint_every = 2, .attempt = 1};
+    train(second, dir.path);
+    check_each_sample_once(dir.path, first);
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      CHECK(loom::test::read_values((dir.path / fmt::format("params-{}.txt", r)).string()) == reference);
+    }
   }
 
   TEST_CASE("below the minimum: every survivor ends with a loom error naming who died") {

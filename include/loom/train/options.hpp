@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <optional>
 
@@ -42,11 +43,24 @@ struct SkippedStepOptions {
 /// Options of Trainer; use with designated initializers.
 ///
 /// Example: `loom::TrainerOptions{.reducer = {.max_grad_norm = 1.0}, .loss = loom::LossReduction::sum}`.
+/// The Trainer's own checkpoint (TrainerOptions::checkpoint), written with loom::save_checkpoint
+/// every `every_steps` optimizer steps and after each epoch's last step. When `file` exists at the
+/// first epoch loop, the Trainer resumes from it (loom::load_checkpoint, on any world size) and the
+/// epochs before its cursor's run no batch: a restarted job (torchrun --max-restarts, a rerun)
+/// continues with no line of code of its own (docs/elastic.md, "The restart path").
+///
+/// Example: `loom::Trainer trainer(pg, *model, opt, {.checkpoint = loom::CheckpointOptions{.file = "run.ckpt", .every_steps = 100}});`
+struct CheckpointOptions {
+  std::filesystem::path file{};  ///< where (rank 0 writes it; every rank reads it through rank 0)
+  int64_t every_steps = 0;       ///< optimizer steps between saves inside an epoch; 0: epoch ends only
+};
+
 struct TrainerOptions {
   ReducerOptions reducer{};                         ///< bucketing, clipping, wire dtype, buffers
   std::optional<LossScalerOptions> loss_scaling{};  ///< dynamic loss scaling (float16 training)
   LossReduction loss = LossReduction::mean;         ///< what backward()'s loss is over the batch
   SkippedStepOptions skipped_steps{};               ///< warnings and errors for skipped (inf/NaN) steps
+  std::optional<CheckpointOptions> checkpoint{};    ///< saved every N steps and per epoch; resumed on start
 };
 
 /// What Trainer needs of an optimizer: step() and zero_grad() (every torch::optim optimizer).

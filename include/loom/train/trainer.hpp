@@ -5,14 +5,11 @@
 //   loom::Trainer trainer(pg, *model, optimizer);
 //   for (loom::Batch& b : trainer.epoch(loader, epoch)) trainer.backward(loss_of(b), b);
 //
-// What it does for the loop (the loss weighted by the batch's real samples, the step boundary from
-// the plan, steps with inf/NaN skipped and reported, idle steps joined, the epoch's end) and what
-// it checks (a batch never passed to backward, a backward by hand, a parameter written in the loop
-// body, replicas that differ, leaving the loop early, ranks that plan differently): docs/loop.md,
-// "What loom checks", with every message. One rule the loop keeps: no collective in the loop body
-// (ranks run it different numbers of times per step); per-step work that talks to the other ranks
-// goes into on_step(), which every rank runs at every step.
-//
+// What it does for the loop and what it checks (a batch never passed to backward, a backward by
+// hand, a parameter written in the loop body, replicas that differ, leaving the loop early, ranks
+// that plan differently): docs/loop.md, with every message. One rule: no collective in the loop
+// body; per-step work that talks to the other ranks goes into on_step(), which every rank runs at
+// every step. A rank's death (an elastic ProcessGroup) and its own checkpoint: docs/elastic.md.
 // Cost: one Accumulator micro-batch per batch; one all_gather of the plan's fingerprint per epoch
 // start, one tiny collective per epoch end; the optimizer's options hashed on the host per
 // backward; every parameter's bytes read once per epoch end (the replica checksum).
@@ -47,6 +44,7 @@
 #include <loom/sample/global_batch.hpp>
 #include <loom/trace/recorder.hpp>
 #include <loom/train/batch_source.hpp>
+#include <loom/train/detail/auto_checkpoint.hpp>
 #include <loom/train/detail/loop_exit.hpp>
 #include <loom/train/detail/replica_check.hpp>
 #include <loom/train/detail/skip_report.hpp>
@@ -104,6 +102,7 @@ class Trainer {
     current_.reset();
     stop_ = false;
     stopped_ = false;
+    if (detail::AutoCheckpoint::begin(*this, loader, epoch)) return EpochRange<Trainer, Loader>(this, &loader);
     loop_open_ = true;
     std::exception_ptr failed;  // a rank that cannot prepare the epoch still joins the plan check
     try {
@@ -143,6 +142,7 @@ class Trainer {
   /// Throws: loom::Error without a running loop or when the previous batch missed its backward.
   template <BatchSource Loader>
   Batch* next_batch(Loader& loader) {
+    if (auto_.skipping) return nullptr;  // an epoch before the checkpoint's (TrainerOptions::checkpoint)
     if (!loop_open_) throw Error("Trainer::next_batch: no epoch loop is running (call trainer.epoch(loader, e) first)");
     for (;;) {
       if (elastic_.redeal) detail::TrainerRecovery::redeal(*this, loader);
@@ -156,6 +156,7 @@ class Trainer {
         if (!batch) {
           loop_open_ = false;
           end_epoch();
+          detail::AutoCheckpoint::after_epoch(*this);
           return nullptr;
         }
         if (batch->idle) {
@@ -339,6 +340,7 @@ class Trainer {
       const detail::FlagScope running(in_on_step_);
       on_step_(s);
     }
+    detail::AutoCheckpoint::after_step(*this, s.verdict == StepVerdict::apply);
     guard_.record_versions(reducer_->parameters());
   }
 
@@ -401,6 +403,7 @@ class Trainer {
 
   friend struct detail::TrainerRecovery;
   friend struct detail::LoopExit;
+  friend struct detail::AutoCheckpoint;
 
   AccumulatorOptions accumulator_options() const {
     return {.micro_batches_per_step = 0, .local_samples_per_step = 0, .loss_scaling = options_.loss_scaling};
@@ -431,7 +434,8 @@ class Trainer {
   int64_t steps_ = 0;
   int64_t skipped_ = 0;
   int64_t arrivals_seen_ = 0;
-  detail::ElasticProgress elastic_;  // where a recovery from a rank's death starts (trainer_recovery.hpp)
+  detail::ElasticProgress elastic_;
+  detail::AutoCheckpointState auto_;  // where a recovery from a rank's death starts (trainer_recovery.hpp)
   bool backward_done_ = false;
   bool loop_open_ = false;   // an epoch loop is running (epoch() until next_batch returns nullptr)
   bool stop_ = false;        // stop() was called
@@ -440,3 +444,7 @@ class Trainer {
 };
 
 }  // namespace loom
+
+// TrainerOptions::checkpoint saves and loads through loom::save_checkpoint / load_checkpoint, which
+// need the Trainer's definition above.
+#include <loom/train/checkpoint.hpp>  // IWYU pragma: export

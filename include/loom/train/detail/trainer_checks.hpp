@@ -123,6 +123,12 @@ inline void check_trainer_options(const TrainerOptions& options) {
         "so the gradient would depend on batch sizes and the world size; leave it at samples (for another rule, "
         "use loom::Reducer and loom::Accumulator directly)",
         to_string(options.reducer.average)));
+  if (options.checkpoint && options.checkpoint->file.empty())
+    throw InvalidArgument("Trainer: TrainerOptions::checkpoint has an empty file name; name the checkpoint file");
+  if (options.checkpoint && options.checkpoint->every_steps < 0)
+    throw InvalidArgument(
+        fmt::format("Trainer: TrainerOptions::checkpoint.every_steps = {} (need >= 0; 0: epoch ends only)",
+                    options.checkpoint->every_steps));
 }
 
 /// The optimizer updates exactly the model's trainable parameters (frozen ones may be in it too).
