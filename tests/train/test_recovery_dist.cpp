@@ -277,7 +277,7 @@ TEST_SUITE("dist") {
 
   TEST_CASE("below the minimum: every survivor ends with a loom error naming who died") {
     loom::test::TempDir dir("loom-recovery-min");
-    Run run{.min_ranks = 3, .kills = {{1, Moment::forward, 0, 2}}};
+    Run run{.min_ranks = 3, .kills = {{1, Moment::forward, 0, 2}}, .checkpoint_every = 1};
     try {
       train(run, dir.path);
       FAIL("the run should have failed");
@@ -293,6 +293,8 @@ TEST_SUITE("dist") {
         CHECK(f.kind == loom::RankFailure::Kind::exception);
         CHECK(f.message.find("launch rank(s) 1 died") != std::string::npos);
         CHECK(f.message.find("fewer than ElasticOptions::min_ranks = 3") != std::string::npos);
+        CHECK(f.message.find(fmt::format("this Trainer's last checkpoint: {}", (dir.path / "auto.ckpt").string())) !=
+              std::string::npos);
         ++survivors_failed;
       }
       CHECK(survivors_failed == 2);

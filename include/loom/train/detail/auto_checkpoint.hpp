@@ -43,8 +43,8 @@ struct AutoCheckpoint {
     t.auto_.skipping = false;
     if (!t.options_.checkpoint) return false;
     using Opt = std::remove_reference_t<decltype(*t.optimizer_)>;
-    constexpr bool serializable = requires(Opt& o, torch::serialize::OutputArchive& out,
-                                           torch::serialize::InputArchive& in) {
+    constexpr bool serializable =
+        requires(Opt & o, torch::serialize::OutputArchive & out, torch::serialize::InputArchive & in) {
       o.save(out);
       o.load(in);
     };

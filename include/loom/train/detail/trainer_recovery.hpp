@@ -75,6 +75,13 @@ struct TrainerRecovery {
         Recovery r;
         try {
           r = t.comm_->recover(t.elastic_.boundaries, cause);
+        } catch (const CommError& failed) {
+          t.broken_ = "the job could not go on after a rank died";
+          if (!t.options_.checkpoint) throw;
+          throw CommError(
+              fmt::format("{}; this Trainer's last checkpoint: {} (TrainerOptions::checkpoint: a rerun "
+                          "resumes from it)",
+                          failed.what(), t.options_.checkpoint->file.string()));
         } catch (...) {
           t.broken_ = "the job could not go on after a rank died";
           throw;
