@@ -28,6 +28,7 @@
 
 #include <loom/dist/run.hpp>
 #include <loom/train/checkpoint.hpp>
+#include <loom/train/evaluate.hpp>
 
 #include "support/temp_dir.hpp"
 #include "trainer_fixture.hpp"
@@ -40,7 +41,7 @@ namespace {
 
 /// Where a rank kills itself: the first time it reaches `moment` in step `step` or later of `epoch`.
 struct Kill {
-  enum class Moment { forward, all_reduce, optimizer_step, checkpoint };
+  enum class Moment { forward, all_reduce, optimizer_step, checkpoint, evaluation };
   int victim = -1;  ///< launch rank
   Moment moment = Moment::forward;
   int64_t epoch = 0;
@@ -56,6 +57,7 @@ struct Run {
   bool elastic = true;
   int64_t checkpoint_every = 0;  // > 0: TrainerOptions::checkpoint in the run's folder, every N steps
   int attempt = 0;               // a rerun of the same job logs its batches as attempt 1
+  bool evaluate = false;         // loom::evaluate over the training set after each epoch
 };
 
 // 3 batches of at most 2 samples per step (5 steps an epoch): every rank of 3 has a batch in most steps.
@@ -112,6 +114,14 @@ void train(const Run& run, const fs::path& dir) {
               arm_all_reduce = arm_all_reduce || (b.step_end && reached(k, me, Kill::Moment::all_reduce, epoch, step));
             trainer.backward(loom::test::mean_loss(model, b), b);
             arm_all_reduce = false;
+          }
+          if (run.evaluate) {
+            loom::BatchLoader val(pg, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                  {.shuffle = false, .max_samples = 4, .batches_per_step = 3});
+            (void)loom::evaluate(pg, val, [&](loom::Batch& b) {
+              check_kill(Kill::Moment::evaluation, epoch, 0);
+              return model.forward(b.data.mean(1));
+            });
           }
         }
         std::fclose(log);
@@ -273,6 +283,28 @@ TEST_SUITE("dist") {
       CAPTURE(r);
       CHECK(loom::test::read_values((dir.path / fmt::format("params-{}.txt", r)).string()) == reference);
     }
+  }
+
+  TEST_CASE("a rank killed in loom::evaluate (outside the Trainer): the others end with a loom error, none hangs") {
+    loom::test::TempDir dir("loom-recovery-eval");
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      train({.kills = {{2, Moment::evaluation, 0, 0}}, .evaluate = true}, dir.path);
+      FAIL("the run should have failed");
+    } catch (const loom::SpawnError& e) {
+      CAPTURE(e.what());
+      for (const auto& f : e.failures()) {
+        if (f.rank == 2) {
+          CHECK(f.kind == loom::RankFailure::Kind::signal);
+          continue;
+        }
+        CHECK(f.kind == loom::RankFailure::Kind::exception);
+        CHECK(f.message.find("loom::CommError") != std::string::npos);
+        // The peer named is rank 2, or a survivor whose own failure closed its connections first.
+        CHECK(f.message.find("closed its connection") != std::string::npos);
+      }
+    }
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
   }
 
   TEST_CASE("below the minimum: every survivor ends with a loom error naming who died") {
