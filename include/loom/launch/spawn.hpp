@@ -58,6 +58,7 @@
 #include <fmt/format.h>
 
 #include <loom/error.hpp>
+#include <loom/launch/detail/spawn_child.hpp>
 #include <loom/launch/detail/spawn_posix.hpp>
 #include <loom/launch/environment.hpp>
 #include <loom/launch/spawn_options.hpp>
