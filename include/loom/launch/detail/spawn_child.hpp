@@ -1,5 +1,6 @@
 // loom/launch/detail/spawn_child.hpp — the side of a process loom::spawn forks: its variables
-// (torchrun's, the job secret, the listening MASTER_PORT socket), its signals and parent-death signal, the rank function's run, how it reports
+// (torchrun's, the job secret, the listening MASTER_PORT socket, the store's host with
+// SpawnOptions::elastic), its signals and parent-death signal, the rank function's run, how it reports
 // to the parent (a pipe) and how it ends (_exit). Not a public header: loom/launch/spawn.hpp is.
 //
 // Example: in a forked child, `detail::prepare_child(rank, n, port, secret, options, parent, -1);`
@@ -68,12 +69,19 @@ inline std::string read_all(int fd) {
 }
 
 /// The variable that tells rank 0's rendezvous which inherited descriptor is the listening MASTER_PORT
-/// socket spawn reserved (loom/launch/rendezvous.hpp takes it over once; other processes never see it).
+/// socket spawn reserved (loom/launch/rendezvous.hpp takes it over once; other processes never see it;
+/// with SpawnOptions::elastic no rank gets it: spawn's store process takes the socket over instead).
 inline constexpr const char* kMasterListenFdVariable = "LOOM_MASTER_LISTEN_FD";
 
+/// The variable that tells the ranks of an elastic spawn (SpawnOptions::elastic) that spawn's store
+/// process hosts the store, so every rank is a client (Environment::external_store).
+inline constexpr const char* kStoreHostVariable = "LOOM_STORE_HOST";
+
 /// Sets torchrun's variables (and SpawnOptions::env) in a freshly forked child, and its thread count.
-/// `listen_fd` >= 0 (rank 0 only): the reserved MASTER_PORT socket, kept open across exec and named
-/// in LOOM_MASTER_LISTEN_FD; otherwise that variable is removed.
+/// `listen_fd` >= 0 (rank 0 without SpawnOptions::elastic; the store process is handed the socket
+/// directly): the reserved MASTER_PORT socket, kept open across exec and named in
+/// LOOM_MASTER_LISTEN_FD; otherwise that variable is removed. With SpawnOptions::elastic,
+/// LOOM_STORE_HOST=spawn; otherwise it is removed.
 inline void prepare_child(int rank, int nprocs, std::uint16_t port, const std::string& secret,
                           const SpawnOptions& options, pid_t parent, int listen_fd) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -112,6 +120,10 @@ inline void prepare_child(int rank, int nprocs, std::uint16_t port, const std::s
   } else {
     ::unsetenv(kMasterListenFdVariable);
   }
+  if (options.elastic)
+    set(kStoreHostVariable, "spawn");
+  else
+    ::unsetenv(kStoreHostVariable);
   if (options.threads_per_rank > 0) set("OMP_NUM_THREADS", std::to_string(options.threads_per_rank));
   for (const auto& [k, v] : options.env) set(k, v);
 }

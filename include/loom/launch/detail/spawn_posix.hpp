@@ -1,7 +1,8 @@
 // loom/launch/detail/spawn_posix.hpp — spawn's machinery on POSIX, the parent's side: the reserved
 // MASTER_PORT, the job secret, forking the ranks (what each child does first is in spawn_child.hpp),
-// and supervising them (grace, SIGTERM, SIGKILL, the whole-job timeout) and reporting how they
-// ended. Not a public header: loom/launch/spawn.hpp is.
+// the store process with SpawnOptions::elastic (store_process.hpp), and supervising the ranks (grace,
+// SIGTERM, SIGKILL, the whole-job timeout; with elastic, waiting for every rank) and reporting how
+// they ended. Not a public header: loom/launch/spawn.hpp is.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <fcntl.h>
 #include <iostream>
 #include <netinet/in.h>
+#include <optional>
 #include <signal.h>
 #include <string>
 #include <sys/random.h>
@@ -31,6 +33,7 @@
 #include <loom/detail/torch_api.hpp>
 #include <loom/error.hpp>
 #include <loom/launch/detail/spawn_child.hpp>
+#include <loom/launch/detail/store_process.hpp>
 #include <loom/launch/spawn_options.hpp>
 
 namespace loom {
@@ -39,8 +42,8 @@ namespace detail {
 
 /// Binds an IPv4 TCP socket to a free port on every interface with SO_REUSEADDR (bound, not
 /// listening), so no other process's ephemeral port search picks the port. spawn keeps it while the
-/// ranks are forked and then either hands it to rank 0's store (LibTorch 2.x) or closes it (see
-/// run_ranks). Returns {fd, port}.
+/// ranks are forked and then either hands it to the store's host (rank 0, or the store process with
+/// SpawnOptions::elastic; LibTorch 2.x) or closes it (see run_ranks). Returns {fd, port}.
 inline std::pair<int, std::uint16_t> reserve_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw Error(fmt::format("spawn: socket() failed: {}", std::strerror(errno)));
@@ -75,8 +78,23 @@ inline std::string random_job_secret() {
   return out;
 }
 
+/// With SpawnOptions::elastic, after every rank ended (no timeout): throws SpawnError when a rank threw,
+/// exited non-zero or was terminated, or when no rank succeeded; otherwise prints one line per rank a
+/// signal killed ("loom: spawn: rank 1 was killed by signal SIGKILL (9); the other ranks went on
+/// (elastic)") to stderr and returns.
+inline void report_elastic_outcome(int nprocs, std::vector<RankFailure> failures) {
+  const bool only_signals = std::all_of(failures.begin(), failures.end(),
+                                        [](const RankFailure& f) { return f.kind == RankFailure::Kind::signal; });
+  if (!only_signals || failures.size() >= static_cast<std::size_t>(nprocs))
+    throw SpawnError(nprocs, std::move(failures));
+  for (const auto& f : failures)
+    std::fprintf(stderr, "loom: spawn: %s; the other ranks went on (elastic)\n", f.describe().c_str());
+  std::fflush(stderr);
+}
+
 /// Forks nprocs children, runs `child(rank, message_fd)` (which must not return) in each after
-/// prepare_child, and supervises them (see spawn's failure handling). Throws SpawnError/TimeoutError.
+/// prepare_child, and supervises them (see spawn's failure handling). With SpawnOptions::elastic, the
+/// store process is forked first and ended last. Throws SpawnError/TimeoutError.
 template <class Child>
 void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
   if (nprocs < 1) throw InvalidArgument(fmt::format("spawn: nprocs = {} (need >= 1)", nprocs));
@@ -87,11 +105,12 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
   int reserved_fd = -1;
   std::uint16_t port = options.master_port;
   if (port == 0) std::tie(reserved_fd, port) = reserve_port();
-  // LibTorch 2.x: the reserved socket starts listening here and rank 0's store takes it over
-  // (TCPStoreOptions::masterListenFd), so the port is never free between reservation and the store,
-  // and a rank that connects before rank 0's store runs waits in the socket's backlog instead of being
-  // refused. IPv4 masters only (the socket is IPv4). LibTorch 1.13 cannot take a socket over: the
-  // port is released once every rank is forked and rank 0 binds it again.
+  // LibTorch 2.x: the reserved socket starts listening here and the store's host (rank 0, or the
+  // store process with elastic) takes it over (TCPStoreOptions::masterListenFd), so the port is never
+  // free between reservation and the store, and a rank that connects before the store runs waits in
+  // the socket's backlog instead of being refused. IPv4 masters only (the socket is IPv4). LibTorch
+  // 1.13 cannot take a socket over: the store's host binds the port next to the reservation
+  // (SO_REUSEADDR on both, neither listening), which the parent closes once the host is started.
   in_addr ipv4{};
   const bool hand_over = reserved_fd >= 0 && kStoreTakesListenFd &&
                          ::inet_pton(AF_INET, options.master_addr.c_str(), &ipv4) == 1 &&
@@ -102,6 +121,21 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
   std::fflush(nullptr);  // nothing buffered in the parent is printed twice by the children
 
   const pid_t parent = ::getpid();
+  // Elastic: the store process first, forked while this process has started nothing else of the job;
+  // it serves once constructed, holds the port from then on, and is ended on every way out of here.
+  std::optional<StoreProcess> store;
+  if (options.elastic) {
+    try {
+      store.emplace(nprocs, port, secret, options, parent, reserved_fd, hand_over);
+    } catch (...) {
+      if (reserved_fd >= 0) ::close(reserved_fd);
+      throw;
+    }
+    if (reserved_fd >= 0) {
+      ::close(reserved_fd);  // the store process holds the port now
+      reserved_fd = -1;
+    }
+  }
   std::vector<pid_t> pids(static_cast<std::size_t>(nprocs), -1);
   std::vector<int> fds(static_cast<std::size_t>(nprocs), -1);
   auto abandon = [&](const std::string& what) {
@@ -112,6 +146,7 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
     for (int fd : fds)
       if (fd >= 0) ::close(fd);
     if (reserved_fd >= 0) ::close(reserved_fd);
+    if (store) store->end();
     throw Error(what);
   };
   for (int r = 0; r < nprocs; ++r) {
@@ -128,10 +163,14 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
       ::close(pipefd[0]);
       for (int fd : fds)
         if (fd >= 0) ::close(fd);
-      const bool keep = hand_over && r == 0;
+      const bool keep = hand_over && r == 0 && !options.elastic;
       if (reserved_fd >= 0 && !keep) ::close(reserved_fd);
-      prepare_child(r, nprocs, port, secret, options, parent, keep ? reserved_fd : -1);
-      child(r, pipefd[1]);
+      try {
+        prepare_child(r, nprocs, port, secret, options, parent, keep ? reserved_fd : -1);
+        child(r, pipefd[1]);
+      } catch (...) {
+        // Never unwinds into this copy of spawn's frame (whose store process is the parent's).
+      }
       finish_child(pipefd[1], 112);  // child() must not return
     }
     ::close(pipefd[1]);
@@ -139,7 +178,8 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
     fds[static_cast<std::size_t>(r)] = pipefd[0];
   }
   // Every rank is started: the parent's copy of the reserved socket goes (rank 0 holds the listening
-  // socket when it was handed over; otherwise the port is free for rank 0's store to bind).
+  // socket when it was handed over; otherwise the port is free for rank 0's store to bind). With
+  // elastic it went when the store process started.
   if (reserved_fd >= 0) {
     ::close(reserved_fd);
     reserved_fd = -1;
@@ -200,9 +240,16 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
       }
       if (failed) {
         failures.push_back(std::move(f));
-        if (first_failure == clock::time_point{}) first_failure = clock::now();
+        // Elastic: a failure starts no grace period; the others go on until they end.
+        if (!options.elastic && first_failure == clock::time_point{}) first_failure = clock::now();
       }
     }
+    if (store)
+      if (auto how = store->ended_early()) {
+        std::fprintf(stderr, "loom: spawn: the store process %s while %d of %d ranks were running (elastic)\n",
+                     how->c_str(), alive, nprocs);
+        std::fflush(stderr);
+      }
     if (alive == 0) break;
     const auto now = clock::now();
     if (!timed_out && options.timeout.count() > 0 && now - start > options.timeout && !terminating) {
@@ -225,6 +272,7 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
   if (reserved_fd >= 0) ::close(reserved_fd);
   for (int fd : fds)
     if (fd >= 0) ::close(fd);
+  if (store) store->end();
 
   // Report the cause first: failures in the order seen, ranks spawn terminated last.
   std::stable_partition(failures.begin(), failures.end(),
@@ -241,7 +289,10 @@ void run_ranks(int nprocs, const SpawnOptions& options, Child&& child) {
             fmt::join(still, ", "), nprocs, options.timeout.count() / 1000.0,
             failures.size() > still.size() ? std::string("; ") + SpawnError(nprocs, failures).what() : std::string()));
   }
-  if (!failures.empty()) throw SpawnError(nprocs, std::move(failures));
+  if (options.elastic)
+    report_elastic_outcome(nprocs, std::move(failures));
+  else if (!failures.empty())
+    throw SpawnError(nprocs, std::move(failures));
 }
 
 }  // namespace detail
