@@ -118,6 +118,19 @@ TEST_CASE("Environment: torchrun agent store variables") {
   CHECK_FALSE(Environment::from_map(with(torchrun("0", "2"), "TORCHELASTIC_USE_AGENT_STORE", "False")).use_agent_store);
 }
 
+TEST_CASE("Environment: LOOM_STORE_HOST=spawn (an elastic spawn) is read under loom::spawn only") {
+  const Vars spawned = with(torchrun("0", "2"), "LOOM_LAUNCHER", "spawn:29400");
+  CHECK_FALSE(Environment::from_map(spawned).external_store);
+  CHECK(Environment::from_map(with(spawned, "LOOM_STORE_HOST", "spawn")).external_store);
+  CHECK_FALSE(Environment::from_map(with(spawned, "LOOM_STORE_HOST", "")).external_store);
+  // Inherited from an outer spawned job (the mark names another port, or there is none): ignored.
+  CHECK_FALSE(
+      Environment::from_map(with(with(torchrun("0", "2"), "LOOM_LAUNCHER", "spawn:29401"), "LOOM_STORE_HOST", "spawn"))
+          .external_store);
+  CHECK_FALSE(Environment::from_map(with(torchrun("0", "2"), "LOOM_STORE_HOST", "spawn")).external_store);
+  CHECK_FALSE(Environment::from_map({{"LOOM_STORE_HOST", "spawn"}}).external_store);
+}
+
 TEST_CASE("Environment: the job's rendezvous secret, whatever the launcher") {
   CHECK(Environment::from_map(torchrun("0", "2")).rendezvous_secret.empty());
   CHECK(Environment::from_map(with(torchrun("0", "2"), "LOOM_RENDEZVOUS_SECRET", "9f3a")).rendezvous_secret == "9f3a");
@@ -211,6 +224,11 @@ TEST_CASE("Environment: every bad value is a ConfigError naming the variable and
   bad(with(torchrun("0", "2"), "LOOM_LAUNCHER", "spawn:29x"), "LOOM_LAUNCHER='spawn:29x' is not what loom::spawn sets");
   bad(with(torchrun("0", "2"), "LOOM_LAUNCHER", "spawn:1234567"),
       "LOOM_LAUNCHER='spawn:1234567' is not what loom::spawn sets");
+  bad(with(torchrun("0", "2"), "LOOM_STORE_HOST", "rank0"),
+      "LOOM_STORE_HOST='rank0' is not what loom::spawn sets ('spawn')");
+  bad(with(with(with(torchrun("0", "2"), "LOOM_LAUNCHER", "spawn:29400"), "LOOM_STORE_HOST", "spawn"),
+           "TORCHELASTIC_USE_AGENT_STORE", "True"),
+      "LOOM_STORE_HOST=spawn and TORCHELASTIC_USE_AGENT_STORE=True both name the store's host");
   bad({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, "OMPI_COMM_WORLD_RANK='x' is not an integer");
   bad({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
       "OMPI_COMM_WORLD_RANK=2 is not below OMPI_COMM_WORLD_SIZE=2");

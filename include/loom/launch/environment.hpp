@@ -24,12 +24,16 @@
 //   4. None of them: a single process (rank 0 of 1, master 127.0.0.1:29500).
 // Whatever the launcher: LOOM_RENDEZVOUS_SECRET, the job's secret for the rendezvous store (see
 // loom/launch/rendezvous.hpp; loom::spawn sets a fresh one for its ranks).
+// Under loom::spawn only (LOOM_LAUNCHER names this MASTER_PORT): LOOM_STORE_HOST=spawn, set by an
+// elastic spawn (SpawnOptions::elastic), says spawn's store process hosts the store
+// (Environment::external_store); elsewhere it is ignored, like a mark inherited from an outer job.
 //
 // Throws: loom::ConfigError for a non-integer or negative number, RANK >= WORLD_SIZE, WORLD_SIZE < 1,
 //         LOCAL_RANK >= LOCAL_WORLD_SIZE, a port outside [1, 65535], MASTER_ADDR missing or empty
 //         when WORLD_SIZE > 1, a rank variable without its size variable, a LOOM_LAUNCHER beside
-//         RANK that is neither empty nor "spawn:<port>". The message names the variable and the
-//         value, e.g. "loom: RANK='abc' is not an integer".
+//         RANK that is neither empty nor "spawn:<port>", a LOOM_STORE_HOST beside RANK that is neither
+//         empty nor "spawn", LOOM_STORE_HOST=spawn beside TORCHELASTIC_USE_AGENT_STORE=True. The
+//         message names the variable and the value, e.g. "loom: RANK='abc' is not an integer".
 //
 // Source: variable names and meanings as documented for torchrun (torch.distributed.run), Open MPI
 // (mpirun(1), "OMPI_COMM_WORLD_*") and Slurm (srun(1), "OUTPUT ENVIRONMENT VARIABLES").
@@ -97,6 +101,9 @@ struct Environment {
   int restart_count = 0;  ///< TORCHELASTIC_RESTART_COUNT (prefix /worker/attempt_<n> of torchrun's keys)
   std::string
       rendezvous_secret{};  ///< LOOM_RENDEZVOUS_SECRET: loom's store keys live under it; empty = none (a warning)
+  /// LOOM_STORE_HOST=spawn (an elastic loom::spawn, SpawnOptions::elastic): spawn's store process hosts
+  /// the store, so every rank, rank 0 included, is a client of it (loom/launch/rendezvous.hpp).
+  bool external_store = false;
 
   /// True when more than one process takes part.
   [[nodiscard]] bool is_distributed() const noexcept { return world_size > 1; }
@@ -288,6 +295,18 @@ inline Environment Environment::from_lookup(const std::function<std::optional<st
     } else {
       throw ConfigError(fmt::format("TORCHELASTIC_USE_AGENT_STORE='{}' is not True or False", *agent));
     }
+  }
+  // An elastic spawn's "LOOM_STORE_HOST=spawn": read only where the LOOM_LAUNCHER mark names this
+  // job's MASTER_PORT (so a variable inherited from an outer spawned job is ignored), checked beside RANK.
+  if (auto host = get("LOOM_STORE_HOST");
+      host && !host->empty() && (env.launcher == Launcher::torchrun || env.launcher == Launcher::spawn)) {
+    if (*host != "spawn")
+      throw ConfigError(fmt::format("LOOM_STORE_HOST='{}' is not what loom::spawn sets ('spawn')", *host));
+    env.external_store = env.launcher == Launcher::spawn;
+    if (env.external_store && env.use_agent_store)
+      throw ConfigError(
+          "LOOM_STORE_HOST=spawn and TORCHELASTIC_USE_AGENT_STORE=True both name the store's host (spawn's store "
+          "process, torchrun's agent); set one");
   }
   if (auto rc = get("TORCHELASTIC_RESTART_COUNT"))
     env.restart_count = detail::parse_env_count("TORCHELASTIC_RESTART_COUNT", *rc, 0);

@@ -9,22 +9,27 @@
 //   auto store = loom::rendezvous(env, {.timeout = std::chrono::seconds(30)});
 //   loom::GlooCommunicator comm(store, env.rank, env.world_size);
 //
-// Two modes, chosen from the environment:
+// Three modes, chosen from the environment:
 //   - default: rank 0 hosts a TCPStore on MASTER_ADDR:MASTER_PORT (listening on every interface);
 //     the other ranks connect to it as clients. Under loom::spawn with LibTorch 2.x rank 0 hosts it
 //     on the listening socket spawn reserved the port with (LOOM_MASTER_LISTEN_FD), taken over once
 //     per process; a client that connects before the store runs waits in that socket's backlog.
+//   - spawn's store process (Environment::external_store, LOOM_STORE_HOST=spawn, set by
+//     loom::spawn with SpawnOptions::elastic): a process of spawn's hosts the store, so it outlives
+//     every rank (rank 0 may die and the others still use it); every rank, rank 0 included, is a
+//     client, with the same identity check, check-in and keys (under the job's secret) as the default.
 //   - torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True, torchrun's default rendezvous):
 //     the torchrun agent already hosts the store at MASTER_ADDR:MASTER_PORT, so every rank, rank 0
 //     included, is a client; keys live under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", the
 //     prefix torchrun's own workers use, so each restart attempt starts from fresh keys.
-//   - world size 1 without an agent: an in-memory c10d HashStore, no port is opened.
-// The rank 0 that hosts the store writes whose it is under the unprefixed key "loom/store" (a tag of
-// the job's secret, its world size, its host:pid); a client reads it before checking in, so a store
-// of another job on MASTER_PORT is named as such at once. The client's connect and that read run on
-// a helper thread bounded by the timeout: c10d's first request to a server that accepts and never
-// answers waits far past it. A rank 0 that cannot listen on MASTER_PORT reads the same key there to
-// say whose store holds the port (another job's, or this job's: a second process with RANK=0).
+//   - world size 1 without an agent or store process: an in-memory c10d HashStore, no port is opened.
+// The rank 0 (or store process) that hosts the store writes whose it is under the unprefixed key
+// "loom/store" (a tag of the job's secret, its world size, its host:pid); a client reads it before
+// checking in, so a store of another job on MASTER_PORT is named as such at once. The client's
+// connect and that read run on a helper thread bounded by the timeout: c10d's first request to a
+// server that accepts and never answers waits far past it. A rank 0 that cannot listen on
+// MASTER_PORT reads the same key there to say whose store holds the port (another job's, or this
+// job's: a second process with RANK=0).
 // Then every rank checks in ("loom/rdzv/<n>/..." keys, n counting the rendezvous of this process):
 // it claims its rank (a second claimant is named), compares its world size with the first one
 // posted (a disagreement is named, with both ranks' values), and counts itself; the call returns on
@@ -89,7 +94,8 @@ struct RendezvousOptions {
   std::chrono::milliseconds timeout = kDefaultTimeout;  ///< bound on connect + check-in
 };
 
-/// Connects to (rank 0: hosts) the job's TCPStore and waits for all ranks; see the header comment.
+/// Connects to (rank 0: hosts, unless spawn's store process or torchrun's agent does) the job's
+/// TCPStore and waits for all ranks; see the header comment.
 ///
 /// Example: `auto store = loom::rendezvous(loom::Environment::from_env());`
 /// Units: `options.timeout` bounds the whole call.
@@ -98,14 +104,17 @@ struct RendezvousOptions {
 ///         or a RANK claimed twice; loom::CommError if rank 0 cannot listen on MASTER_PORT or the port
 ///         is held by another job's store (see the header comment).
 /// Source: torch.distributed env:// (rank 0 is the TCPStore server) and torchrun's agent store.
+/// Example (elastic): under `loom::spawn(3, fn, {.elastic = true})` every rank's
+///          `loom::rendezvous(env)` is a client of spawn's store process (env.external_store).
 inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, RendezvousOptions options = {}) {
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
     throw InvalidArgument(fmt::format("rendezvous: rank {} is outside [0, world size {})", env.rank, env.world_size));
-  // One process and no torchrun agent: nobody to meet, so no TCP port is taken (two single-process
-  // runs on one machine never collide on MASTER_PORT); an in-memory store serves the same API.
-  if (env.world_size == 1 && !env.use_agent_store) return c10::make_intrusive<c10d::HashStore>();
+  // One process and no store hosted elsewhere (torchrun's agent, spawn's store process): nobody to
+  // meet, so no TCP port is taken (two single-process runs on one machine never collide on
+  // MASTER_PORT); an in-memory store serves the same API.
+  if (env.world_size == 1 && !env.use_agent_store && !env.external_store) return c10::make_intrusive<c10d::HashStore>();
   const auto start = std::chrono::steady_clock::now();
-  const bool host = env.rank == 0 && !env.use_agent_store;
+  const bool host = env.rank == 0 && !env.use_agent_store && !env.external_store;
 
   c10d::TCPStoreOptions opts;
   opts.port = env.master_port;
@@ -123,7 +132,9 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
   }
   c10::intrusive_ptr<c10d::Store> store;
   const std::string where = fmt::format("{}:{}", env.master_addr, env.master_port);
-  const std::string hosted_by = env.use_agent_store ? " hosted by torchrun's agent" : " hosted by rank 0";
+  const std::string hosted_by = env.use_agent_store  ? " hosted by torchrun's agent"
+                                : env.external_store ? " hosted by spawn's store process"
+                                                     : " hosted by rank 0";
   const std::string tag = detail::job_tag(env.rendezvous_secret);
   // A client first waits, with a plain connect timed to the millisecond, until the store's port
   // answers, then lets c10d connect (an attempt gets the whole seconds left, at least 1 s), and tries
@@ -149,7 +160,8 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
   auto check_identity = [&](const detail::StoreContact& c) -> std::string {
     const auto id = detail::parse_store_identity(c.identity);
     if (!id)
-      return fmt::format("{} answers as a store, but not as one hosted by a loom rank 0 ('{}')", where, c.identity);
+      return fmt::format("{} answers as a store, but not as one hosted by {} ('{}')", where,
+                         env.external_store ? "loom::spawn's store process" : "a loom rank 0", c.identity);
     if (id->tag != tag) return other_job(*id);
     return {};
   };
@@ -181,10 +193,12 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(const Environment& env, Rendez
                         "listens on MASTER_PORT is not a c10d store (another program holds the port?)",
                         where));
       if (contact.outcome == Outcome::anonymous)
-        throw TimeoutError("rendezvous", env.rank, detail::seconds_since(start),
-                           fmt::format("the store at {} never said whose it is (no rank 0 of a loom job wrote its "
-                                       "identity there within the timeout{}{})",
-                                       where, contact.error.empty() ? "" : ": ", contact.error));
+        throw TimeoutError(
+            "rendezvous", env.rank, detail::seconds_since(start),
+            fmt::format("the store at {} never said whose it is (no {} wrote its identity there "
+                        "within the timeout{}{})",
+                        where, env.external_store ? "store process of a loom::spawn" : "rank 0 of a loom job",
+                        contact.error.empty() ? "" : ": ", contact.error));
       if (contact.outcome == Outcome::failed) throw std::runtime_error(contact.error);
       if (!env.use_agent_store)
         if (auto wrong = check_identity(contact); !wrong.empty()) throw CommError("rendezvous: " + wrong);

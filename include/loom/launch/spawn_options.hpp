@@ -28,16 +28,21 @@ namespace loom {
 
 /// Options of spawn(); use with designated initializers.
 ///
-/// Example: `loom::spawn(3, fn, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(5)})`.
+/// Example: `loom::spawn(3, fn, {.timeout = std::chrono::seconds(60), .grace = std::chrono::seconds(5)})`;
+///          `loom::spawn(3, fn, {.elastic = true})` (ranks that may die while the others go on).
 /// Units: durations are wall-clock; threads_per_rank counts intra-op threads.
 struct SpawnOptions {
   std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 = none
   std::chrono::milliseconds grace{5000};       ///< after the first failure: how long the others may run before SIGTERM
+                                               ///< (not with `elastic`, where they run until they end)
   std::chrono::milliseconds kill_after{2000};  ///< after SIGTERM: how long before SIGKILL
   int threads_per_rank = 1;                  ///< at::set_num_threads in each child; 0 = leave unchanged (see fork rule)
   std::string master_addr = "127.0.0.1";     ///< MASTER_ADDR given to the children
   std::uint16_t master_port = 0;             ///< MASTER_PORT; 0 = a free port spawn picks (held while forking)
   std::map<std::string, std::string> env{};  ///< extra variables for every child, set last (may override loom's)
+  /// The store lives in a process of spawn's (not rank 0) and a rank's death does not end the job:
+  /// no grace period, spawn waits for every rank (see loom/launch/spawn.hpp, "Elastic").
+  bool elastic = false;
 };
 
 /// How one spawned rank failed.
