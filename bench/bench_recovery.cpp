@@ -38,7 +38,7 @@ namespace fs = std::filesystem;
 
 constexpr int kRanks = 3;
 constexpr int kVictim = 1;
-constexpr int64_t kKillAt = 6;          // committed steps when the victim dies
+constexpr int64_t kKillAt = 6;           // committed steps when the victim dies
 constexpr int64_t kCheckpointEvery = 4;  // the restart's checkpoints
 constexpr int64_t kSamples = 600;
 
@@ -88,7 +88,8 @@ void run_job(const Job& job, const fs::path& dir) {
         std::ofstream times(dir / fmt::format("steps-{}-{}.txt", pg.launch_rank(), job.resume ? "b" : "a"));
         trainer.on_step([&](const loom::SyncResult&) {
           times << trainer.steps() << " " << fmt::format("{:.6f}", now_s()) << std::endl;
-          if (!job.elastic && trainer.steps() % kCheckpointEvery == 0) loom::save_checkpoint(checkpoint, trainer, loader);
+          if (!job.elastic && trainer.steps() % kCheckpointEvery == 0)
+            loom::save_checkpoint(checkpoint, trainer, loader);
         });
         for (int64_t e = first_epoch; e < 2; ++e)
           for (loom::Batch& b : trainer.epoch(loader, e)) {

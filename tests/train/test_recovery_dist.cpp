@@ -255,6 +255,9 @@ TEST_SUITE("dist") {
     SUBCASE("rank 1 in the optimizer step, epoch 1 step 3") {
       check_recovered({.kills = {{1, Moment::optimizer_step, 1, 3}}});
     }
+    SUBCASE("rank 0 (the store is spawn's) in the all-reduce, step 2") {
+      check_recovered({.kills = {{0, Moment::all_reduce, 0, 2}}});
+    }
     SUBCASE("rank 2 before a checkpoint save, step 3") {
       check_recovered({.kills = {{2, Moment::checkpoint, 0, 3}}});
     }

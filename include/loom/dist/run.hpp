@@ -37,7 +37,8 @@ namespace loom {
 struct RunOptions {
   int nproc = 1;                ///< local ranks to spawn when no launcher variables are set
   ProcessGroupOptions group{};  ///< backend and timeout of each rank's ProcessGroup
-  SpawnOptions spawn{};         ///< supervision of spawned ranks (timeout, grace, environment)
+  SpawnOptions spawn{};         ///< supervision of spawned ranks (timeout, grace, environment);
+                                ///< with group.elastic, spawn.elastic is set (the store in spawn's process)
 };
 
 /// Runs `fn(ProcessGroup&)` as this process's rank, or as `options.nproc` spawned local ranks.
@@ -55,13 +56,16 @@ void run(F&& fn, const RunOptions& options = {}) {
     fn(group);
     return;
   }
+  SpawnOptions spawning = options.spawn;
+  // An elastic group needs a store that outlives every rank, and ranks whose death ends nothing.
+  if (options.group.elastic) spawning.elastic = true;
   spawn(
       options.nproc,
       [&](const Environment& rank_env) {
         ProcessGroup group(rank_env, options.group);
         fn(group);
       },
-      options.spawn);
+      spawning);
 }
 
 }  // namespace loom
