@@ -56,7 +56,7 @@ else
            tests/train/test_train tests/train/test_train_dist tests/schedule/test_schedule
            tests/schedule/test_schedule_rank)
   suites=(comm launch trace trace-dist log collate sample sample_dist reduce reduce-dist accumulate accumulate-dist train train-dist
-          schedule schedule_rank)
+          recovery-dist schedule schedule_rank)
   multiplier=${LOOM_SANITIZE_TIMEOUT_MULTIPLIER:-4}
 fi
 

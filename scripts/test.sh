@@ -107,7 +107,7 @@ case "${LOOM_TEST_DEBIAN:-multirank}" in
     ;;
   multirank)
     suites=(launch trace-dist comm comm_mpirun comm_gloo_symbols dist_two_hosts log sample_dist accumulate-dist
-            reduce-dist train-dist schedule_rank)
+            reduce-dist train-dist recovery-dist schedule_rank)
     targets=(tests/launch/test_launch tests/trace/test_trace tests/comm/test_comm tests/comm/test_mpirun
              tests/dist/test_two_hosts
              tests/log/test_log tests/sample/test_sample_dist tests/accumulate/test_accumulate_dist

@@ -242,7 +242,7 @@ using Moment = Kill::Moment;
 
 }  // namespace
 
-TEST_SUITE("dist") {
+TEST_SUITE("recovery") {
   TEST_CASE(
       "deterministic, 3 ranks: a rank killed in forward, in the all-reduce, in the optimizer step or in a "
       "checkpoint save; the survivors end with the uninterrupted run's weights, every sample once") {
