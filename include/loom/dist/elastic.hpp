@@ -224,7 +224,8 @@ class Membership {
         for (int m : members)
           if (m != me_) (void)observe(*side_, m, now);
       } catch (const std::exception&) {
-        return;  // the store is gone: the main thread's next store request says so
+        // The store did not answer (a loaded or cut-off link): try again next time; if it is gone
+        // for good, the main thread's next store request says so.
       }
     }
   }

@@ -268,7 +268,7 @@ class ProcessGroup {
     r.old_rank = rank();
     r.cause = cause.substr(0, cause.find('\n'));
     for (;;) {
-      auto agreed = membership_->agree(progress, env_.node_rank);
+      auto agreed = membership_->agree(progress, launch_env_.node_rank);
       const std::vector<int>& members = agreed.members;
       r.lost.clear();
       for (int m : before)
@@ -285,7 +285,6 @@ class ProcessGroup {
             detail::launch_ranks_text(r.lost), r.cause, members.size(), min));
       const int new_rank =
           static_cast<int>(std::find(members.begin(), members.end(), launch_env_.rank) - members.begin());
-      comm_.template emplace<LocalCommunicator>(*options_.timeout);  // the broken communicator goes first
       const Environment next = detail::environment_after(env_, new_rank, agreed.nodes);
       try {
         auto prefixed =

@@ -10,9 +10,8 @@
 // that plan differently): docs/loop.md, with every message. One rule: no collective in the loop
 // body; per-step work that talks to the other ranks goes into on_step(), which every rank runs at
 // every step. A rank's death (an elastic ProcessGroup) and its own checkpoint: docs/elastic.md.
-// Cost: one Accumulator micro-batch per batch; one all_gather of the plan's fingerprint per epoch
-// start, one tiny collective per epoch end; the optimizer's options hashed on the host per
-// backward; every parameter's bytes read once per epoch end (the replica checksum).
+// Cost: one Accumulator micro-batch per batch; one all_gather of the plan per epoch start, one tiny
+// collective per epoch end; the optimizer's options hashed per backward; the parameters read per epoch end.
 // Throws: loom::Error for a protocol step out of order, loom::InvalidArgument for bad input (both
 //         listed in docs/loop.md); the reducer's, accumulator's, loader's and optimizer's errors.
 // Source: the short path over a low-level layer of HF Accelerate (accumulate / backward /
@@ -253,7 +252,7 @@ class Trainer {
   }
   /// What a checkpoint keeps of this Trainer (loom::save_checkpoint, loom/train/checkpoint.hpp).
   [[nodiscard]] TrainerState state() const {
-    return {steps_, skipped_, loss_scaler_state(), reducer_->grid_exponents()};
+    return {steps_, skipped_, loss_scaler_state(), reducer_ ? reducer_->grid_exponents() : std::vector<int>{}};
   }
   /// Continues the step counts, the loss scaler and a deterministic reducer's grid exponents from a
   /// checkpoint's state, between epoch loops (grids absent from `state` stay as they are).
@@ -288,14 +287,15 @@ class Trainer {
 
   /// The SyncResult of the last boundary or micro-batch.
   [[nodiscard]] const SyncResult& last_step() const noexcept { return last_; }
-  [[nodiscard]] ReducerType& reducer() noexcept { return *reducer_; }
-  [[nodiscard]] Accumulator<ReducerType>& accumulator() noexcept { return *accumulator_; }
+  [[nodiscard]] ReducerType& reducer() { return detail::engaged(reducer_, broken_); }
+  [[nodiscard]] Accumulator<ReducerType>& accumulator() { return detail::engaged(accumulator_, broken_); }
   [[nodiscard]] Comm& communicator() const noexcept { return *comm_; }
   [[nodiscard]] const TrainerOptions& options() const noexcept { return options_; }
 
  private:
   // The reducer counts every gradient its hooks deliver: between two calls of the Trainer none arrives.
   void check_no_stray_backward(const char* where) {
+    if (!reducer_) throw Error(fmt::format("{}: this Trainer refuses further use: {}", where, broken_));
     if (reducer_->gradient_arrivals() != arrivals_seen_) throw Error(detail::stray_backward_message(where));
   }
 

@@ -47,6 +47,9 @@ struct TrainerPosition {
   int64_t epoch = 0;
   int64_t next_step = 0;
   int64_t steps_in_epoch = 0;  // steps applied or skipped in the running epoch
+  int64_t boundaries = 0;      // step boundaries passed since the Trainer was built
+  bool in_loop = false;        // the epoch's plan check passed
+  bool stop = false;           // Trainer::stop() was called (the loop ends at the next boundary)
 };
 
 /// The line the new rank 0 prints after a recovery without Trainer::on_recovery:
@@ -93,6 +96,9 @@ TrainerPosition share_trainer_state(C& comm, int source, const ParameterList& li
     archive.write("epoch", c10::IValue(mine.epoch));
     archive.write("next_step", c10::IValue(mine.next_step));
     archive.write("steps_in_epoch", c10::IValue(mine.steps_in_epoch));
+    archive.write("boundaries", c10::IValue(mine.boundaries));
+    archive.write("in_loop", c10::IValue(static_cast<int64_t>(mine.in_loop)));
+    archive.write("stop", c10::IValue(static_cast<int64_t>(mine.stop)));
     std::ostringstream out;
     archive.save_to(out);
     bytes = out.str();
@@ -114,6 +120,9 @@ TrainerPosition share_trainer_state(C& comm, int source, const ParameterList& li
   out.epoch = read.integer("epoch");
   out.next_step = read.integer("next_step");
   out.steps_in_epoch = read.integer("steps_in_epoch");
+  out.boundaries = read.integer("boundaries");
+  out.in_loop = read.integer("in_loop") != 0;
+  out.stop = read.integer("stop") != 0;
   const StagedParameters staged(read, list);
   StagedParamGroups<Opt> groups(read, optimizer);
   torch::serialize::InputArchive opt;

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -31,6 +32,14 @@ namespace loom::detail {
 /// Throws: loom::InvalidArgument (check_trainer_options, check_optimizer_parameters, check_not_hooked).
 template <class Opt>
 ParameterList prepared_parameters(ParameterList params, Opt& optimizer, const TrainerOptions& options);
+
+/// `*part`, or loom::Error saying why the Trainer refuses further use (`broken`: a failed recovery
+/// from a rank's death left it without a reducer).
+template <class T>
+T& engaged(std::optional<T>& part, const std::string& broken) {
+  if (!part) throw Error(fmt::format("Trainer: this Trainer refuses further use: {}", broken));
+  return *part;
+}
 
 /// The error every rank throws when `ranks` rank(s) left the loop of epoch `epoch` during `step`.
 inline std::string ranks_left_message(int64_t epoch, int64_t ranks, int64_t step) {

@@ -38,6 +38,7 @@ namespace loom::detail {
 /// recoveries so far and the user's callback.
 struct ElasticProgress {
   int64_t boundaries = 0;
+  bool in_loop = false;  // the running epoch's plan check passed
   int64_t next_step = 0;
   bool redeal = false;
   std::vector<Recovery> recoveries;
@@ -60,8 +61,7 @@ struct TrainerRecovery {
       if (!t.comm_->elastic() || !t.broken_.empty()) throw;
       const auto start = std::chrono::steady_clock::now();
       ParameterList list = t.reducer_->parameters();
-      TrainerPosition mine{t.state(), t.epoch_, t.elastic_.next_step};
-      mine.steps_in_epoch = t.steps_in_epoch_;
+      TrainerPosition mine = position(t);
       t.accumulator_.reset();
       t.reducer_.reset();  // its hooks go before the parameters' gradients are dropped
       {
@@ -74,7 +74,7 @@ struct TrainerRecovery {
       for (;;) {
         Recovery r;
         try {
-          r = t.comm_->recover(t.elastic_.boundaries, cause);
+          r = t.comm_->recover(progress(t), cause);
         } catch (const CommError& failed) {
           t.broken_ = "the job could not go on after a rank died";
           if (!t.options_.checkpoint) throw;
@@ -94,6 +94,27 @@ struct TrainerRecovery {
         try {
           const int source = state_source(r.progress);
           const TrainerPosition pos = share_trainer_state(*t.comm_, source, list, *t.optimizer_, mine);
+          // This rank holds the source's state from here on, whatever fails next.
+          mine = pos;
+          t.steps_ = pos.state.steps;
+          t.skipped_ = pos.state.skipped_steps;
+          t.elastic_.next_step = pos.next_step;
+          t.steps_in_epoch_ = pos.steps_in_epoch;
+          t.stop_ = t.stop_ || pos.stop;
+          t.elastic_.boundaries = pos.boundaries;
+          t.elastic_.in_loop = pos.in_loop;
+          if (pos.epoch != t.epoch_) {
+            // The source had started another epoch (a rank died between epochs, while this rank
+            // was still in epoch t.epoch_): the code between epochs is the user's, so this rank
+            // cannot catch up in place. It leaves; the others see it go and agree again.
+            t.broken_ = fmt::format("a rank died between epochs {} and {}, and this rank had not left epoch {}",
+                                    t.epoch_, pos.epoch, t.epoch_);
+            throw CommError(fmt::format(
+                "elastic: launch rank(s) {} died between epochs {} and {} while this rank was still in epoch {} and "
+                "others had started epoch {}; this rank leaves the job so that the others go on (min_ranks "
+                "permitting)",
+                launch_ranks_text(lost), t.epoch_, pos.epoch, t.epoch_, pos.epoch));
+          }
           ReducerOptions reducer_options = t.options_.reducer;
           reducer_options.broadcast_parameters = false;  // every survivor holds the source's parameters now
           t.reducer_.emplace(make_trainer_reducer<ReducerType>(*t.comm_, list, reducer_options));
@@ -101,17 +122,15 @@ struct TrainerRecovery {
           if (pos.state.loss_scaler) t.accumulator_->loss_scaler()->load_state(*pos.state.loss_scaler);
           if (!pos.state.grid_exponents.empty() && t.reducer_->options().deterministic)
             t.reducer_->load_grid_exponents(pos.state.grid_exponents);
-          t.steps_ = pos.state.steps;
-          t.skipped_ = pos.state.skipped_steps;
-          t.epoch_ = pos.epoch;
-          t.elastic_.next_step = pos.next_step;
-          t.steps_in_epoch_ = pos.steps_in_epoch;
-          t.elastic_.boundaries = r.progress[static_cast<std::size_t>(source)];
-        } catch (const CommError& again) {  // another rank died meanwhile: agree again
-          t.accumulator_.reset();
+        } catch (const CommError& again) {
+          if (!t.broken_.empty()) throw;
+          t.accumulator_.reset();  // another rank died meanwhile: agree again
           t.reducer_.reset();
           cause = again.what();
           continue;
+        } catch (...) {
+          t.broken_ = "its recovery from a rank's death failed";
+          throw;
         }
         std::sort(lost.begin(), lost.end());
         r.lost = lost;
@@ -120,8 +139,7 @@ struct TrainerRecovery {
         r.step = t.elastic_.next_step;
         t.guard_ = TrainableGuard(t.reducer_->parameters());
         t.guard_.record_versions(t.reducer_->parameters());
-        t.current_.reset();
-        t.backward_done_ = false;
+        t.backward_done_ = true;  // the loop body's batch stays valid; the next batch replaces it
         t.arrivals_seen_ = t.reducer_->gradient_arrivals();
         t.elastic_.redeal = true;
         t.elastic_.recoveries.push_back(r);
@@ -134,21 +152,41 @@ struct TrainerRecovery {
     }
   }
 
+  /// A survivor's progress in the agreement: step boundaries passed, then whether it had passed
+  /// the running epoch's plan check (a rank that died in the check may have let some through).
+  template <class T>
+  static int64_t progress(const T& t) {
+    return 2 * t.elastic_.boundaries + (t.elastic_.in_loop ? 1 : 0);
+  }
+
+  template <class T>
+  static TrainerPosition position(const T& t) {
+    TrainerPosition p{t.state(), t.epoch_, t.elastic_.next_step};
+    p.steps_in_epoch = t.steps_in_epoch_;
+    p.boundaries = t.elastic_.boundaries;
+    p.in_loop = t.elastic_.in_loop;
+    p.stop = t.stop_;
+    return p;
+  }
+
   /// Trainer::epoch's plan check (loom::check_same_plan) at the start of epoch `t.epoch_`, again
   /// over the survivors when a rank died in it; notes the step the epoch starts at.
   template <class T, class Loader>
   static void check_plan(T& t, Loader& loader, const std::exception_ptr& failed) {
     const GlobalCursor at = loader.sampler().cursor();
     t.elastic_.next_step = at.epoch == t.epoch_ ? at.step : 0;
+    t.elastic_.in_loop = false;
     for (;;) {
       try {
         trace::set_position(*t.comm_, 0, 0, t.planned_);
         trace::Scope scope(*t.comm_, trace::Context::sampler_check);
         check_same_plan(*t.comm_, loader.sampler(), fmt::format("Trainer::epoch({})", t.epoch_), failed);
+        t.elastic_.in_loop = true;
         return;
       } catch (const CommError& e) {
         recover(t, e);
         redeal(t, loader);
+        if (t.elastic_.in_loop) return;  // the survivor furthest on had passed the check: so do all now
       }
     }
   }
