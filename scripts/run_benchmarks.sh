@@ -15,7 +15,7 @@
 # (default 300), and writes the seconds it waited to load.txt.
 # Time: about 26 minutes on 2 cores, waits included (bench_finetune alone about 14).
 # LOOM_BENCH_SUITES="reduce ops" runs only the suites named (reduce collate schedule generators comm
-# ops plan loader finetune); results.md then holds those.
+# ops plan recovery loader finetune); results.md then holds those.
 set -euo pipefail
 build=${1:-build-torch2}
 out=${2:-bench-results}
@@ -68,6 +68,8 @@ run schedule "$bench/bench_schedule" --benchmark_repetitions=5 --benchmark_enabl
 run comm "$bench/bench_comm" --benchmark_out="$out/comm.json" --benchmark_out_format=json
 [ -x "$bench/bench_ops" ] && run ops "$bench/bench_ops"
 run plan "$bench/bench_plan" --benchmark_out="$out/plan.json" --benchmark_out_format=json
+[ -x "$bench/bench_recovery" ] && run recovery "$bench/bench_recovery" --benchmark_out="$out/recovery.json" \
+  --benchmark_out_format=json
 [ -x "$bench/bench_loader" ] && run loader "$bench/bench_loader" --benchmark_repetitions=5 \
   --benchmark_enable_random_interleaving=true --benchmark_out="$out/loader.json" --benchmark_out_format=json
 [ -x "$bench/bench_finetune" ] && run finetune "$bench/bench_finetune" --target=0.48 --max-epochs=10 \
