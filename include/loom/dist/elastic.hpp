@@ -137,6 +137,21 @@ class Membership {
   /// Throws: loom::CommError when the agreed group leaves this rank out; loom::TimeoutError when a
   ///         member neither joins nor goes silent within the timeout; the store's errors.
   Agreement agree(int64_t progress, int node) {
+    try {
+      return agree_in_store(progress, node);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {  // c10d's own errors: the store did not answer
+      const std::string text = e.what();
+      throw CommError(fmt::format(
+          "elastic: launch rank {} could not reach the job's store during the agreement of generation {} ({}): "
+          "this rank is cut off from the job and leaves it",
+          me_, generation_, text.substr(0, text.find('\n'))));
+    }
+  }
+
+ private:
+  Agreement agree_in_store(int64_t progress, int node) {
     const auto start = std::chrono::steady_clock::now();
     const std::string base = fmt::format("loom/elastic/g{}/", generation_);
     store_->set(base + fmt::format("joined/{}", me_), store_bytes(fmt::format("{}:{}", progress, node)));

@@ -380,7 +380,7 @@ class ProcessGroup {
   // The communicator of backend `b` for `env`, through `store` when one is given; the GPU follows
   // `launch` (the job as it started: a rebuilt group keeps each rank's GPU).
   Variant make(const Environment& env, const ProcessGroupOptions& o, Backend b,
-               const c10::intrusive_ptr<c10d::Store>& store, const Environment& launch) {
+               const c10::intrusive_ptr<c10d::Store>& store, [[maybe_unused]] const Environment& launch) {
     switch (b) {
 #if LOOM_HAS_GLOO
       case Backend::gloo: {
