@@ -240,6 +240,24 @@ void check_recovered(const Run& run) {
 
 using Moment = Kill::Moment;
 
+/// A run that ended with `e`: `victim` killed by a signal, every other rank failed with a loom
+/// exception whose text `check(message)` reads; returns how many others failed.
+template <class Check>
+int check_failures(const loom::SpawnError& e, int victim, Check check) {
+  CAPTURE(e.what());
+  int others = 0;
+  for (const auto& f : e.failures()) {
+    if (f.rank == victim) {
+      CHECK(f.kind == loom::RankFailure::Kind::signal);
+      continue;
+    }
+    CHECK(f.kind == loom::RankFailure::Kind::exception);
+    check(f.message);
+    ++others;
+  }
+  return others;
+}
+
 }  // namespace
 
 TEST_SUITE("recovery") {
@@ -295,17 +313,11 @@ TEST_SUITE("recovery") {
       train({.kills = {{2, Moment::evaluation, 0, 0}}, .evaluate = true}, dir.path);
       FAIL("the run should have failed");
     } catch (const loom::SpawnError& e) {
-      CAPTURE(e.what());
-      for (const auto& f : e.failures()) {
-        if (f.rank == 2) {
-          CHECK(f.kind == loom::RankFailure::Kind::signal);
-          continue;
-        }
-        CHECK(f.kind == loom::RankFailure::Kind::exception);
-        CHECK(f.message.find("loom::CommError") != std::string::npos);
-        // The peer named is rank 2, or a survivor whose own failure closed its connections first.
-        CHECK(f.message.find("closed its connection") != std::string::npos);
-      }
+      CHECK(check_failures(e, 2, [](const std::string& message) {
+              CHECK(message.find("loom::CommError") != std::string::npos);
+              // The peer named is rank 2, or a survivor whose own failure closed its connections first.
+              CHECK(message.find("closed its connection") != std::string::npos);
+            }) == 2);
     }
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
   }
@@ -317,22 +329,12 @@ TEST_SUITE("recovery") {
       train(run, dir.path);
       FAIL("the run should have failed");
     } catch (const loom::SpawnError& e) {
-      const std::string text = e.what();
-      CAPTURE(text);
-      int survivors_failed = 0;
-      for (const auto& f : e.failures()) {
-        if (f.rank == 1) {
-          CHECK(f.kind == loom::RankFailure::Kind::signal);
-          continue;
-        }
-        CHECK(f.kind == loom::RankFailure::Kind::exception);
-        CHECK(f.message.find("launch rank(s) 1 died") != std::string::npos);
-        CHECK(f.message.find("fewer than ElasticOptions::min_ranks = 3") != std::string::npos);
-        CHECK(f.message.find(fmt::format("this Trainer's last checkpoint: {}", (dir.path / "auto.ckpt").string())) !=
-              std::string::npos);
-        ++survivors_failed;
-      }
-      CHECK(survivors_failed == 2);
+      const std::string file = (dir.path / "auto.ckpt").string();
+      CHECK(check_failures(e, 1, [&](const std::string& message) {
+              CHECK(message.find("launch rank(s) 1 died") != std::string::npos);
+              CHECK(message.find("fewer than ElasticOptions::min_ranks = 3") != std::string::npos);
+              CHECK(message.find(fmt::format("this Trainer's last checkpoint: {}", file)) != std::string::npos);
+            }) == 2);
     }
   }
 }
