@@ -6,7 +6,9 @@
 // gives r.values, n x C on the CPU, row i = sample i of the validation set, identical on every rank.
 //
 // Example (accuracy and mean loss over the validation set, from the Trainer's epoch loop):
-//   loom::BatchLoader val(pg, val_shapes, fetch_val, {.shuffle = false, .max_samples = 64});
+//   // A batch per rank per step (with the default 1, every step's one batch goes to rank 0):
+//   loom::BatchLoader val(pg, val_shapes, fetch_val,
+//                         {.shuffle = false, .max_samples = 64, .batches_per_step = pg.world_size()});
 //   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
 //     for (loom::Batch& b : trainer.epoch(train, epoch)) trainer.backward(loss_of(b), b);
 //     model->eval();
