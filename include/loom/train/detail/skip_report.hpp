@@ -61,6 +61,10 @@ class SkipReport {
   SkipReport(SkippedStepOptions options, bool loss_scaling, int rank)
       : options_(options), loss_scaling_(loss_scaling), rank_(rank) {}
 
+  /// This process's rank changed (an elastic job's ranks are renumbered after a rank died): rank 0
+  /// of the new group warns.
+  void set_rank(int rank) noexcept { rank_ = rank; }
+
   void begin_epoch(int64_t epoch) {
     epoch_ = epoch;
     in_epoch_ = 0;

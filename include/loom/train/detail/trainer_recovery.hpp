@@ -141,6 +141,7 @@ struct TrainerRecovery {
         t.guard_.record_versions(t.reducer_->parameters());
         t.backward_done_ = true;  // the loop body's batch stays valid; the next batch replaces it
         t.arrivals_seen_ = t.reducer_->gradient_arrivals();
+        t.skips_.set_rank(t.comm_->rank());  // rank 0 of the new group warns of skipped steps
         t.elastic_.redeal = true;
         t.elastic_.recoveries.push_back(r);
         if (t.elastic_.on_recovery)
