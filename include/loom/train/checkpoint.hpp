@@ -121,19 +121,10 @@ void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer
     try {
       torch::serialize::OutputArchive archive;
       archive.write("loom_checkpoint", c10::IValue(std::string(kCheckpointFormat)));
-      detail::write_parameters(archive, trainer.reducer().parameters());
-      detail::write_param_groups(archive, trainer.optimizer());
-      torch::serialize::OutputArchive optimizer;
-      trainer.optimizer().save(optimizer);
-      archive.write("optimizer", optimizer);
+      detail::write_model_and_optimizer(archive, trainer.reducer().parameters(), trainer.optimizer());
       archive.write("cursor", c10::IValue(to_string(loader.sampler().cursor())));
       detail::write_plan_fields(archive, loader.sampler());
-      const TrainerState state = trainer.state();
-      archive.write("trainer_steps", c10::IValue(state.steps));
-      archive.write("trainer_skipped_steps", c10::IValue(state.skipped_steps));
-      if (state.loss_scaler) archive.write("loss_scaler", c10::IValue(to_string(*state.loss_scaler)));
-      if (!state.grid_exponents.empty())
-        archive.write("grid_exponents", c10::IValue(fmt::format("{}", fmt::join(state.grid_exponents, ","))));
+      detail::write_trainer_state(archive, trainer.state());
       detail::write_user_values(archive, user);
       detail::write_atomically(file, archive);
     } catch (const std::exception& e) {
@@ -172,9 +163,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(fmt::format("load_checkpoint: {}: {}", file.string(), detail::first_line(e.what())));
   }
-  info.trainer.steps = read.integer("trainer_steps");
-  info.trainer.skipped_steps = read.integer("trainer_skipped_steps");
-  if (auto scaler = read.optional_text("loss_scaler")) info.trainer.loss_scaler = parse_loss_scaler_state(*scaler);
+  info.trainer = detail::read_trainer_state(read);
   detail::check_trainer_state(info.trainer, /*scales_loss=*/false);  // the scaler is checked below, naming the file
   if (const LossScaler* scaler = trainer.accumulator().loss_scaler()) {
     if (!info.trainer.loss_scaler)
@@ -190,8 +179,6 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
                     "(TrainerOptions::loss_scaling unset)",
                     file.string(), to_string(*info.trainer.loss_scaler)));
   }
-  if (auto grid = read.optional_text("grid_exponents"))
-    info.trainer.grid_exponents = detail::parse_grid_exponents(file, *grid);
   if (!info.trainer.grid_exponents.empty() && trainer.reducer().options().deterministic)
     trainer.reducer().check_grid_exponents(info.trainer.grid_exponents);  // another model's count: refused here
   info.user = read.user_values();

@@ -21,9 +21,12 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <loom/accumulate/loss_scaler.hpp>
 #include <loom/error.hpp>
+#include <loom/reduce/parameters.hpp>
 #include <loom/sample/global_batch.hpp>
 #include <loom/train/detail/checkpoint_file.hpp>
+#include <loom/train/options.hpp>
 
 namespace loom::detail {
 
@@ -117,6 +120,37 @@ class StagedParamGroups {
  private:
   std::vector<torch::serialize::InputArchive> archives_;
 };
+
+/// The model and the optimizer under a checkpoint's keys: param_<i> / param_name_<i> / buffer_<i>,
+/// the parameter groups' options, and the optimizer's own archive ("optimizer").
+template <class Opt>
+void write_model_and_optimizer(torch::serialize::OutputArchive& archive, const ParameterList& list, Opt& optimizer) {
+  write_parameters(archive, list);
+  write_param_groups(archive, optimizer);
+  torch::serialize::OutputArchive own;
+  optimizer.save(own);
+  archive.write("optimizer", own);
+}
+
+/// A Trainer's state under a checkpoint's keys: trainer_steps, trainer_skipped_steps, loss_scaler
+/// (when it scales the loss), grid_exponents (when deterministic; comma-separated).
+inline void write_trainer_state(torch::serialize::OutputArchive& archive, const TrainerState& state) {
+  archive.write("trainer_steps", c10::IValue(state.steps));
+  archive.write("trainer_skipped_steps", c10::IValue(state.skipped_steps));
+  if (state.loss_scaler) archive.write("loss_scaler", c10::IValue(to_string(*state.loss_scaler)));
+  if (!state.grid_exponents.empty())
+    archive.write("grid_exponents", c10::IValue(fmt::format("{}", fmt::join(state.grid_exponents, ","))));
+}
+
+/// What write_trainer_state wrote. Throws: loom::DataError naming the file and the key.
+inline TrainerState read_trainer_state(CheckpointReader& read) {
+  TrainerState state;
+  state.steps = read.integer("trainer_steps");
+  state.skipped_steps = read.integer("trainer_skipped_steps");
+  if (auto scaler = read.optional_text("loss_scaler")) state.loss_scaler = parse_loss_scaler_state(*scaler);
+  if (auto grid = read.optional_text("grid_exponents")) state.grid_exponents = parse_grid_exponents(read.file(), *grid);
+  return state;
+}
 
 /// The loader's plan options by name (plan_field_count, plan_name_<i>, plan_value_<i>; plan_fields).
 inline void write_plan_fields(torch::serialize::OutputArchive& archive, const GlobalBatchSampler& sampler) {

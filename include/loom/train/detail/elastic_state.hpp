@@ -84,15 +84,8 @@ TrainerPosition share_trainer_state(C& comm, int source, const ParameterList& li
   std::string bytes;
   if (comm.rank() == source) {
     torch::serialize::OutputArchive archive;
-    write_parameters(archive, list);
-    write_param_groups(archive, optimizer);
-    torch::serialize::OutputArchive opt;
-    optimizer.save(opt);
-    archive.write("optimizer", opt);
-    archive.write("trainer_steps", c10::IValue(mine.state.steps));
-    archive.write("trainer_skipped_steps", c10::IValue(mine.state.skipped_steps));
-    if (mine.state.loss_scaler) archive.write("loss_scaler", c10::IValue(to_string(*mine.state.loss_scaler)));
-    archive.write("grid_exponents", c10::IValue(fmt::format("{}", fmt::join(mine.state.grid_exponents, ","))));
+    write_model_and_optimizer(archive, list, optimizer);
+    write_trainer_state(archive, mine.state);
     archive.write("epoch", c10::IValue(mine.epoch));
     archive.write("next_step", c10::IValue(mine.next_step));
     archive.write("steps_in_epoch", c10::IValue(mine.steps_in_epoch));
@@ -112,11 +105,7 @@ TrainerPosition share_trainer_state(C& comm, int source, const ParameterList& li
   const std::filesystem::path what = fmt::format("(the state of rank {} after a recovery)", source);
   CheckpointReader read(what, archive);
   TrainerPosition out;
-  out.state.steps = read.integer("trainer_steps");
-  out.state.skipped_steps = read.integer("trainer_skipped_steps");
-  if (auto scaler = read.optional_text("loss_scaler")) out.state.loss_scaler = parse_loss_scaler_state(*scaler);
-  if (const std::string grid = read.text("grid_exponents"); !grid.empty())
-    out.state.grid_exponents = parse_grid_exponents(what, grid);
+  out.state = read_trainer_state(read);
   out.epoch = read.integer("epoch");
   out.next_step = read.integer("next_step");
   out.steps_in_epoch = read.integer("steps_in_epoch");
