@@ -29,6 +29,7 @@
 #include <loom/error.hpp>
 #include <loom/launch/all.hpp>
 #include <loom/log/all.hpp>
+#include <loom/optim/all.hpp>
 #include <loom/reduce/all.hpp>
 #include <loom/sample/all.hpp>
 #include <loom/schedule/all.hpp>
