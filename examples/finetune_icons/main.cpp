@@ -34,7 +34,9 @@
 // Output (rank 0): one line per epoch, then
 //        result: val_accuracy=A val_loss=L train_loss=T majority_baseline=B epochs=E steps=S seconds=X
 //                weights_fnv1a=H (a 64-bit hash of the final weights' bytes; with --deterministic the same
-//                on any --nproc)
+//                on any --nproc) optimizer_state_bytes=N (rank 0's AdamW state)
+// ZeRO: --zero 1 keeps each rank's shard of AdamW's state only (optimizer_state_bytes about 1/nproc
+//        of --zero 0's; with --deterministic the same weights_fnv1a). docs/zero.md.
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -94,9 +96,10 @@ struct Options {
   int64_t stop_after_steps = 0;  // stop fine-tuning after this many optimizer steps (simulates a crash; tests)
   int threads = 1;               // intra-op threads per rank
   bool deterministic = false;    // bit-identical weights on any number of ranks (ReducerOptions::deterministic)
-  int elastic = 0;               // go on while at least this many ranks are alive (0: a death ends the job)
-  int kill_rank = -1;            // demonstrates --elastic: this launch rank kills itself (SIGKILL) ...
-  int64_t kill_at_step = 0;      // ... when fine-tuning reaches this optimizer step
+  int zero = 0;              // 1: ZeRO stage 1, each rank keeps its shard of AdamW's state (TrainerOptions::zero_stage)
+  int elastic = 0;           // go on while at least this many ranks are alive (0: a death ends the job)
+  int kill_rank = -1;        // demonstrates --elastic: this launch rank kills itself (SIGKILL) ...
+  int64_t kill_at_step = 0;  // ... when fine-tuning reaches this optimizer step
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -209,7 +212,7 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
     // Pre-training: the small sizes only, a higher learning rate, then save.
     torch::optim::AdamW opt(model->parameters(),
                             torch::optim::AdamWOptions(o.pretrain_lr).weight_decay(o.weight_decay));
-    loom::Trainer trainer(pg, *model, opt, {.reducer = {.deterministic = o.deterministic}});
+    loom::Trainer trainer(pg, *model, opt, {.reducer = {.deterministic = o.deterministic}, .zero_stage = o.zero});
     loom::BatchLoader loader(pg, task.shapes_of(task.train_small()),
                              [&](int64_t j) { return task.sample(task.train_small(), j); }, plan, {.device = device});
     for (int64_t e = 0; e < o.pretrain_epochs; ++e) {
@@ -239,8 +242,8 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
   loom::BatchLoader loader(pg, task.shapes_of(task.train()), [&](int64_t j) { return task.sample(task.train(), j); },
                            plan, {.device = device, .num_workers = o.workers});
-  loom::Trainer trainer(pg, *model, opt,
-                        {.reducer = {.deterministic = o.deterministic}});  // rank 0's weights everywhere
+  loom::Trainer trainer(pg, *model, opt,  // rank 0's weights everywhere
+                        {.reducer = {.deterministic = o.deterministic}, .zero_stage = o.zero});
   // After a rank died (--elastic) the survivors are renumbered: the new rank 0 logs.
   trainer.on_recovery([&](const loom::Recovery& r) {
     log.set_rank(loom::rank_info(pg));
@@ -317,9 +320,10 @@ void run_rank(loom::ProcessGroup& pg, const Options& o, Clock::time_point start)
   if (stopped) return;
   log.info(
       "result: val_accuracy={:.4f} val_loss={:.6f} train_loss={:.6f} majority_baseline={:.4f} epochs={} steps={} "
-      "seconds={:.1f} weights_fnv1a={}",
+      "seconds={:.1f} weights_fnv1a={} optimizer_state_bytes={}",
       last.accuracy, last.loss, train_loss, task.majority_baseline(), epochs_done, trainer.steps(),
-      seconds_before + seconds_since(start), weights_hash(model));
+      seconds_before + seconds_since(start), weights_hash(model),
+      trainer.sharded_optimizer() ? trainer.sharded_optimizer()->state_bytes() : loom::optimizer_state_bytes(opt));
 }
 
 int main(int argc, char** argv) {
@@ -375,6 +379,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--kill-rank", o.kill_rank, "demonstrates --elastic: this rank kills itself (SIGKILL) ...");
   app.add_option("--kill-at-step", o.kill_at_step, "... when fine-tuning reaches this optimizer step");
+  app.add_option("--zero", o.zero,
+                 "ZeRO stage: 1 shards AdamW's state across the ranks (each keeps about 1/nproc; docs/zero.md), 0 "
+                 "keeps it whole on every rank")
+      ->check(CLI::Range(0, 1));
   app.add_flag("--deterministic", o.deterministic,
                "bit-identical weights on any number of ranks (integer gradient sums; docs/elastic.md); compare the "
                "result line's weights_fnv1a across runs");

@@ -283,6 +283,50 @@ TEST_SUITE("runs") {
     CHECK(std::abs(accuracy[1] - f.at("val_accuracy")) <= 0.05);
   }
 
+  TEST_CASE(
+      "finetune_icons --zero 1: the weights of --zero 0 on 2 and 3 ranks with a shard of the state; resumes "
+      "elsewhere") {
+    const std::string args = "--subset 4 --epochs 2 --pretrain-epochs 1 --deterministic";
+    static const std::regex hash_field(R"(weights_fnv1a=([0-9a-f]{16}))");
+    struct Result {
+      std::string hash;
+      double state_bytes = 0;
+    };
+    auto result_of = [&](const std::string& extra, const fs::path& out) {
+      const auto r = run(fmt::format("{} {} {} --out {}", q(example("finetune_icons")), args, extra, q(out)));
+      INFO(r.output);
+      REQUIRE(r.exit_code == 0);
+      const std::string line = line_starting(r.output, "result:");
+      std::smatch m;
+      REQUIRE(std::regex_search(line, m, hash_field));
+      return Result{m[1].str(), fields(line).at("optimizer_state_bytes")};
+    };
+    TempDir a;
+    const Result whole = result_of("--nproc 1 --zero 0", a.path);
+    for (int nproc : {2, 3}) {
+      CAPTURE(nproc);
+      TempDir d;
+      const Result sharded = result_of(fmt::format("--nproc {} --zero 1", nproc), d.path);
+      CHECK(sharded.hash == whole.hash);
+      // Rank 0's shard of AdamW's state: 1/nproc of it, give or take a cut's alignment (64 elements).
+      CHECK(sharded.state_bytes <= whole.state_bytes / nproc + 4 * 64 * 2 * 8);
+      CHECK(sharded.state_bytes >= whole.state_bytes / nproc - 4 * 64 * 2 * 8);
+    }
+    // Stopped mid-epoch on 2 ranks with --zero 1, resumed on 3 with --zero 1 and on 1 with --zero 0.
+    TempDir stopped;
+    const auto s = run(fmt::format("{} {} --nproc 2 --zero 1 --stop-after-steps 9 --out {}",
+                                   q(example("finetune_icons")), args, q(stopped.path)));
+    INFO(s.output);
+    REQUIRE(s.exit_code == 0);
+    for (const char* extra : {"--nproc 3 --zero 1", "--nproc 1 --zero 0"}) {
+      CAPTURE(extra);
+      TempDir c;
+      fs::copy(stopped.path / "checkpoint.pt", c.path / "checkpoint.pt");
+      const Result resumed = result_of(fmt::format("{} --resume {}", extra, q(c.path / "checkpoint.pt")), c.path);
+      CHECK(resumed.hash == whole.hash);
+    }
+  }
+
   TEST_CASE("finetune_icons --elastic 2 --deterministic: a rank killed mid-run, the same weights as nobody killed") {
     const std::string args = "--nproc 3 --subset 4 --epochs 1 --pretrain-epochs 1 --deterministic --elastic 2";
     static const std::regex hash_field(R"(weights_fnv1a=([0-9a-f]{16}))");

@@ -361,8 +361,10 @@ TEST_CASE("ShardedOptimizer: misuse is a loom error naming the value") {
   SUBCASE("frozen parameters are left out; a channels-last parameter is cut in storage order") {
     std::vector<at::Tensor> params = make_params();
     params[1].requires_grad_(false);
-    at::Tensor cl = torch::arange(2 * 3 * 4 * 5, torch::kFloat).reshape({2, 3, 4, 5})
-                        .contiguous(at::MemoryFormat::ChannelsLast).requires_grad_();
+    at::Tensor cl = torch::arange(2 * 3 * 4 * 5, torch::kFloat)
+                        .reshape({2, 3, 4, 5})
+                        .contiguous(at::MemoryFormat::ChannelsLast)
+                        .requires_grad_();
     params.push_back(cl);
     torch::optim::SGD sgd(params, 0.5);
     loom::ShardedOptimizer sharded(comm, sgd);

@@ -978,4 +978,46 @@ TEST_CASE("Trainer::before_step: the averaged gradients before optimizer.step();
   CHECK(loom::test::max_relative_difference(by_hook, loom::test::flat_values(loom::test::train_short(comm, 2))) > 1e-6);
 }
 
+TEST_CASE("Trainer: zero_stage 1 on one rank steps like stage 0, keeps the state in its shard; misuse is named") {
+  auto run = [](int stage, int64_t* state_bytes) {
+    loom::LocalCommunicator comm;
+    loom::test::Mlp model{at::kDouble};
+    torch::optim::Adam adam{model.params, torch::optim::AdamOptions(0.01)};
+    Loader loader{comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(), loom::test::kTrainerPlan};
+    loom::Trainer trainer(comm, model.list(), adam, {.zero_stage = stage});
+    for (loom::Batch& b : trainer.epoch(loader, 0)) trainer.backward(loom::test::mean_loss(model, b), b);
+    REQUIRE((trainer.sharded_optimizer() != nullptr) == (stage == 1));
+    *state_bytes = stage == 1 ? trainer.sharded_optimizer()->state_bytes() : loom::optimizer_state_bytes(adam);
+    if (stage == 1) CHECK(adam.state().empty());  // the state lives in the shard's optimizer
+    return model.params;
+  };
+  int64_t bytes0 = 0, bytes1 = 0;
+  const auto whole = run(0, &bytes0);
+  const auto sharded = run(1, &bytes1);
+  CHECK(equal_lists(whole, sharded));
+  int64_t elements = 0;
+  for (const auto& p : whole) elements += p.numel();
+  CHECK(bytes0 == 2 * 8 * elements);  // Adam: exp_avg and exp_avg_sq, float64
+  CHECK(bytes1 == bytes0);            // one rank: its shard is everything
+
+  loom::LocalCommunicator comm;
+  loom::test::Mlp model{at::kDouble};
+  SUBCASE("a stage loom does not have") {
+    torch::optim::SGD sgd{model.params, 0.1};
+    CHECK_THROWS_WITH_AS(loom::Trainer(comm, model.list(), sgd, {.zero_stage = 2}),
+                         doctest::Contains("TrainerOptions::zero_stage = 2"), loom::InvalidArgument);
+  }
+  SUBCASE("an optimizer loom cannot shard") {
+    loom::StepFunctions own{[] {}, [] {}};
+    CHECK_THROWS_WITH_AS(loom::Trainer(comm, model.list(), own, {.zero_stage = 1}),
+                         doctest::Contains("needs a torch::optim optimizer"), loom::InvalidArgument);
+    struct OwnAdam : torch::optim::Adam {  // a subclass may change the update rule
+      using torch::optim::Adam::Adam;
+    };
+    OwnAdam own_adam{model.params};
+    CHECK_THROWS_WITH_AS(loom::Trainer(comm, model.list(), own_adam, {.zero_stage = 1}),
+                         doctest::Contains("OwnAdam is not one of the optimizers it can shard"), loom::InvalidArgument);
+  }
+}
+
 }  // namespace test_trainer

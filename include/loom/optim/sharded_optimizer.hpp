@@ -100,8 +100,9 @@ class ShardedOptimizer {
               "cut into shards",
               i, g, fmt::join(p.sizes(), "x"), fmt::join(p.strides(), ",")));
         if (p.device() != comm.device())
-          throw InvalidArgument(fmt::format("ShardedOptimizer: parameter {} of group {} is on {}, the communicator on {}",
-                                            i, g, p.device().str(), comm.device().str()));
+          throw InvalidArgument(
+              fmt::format("ShardedOptimizer: parameter {} of group {} is on {}, the communicator on {}", i, g,
+                          p.device().str(), comm.device().str()));
         params_.push_back(p);
         flats_.push_back(flat_of(p.detach()));
         group_of_.push_back(g);
@@ -120,8 +121,7 @@ class ShardedOptimizer {
     detail::with_kind(kind_, [&](auto tag) {
       using Tag = decltype(tag);
       std::vector<torch::optim::OptimizerParamGroup> shard_groups;
-      for (std::size_t g = 0; g < groups.size(); ++g)
-        shard_groups.emplace_back(views[g], groups[g].options().clone());
+      for (std::size_t g = 0; g < groups.size(); ++g) shard_groups.emplace_back(views[g], groups[g].options().clone());
       shard_ = std::make_unique<typename Tag::Optimizer>(
           std::move(shard_groups), static_cast<const typename Tag::OptionsType&>(optimizer.defaults()));
     });

@@ -31,7 +31,10 @@
 // (`loader.resume`). Call it between epoch loops, then start the loop at `cursor.epoch` (a
 // `loader.sampler().set_epoch(cursor.epoch)` before it keeps the cursor).
 // World size: nothing in the file depends on it (parameters are replicas, the cursor is global):
-// a checkpoint of 2 ranks resumes on 3.
+// a checkpoint of 2 ranks resumes on 3. TrainerOptions::zero_stage = 1 writes the optimizer state
+// whole, as stage 0 does (ShardedOptimizer::gather_state: rank 0 holds all of it while it writes;
+// every rank holds it for a moment while it loads, then keeps its shard): either stage, on any world
+// size, resumes the other's file.
 // Format "loom-checkpoint v2": a LibTorch archive (torch::serialize, a zip file) followed by a
 // 40-byte trailer, "\nloom-checksum fnv1a64 <16 hex digits>\n": FNV-1a 64 of every byte before it,
 // checked on load (about 1 GB/s). The archive's keys: loom_checkpoint ("loom-checkpoint v2"),
@@ -116,6 +119,8 @@ void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer
   C& comm = trainer.communicator();
   // Rank 0's replica stands for every rank's: first make sure they are all the same.
   trainer.check_replicas("save_checkpoint");
+  // TrainerOptions::zero_stage = 1: the state's shards joined on rank 0, as an unsharded optimizer holds it.
+  if (auto* sharded = trainer.sharded_optimizer()) sharded->gather_state(0);
   std::string failure;
   if (comm.rank() == 0) {
     try {
@@ -132,6 +137,7 @@ void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer
       if (failure.empty()) failure = "unknown error";
     }
   }
+  if (auto* sharded = trainer.sharded_optimizer()) sharded->release_state();
   detail::agree_on_save(comm, file, failure);
 }
 
@@ -189,6 +195,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& file, Trainer<C, Opt
 
   trainer.optimizer().load(optimizer);  // the only step that can still fail (the optimizer's own checks)
   groups.apply(trainer.optimizer());    // LibTorch < 2.4's load keeps the constructor's options
+  if (auto* sharded = trainer.sharded_optimizer()) sharded->scatter_state();  // this rank's pieces only
   staged.copy_into(list);
   trainer.load_state(info.trainer);
   loader.resume(info.cursor);

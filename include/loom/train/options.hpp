@@ -61,6 +61,10 @@ struct TrainerOptions {
   LossReduction loss = LossReduction::mean;         ///< what backward()'s loss is over the batch
   SkippedStepOptions skipped_steps{};               ///< warnings and errors for skipped (inf/NaN) steps
   std::optional<CheckpointOptions> checkpoint{};    ///< saved every N steps and per epoch; resumed on start
+  /// 1: ZeRO stage 1 (loom::ShardedOptimizer, docs/zero.md): each rank keeps and steps the optimizer
+  /// state of about 1/world_size of the parameters' elements, and the updated parameters are
+  /// all-gathered after each step; weights bit-identical to stage 0's. 0: every rank steps everything.
+  int zero_stage = 0;
 };
 
 /// What Trainer needs of an optimizer: step() and zero_grad() (every torch::optim optimizer).

@@ -49,6 +49,7 @@
 #include <loom/train/detail/skip_report.hpp>
 #include <loom/train/detail/trainer_checks.hpp>
 #include <loom/train/detail/trainer_recovery.hpp>
+#include <loom/train/detail/trainer_sharding.hpp>
 #include <loom/train/epoch_range.hpp>
 #include <loom/train/options.hpp>
 
@@ -73,6 +74,7 @@ class Trainer {
         reducer_(detail::make_trainer_reducer<ReducerType>(
             comm, detail::prepared_parameters(std::move(params), optimizer, options_), options_.reducer)),
         accumulator_(std::in_place, *reducer_, accumulator_options()),
+        sharded_(detail::make_trainer_sharding(comm, optimizer, options_)),
         skips_(options_.skipped_steps, options_.loss_scaling.has_value(), comm.rank()) {
     const auto& list = reducer_->parameters();
     guard_ = detail::TrainableGuard(list);
@@ -128,12 +130,7 @@ class Trainer {
   /// A loader that is no BatchSource: one static_assert saying what it must be.
   template <class Loader>
   requires(!BatchSource<Loader>) std::span<Batch> epoch(Loader&, int64_t) {
-    static_assert(
-        BatchSource<Loader>,
-        "loom::Trainer::epoch(loader, e): the loader must be a loom::BatchSource (loom/train/batch_source.hpp): "
-        "loader.begin_epoch(int64_t) and loader.next() returning std::optional<loom::Batch>. loom::BatchLoader "
-        "is one; a sampler is not: give it to a BatchLoader with a fetch function");
-    return {};
+    return detail::not_a_batch_source<Loader>();
   }
 
   /// EpochRange's step: joins steps without a batch here, closes the epoch at the source's end, stops
@@ -268,6 +265,8 @@ class Trainer {
     skipped_ = state.skipped_steps;
   }
   [[nodiscard]] Opt& optimizer() const noexcept { return *optimizer_; }  ///< the optimizer this Trainer steps
+  /// TrainerOptions::zero_stage = 1: the sharded optimizer state (state_bytes(), ...); nullptr at stage 0.
+  [[nodiscard]] ShardedOptimizer<Comm>* sharded_optimizer() noexcept { return sharded_ ? &*sharded_ : nullptr; }
   /// Continues the loss scaler from a checkpoint's state (call before the first epoch loop).
   /// Throws: loom::InvalidArgument without TrainerOptions::loss_scaling, or for a bad state.
   void load_loss_scaler_state(const LossScalerState& state) {
@@ -321,7 +320,7 @@ class Trainer {
         const detail::FlagScope running(in_on_step_);
         before_step_(s);
       }
-      optimizer_->step();
+      sharded_ ? sharded_->step() : static_cast<void>(optimizer_->step());  // sharded: all-gathered after
       ++steps_;
       ++steps_in_epoch_;
       skips_.applied();
@@ -416,9 +415,10 @@ class Trainer {
   TrainerOptions options_;
   std::optional<ReducerType> reducer_;  // rebuilt over the survivors after a rank died
   std::optional<Accumulator<ReducerType>> accumulator_;
-  detail::TrainableGuard guard_;  // the trainable parameters' versions and held gradients
-  bool sixteen_bit_ = false;      // a trainable parameter is float16 or bfloat16
-  std::string broken_;            // why this Trainer refuses further use (empty: usable)
+  std::optional<ShardedOptimizer<Comm>> sharded_;  // TrainerOptions::zero_stage = 1
+  detail::TrainableGuard guard_;                   // the trainable parameters' versions and held gradients
+  bool sixteen_bit_ = false;                       // a trainable parameter is float16 or bfloat16
+  std::string broken_;                             // why this Trainer refuses further use (empty: usable)
   std::optional<Batch> current_;
   SyncResult last_{};
   std::function<void(const SyncResult&)> on_step_;

@@ -76,7 +76,8 @@ struct ShardLayout {
         open_bytes.push_back(0);
       }
       if (open[slot] == 0) {
-        layout.buckets.push_back(ShardBucket{.dtype = dtypes[i], .params = {}, .pieces = {}, .elements = 0, .chunk = 1});
+        layout.buckets.push_back(
+            ShardBucket{.dtype = dtypes[i], .params = {}, .pieces = {}, .elements = 0, .chunk = 1});
         open[slot] = layout.buckets.size();
         open_bytes[slot] = 0;
       }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -23,6 +24,7 @@
 #include <loom/reduce/detail/hooks.hpp>
 #include <loom/reduce/options.hpp>
 #include <loom/reduce/parameters.hpp>
+#include <loom/train/batch_source.hpp>
 #include <loom/train/options.hpp>
 
 namespace loom::detail {
@@ -32,6 +34,17 @@ namespace loom::detail {
 /// Throws: loom::InvalidArgument (check_trainer_options, check_optimizer_parameters, check_not_hooked).
 template <class Opt>
 ParameterList prepared_parameters(ParameterList params, Opt& optimizer, const TrainerOptions& options);
+
+/// Trainer::epoch(loader, e) with a loader that is no BatchSource: one static_assert saying what it must be.
+template <class Loader>
+std::span<Batch> not_a_batch_source() {
+  static_assert(
+      BatchSource<Loader>,
+      "loom::Trainer::epoch(loader, e): the loader must be a loom::BatchSource (loom/train/batch_source.hpp): "
+      "loader.begin_epoch(int64_t) and loader.next() returning std::optional<loom::Batch>. loom::BatchLoader "
+      "is one; a sampler is not: give it to a BatchLoader with a fetch function");
+  return {};
+}
 
 /// `*part`, or loom::Error saying why the Trainer refuses further use (`broken`: a failed recovery
 /// from a rank's death left it without a reducer).
