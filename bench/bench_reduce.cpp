@@ -41,6 +41,9 @@
 // sweep from it). One intra-op thread per rank. Run: build-dir/bench/bench_reduce.
 //
 // `bench_reduce --cuda` measures the reducer on a GPU at world size 1 over NCCL (see run_cuda).
+// zero_resnet50/*: the loom variant's reduction and then Adam's step over the same parameters,
+//   unsharded (adam) or ZeRO stage 1 (adam_zero1, loom::ShardedOptimizer), each with the Adam state
+//   this rank holds (state_bytes); `bench_reduce --zero-memory` measures their peak memory per rank.
 // `bench_reduce --overhead=loom|hand|trainer|lowlevel|recorder|norecorder` runs one of the training loops compared by
 // instruction count in scripts/callgrind_overhead.sh (one process, no benchmark framework).
 #include <algorithm>
@@ -48,7 +51,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <sys/resource.h>
 #include <vector>
 
 #include <benchmark/benchmark.h>
@@ -58,6 +63,7 @@
 
 #include <loom/accumulate/accumulator.hpp>
 #include <loom/comm/gloo.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/compat.hpp>
 #include <loom/config.hpp>
@@ -65,6 +71,7 @@
 #include <loom/comm/nccl.hpp>
 #endif
 #include <loom/launch/spawn.hpp>
+#include <loom/optim/sharded_optimizer.hpp>
 #include <loom/reduce/module.hpp>
 #include <loom/reduce/reducer.hpp>
 #include <loom/sample/global_batch.hpp>
@@ -299,6 +306,7 @@ struct Variant {
   std::int64_t bytes = 0;          // gradient bytes reduced per step (0: not a reduction benchmark)
   std::int64_t wire_bytes = 0;     // bytes one rank's all-reduces carry per step, when they differ from `bytes`
   std::int64_t wide_buckets = -1;  // deterministic reducer: buckets sent again as int64 in the last step
+  std::int64_t state_bytes = -1;   // optimizer state this rank holds (an optimizer-step variant)
 };
 
 // One blocking all-reduce (and divide) per gradient tensor: the naive loop.
@@ -387,6 +395,28 @@ struct BackwardOnly : Variant {
     g_source = &grads;
     GradSource::apply(at::TensorList(params)).backward();
   }
+};
+
+// The reduction above and then Adam's step over the same parameters: unsharded (every rank steps
+// every element) or ZeRO stage 1 (loom::ShardedOptimizer: this rank's shard, then one all_gather per
+// 25 MiB bucket). The same gradients, the same bytes reduced; state_bytes: this rank's Adam state.
+struct AdamStep : Variant {
+  LoomMarked reduced;
+  torch::optim::Adam adam;
+  std::optional<loom::ShardedOptimizer<loom::GlooCommunicator>> sharded;
+  AdamStep(const std::vector<std::vector<std::int64_t>>& shapes, bool zero1)
+      : reduced(shapes), adam(reduced.params, torch::optim::AdamOptions(1e-4)) {
+    if (zero1) sharded.emplace(*g_comm, adam);
+    bytes = reduced.bytes;
+  }
+  void step() override {
+    reduced.step();
+    if (sharded)
+      sharded->step();
+    else
+      adam.step();
+  }
+  void finish() override { state_bytes = sharded ? sharded->state_bytes() : loom::optimizer_state_bytes(adam); }
 };
 
 // loom::Reducer launched from its hooks during that backward.
@@ -481,6 +511,8 @@ const std::vector<Entry>& entries() {
     e.push_back({"reduce_resnet50/backward_only", [] { return std::make_unique<BackwardOnly>(); }});
     e.push_back({"reduce_resnet50/loom_hooks", [] { return std::make_unique<LoomHooks>(); }});
     e.push_back({"reduce_resnet50/ddp", [] { return std::make_unique<Ddp>(); }});
+    e.push_back({"zero_resnet50/adam", [] { return std::make_unique<AdamStep>(resnet50_sizes(), false); }});
+    e.push_back({"zero_resnet50/adam_zero1", [] { return std::make_unique<AdamStep>(resnet50_sizes(), true); }});
     e.push_back({"overlap_cnn/after_backward", [] { return std::make_unique<OverlapCnn>(false); }});
     e.push_back({"overlap_cnn/overlapped", [] { return std::make_unique<OverlapCnn>(true); }});
     e.push_back({"reduce_resnet50/loom_hooks_no_recorder", [] { return std::make_unique<LoomHooks>(g_comm_off); }});
@@ -530,6 +562,7 @@ void run_variant(benchmark::State& state, std::int64_t id) {
   v.finish();
   if (v.wire_bytes > 0) state.counters["wire_bytes"] = static_cast<double>(v.wire_bytes);
   if (v.wide_buckets >= 0) state.counters["wide_buckets"] = static_cast<double>(v.wide_buckets);
+  if (v.state_bytes >= 0) state.counters["state_bytes"] = static_cast<double>(v.state_bytes);
   if (v.bytes > 0) {
     state.counters["bytes"] = static_cast<double>(v.bytes);
     state.counters["algbw_GBps"] =
@@ -595,6 +628,8 @@ void print_ratios(const std::map<std::string, std::vector<double>>& t) {
   // Deterministic mode's cost: floating loom's time over deterministic loom's (goal: at most 1.3x
   // slower, i.e. a ratio >= 1 / 1.3).
   print_ratio(t, "float_vs_deterministic", "reduce_resnet50/loom", "reduce_resnet50/loom_deterministic", 1.0 / 1.3);
+  // ZeRO stage 1's step against the unsharded step after the same reduction (goal: at most 5 % slower).
+  print_ratio(t, "zero1_vs_allreduce_step", "zero_resnet50/adam", "zero_resnet50/adam_zero1", 0.95);
   print_ratio(t, "overlapped_vs_after_backward", "overlap_cnn/after_backward", "overlap_cnn/overlapped", 1.0);
   // The flight recorder and the fingerprint: time without them over time with them (goal: at most
   // 1 % slower, a ratio >= 0.99).
@@ -851,6 +886,51 @@ int run_overhead(const std::string& which) {
 
 }  // namespace
 
+// ---- ZeRO stage 1's memory: `bench_reduce --zero-memory` -----------------------------------------
+//
+// On 2 and 4 ranks, stage 0 then stage 1, each a job of its own (so that each peak is its own): every
+// rank builds the ResNet-50 parameters, the reducer and Adam (AdamStep above), runs 3 steps, and
+// rank 0 prints the largest state and peak resident memory (getrusage's ru_maxrss) over the ranks:
+//   ZERO_MEMORY ranks=W stage=S state_MB=<this stage's Adam state per rank> peak_rss_MB=<peak per rank>
+namespace {
+
+int run_zero_memory() {
+  for (int world : {2, 4})
+    for (int stage : {0, 1})
+      loom::spawn(world,
+                  [&](const loom::Environment& env) {
+                    auto store = loom::rendezvous(env, {.timeout = std::chrono::seconds(300)});
+                    loom::GlooCommunicator comm(store, env.rank, env.world_size,
+                                                {.timeout = std::chrono::seconds(300), .check_metadata = false},
+                                                env.master_addr);
+                    g_comm = &comm;
+                    std::int64_t state = 0;
+                    {
+                      AdamStep v(resnet50_sizes(), stage == 1);
+                      for (int s = 0; s < 3; ++s) v.step();
+                      v.finish();
+                      state = v.state_bytes;
+                    }
+                    g_comm = nullptr;
+                    rusage usage{};
+                    getrusage(RUSAGE_SELF, &usage);
+                    const std::vector<std::int64_t> mine{state, static_cast<std::int64_t>(usage.ru_maxrss)};
+                    const auto all = loom::detail::all_gather_int64(comm, mine);
+                    std::int64_t max_state = 0, max_rss_kib = 0;
+                    for (const auto& r : all) {
+                      max_state = std::max(max_state, r[0]);
+                      max_rss_kib = std::max(max_rss_kib, r[1]);
+                    }
+                    if (env.rank == 0)
+                      std::printf("ZERO_MEMORY ranks=%d stage=%d state_MB=%.1f peak_rss_MB=%.0f\n", world, stage,
+                                  static_cast<double>(max_state) / 1e6, static_cast<double>(max_rss_kib) * 1024 / 1e6);
+                  },
+                  {.timeout = std::chrono::minutes(20)});
+  return 0;
+}
+
+}  // namespace
+
 // ---- on a GPU: `bench_reduce --cuda` ------------------------------------------------------------
 //
 // World size 1 over NCCL (NCCL refuses two ranks on one GPU), the ResNet-50 gradients as CUDA
@@ -981,6 +1061,7 @@ int run_cuda(int argc, char** argv) {
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);
   if (argc == 2 && args[1].rfind("--overhead=", 0) == 0) return run_overhead(args[1].substr(11));
+  if (argc == 2 && args[1] == "--zero-memory") return run_zero_memory();
   if (argc >= 2 && args[1] == "--cuda") {
 #if LOOM_HAS_NCCL && LOOM_TORCH_HAS_CUDA
     return run_cuda(argc, argv);

@@ -54,8 +54,8 @@ else
            tests/sample/test_sample tests/sample/test_sample_dist tests/reduce/test_reduce
            tests/reduce/test_reduce_dist tests/accumulate/test_accumulate tests/accumulate/test_accumulate_dist
            tests/train/test_train tests/train/test_train_dist tests/schedule/test_schedule
-           tests/schedule/test_schedule_rank)
-  suites=(comm launch trace trace-dist log collate sample sample_dist reduce reduce-dist accumulate accumulate-dist train train-dist
+           tests/schedule/test_schedule_rank tests/optim/test_optim)
+  suites=(optim comm launch trace trace-dist log collate sample sample_dist reduce reduce-dist accumulate accumulate-dist train train-dist
           recovery-dist schedule schedule_rank)
   multiplier=${LOOM_SANITIZE_TIMEOUT_MULTIPLIER:-4}
 fi

@@ -98,7 +98,8 @@ fi
 
 # 2. Debian's LibTorch: the multi-rank suites (real processes over Gloo, two hosts, mpirun), or
 #    everything with LOOM_TEST_DEBIAN=full. The multi-rank cases of each component are executables
-#    of their own (tests/*/meson.build), so this leg compiles only them.
+#    of their own (tests/*/meson.build), so this leg compiles only them, and optim (ranks as threads:
+#    the sharded optimizer state under LibTorch 1.13's string state keys).
 case "${LOOM_TEST_DEBIAN:-multirank}" in
   none) ;;
   full)
@@ -107,12 +108,12 @@ case "${LOOM_TEST_DEBIAN:-multirank}" in
     ;;
   multirank)
     suites=(launch trace-dist comm comm_mpirun comm_gloo_symbols dist_two_hosts log sample_dist accumulate-dist
-            reduce-dist train-dist recovery-dist schedule_rank)
+            reduce-dist train-dist recovery-dist schedule_rank optim)
     targets=(tests/launch/test_launch tests/trace/test_trace tests/comm/test_comm tests/comm/test_mpirun
              tests/dist/test_two_hosts
              tests/log/test_log tests/sample/test_sample_dist tests/accumulate/test_accumulate_dist
              tests/reduce/test_reduce_dist tests/train/test_train_dist tests/schedule/test_schedule_rank
-             examples/readme_loop)
+             tests/optim/test_optim examples/readme_loop)
     phase "build: Debian's LibTorch ($build_dir/, the multi-rank tests)" ninja -C "$build_dir" -j "$jobs" "${targets[@]}"
     phase "tests: Debian's LibTorch (multi-rank: ${#suites[@]} entries)" meson_test "$build_dir" "${suites[@]}"
     ;;

@@ -136,8 +136,10 @@ decltype(auto) with_kind(OptimizerKind kind, F&& f) {
   return f(KindTag<o::Adagrad, o::AdagradOptions, o::AdagradParamState>{});
 }
 
-/// The key of parameter `p` in `o.state()` (a std::string on LibTorch 1.13, the TensorImpl address on 2.x).
-inline auto state_key(const torch::optim::Optimizer& o, const at::Tensor& p) {
+/// The key of parameter `p` in `o.state()` (a std::string on LibTorch 1.13, the TensorImpl address on
+/// 2.x). A template, so that only the branch of this LibTorch's key type is compiled.
+template <class O = torch::optim::Optimizer>
+auto state_key(const O& o, const at::Tensor& p) {
   using Key = typename std::decay_t<decltype(o.state())>::key_type;
   if constexpr (std::is_same_v<Key, std::string>) {
     std::ostringstream text;  // what c10::guts::to_string(p.unsafeGetTensorImpl()) writes
