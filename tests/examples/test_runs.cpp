@@ -312,6 +312,20 @@ TEST_SUITE("runs") {
       CHECK(sharded.state_bytes <= whole.state_bytes / nproc + 4 * 64 * 2 * 8);
       CHECK(sharded.state_bytes >= whole.state_bytes / nproc - 4 * 64 * 2 * 8);
     }
+    // The floating reducer (no --deterministic): the unsharded run's bytes on the same world size.
+    std::map<int, std::string> floating;
+    for (int zero : {0, 1}) {
+      TempDir d;
+      const auto r = run(fmt::format("{} --subset 4 --epochs 1 --pretrain-epochs 1 --nproc 2 --zero {} --out {}",
+                                     q(example("finetune_icons")), zero, q(d.path)));
+      INFO(r.output);
+      REQUIRE(r.exit_code == 0);
+      std::smatch m;
+      const std::string line = line_starting(r.output, "result:");
+      REQUIRE(std::regex_search(line, m, hash_field));
+      floating[zero] = m[1].str();
+    }
+    CHECK(floating[1] == floating[0]);
     // Stopped mid-epoch on 2 ranks with --zero 1, resumed on 3 with --zero 1 and on 1 with --zero 0.
     TempDir stopped;
     const auto s = run(fmt::format("{} {} --nproc 2 --zero 1 --stop-after-steps 9 --out {}",

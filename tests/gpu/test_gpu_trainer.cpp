@@ -29,7 +29,9 @@ struct Run {
 };
 
 /// 96 sequences of lengths 8, 16, 24 (1 channel), 2 classes; a linear model on the mean; 2 epochs.
-Run train_on(loom::Backend backend) {
+/// `zero_stage` 1: TrainerOptions::zero_stage (loom::ShardedOptimizer over the group's communicator);
+/// `momentum`: SGD's (0: an optimizer without state).
+Run train_on(loom::Backend backend, int zero_stage = 0, double momentum = 0.0) {
   const auto env = loom::Environment{};  // rank 0 of 1
   loom::ProcessGroup pg(env, {.backend = backend});
   const torch::Device device(torch::kCUDA, 0);
@@ -43,10 +45,10 @@ Run train_on(loom::Backend backend) {
   }
   torch::nn::Linear model(1, 2);
   model->to(device);
-  torch::optim::SGD opt(model->parameters(), 0.5);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5).momentum(momentum));
   loom::BatchLoader loader(pg, shapes, [&](int64_t i) { return data[static_cast<std::size_t>(i)]; },
                            {.max_samples = 8, .batches_per_step = 2}, {.device = device});
-  loom::Trainer trainer(pg, *model, opt);
+  loom::Trainer trainer(pg, *model, opt, {.zero_stage = zero_stage});
   Run run;
   for (int64_t epoch = 0; epoch < 2; ++epoch)
     for (loom::Batch& b : trainer.epoch(loader, epoch)) {
@@ -78,6 +80,15 @@ TEST_CASE("Trainer on one GPU: NCCL and Gloo give the same losses and parameters
         (nccl.params[k] - gloo.params[k]).abs().max().item<double>() / gloo.params[k].abs().max().item<double>();
     CHECK(rel <= 1e-5);
   }
+}
+
+TEST_CASE("Trainer on one GPU: zero_stage 1 over NCCL gives stage 0's losses and parameters bit for bit") {
+  const Run sharded = train_on(loom::Backend::nccl, 1, 0.9);
+  const Run whole = train_on(loom::Backend::nccl, 0, 0.9);
+  REQUIRE_FALSE(sharded.losses.empty());
+  CHECK(sharded.losses == whole.losses);
+  REQUIRE(sharded.params.size() == whole.params.size());
+  for (std::size_t k = 0; k < whole.params.size(); ++k) CHECK(torch::equal(sharded.params[k], whole.params[k]));
 }
 
 TEST_CASE(
