@@ -17,17 +17,28 @@
 //   5. MASTER_ADDR is unreachable: a loom error naming MASTER_ADDR:MASTER_PORT within the rendezvous
 //      timeout + 1 s;
 //   6. one rank fails to connect (its peer advertises an address it cannot reach): the other throws at
-//      once, naming it.
+//      once, naming it;
+//   7. one host cut off, the other goes on alone: both ranks train with an elastic ProcessGroup (Gloo,
+//      min_ranks 1, 5 s timeout) and a deterministic loom::Trainer (tests/train/trainer_fixture.hpp's
+//      float64 MLP, 6 epochs of 5 steps, each batch 25 ms longer); after rank 0's third step the link
+//      goes down (as in case 3). Rank 0 (host A, which hosts the store) recovers once (lost: rank 1),
+//      finishes, and its final parameters are bit-identical (17 digits) to the same run as one
+//      uninterrupted rank on this host; every sample is trained once per epoch (the ranks' batch logs);
+//      rank 1 (cut off from the store) throws loom::CommError or TimeoutError within 3 x the timeout
+//      + 3 s, and its process ends.
 //
 // Usage: test_two_hosts [--only CASE] [READMELOOP]   (READMELOOP: path of build/examples/readme_loop, for
-//        case 1/2; CASE: one case's number, e.g. 4b)
+//        case 1/2; CASE: one case's number, e.g. 4b or 7)
 // Exit codes: 0 pass, 1 fail, 77 skipped (not root, no `ip` / `unshare`, or namespaces cannot be made).
 // Cleanup: the namespaces (and with them the veth pair) and the temporary folder are removed when the
 // test ends, also when a check fails or throws; a helper process removes them if this process is
 // killed. Rank processes die with this process (PR_SET_PDEATHSIG survives the exec chain
 // ip netns exec -> unshare -> sh -> program, which never forks).
-// Worker mode (the ranks of cases 3-6 and 4b): test_two_hosts --worker join|loop OUTFILE.
+// Worker mode (the ranks of cases 3-6 and 4b; case 7's ranks and its reference): test_two_hosts --worker
+// join|loop|elastic OUTFILE.
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fcntl.h>
@@ -44,13 +55,19 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <thread>
+#include <typeinfo>
 #include <unistd.h>
 #include <vector>
 
+#include <fmt/ranges.h>
 #include <netdb.h>
 
 #include <loom/comm/gloo.hpp>
+#include <loom/detail/exception_text.hpp>
+#include <loom/dist/process_group.hpp>
 #include <loom/launch/environment.hpp>
+
+#include "train/trainer_fixture.hpp"
 
 namespace fs = std::filesystem;
 
@@ -140,6 +157,85 @@ int worker(const std::string& mode, const std::string& out_path) {
     report.put("type", "other");
     report.put("what", e.what());
   }
+  return 3;
+}
+
+// Worker mode "elastic" (case 7): a deterministic loom::Trainer on an elastic ProcessGroup (Gloo,
+// min_ranks 1, timeout LOOM_TEST_TIMEOUT_MS) over the trainer tests' data and float64 MLP
+// (tests/train/trainer_fixture.hpp), kElasticEpochs epochs, each batch LOOM_TEST_SLEEP_MS longer.
+// With WORLD_SIZE=1 the same run on loom's one-process communicator: the reference. Writes
+// "steps N" to OUTFILE after every optimizer step; OUTFILE.batches gets "epoch step generation
+// index..." per batch passed to backward, OUTFILE.params the final parameters (17 digits).
+
+// 3 batches of at most 2 samples per step: 5 steps an epoch over the 29 samples.
+const loom::GlobalBatchOptions kElasticPlan{.seed = 3, .max_samples = 2, .batches_per_step = 3};
+constexpr int kElasticEpochs = 6;
+
+int elastic_worker(const std::string& out_path) {
+  Report report(out_path);
+  at::set_num_threads(1);  // the same kernels' results in every run: deterministic mode needs it
+  std::string host;
+  report.put("hostname_loopback", hostname_is_loopback(host) ? "1" : "0");
+  report.put("hostname", host);
+  const auto timeout = std::chrono::milliseconds(std::atoll(std::getenv("LOOM_TEST_TIMEOUT_MS")));
+  const auto pause = std::chrono::milliseconds(std::atoll(std::getenv("LOOM_TEST_SLEEP_MS")));
+  report.put("t_start", std::to_string(now_ns()));
+  std::FILE* batches = std::fopen((out_path + ".batches").c_str(), "w");
+  try {
+    const auto env = loom::Environment::from_env();
+    loom::ProcessGroupOptions options{.backend = env.world_size == 1 ? loom::Backend::local : loom::Backend::gloo,
+                                      .timeout = timeout};
+    if (env.world_size > 1) options.elastic = loom::ElasticOptions{.min_ranks = 1};
+    loom::ProcessGroup pg(env, options);
+    report.put("t_joined", std::to_string(now_ns()));
+    loom::test::Mlp model(at::kDouble);
+    torch::optim::SGD sgd(model.params, torch::optim::SGDOptions(0.05).momentum(0.9));
+    loom::BatchLoader loader(pg, loom::test::trainer_shapes(), loom::test::trainer_fetch(), kElasticPlan);
+    loom::Trainer trainer(pg, model.list(), sgd, {.reducer = {.deterministic = true}});
+    trainer.on_step([&](const loom::SyncResult&) { report.put("steps", std::to_string(trainer.steps())); });
+    trainer.on_recovery([&](const loom::Recovery& r) {
+      report.put("t_recovered", std::to_string(now_ns()));
+      report.put("recovered_at_steps", std::to_string(trainer.steps()));
+      report.put("recovery",
+                 fmt::format("lost [{}] members [{}] epoch {} step {} {:.3f} s; cause: {}", fmt::join(r.lost, ","),
+                             fmt::join(r.members, ","), r.epoch, r.step, r.seconds, r.cause));
+    });
+    for (int64_t epoch = 0; epoch < kElasticEpochs; ++epoch) {
+      for (loom::Batch& b : trainer.epoch(loader, epoch)) {
+        std::fprintf(batches, "%lld %lld %d", static_cast<long long>(epoch), static_cast<long long>(b.step),
+                     pg.generation());
+        for (int64_t i : b.indices) std::fprintf(batches, " %lld", static_cast<long long>(i));
+        std::fprintf(batches, "\n");
+        std::fflush(batches);
+        std::this_thread::sleep_for(pause);
+        trainer.backward(loom::test::mean_loss(model, b), b);
+      }
+    }
+    loom::test::write_values(out_path + ".params", model.params);
+    report.put("t_end", std::to_string(now_ns()));
+    report.put("steps", std::to_string(trainer.steps()));
+    report.put("recoveries", std::to_string(trainer.recoveries().size()));
+    for (const loom::Recovery& r : trainer.recoveries()) {
+      report.put("lost", fmt::format("{}", fmt::join(r.lost, ",")));
+      report.put("members", fmt::format("{}", fmt::join(r.members, ",")));
+    }
+    report.put("ok", "1");
+    std::fclose(batches);
+    return 0;
+  } catch (const loom::TimeoutError& e) {
+    report.put("t_error", std::to_string(now_ns()));
+    report.put("type", "TimeoutError");
+    report.put("what", e.what());
+  } catch (const loom::CommError& e) {
+    report.put("t_error", std::to_string(now_ns()));
+    report.put("type", "CommError");
+    report.put("what", e.what());
+  } catch (const std::exception& e) {
+    report.put("t_error", std::to_string(now_ns()));
+    report.put("type", "other");
+    report.put("what", fmt::format("{} ({})", loom::detail::exception_text(e), typeid(e).name()));
+  }
+  std::fclose(batches);
   return 3;
 }
 
@@ -350,8 +446,10 @@ class Hosts {
 };
 
 /// Waits for `pids` until `deadline`; kills what is left. Returns the exit codes (-SIG for a signal,
-/// -1000 when killed at the deadline).
-std::vector<int> wait_all(const std::vector<pid_t>& pids, Clock::time_point deadline) {
+/// -1000 when killed at the deadline); `ended`, when given, gets when each one ended (now_ns()).
+std::vector<int> wait_all(const std::vector<pid_t>& pids, Clock::time_point deadline,
+                          std::vector<std::int64_t>* ended = nullptr) {
+  if (ended != nullptr) ended->assign(pids.size(), 0);
   std::vector<int> codes(pids.size(), 0);
   std::vector<bool> done(pids.size(), false);
   std::size_t left = pids.size();
@@ -363,6 +461,7 @@ std::vector<int> wait_all(const std::vector<pid_t>& pids, Clock::time_point dead
         done[i] = true;
         --left;
         codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+        if (ended != nullptr) (*ended)[i] = now_ns();
       }
     }
     if (left == 0) break;
@@ -372,6 +471,7 @@ std::vector<int> wait_all(const std::vector<pid_t>& pids, Clock::time_point dead
           ::kill(pids[i], SIGKILL);
           ::waitpid(pids[i], nullptr, 0);
           codes[i] = -1000;
+          if (ended != nullptr) (*ended)[i] = now_ns();
         }
       break;
     }
@@ -394,6 +494,38 @@ std::string random_hex(int bytes) {
   std::string out;
   for (int i = 0; i < bytes; ++i) out += fmt::format("{:02x}", rd() & 0xff);
   return out;
+}
+
+/// Every epoch's samples counted from the workers' batch logs ("epoch step generation index..."
+/// lines, elastic_worker): for each step, the batches of the last generation that ran it (an
+/// attempt a cut interrupted is replaced by the survivors' re-run). counts[epoch][sample index].
+std::map<std::int64_t, std::map<std::int64_t, int>> trained_counts(const std::vector<std::string>& logs) {
+  struct Line {
+    int generation = 0;
+    std::vector<std::int64_t> indices;
+  };
+  std::map<std::pair<std::int64_t, std::int64_t>, std::vector<Line>> by_step;
+  for (const auto& path : logs) {
+    std::ifstream in(path);
+    std::string text;
+    while (std::getline(in, text)) {
+      std::istringstream fields(text);
+      std::int64_t epoch = 0, step = 0;
+      Line line;
+      if (!(fields >> epoch >> step >> line.generation)) continue;
+      for (std::int64_t i = 0; fields >> i;) line.indices.push_back(i);
+      by_step[{epoch, step}].push_back(std::move(line));
+    }
+  }
+  std::map<std::int64_t, std::map<std::int64_t, int>> counts;
+  for (const auto& [key, lines] : by_step) {
+    int last = 0;
+    for (const Line& l : lines) last = std::max(last, l.generation);
+    for (const Line& l : lines)
+      if (l.generation == last)
+        for (std::int64_t i : l.indices) ++counts[key.first][i];
+  }
+  return counts;
 }
 
 struct Suite {
@@ -548,6 +680,138 @@ struct Suite {
       fmt::print("    rank {}: {:.3f} s after the link went down: {}\n", r, after, rep["what"].substr(0, 300));
     }
     hosts.link(true);
+    end(name, logs);
+  }
+
+  /// Case 7: the link goes down mid-training under an elastic group and a deterministic Trainer:
+  /// host A (rank 0, which hosts the store) goes on alone and ends with the uninterrupted run's
+  /// weights; host B (rank 1, cut off from the store) ends with a loom error, in bounded time.
+  void cut_off_elastic() {
+    const std::string name = "7-cut-off-elastic";
+    begin(name);
+    constexpr int kTimeoutMs = 5000;  // the ranks' Gloo and store timeout: the cut is seen through it
+    constexpr int kSleepMs = 25;      // per batch: 30 steps of 1-2 batches per rank, about 1.5 s in all
+    constexpr std::int64_t kCutAfterSteps = 3;
+    std::vector<std::string> logs;
+
+    // The reference: the same program as one rank on this host (loom's one-process communicator),
+    // uninterrupted. Deterministic mode gives the same bits on any world size.
+    const std::string ref_out = (dir / (name + ".reference.out")).string();
+    const std::string ref_log = (dir / (name + ".reference.log")).string();
+    logs.push_back(ref_log);
+    logs.push_back(ref_out);
+    auto ref_env = rank_env(0, "127.0.0.1", kTimeoutMs);
+    ref_env["WORLD_SIZE"] = ref_env["GROUP_WORLD_SIZE"] = "1";
+    ref_env["LOOM_TEST_SLEEP_MS"] = "0";
+    ref_env["LOOM_TRACE_DIR"] = (dir / "trace").string();  // the flight recorder's records, if any
+    const pid_t ref_pid = start_process({self, "--worker", "elastic", ref_out}, ref_env, ref_log);
+    const int ref_code = wait_all({ref_pid}, Clock::now() + std::chrono::seconds(120))[0];
+    auto ref = read_report(ref_out);
+    const std::vector<double> reference = loom::test::read_values(ref_out + ".params");
+    check(ref_code == 0 && ref["ok"] == "1",
+          fmt::format("the reference run (1 rank) ended well (exit {}; {}: {})", ref_code, ref["type"], ref["what"]));
+    // 32 values: the MLP's 3x5 + 5 + 5x2 + 2 parameters.
+    check(reference.size() == 32, fmt::format("the reference wrote 32 parameter values, not {}", reference.size()));
+    check(ref["recoveries"] == "0", "the reference had no recovery: " + ref["recoveries"]);
+    const auto ref_counts = trained_counts({ref_out + ".batches"});
+    check(static_cast<int>(ref_counts.size()) == kElasticEpochs,
+          fmt::format("the reference ran {} epochs, not {}", ref_counts.size(), kElasticEpochs));
+
+    // The two ranks; the link goes down once rank 0 reports kCutAfterSteps optimizer steps.
+    std::vector<pid_t> pids;
+    std::vector<std::string> outs;
+    for (int r = 0; r < 2; ++r) {
+      outs.push_back((dir / fmt::format("{}.rank{}.out", name, r)).string());
+      const std::string log = (dir / fmt::format("{}.rank{}.log", name, r)).string();
+      logs.push_back(log);
+      logs.push_back(outs[r]);
+      auto env = rank_env(r, Hosts::kAddrA, kTimeoutMs);
+      env["LOOM_TEST_SLEEP_MS"] = std::to_string(kSleepMs);
+      env["LOOM_TRACE_DIR"] = (dir / "trace").string();
+      pids.push_back(hosts.start(r, {self, "--worker", "elastic", outs[r]}, env, log));
+    }
+    std::int64_t steps_at_cut = -1;
+    const auto ready_deadline = Clock::now() + std::chrono::seconds(60);
+    while (Clock::now() < ready_deadline) {
+      auto rep = read_report(outs[0]);
+      if (rep.count("steps") && std::atoll(rep["steps"].c_str()) >= kCutAfterSteps) {
+        steps_at_cut = std::atoll(rep["steps"].c_str());
+        break;
+      }
+      if (rep.count("t_error") || ::waitpid(pids[0], nullptr, WNOHANG) != 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    const std::int64_t t_cut = now_ns();
+    const bool cut = check(steps_at_cut >= kCutAfterSteps,
+                           fmt::format("rank 0 reported {} optimizer steps before the cut", kCutAfterSteps));
+    if (cut) hosts.link(false);
+    std::vector<std::int64_t> ended;
+    // Both end well within this (rank 0 about timeout + 2 s after the cut; rank 1's bound below).
+    const auto codes = wait_all(pids, Clock::now() + std::chrono::seconds(40), &ended);
+    hosts.link(true);
+    auto r0 = read_report(outs[0]);
+    auto r1 = read_report(outs[1]);
+    if (!cut) {
+      end(name, logs);
+      return;
+    }
+
+    // Host A goes on alone: one recovery that lost rank 1, the run completed, the reference's weights.
+    check(codes[0] == 0 && r0["ok"] == "1",
+          fmt::format("rank 0 completed the run (exit {}; {}: {})", codes[0], r0["type"], r0["what"]));
+    check(r0["recoveries"] == "1", fmt::format("rank 0 reports 1 recovery, not '{}'", r0["recoveries"]));
+    check(r0["lost"] == "1" && r0["members"] == "0",
+          fmt::format("rank 0's recovery lost rank 1 and kept rank 0 (lost [{}], members [{}])", r0["lost"],
+                      r0["members"]));
+    const std::int64_t recovered_at =
+        r0.count("recovered_at_steps") ? std::atoll(r0["recovered_at_steps"].c_str()) : -1;
+    check(
+        recovered_at >= steps_at_cut && r0["steps"] == ref["steps"] && recovered_at < std::atoll(ref["steps"].c_str()),
+        fmt::format("the cut came mid-run: recovered after {} of {} steps (cut after {}); rank 0 ended with {}",
+                    recovered_at, ref["steps"], steps_at_cut, r0["steps"]));
+    const double recovered_after =
+        r0.count("t_recovered") ? (std::atoll(r0["t_recovered"].c_str()) - t_cut) / 1e9 : 1e9;
+    // The all-reduce's timeout, the flight recorder's exchange (at most 2 x timeout / 8), the agreement
+    // (rank 1's heartbeat stopped at the cut: dead at once) and a step's worth of slack.
+    check(recovered_after <= kTimeoutMs / 1000.0 + 3.0,
+          fmt::format("rank 0 recovered {:.3f} s after the cut (bound: timeout {} s + 3 s)", recovered_after,
+                      kTimeoutMs / 1000.0));
+    const std::vector<double> params = loom::test::read_values(outs[0] + ".params");
+    std::size_t differ = 0;
+    for (std::size_t k = 0; k < std::min(params.size(), reference.size()); ++k) differ += params[k] != reference[k];
+    check(params.size() == reference.size() && differ == 0 && !reference.empty(),
+          fmt::format("rank 0's final parameters are bit-identical to the uninterrupted 1-rank run's ({} values, "
+                      "reference {}, {} differ)",
+                      params.size(), reference.size(), differ));
+    // Every sample trained once per epoch: rank 1's batches until the cut, rank 0's throughout (the
+    // step the cut interrupted counted from its re-run by rank 0 alone, generation 1).
+    const auto counts = trained_counts({outs[0] + ".batches", outs[1] + ".batches"});
+    check(static_cast<int>(counts.size()) == kElasticEpochs,
+          fmt::format("the batch logs cover {} epochs, not {}", counts.size(), kElasticEpochs));
+    for (const auto& [epoch, per_sample] : counts) {
+      int once = 0;
+      for (const auto& [index, n] : per_sample) once += n == 1 && index >= 0 && index < loom::test::kTrainerSamples;
+      check(once == loom::test::kTrainerSamples && per_sample.size() == std::size_t{loom::test::kTrainerSamples},
+            fmt::format("epoch {}: {} of {} samples trained exactly once ({} distinct)", epoch, once,
+                        loom::test::kTrainerSamples, per_sample.size()));
+    }
+
+    // Host B, cut off from the store: a loom error, in bounded time, and the process ends.
+    check(r1["type"] == "TimeoutError" || r1["type"] == "CommError",
+          fmt::format("rank 1 threw a loom error (got '{}': {})", r1["type"], r1["what"]));
+    const double error_after = r1.count("t_error") ? (std::atoll(r1["t_error"].c_str()) - t_cut) / 1e9 : 1e9;
+    const double ended_after = (ended[1] - t_cut) / 1e9;
+    check(codes[1] == 3, fmt::format("rank 1 ended by itself through its error path (exit {})", codes[1]));
+    // Its all-reduce's timeout, the flight recorder's exchange (at most 2 x timeout / 8), the
+    // agreement's store requests bounded by the timeout (the store is out of reach), and slack.
+    check(error_after <= 3 * kTimeoutMs / 1000.0 + 3.0,
+          fmt::format("rank 1 threw {:.3f} s after the cut (bound: 3 x timeout + 3 s)", error_after));
+    check(ended_after <= 3 * kTimeoutMs / 1000.0 + 5.0,
+          fmt::format("rank 1's process ended {:.3f} s after the cut (bound: 3 x timeout + 5 s)", ended_after));
+    fmt::print("    cut after {} steps; rank 0: {} ({:.3f} s after the cut), {} steps\n", steps_at_cut,
+               r0["recovery"].substr(0, 300), recovered_after, r0["steps"]);
+    fmt::print("    rank 1: {}: {:.3f} s after the cut, exited {:.3f} s after: {}\n", r1["type"], error_after,
+               ended_after, r1["what"].substr(0, 400));
     end(name, logs);
   }
 
@@ -717,7 +981,8 @@ int controller(int argc, char** argv) {
           {"4", [&] { suite.killed_peer(); }},
           {"4b", [&] { suite.killed_peer_mid_message(); }},
           {"5", [&] { suite.unreachable_master(); }},
-          {"6", [&] { suite.failed_connect(); }}};
+          {"6", [&] { suite.failed_connect(); }},
+          {"7", [&] { suite.cut_off_elastic(); }}};
       int ran = 0;
       for (const auto& [id, run_case] : cases)
         if (only.empty() || only == id) {
@@ -736,7 +1001,8 @@ int controller(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 4 && std::string(argv[1]) == "--worker") return worker(argv[2], argv[3]);
+  if (argc == 4 && std::string(argv[1]) == "--worker")
+    return std::string(argv[2]) == "elastic" ? elastic_worker(argv[3]) : worker(argv[2], argv[3]);
   try {
     return controller(argc, argv);
   } catch (const std::exception& e) {
