@@ -202,6 +202,7 @@ class GlooCommunicator {
           if (auto p = peers.lock()) p->shutdown_connections();
         },
         static_cast<int>(detail::next_in_process(detail::Counted::flight_recorder)));
+    trace_->start_watcher();
     std::weak_ptr<detail::TraceExchange> weak = trace_;
     recorder->set_failure_handler([weak](const std::string& error) {
       auto t = weak.lock();

@@ -35,6 +35,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,38 +94,58 @@ inline std::string launch_ranks_text(const std::vector<int>& list) {
 inline constexpr std::size_t kWatchedRanks = 64;
 
 /// A rank's membership of an elastic job: its heartbeat thread and the survivors' agreement
-/// (see the file comment). Not copyable or movable (the thread holds `this`).
+/// (see the file comment). Not copyable or movable.
+/// A store request that never returns (a host cut off from the job's store: c10d's TCPStore waits
+/// for a reply without a bound on LibTorch 2.x) never holds this rank: the agreement's requests run
+/// on a helper thread, and when this rank's own heartbeat has not reached the store for
+/// `dead_after` + 2 heartbeats (the others then count it dead too), agree() throws loom::CommError
+/// ("cut off") and leaves the helper behind; the destructor does not wait for a heartbeat thread
+/// stuck in a request either. Such threads hold only the shared state below and end when their
+/// request does.
 class Membership {
  public:
   /// Starts the heartbeat of `launch_rank` in `store` (the job's store, as loom::rendezvous returns it).
   /// Throws: loom::InvalidArgument for options out of range; the store's errors.
   Membership(c10::intrusive_ptr<c10d::Store> store, int launch_rank, int world_size, ElasticOptions options,
              std::chrono::milliseconds timeout)
-      : store_(std::move(store)), me_(launch_rank), options_(options), timeout_(timeout) {
-    if (options_.min_ranks < 1 || options_.min_ranks > world_size)
+      : state_(std::make_shared<State>()) {
+    if (options.min_ranks < 1 || options.min_ranks > world_size)
       throw InvalidArgument(
-          fmt::format("ElasticOptions::min_ranks = {} is outside [1, world size {}]", options_.min_ranks, world_size));
-    if (options_.heartbeat.count() < 1 || options_.dead_after < 2 * options_.heartbeat)
+          fmt::format("ElasticOptions::min_ranks = {} is outside [1, world size {}]", options.min_ranks, world_size));
+    if (options.heartbeat.count() < 1 || options.dead_after < 2 * options.heartbeat)
       throw InvalidArgument(fmt::format(
           "ElasticOptions: heartbeat = {} ms and dead_after = {} ms (need heartbeat >= 1 ms and dead_after >= "
           "2 x heartbeat)",
-          options_.heartbeat.count(), options_.dead_after.count()));
-    for (int r = 0; r < world_size; ++r) members_.push_back(r);
-    side_ = second_connection(store_, timeout_);
-    beat_once();
-    beating_ = std::thread([this] { beat(); });
+          options.heartbeat.count(), options.dead_after.count()));
+    State& s = *state_;
+    s.store = std::move(store);
+    s.me = launch_rank;
+    s.options = options;
+    s.timeout = timeout;
+    for (int r = 0; r < world_size; ++r) s.members.push_back(r);
+    s.side = second_connection(s.store, timeout);
+    s.beat_once();
+    beating_ = std::thread([weak = std::weak_ptr<State>(state_)] { State::beat(weak); });
   }
   Membership(const Membership&) = delete;
   Membership& operator=(const Membership&) = delete;
+  /// Stops the heartbeat: waits for its thread up to 2 heartbeats + 1 s, then leaves a thread that
+  /// is stuck in a store request behind (it ends when the request does).
   ~Membership() {
-    stop_ = true;
-    if (beating_.joinable()) beating_.join();
+    state_->stop = true;
+    const auto until = std::chrono::steady_clock::now() + 2 * state_->options.heartbeat + std::chrono::seconds(1);
+    while (!state_->beat_ended && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (state_->beat_ended)
+      beating_.join();
+    else
+      beating_.detach();
   }
 
-  [[nodiscard]] int generation() const noexcept { return generation_; }
-  [[nodiscard]] const std::vector<int>& members() const noexcept { return members_; }
-  [[nodiscard]] const ElasticOptions& options() const noexcept { return options_; }
-  [[nodiscard]] int launch_rank() const noexcept { return me_; }
+  [[nodiscard]] int generation() const noexcept { return state_->generation; }
+  [[nodiscard]] const std::vector<int>& members() const noexcept { return state_->members; }
+  [[nodiscard]] const ElasticOptions& options() const noexcept { return state_->options; }
+  [[nodiscard]] int launch_rank() const noexcept { return state_->me; }
 
   struct Agreement {
     std::vector<int> members;       // launch ranks, ascending
@@ -134,11 +155,27 @@ class Membership {
 
   /// Joins the agreement of the current generation with `progress` (and this rank's `node`) and
   /// returns the next group; moves to the next generation.
-  /// Throws: loom::CommError when the agreed group leaves this rank out; loom::TimeoutError when a
-  ///         member neither joins nor goes silent within the timeout; the store's errors.
+  /// Throws: loom::CommError when the agreed group leaves this rank out or this rank is cut off from
+  ///         the store (its heartbeat did not reach it for dead_after + 2 heartbeats, or a request
+  ///         failed); loom::TimeoutError when a member neither joins nor goes silent within the timeout.
   Agreement agree(int64_t progress, int node) {
+    std::shared_ptr<State> state = state_;
+    auto task = std::make_shared<std::packaged_task<Agreement()>>(
+        [state, progress, node] { return state->agree_in_store(progress, node); });
+    std::future<Agreement> result = task->get_future();
+    std::thread([task] { (*task)(); }).detach();  // holds the state, not this
+    const auto cut_off_after = state->options.dead_after + 2 * state->options.heartbeat;
+    while (result.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) {
+      const auto silent = std::chrono::steady_clock::now() - state->last_beat.load();
+      if (silent > cut_off_after && !state->beat_ended)
+        throw CommError(fmt::format(
+            "elastic: launch rank {} is cut off from the job's store: its heartbeat has not reached the store for "
+            "{} ms (ElasticOptions::dead_after = {} ms), so the others count it dead; it leaves the job",
+            state->me, std::chrono::duration_cast<std::chrono::milliseconds>(silent).count(),
+            state->options.dead_after.count()));
+    }
     try {
-      return agree_in_store(progress, node);
+      return result.get();
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {  // c10d's own errors: the store did not answer
@@ -146,120 +183,137 @@ class Membership {
       throw CommError(fmt::format(
           "elastic: launch rank {} could not reach the job's store during the agreement of generation {} ({}): "
           "this rank is cut off from the job and leaves it",
-          me_, generation_, text.substr(0, text.find('\n'))));
+          state->me, state->generation, text.substr(0, text.find('\n'))));
     }
   }
 
  private:
-  Agreement agree_in_store(int64_t progress, int node) {
-    const auto start = std::chrono::steady_clock::now();
-    const std::string base = fmt::format("loom/elastic/g{}/", generation_);
-    store_->set(base + fmt::format("joined/{}", me_), store_bytes(fmt::format("{}:{}", progress, node)));
-    std::string decided;
-    for (;;) {
-      const auto now = std::chrono::steady_clock::now();
-      if (store_->check({base + "members"})) {
-        decided = store_text(store_->get(base + "members"));
-        break;
+  /// Everything the heartbeat thread and the agreement's helper read and write (shared with them,
+  /// so that a thread left in a store request never touches a destroyed Membership).
+  struct State {
+    c10::intrusive_ptr<c10d::Store> store;
+    c10::intrusive_ptr<c10d::Store> side;
+    int me = 0;
+    ElasticOptions options;
+    std::chrono::milliseconds timeout{0};
+    struct Seen {
+      std::string beat;                             // the member's last heartbeat value seen
+      std::chrono::steady_clock::time_point since;  // when it was first seen
+    };
+    std::mutex mutex;  // members and seen (the heartbeat thread reads and writes them too)
+    std::vector<int> members;
+    std::map<int, Seen> seen;
+    int generation = 0;
+    uint64_t beats = 0;
+    std::atomic<bool> stop{false};
+    std::atomic<bool> beat_ended{false};
+    std::atomic<std::chrono::steady_clock::time_point> last_beat{std::chrono::steady_clock::now()};
+
+    void beat_once() {
+      side->set(fmt::format("loom/elastic/beat/{}", me), store_bytes(std::to_string(beats++)));
+      last_beat = std::chrono::steady_clock::now();
+    }
+
+    // When member m's beat last changed as seen from here (now, when first seen or changed).
+    std::chrono::steady_clock::time_point observe(c10d::Store& from, int m, std::chrono::steady_clock::time_point now) {
+      const std::string key = fmt::format("loom/elastic/beat/{}", m);
+      std::string beat = from.check({key}) ? store_text(from.get(key)) : std::string();
+      const std::lock_guard lock(mutex);
+      auto it = seen.find(m);
+      if (it == seen.end() || it->second.beat != beat) {
+        seen[m] = {std::move(beat), now};
+        return now;
       }
-      std::vector<std::pair<int, std::string>> joined;
-      bool open = false;  // a member neither joined nor is dead yet
-      for (int m : members_) {
-        const std::string key = base + fmt::format("joined/{}", m);
-        if (store_->check({key})) {
-          joined.emplace_back(m, store_text(store_->get(key)));
-          continue;
+      return it->second.since;
+    }
+
+    static void beat(const std::weak_ptr<State>& weak) {
+      for (;;) {
+        std::shared_ptr<State> self = weak.lock();
+        if (!self || self->stop) break;
+        const std::chrono::milliseconds pause = self->options.heartbeat;
+        self.reset();
+        std::this_thread::sleep_for(pause);
+        self = weak.lock();
+        if (!self || self->stop) break;
+        try {
+          self->beat_once();
+          std::vector<int> watched;
+          {
+            const std::lock_guard lock(self->mutex);
+            if (self->members.size() <= kWatchedRanks) watched = self->members;
+          }
+          const auto now = std::chrono::steady_clock::now();
+          for (int m : watched)
+            if (m != self->me) (void)self->observe(*self->side, m, now);
+        } catch (const std::exception&) {
+          // The store did not answer (a loaded or cut-off link): try again next time; if it is gone
+          // for good, agree() sees the heartbeat fall silent.
         }
-        if (now - observe(*store_, m, now) < options_.dead_after) open = true;
       }
-      if (!open) {
-        std::string proposal;
-        for (const auto& [m, p] : joined) proposal += fmt::format("{}{}:{}", proposal.empty() ? "" : ",", m, p);
-        decided = store_text(store_->compareSet(base + "members", {}, store_bytes(proposal)));
-        break;
-      }
-      if (now - start > timeout_)
-        throw TimeoutError("elastic agreement", me_, seconds_since(start),
-                           fmt::format("generation {}: members [{}] neither joined the agreement nor went silent",
-                                       generation_, launch_ranks_text(members_)));
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (auto self = weak.lock()) self->beat_ended = true;
     }
-    Agreement out;  // "launch:progress:node,..."
-    for (std::size_t at = 0; at < decided.size();) {
-      std::size_t comma = decided.find(',', at);
-      if (comma == std::string::npos) comma = decided.size();
-      const std::string item = decided.substr(at, comma - at);
-      const auto first = item.find(':'), second = item.find(':', first + 1);
-      out.members.push_back(std::stoi(item.substr(0, first)));
-      out.progress.push_back(std::stoll(item.substr(first + 1, second - first - 1)));
-      out.nodes.push_back(std::stoi(item.substr(second + 1)));
-      at = comma + 1;
-    }
-    const std::vector<int>& next = out.members;
-    if (std::find(next.begin(), next.end(), me_) == next.end())
-      throw CommError(fmt::format(
-          "elastic: launch rank {} was left out of the group of generation {} (members [{}]): its heartbeat or its "
-          "arrival at the agreement came later than ElasticOptions::dead_after = {} ms",
-          me_, generation_ + 1, launch_ranks_text(next), options_.dead_after.count()));
-    {
-      const std::lock_guard lock(mutex_);
-      members_ = next;
-    }
-    ++generation_;
-    return out;
-  }
 
- private:
-  void beat_once() { side_->set(fmt::format("loom/elastic/beat/{}", me_), store_bytes(std::to_string(beats_++))); }
-
-  // When member m's beat last changed as seen from here (now, when first seen or changed).
-  std::chrono::steady_clock::time_point observe(c10d::Store& store, int m, std::chrono::steady_clock::time_point now) {
-    const std::string key = fmt::format("loom/elastic/beat/{}", m);
-    std::string beat = store.check({key}) ? store_text(store.get(key)) : std::string();
-    const std::lock_guard lock(mutex_);
-    auto it = seen_.find(m);
-    if (it == seen_.end() || it->second.beat != beat) {
-      seen_[m] = {std::move(beat), now};
-      return now;
-    }
-    return it->second.since;
-  }
-
-  void beat() {
-    while (!stop_) {
-      std::this_thread::sleep_for(options_.heartbeat);
-      try {
-        beat_once();
-        std::vector<int> members;
-        {
-          const std::lock_guard lock(mutex_);
-          if (members_.size() <= kWatchedRanks) members = members_;
-        }
+    Agreement agree_in_store(int64_t progress, int node) {
+      const auto start = std::chrono::steady_clock::now();
+      const std::string base = fmt::format("loom/elastic/g{}/", generation);
+      store->set(base + fmt::format("joined/{}", me), store_bytes(fmt::format("{}:{}", progress, node)));
+      std::string decided;
+      for (;;) {
         const auto now = std::chrono::steady_clock::now();
-        for (int m : members)
-          if (m != me_) (void)observe(*side_, m, now);
-      } catch (const std::exception&) {
-        // The store did not answer (a loaded or cut-off link): try again next time; if it is gone
-        // for good, the main thread's next store request says so.
+        if (store->check({base + "members"})) {
+          decided = store_text(store->get(base + "members"));
+          break;
+        }
+        std::vector<std::pair<int, std::string>> joined;
+        bool open = false;  // a member neither joined nor is dead yet
+        for (int m : members) {
+          const std::string key = base + fmt::format("joined/{}", m);
+          if (store->check({key})) {
+            joined.emplace_back(m, store_text(store->get(key)));
+            continue;
+          }
+          if (now - observe(*store, m, now) < options.dead_after) open = true;
+        }
+        if (!open) {
+          std::string proposal;
+          for (const auto& [m, p] : joined) proposal += fmt::format("{}{}:{}", proposal.empty() ? "" : ",", m, p);
+          decided = store_text(store->compareSet(base + "members", {}, store_bytes(proposal)));
+          break;
+        }
+        if (now - start > timeout)
+          throw TimeoutError("elastic agreement", me, seconds_since(start),
+                             fmt::format("generation {}: members [{}] neither joined the agreement nor went silent",
+                                         generation, launch_ranks_text(members)));
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
+      Agreement out;  // "launch:progress:node,..."
+      for (std::size_t at = 0; at < decided.size();) {
+        std::size_t comma = decided.find(',', at);
+        if (comma == std::string::npos) comma = decided.size();
+        const std::string item = decided.substr(at, comma - at);
+        const auto first = item.find(':'), second = item.find(':', first + 1);
+        out.members.push_back(std::stoi(item.substr(0, first)));
+        out.progress.push_back(std::stoll(item.substr(first + 1, second - first - 1)));
+        out.nodes.push_back(std::stoi(item.substr(second + 1)));
+        at = comma + 1;
+      }
+      const std::vector<int>& next = out.members;
+      if (std::find(next.begin(), next.end(), me) == next.end())
+        throw CommError(fmt::format(
+            "elastic: launch rank {} was left out of the group of generation {} (members [{}]): its heartbeat or its "
+            "arrival at the agreement came later than ElasticOptions::dead_after = {} ms",
+            me, generation + 1, launch_ranks_text(next), options.dead_after.count()));
+      {
+        const std::lock_guard lock(mutex);
+        members = next;
+      }
+      ++generation;
+      return out;
     }
-  }
-
-  c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::Store> side_;
-  int me_;
-  ElasticOptions options_;
-  std::chrono::milliseconds timeout_;
-  struct Seen {
-    std::string beat;                             // the member's last heartbeat value seen
-    std::chrono::steady_clock::time_point since;  // when it was first seen
   };
-  std::mutex mutex_;  // members_ and seen_ (the heartbeat thread reads and writes them too)
-  std::vector<int> members_;
-  std::map<int, Seen> seen_;
-  int generation_ = 0;
-  uint64_t beats_ = 0;
-  std::atomic<bool> stop_{false};
+
+  std::shared_ptr<State> state_;
   std::thread beating_;
 };
 

@@ -92,6 +92,7 @@ inline std::shared_ptr<TraceExchange> start_nccl_flight_recorder(
           s->abort("the flight recorder found that the ranks issued different collectives under one number");
       },
       static_cast<int>(next_in_process(Counted::flight_recorder)));
+  trace->start_watcher();
   std::weak_ptr<TraceExchange> weak = trace;
   recorder->set_failure_handler([weak](const std::string& error) {
     auto t = weak.lock();

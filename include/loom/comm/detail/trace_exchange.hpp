@@ -112,14 +112,16 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
       } catch (const std::exception&) {
       }
     }
-    if (recorder_->world_size() > 1 && side_) watcher_ = std::thread([this] { watch(); });
-    try {
-      live().add(this);
-    } catch (...) {
-      stop_.store(true);
-      if (watcher_.joinable()) watcher_.join();
-      throw;
-    }
+    live().add(this);
+  }
+
+  /// Starts the watcher thread (call once, right after make_shared: it holds a weak reference).
+  /// The thread holds the exchange only while it talks to the store, so a request that never
+  /// returns (a host cut off from the store) never holds the owner's destructor: the exchange then
+  /// lives on with that thread and ends when its request does.
+  void start_watcher() {
+    if (recorder_->world_size() > 1 && side_ && !watcher_.joinable())
+      watcher_ = std::thread([weak = weak_from_this()] { watch(weak); });
   }
 
   TraceExchange(const TraceExchange&) = delete;
@@ -128,7 +130,11 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
   ~TraceExchange() {
     live().remove(this);
     stop_.store(true);
-    if (watcher_.joinable()) watcher_.join();
+    if (!watcher_.joinable()) return;
+    if (watcher_.get_id() == std::this_thread::get_id())
+      watcher_.detach();  // the watcher held the last reference: it ends right after this
+    else
+      watcher_.join();  // it is asleep (it holds a reference while it works) and sees the exchange gone
   }
 
   [[nodiscard]] trace::FlightRecorder& recorder() noexcept { return *recorder_; }
@@ -391,22 +397,30 @@ class TraceExchange : public std::enable_shared_from_this<TraceExchange> {
   }
 
   /// The watcher thread: step 2 when another rank asks.
-  void watch() noexcept {
+  static void watch(const std::weak_ptr<TraceExchange>& weak) noexcept {
     int failures = 0;  // consecutive store errors
-    while (!stop_.load()) {
-      try {
-        learn_job();
-        if (side_->check({kRequestKey})) {
-          const auto value = side_->get(kRequestKey);
-          post("requested by " + std::string(value.begin(), value.end()));
-          return;
+    for (;;) {
+      {
+        const std::shared_ptr<TraceExchange> self = weak.lock();
+        if (!self || self->stop_.load()) return;
+        try {
+          self->learn_job();
+          if (self->side_->check({kRequestKey})) {
+            const auto value = self->side_->get(kRequestKey);
+            if (!self->stop_.load()) self->post("requested by " + std::string(value.begin(), value.end()));
+            return;
+          }
+          self->probe();
+          failures = 0;
+        } catch (const std::exception&) {
+          if (++failures >= 20) return;  // the store went away: the job is over
         }
-        probe();
-        failures = 0;
-      } catch (const std::exception&) {
-        if (++failures >= 20) return;  // the store went away: the job is over
       }
-      for (int i = 0; i < 5 && !stop_.load(); ++i) std::this_thread::sleep_for(kPollInterval / 5);
+      for (int i = 0; i < 5; ++i) {
+        std::this_thread::sleep_for(kPollInterval / 5);
+        const std::shared_ptr<TraceExchange> self = weak.lock();
+        if (!self || self->stop_.load()) return;
+      }
     }
   }
 
