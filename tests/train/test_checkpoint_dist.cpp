@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -77,6 +78,91 @@ TEST_SUITE("dist") {
     const double relative = loom::test::max_relative_difference(expected, resumed);
     MESSAGE(fmt::format("2 -> 3 ranks resumed vs uninterrupted: max relative difference {:.3g}", relative));
     CHECK(relative < 1e-12);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("zero_stage 1: saved on 2 ranks at step 3, resumed on 3, the uninterrupted unsharded run's bytes") {
+    // Deterministic reducer and Adam: the sharded state is gathered into the file and scattered on
+    // another world size; every parameter equals the 1-rank stage-0 run's, bit for bit.
+    const fs::path dir = fs::temp_directory_path() / fmt::format("loom-zero-dist-{}", ::getpid());
+    fs::create_directories(dir);
+    const fs::path file = dir / "run.pt", result = dir / "params.txt";
+    const loom::TrainerOptions sharded{.reducer = {.deterministic = true}, .zero_stage = 1};
+    auto adam = [](loom::test::Mlp& m) { return torch::optim::Adam(m.params, torch::optim::AdamOptions(0.01)); };
+
+    loom::LocalCommunicator local;
+    loom::test::Mlp whole(at::kDouble);
+    auto whole_adam = adam(whole);
+    {
+      loom::BatchLoader loader(local, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                               loom::test::kTrainerPlan);
+      loom::Trainer trainer(local, whole.list(), whole_adam, {.reducer = {.deterministic = true}});
+      for (int64_t e = 0; e < 2; ++e)
+        for (loom::Batch& b : trainer.epoch(loader, e)) trainer.backward(loom::test::mean_loss(whole, b), b);
+    }
+
+    loom::test::run_ranks(2,
+                          [&](loom::GlooCommunicator& comm) {
+                            loom::test::Mlp model(at::kDouble);
+                            auto opt = adam(model);
+                            loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                                     loom::test::kTrainerPlan);
+                            loom::Trainer trainer(comm, model.list(), opt, sharded);
+                            trainer.on_step([&](const loom::SyncResult&) {
+                              if (trainer.steps() == 3) {
+                                loom::save_checkpoint(file, trainer, loader);
+                                trainer.stop();
+                              }
+                            });
+                            for (loom::Batch& b : trainer.epoch(loader, 0))
+                              trainer.backward(loom::test::mean_loss(model, b), b);
+                            if (!trainer.stopped()) throw std::runtime_error("the run did not stop at step 3");
+                            if (!opt.state().empty()) throw std::runtime_error("the optimizer passed in kept state");
+                          },
+                          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+
+    loom::test::run_ranks(3,
+                          [&](loom::GlooCommunicator& comm) {
+                            loom::test::Mlp model(at::kDouble, /*seed=*/5.0);
+                            auto opt = adam(model);
+                            loom::BatchLoader loader(comm, loom::test::trainer_shapes(), loom::test::trainer_fetch(),
+                                                     loom::test::kTrainerPlan);
+                            loom::Trainer trainer(comm, model.list(), opt, sharded);
+                            const auto info = loom::load_checkpoint(file, trainer, loader);
+                            for (int64_t e = info.cursor.epoch; e < 2; ++e)
+                              for (loom::Batch& b : trainer.epoch(loader, e))
+                                trainer.backward(loom::test::mean_loss(model, b), b);
+                            if (comm.rank() == 0) loom::test::write_values(result.string(), model.params);
+                          },
+                          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+
+    const std::vector<double> expected = loom::test::flat_values(whole.params);
+    const std::vector<double> resumed = loom::test::read_values(result.string());
+    REQUIRE(resumed.size() == expected.size());
+    CHECK(loom::test::max_relative_difference(expected, resumed) == 0.0);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("zero_stage: ranks that set different stages get a loom error naming each rank's") {
+    const fs::path dir = fs::temp_directory_path() / fmt::format("loom-zero-stage-{}", ::getpid());
+    fs::create_directories(dir);
+    loom::test::run_ranks(2,
+                          [&](loom::GlooCommunicator& comm) {
+                            loom::test::Mlp model(at::kDouble);
+                            torch::optim::SGD sgd(model.params, 0.1);
+                            try {
+                              loom::Trainer trainer(comm, model.list(), sgd, {.zero_stage = comm.rank() == 0 ? 1 : 0});
+                            } catch (const loom::InvalidArgument& e) {
+                              std::ofstream(dir / fmt::format("error-{}.txt", comm.rank())) << e.what();
+                            }
+                          },
+                          {.comm_timeout = std::chrono::seconds(30), .spawn_timeout = std::chrono::seconds(120)});
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(dir / fmt::format("error-{}.txt", r));
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      CAPTURE(r);
+      CHECK(text.find("different TrainerOptions::zero_stage values (by rank: 1, 0)") != std::string::npos);
+    }
     fs::remove_all(dir);
   }
 
