@@ -330,6 +330,24 @@ TEST_CASE("ShardedOptimizer: gather_state gives the unsharded state; scatter_sta
   }
 }
 
+TEST_CASE("ShardedOptimizer: ranks that would cut different shards get an error naming each rank's values") {
+  loom::test::ThreadGroup group(2);
+  std::vector<std::string> errors(2);
+  group.run([&](int rank) {
+    loom::test::ThreadCommunicator comm(group, rank);
+    std::vector<at::Tensor> params = make_params();
+    torch::optim::SGD sgd(params, 0.1);
+    try {
+      loom::ShardedOptimizer sharded(comm, sgd, {.bucket_cap_bytes = rank == 0 ? 4096u : 8192u});
+    } catch (const loom::InvalidArgument& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  for (const auto& e : errors)
+    CHECK(e.find("by rank (bucket_cap_bytes 4096, 5 trainable parameters, 3017 elements), (bucket_cap_bytes 8192") !=
+          std::string::npos);
+}
+
 TEST_CASE("ShardedOptimizer: misuse is a loom error naming the value") {
   loom::test::ThreadGroup group(1);
   loom::test::ThreadCommunicator comm(group, 0);
@@ -357,6 +375,38 @@ TEST_CASE("ShardedOptimizer: misuse is a loom error naming the value") {
     set_grads(params, 0);
     CHECK_THROWS_WITH_AS(sharded.step(), doctest::Contains("trainable parameter 1 (sizes 130) has another storage"),
                          loom::Error);
+  }
+  SUBCASE("parameter groups changed after construction") {
+    std::vector<at::Tensor> params = make_params();
+    torch::optim::SGD sgd(std::vector<at::Tensor>{params[0], params[1]}, 0.1);
+    loom::ShardedOptimizer sharded(comm, sgd);
+    sgd.add_param_group(torch::optim::OptimizerParamGroup({params[2]}));
+    set_grads(params, 0);
+    CHECK_THROWS_WITH_AS(sharded.step(), doctest::Contains("the optimizer's parameter groups changed"), loom::Error);
+  }
+  SUBCASE("a sparse gradient") {
+    std::vector<at::Tensor> params = make_params();
+    torch::optim::SGD sgd(std::vector<at::Tensor>{params[1]}, 0.1);
+    loom::ShardedOptimizer sharded(comm, sgd);
+    params[1].mutable_grad() = torch::ones({130}).to_sparse();
+    CHECK_THROWS_WITH_AS(sharded.step(), doctest::Contains("trainable parameter 0 has a sparse gradient"),
+                         loom::InvalidArgument);
+  }
+  SUBCASE("gather_state to a root outside the group") {
+    std::vector<at::Tensor> params = make_params();
+    torch::optim::Adam adam(params);
+    loom::ShardedOptimizer sharded(comm, adam);
+    CHECK_THROWS_WITH_AS(sharded.gather_state(1), doctest::Contains("root 1 is outside [0, 1)"), loom::InvalidArgument);
+  }
+  SUBCASE("a scatter_state with no state to take keeps the shard's (Adagrad's sums)") {
+    std::vector<at::Tensor> params = make_params();
+    torch::optim::Adagrad adagrad(params, torch::optim::AdagradOptions(0.1).initial_accumulator_value(0.2));
+    loom::ShardedOptimizer sharded(comm, adagrad);
+    const int64_t bytes = sharded.state_bytes();
+    sharded.scatter_state();  // the optimizer passed in holds nothing now
+    CHECK(sharded.state_bytes() == bytes);
+    set_grads(params, 0);
+    sharded.step();
   }
   SUBCASE("frozen parameters are left out; a channels-last parameter is cut in storage order") {
     std::vector<at::Tensor> params = make_params();

@@ -160,6 +160,9 @@ class Membership {
   ///         failed); loom::TimeoutError when a member neither joins nor goes silent within the timeout.
   Agreement agree(int64_t progress, int node) {
     std::shared_ptr<State> state = state_;
+    if (state->abandoned)
+      throw CommError(
+          fmt::format("elastic: launch rank {} was cut off from the job's store and left the job", state->me));
     auto task = std::make_shared<std::packaged_task<Agreement()>>(
         [state, progress, node] { return state->agree_in_store(progress, node); });
     std::future<Agreement> result = task->get_future();
@@ -167,12 +170,14 @@ class Membership {
     const auto cut_off_after = state->options.dead_after + 2 * state->options.heartbeat;
     while (result.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) {
       const auto silent = std::chrono::steady_clock::now() - state->last_beat.load();
-      if (silent > cut_off_after && !state->beat_ended)
+      if (silent > cut_off_after && !state->beat_ended) {
+        state->abandoned = true;
         throw CommError(fmt::format(
             "elastic: launch rank {} is cut off from the job's store: its heartbeat has not reached the store for "
             "{} ms (ElasticOptions::dead_after = {} ms), so the others count it dead; it leaves the job",
             state->me, std::chrono::duration_cast<std::chrono::milliseconds>(silent).count(),
             state->options.dead_after.count()));
+      }
     }
     try {
       return result.get();
@@ -207,6 +212,7 @@ class Membership {
     uint64_t beats = 0;
     std::atomic<bool> stop{false};
     std::atomic<bool> beat_ended{false};
+    std::atomic<bool> abandoned{false};  // agree() gave up on this rank (cut off): the helper changes nothing
     std::atomic<std::chrono::steady_clock::time_point> last_beat{std::chrono::steady_clock::now()};
 
     void beat_once() {
@@ -269,11 +275,13 @@ class Membership {
         bool open = false;  // a member neither joined nor is dead yet
         for (int m : members) {
           const std::string key = base + fmt::format("joined/{}", m);
+          const bool alive = m == me || now - observe(*store, m, now) < options.dead_after;
           if (store->check({key})) {
-            joined.emplace_back(m, store_text(store->get(key)));
+            // A member cut off after it joined falls silent too: it is left out like the dead.
+            if (alive) joined.emplace_back(m, store_text(store->get(key)));
             continue;
           }
-          if (now - observe(*store, m, now) < options.dead_after) open = true;
+          if (alive) open = true;
         }
         if (!open) {
           std::string proposal;
@@ -304,6 +312,7 @@ class Membership {
             "elastic: launch rank {} was left out of the group of generation {} (members [{}]): its heartbeat or its "
             "arrival at the agreement came later than ElasticOptions::dead_after = {} ms",
             me, generation + 1, launch_ranks_text(next), options.dead_after.count()));
+      if (abandoned) throw CommError("elastic: this rank left the job (cut off) before its agreement ended");
       {
         const std::lock_guard lock(mutex);
         members = next;

@@ -26,8 +26,10 @@
 // Throws: loom::InvalidArgument for an optimizer other than torch::optim's SGD, Adam, AdamW,
 //   RMSprop or Adagrad (a subclass included: its update may not be element by element), a
 //   trainable parameter that is not dense (overlapping or with gaps) or lives on another device
-//   than the communicator, or a bucket cap of 0; loom::Error when a parameter's storage was
-//   replaced after construction (set_data); the communicator's errors.
+//   than the communicator, a sparse gradient, a bucket cap of 0, or ranks that would cut different
+//   shards (another cap or other parameters); loom::Error when a parameter's storage, the
+//   parameter groups or the communicator's rank or world size changed after construction; the
+//   communicator's errors.
 // Guide: docs/zero.md. Source: ZeRO stage 1 (Rajbhandari et al. 2020), PyTorch's
 //   ZeroRedundancyOptimizer (sharded state over DDP's all-reduce), llm.c's ZeRO-1.
 #pragma once
@@ -76,10 +78,11 @@ class ShardedOptimizer {
  public:
   /// Lists `optimizer`'s trainable parameters (requires_grad, group by group), cuts them into
   /// shards, builds the optimizer over this rank's pieces and moves any state `optimizer` holds
-  /// into it (a checkpoint loaded before; Adagrad's initial sums). No collective.
+  /// into it (a checkpoint loaded before; Adagrad's initial sums). One all_gather (world size > 1)
+  /// compares the cap and the parameters' count and elements across the ranks.
   /// Throws: see the file comment.
   ShardedOptimizer(Comm& comm, torch::optim::Optimizer& optimizer, ShardedOptimizerOptions options = {})
-      : comm_(&comm), user_(&optimizer) {
+      : comm_(&comm), user_(&optimizer), rank_(comm.rank()), world_size_(comm.world_size()) {
     const auto kind = detail::kind_of(optimizer);
     if (!kind)
       throw InvalidArgument(fmt::format(
@@ -90,6 +93,7 @@ class ShardedOptimizer {
     std::vector<std::int64_t> numels;
     std::vector<c10::ScalarType> dtypes;
     const auto& groups = optimizer.param_groups();
+    groups_ = group_snapshot();
     for (std::size_t g = 0; g < groups.size(); ++g)
       for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
         const at::Tensor& p = groups[g].params()[i];
@@ -110,6 +114,7 @@ class ShardedOptimizer {
         dtypes.push_back(p.scalar_type());
       }
     layout_ = detail::ShardLayout::build(numels, dtypes, comm.world_size(), options.bucket_cap_bytes);
+    check_same_layout(options.bucket_cap_bytes, numels);
     std::vector<std::vector<at::Tensor>> views(groups.size());
     for (std::size_t b = 0; b < layout_.buckets.size(); ++b)
       for (const detail::ShardPiece& piece : layout_.buckets[b].pieces[static_cast<std::size_t>(comm.rank())]) {
@@ -137,12 +142,17 @@ class ShardedOptimizer {
   /// at the same steps. Throws: loom::Error for a replaced parameter; the communicator's errors.
   void step() {
     at::NoGradGuard no_grad;
-    check_storage();
+    check_unchanged("ShardedOptimizer::step");
     auto& mine_groups = shard_->param_groups();
     const auto& groups = user_->param_groups();
     for (std::size_t g = 0; g < groups.size(); ++g) mine_groups[g].set_options(groups[g].options().clone());
     for (Mine& m : mine_) {
       const at::Tensor& grad = params_[m.piece.param].grad();
+      if (grad.defined() && grad.layout() != at::kStrided)
+        throw InvalidArgument(fmt::format(
+            "ShardedOptimizer::step: trainable parameter {} has a {} gradient; only dense (strided) gradients can be "
+            "cut into shards (a sparse Embedding cannot be sharded)",
+            m.piece.param, grad.is_sparse() ? "sparse" : "non-strided"));
       if (grad.defined())
         m.view.mutable_grad() = grad_flat(m.piece.param, grad).narrow(0, m.piece.offset, m.piece.length);
       else
@@ -166,7 +176,8 @@ class ShardedOptimizer {
   [[nodiscard]] const detail::ShardLayout& layout() const noexcept { return layout_; }
   /// The optimizer over this rank's pieces (its state is this rank's shard of the state).
   [[nodiscard]] torch::optim::Optimizer& shard_optimizer() noexcept { return *shard_; }
-  /// The optimizer passed in (groups and options; no state between gather_state and release_state).
+  /// The optimizer passed in (groups and options; it holds state only between gather_state and
+  /// release_state, on the root).
   [[nodiscard]] torch::optim::Optimizer& optimizer() const noexcept { return *user_; }
 
   /// Joins every rank's shard of the state into the optimizer passed in, on rank `root` only (the
@@ -174,6 +185,10 @@ class ShardedOptimizer {
   /// for a checkpoint. Memory on `root`: the whole optimizer state until release_state(). Every rank
   /// calls it. Throws: the communicator's errors.
   void gather_state(int root = 0) {
+    if (root < 0 || root >= world_size_)
+      throw InvalidArgument(
+          fmt::format("ShardedOptimizer::gather_state: root {} is outside [0, {})", root, world_size_));
+    check_unchanged("ShardedOptimizer::gather_state");
     at::NoGradGuard no_grad;
     detail::with_kind(kind_, [&](auto tag) { gather_state_as(tag, root); });
   }
@@ -181,7 +196,8 @@ class ShardedOptimizer {
   void release_state() { user_->state().clear(); }
   /// Takes this rank's pieces of the state the optimizer passed in holds (whole parameters: a
   /// checkpoint loaded into it), replacing this rank's shard state (a parameter without state there
-  /// has none here), then releases it. No collective.
+  /// has none here), then releases it. When that optimizer holds no state at all, this rank's shard
+  /// state stays as it is. No collective.
   /// Throws: loom::InvalidArgument for a state of another optimizer type.
   void scatter_state() {
     at::NoGradGuard no_grad;
@@ -211,13 +227,60 @@ class ShardedOptimizer {
   /// A state tensor of parameter j, 1-D in the parameter's storage order.
   at::Tensor state_flat(std::size_t j, const at::Tensor& t) const { return grad_flat(j, t.to(params_[j].device())); }
 
-  void check_storage() const {
+  /// Every group's parameters (their TensorImpl and whether they are trainable), to see changes.
+  std::vector<std::vector<std::pair<const void*, bool>>> group_snapshot() const {
+    std::vector<std::vector<std::pair<const void*, bool>>> out;
+    for (const auto& g : user_->param_groups()) {
+      out.emplace_back();
+      for (const at::Tensor& p : g.params()) out.back().emplace_back(p.unsafeGetTensorImpl(), p.requires_grad());
+    }
+    return out;
+  }
+
+  /// loom::Error when the parameters, their groups, their storage or the communicator's rank or
+  /// world size changed since construction (the layout and the state's keys would no longer fit).
+  void check_unchanged(const char* where) const {
+    if (comm_->rank() != rank_ || comm_->world_size() != world_size_)
+      throw Error(fmt::format(
+          "{}: the communicator is rank {} of {} now, rank {} of {} when this ShardedOptimizer was built (a recovered "
+          "elastic group?); its shards of the state do not fit another group: build a new one from a checkpoint",
+          where, comm_->rank(), comm_->world_size(), rank_, world_size_));
+    if (group_snapshot() != groups_)
+      throw Error(fmt::format(
+          "{}: the optimizer's parameter groups changed since the ShardedOptimizer was built (a group or parameter "
+          "added or replaced, or one frozen or unfrozen); build a new optimizer and ShardedOptimizer",
+          where));
     for (std::size_t j = 0; j < params_.size(); ++j)
       if (params_[j].data_ptr() != flats_[j].data_ptr())
         throw Error(fmt::format(
-            "ShardedOptimizer::step: trainable parameter {} (sizes {}) has another storage than when the "
-            "ShardedOptimizer was built (set_data or a new tensor); build a new optimizer and ShardedOptimizer",
-            j, fmt::join(params_[j].sizes(), "x")));
+            "{}: trainable parameter {} (sizes {}) has another storage than when the ShardedOptimizer was built "
+            "(set_data or a new tensor); build a new optimizer and ShardedOptimizer",
+            where, j, fmt::join(params_[j].sizes(), "x")));
+  }
+
+  /// Every rank must have cut the same parameters with the same cap: one all_gather of (cap, count,
+  /// elements) compares them. Throws: loom::InvalidArgument naming each rank's values.
+  void check_same_layout(std::size_t cap, const std::vector<std::int64_t>& numels) {
+    if (world_size_ == 1) return;
+    std::int64_t elements = 0;
+    for (std::int64_t n : numels) elements += n;
+    const at::Tensor mine = at::tensor(
+        std::vector<std::int64_t>{static_cast<std::int64_t>(cap), static_cast<std::int64_t>(numels.size()), elements},
+        at::kLong);
+    const std::vector<at::Tensor> all = comm_->all_gather(mine.to(comm_->device()));
+    std::vector<std::string> rows;
+    bool same = true;
+    for (const at::Tensor& r : all) {
+      const at::Tensor h = r.to(at::kCPU);
+      same = same && at::equal(h, mine);
+      const auto* v = h.data_ptr<std::int64_t>();
+      rows.push_back(fmt::format("(bucket_cap_bytes {}, {} trainable parameters, {} elements)", v[0], v[1], v[2]));
+    }
+    if (!same)
+      throw InvalidArgument(fmt::format(
+          "ShardedOptimizer: the ranks would cut different shards: by rank {}; every rank must pass the same "
+          "parameters and ShardedOptimizerOptions",
+          fmt::join(rows, ", ")));
   }
 
   /// Every rank's updated pieces into every rank's parameters, one all_gather per bucket.
@@ -243,6 +306,7 @@ class ShardedOptimizer {
     using Fields = typename Tag::Fields;
     auto& from = user_->state();
     auto& to = shard_->state();
+    if (from.empty()) return;
     for (const Mine& m : mine_) {
       const auto key = detail::state_key(*shard_, m.view);
       const auto it = from.find(detail::state_key(*user_, params_[m.piece.param]));
@@ -298,7 +362,8 @@ class ShardedOptimizer {
         mask[j] = v[2];
         break;
       }
-    const bool keep = comm_->rank() == root;
+    bool keep = comm_->rank() == root;
+    std::string failed;  // the root's own error while it assembles: it still joins every all_gather
     std::vector<std::unique_ptr<State>> whole(n);
     std::vector<at::Tensor> full(n);
     for (std::size_t j = 0; j < n && keep; ++j)
@@ -320,16 +385,29 @@ class ShardedOptimizer {
         }
         const std::vector<at::Tensor> all = comm_->all_gather(send);
         if (!keep) continue;
+        try {
+          // On the host: the whole state is the memory peak of a save, and it goes to a file.
+          for (std::size_t j : b.params)
+            if (has[j] != 0 && ((mask[j] >> i) & 1) != 0)
+              full[j] =
+                  at::empty_strided(params_[j].sizes(), params_[j].strides(), params_[j].options().device(at::kCPU));
+          for (std::size_t r = 0; r < b.pieces.size(); ++r)
+            for (const detail::ShardPiece& p : b.pieces[r])
+              if (full[p.param].defined())
+                flat_of(full[p.param]).narrow(0, p.offset, p.length).copy_(all[r].narrow(0, p.position, p.length));
+          for (std::size_t j : b.params)
+            if (full[j].defined()) Fields::set(*whole[j], i, std::move(full[j]));
+        } catch (const std::exception& e) {
+          failed = detail::first_line(e.what());
+          keep = false;
+          whole.clear();
+        }
         for (std::size_t j : b.params)
-          if (has[j] != 0 && ((mask[j] >> i) & 1) != 0) full[j] = at::empty_like(params_[j]);
-        for (std::size_t r = 0; r < b.pieces.size(); ++r)
-          for (const detail::ShardPiece& p : b.pieces[r])
-            if (full[p.param].defined())
-              flat_of(full[p.param]).narrow(0, p.offset, p.length).copy_(all[r].narrow(0, p.position, p.length));
-        for (std::size_t j : b.params)
-          if (full[j].defined()) Fields::set(*whole[j], i, std::move(full[j]));
-        for (std::size_t j : b.params) full[j] = at::Tensor();
+          if (j < full.size()) full[j] = at::Tensor();
       }
+    if (!failed.empty())
+      throw Error(fmt::format(
+          "ShardedOptimizer::gather_state: rank {} could not assemble the whole optimizer state: {}", root, failed));
     if (!keep) return;
     auto& to = user_->state();
     to.clear();
@@ -346,6 +424,9 @@ class ShardedOptimizer {
 
   Comm* comm_;
   torch::optim::Optimizer* user_;
+  int rank_;  // the communicator's rank and world size at construction (the layout's)
+  int world_size_;
+  std::vector<std::vector<std::pair<const void*, bool>>> groups_;  // group_snapshot() at construction
   detail::OptimizerKind kind_ = detail::OptimizerKind::sgd;
   std::vector<at::Tensor> params_;     // the trainable parameters, group by group
   std::vector<at::Tensor> flats_;      // each one's elements in storage order (1-D views)

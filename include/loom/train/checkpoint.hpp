@@ -119,10 +119,19 @@ void save_checkpoint(const std::filesystem::path& file, Trainer<C, Opt>& trainer
   C& comm = trainer.communicator();
   // Rank 0's replica stands for every rank's: first make sure they are all the same.
   trainer.check_replicas("save_checkpoint");
-  // TrainerOptions::zero_stage = 1: the state's shards joined on rank 0, as an unsharded optimizer holds it.
-  if (auto* sharded = trainer.sharded_optimizer()) sharded->gather_state(0);
   std::string failure;
-  if (comm.rank() == 0) {
+  // TrainerOptions::zero_stage = 1: the state's shards joined on rank 0, as an unsharded optimizer
+  // holds it. Rank 0's own failure there (its memory) becomes the save's error on every rank.
+  if (auto* sharded = trainer.sharded_optimizer()) {
+    try {
+      sharded->gather_state(0);
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& e) {
+      failure = detail::first_line(e.what());
+    }
+  }
+  if (comm.rank() == 0 && failure.empty()) {
     try {
       torch::serialize::OutputArchive archive;
       archive.write("loom_checkpoint", c10::IValue(std::string(kCheckpointFormat)));

@@ -28,15 +28,11 @@
 namespace loom::detail {
 
 /// The ShardedOptimizer TrainerOptions::zero_stage asks for over `optimizer`, or none (stage 0).
-/// One all_gather of the stage when the world size is above 1. Throws: see the file comment.
+/// One all_gather of the stage when the world size is above 1 (first, so that a bad stage on one
+/// rank is an error on every rank). Throws: see the file comment.
 template <Communicator Comm, class Opt>
 std::optional<ShardedOptimizer<Comm>> make_trainer_sharding(Comm& comm, Opt& optimizer, const TrainerOptions& options) {
   const int stage = options.zero_stage;
-  if (stage != 0 && stage != 1)
-    throw InvalidArgument(fmt::format(
-        "Trainer: TrainerOptions::zero_stage = {}; loom has stage 0 (every rank keeps the whole optimizer state) and "
-        "stage 1 (loom::ShardedOptimizer: each rank keeps its shard of it)",
-        stage));
   if (comm.world_size() > 1) {
     const std::vector<std::int64_t> mine{stage};
     const auto all = all_gather_int64(comm, mine);
@@ -49,6 +45,12 @@ std::optional<ShardedOptimizer<Comm>> make_trainer_sharding(Comm& comm, Opt& opt
             "the same",
             fmt::join(stages, ", ")));
   }
+  // After the stages are compared (every rank reaches the same verdict, none waits in the all_gather).
+  if (stage != 0 && stage != 1)
+    throw InvalidArgument(fmt::format(
+        "Trainer: TrainerOptions::zero_stage = {}; loom has stage 0 (every rank keeps the whole optimizer state) and "
+        "stage 1 (loom::ShardedOptimizer: each rank keeps its shard of it)",
+        stage));
   if (stage == 0) return std::nullopt;
   if constexpr (ElasticCommunicator<Comm>) {
     if (comm.elastic())
