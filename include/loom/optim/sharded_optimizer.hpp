@@ -93,7 +93,7 @@ class ShardedOptimizer {
     std::vector<std::int64_t> numels;
     std::vector<c10::ScalarType> dtypes;
     const auto& groups = optimizer.param_groups();
-    groups_ = group_snapshot();
+    groups_ = detail::group_snapshot(optimizer);
     for (std::size_t g = 0; g < groups.size(); ++g)
       for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
         const at::Tensor& p = groups[g].params()[i];
@@ -227,16 +227,6 @@ class ShardedOptimizer {
   /// A state tensor of parameter j, 1-D in the parameter's storage order.
   at::Tensor state_flat(std::size_t j, const at::Tensor& t) const { return grad_flat(j, t.to(params_[j].device())); }
 
-  /// Every group's parameters (their TensorImpl and whether they are trainable), to see changes.
-  std::vector<std::vector<std::pair<const void*, bool>>> group_snapshot() const {
-    std::vector<std::vector<std::pair<const void*, bool>>> out;
-    for (const auto& g : user_->param_groups()) {
-      out.emplace_back();
-      for (const at::Tensor& p : g.params()) out.back().emplace_back(p.unsafeGetTensorImpl(), p.requires_grad());
-    }
-    return out;
-  }
-
   /// loom::Error when the parameters, their groups, their storage or the communicator's rank or
   /// world size changed since construction (the layout and the state's keys would no longer fit).
   void check_unchanged(const char* where) const {
@@ -245,16 +235,19 @@ class ShardedOptimizer {
           "{}: the communicator is rank {} of {} now, rank {} of {} when this ShardedOptimizer was built (a recovered "
           "elastic group?); its shards of the state do not fit another group: build a new one from a checkpoint",
           where, comm_->rank(), comm_->world_size(), rank_, world_size_));
-    if (group_snapshot() != groups_)
+    if (!detail::same_groups(*user_, groups_))
       throw Error(fmt::format(
           "{}: the optimizer's parameter groups changed since the ShardedOptimizer was built (a group or parameter "
-          "added or replaced, or one frozen or unfrozen); build a new optimizer and ShardedOptimizer",
+          "added or replaced, or one frozen or unfrozen); build a new optimizer and ShardedOptimizer (with "
+          "loom::Trainer: "
+          "a new Trainer)",
           where));
     for (std::size_t j = 0; j < params_.size(); ++j)
       if (params_[j].data_ptr() != flats_[j].data_ptr())
         throw Error(fmt::format(
             "{}: trainable parameter {} (sizes {}) has another storage than when the ShardedOptimizer was built "
-            "(set_data or a new tensor); build a new optimizer and ShardedOptimizer",
+            "(set_data or a new tensor); build a new optimizer and ShardedOptimizer (with loom::Trainer: a new "
+            "Trainer)",
             where, j, fmt::join(params_[j].sizes(), "x")));
   }
 
@@ -426,7 +419,7 @@ class ShardedOptimizer {
   torch::optim::Optimizer* user_;
   int rank_;  // the communicator's rank and world size at construction (the layout's)
   int world_size_;
-  std::vector<std::vector<std::pair<const void*, bool>>> groups_;  // group_snapshot() at construction
+  detail::GroupSnapshot groups_;  // the parameter groups at construction
   detail::OptimizerKind kind_ = detail::OptimizerKind::sgd;
   std::vector<at::Tensor> params_;     // the trainable parameters, group by group
   std::vector<at::Tensor> flats_;      // each one's elements in storage order (1-D views)

@@ -1,6 +1,7 @@
 // loom/optim/detail/param_state.hpp — the torch::optim optimizers whose update is element by element
 // (SGD, Adam, AdamW, RMSprop, Adagrad), named by OptimizerKind, with their per-parameter state as
-// numbered tensors and a step count: what loom::ShardedOptimizer slices into shards and joins back.
+// numbered tensors and a step count: what loom::ShardedOptimizer slices into shards and joins back;
+// and a snapshot of an optimizer's parameter groups, to see that they changed.
 //
 // Example:
 //   auto kind = loom::detail::kind_of(adam);                     // OptimizerKind::adam
@@ -13,6 +14,7 @@
 // TensorImpl address (void*) on 2.x: state_key gives the right one.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -21,6 +23,7 @@
 #include <type_traits>
 #include <typeinfo>
 #include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/adagrad.h>
@@ -148,6 +151,33 @@ auto state_key(const O& o, const at::Tensor& p) {
   } else {
     return static_cast<Key>(p.unsafeGetTensorImpl());
   }
+}
+
+/// Every parameter group's parameters (their TensorImpl and whether they are trainable), to see
+/// whether an optimizer's groups changed.
+using GroupSnapshot = std::vector<std::vector<std::pair<const void*, bool>>>;
+
+inline GroupSnapshot group_snapshot(const torch::optim::Optimizer& o) {
+  GroupSnapshot out;
+  for (const auto& g : o.param_groups()) {
+    out.emplace_back();
+    for (const at::Tensor& p : g.params()) out.back().emplace_back(p.unsafeGetTensorImpl(), p.requires_grad());
+  }
+  return out;
+}
+
+/// Whether `o`'s groups hold the parameters of `snapshot` (compared in place: no allocation).
+inline bool same_groups(const torch::optim::Optimizer& o, const GroupSnapshot& snapshot) {
+  const auto& groups = o.param_groups();
+  if (groups.size() != snapshot.size()) return false;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto& params = groups[g].params();
+    if (params.size() != snapshot[g].size()) return false;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (params[i].unsafeGetTensorImpl() != snapshot[g][i].first || params[i].requires_grad() != snapshot[g][i].second)
+        return false;
+  }
+  return true;
 }
 
 /// Bytes of every tensor in `o.state()` (the five kinds' states; 0 for another optimizer's).
