@@ -48,6 +48,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/host_values.hpp>
 #include <loom/error.hpp>
 #include <loom/optim/detail/param_state.hpp>
 #include <loom/optim/detail/shard_layout.hpp>
@@ -257,16 +258,12 @@ class ShardedOptimizer {
     if (world_size_ == 1) return;
     std::int64_t elements = 0;
     for (std::int64_t n : numels) elements += n;
-    const at::Tensor mine = at::tensor(
-        std::vector<std::int64_t>{static_cast<std::int64_t>(cap), static_cast<std::int64_t>(numels.size()), elements},
-        at::kLong);
-    const std::vector<at::Tensor> all = comm_->all_gather(mine.to(comm_->device()));
+    const std::vector<std::int64_t> mine{static_cast<std::int64_t>(cap), static_cast<std::int64_t>(numels.size()),
+                                         elements};
     std::vector<std::string> rows;
     bool same = true;
-    for (const at::Tensor& r : all) {
-      const at::Tensor h = r.to(at::kCPU);
-      same = same && at::equal(h, mine);
-      const auto* v = h.data_ptr<std::int64_t>();
+    for (const auto& v : detail::all_gather_int64(*comm_, mine)) {
+      same = same && v == mine;
       rows.push_back(fmt::format("(bucket_cap_bytes {}, {} trainable parameters, {} elements)", v[0], v[1], v[2]));
     }
     if (!same)
@@ -330,8 +327,7 @@ class ShardedOptimizer {
     const std::size_t n = params_.size();
     // Per parameter, from each rank holding a piece of it: whether it has state, its step, and
     // which tensors are defined (bit i); -1 where the rank holds no piece.
-    at::Tensor meta = at::full({static_cast<std::int64_t>(n * 3 + 1)}, -1, at::kLong);
-    auto* row = meta.data_ptr<std::int64_t>();
+    std::vector<std::int64_t> row(n * 3, -1);
     const auto& mine_state = shard_->state();
     for (const Mine& m : mine_) {
       const auto it = mine_state.find(detail::state_key(*shard_, m.view));
@@ -343,12 +339,11 @@ class ShardedOptimizer {
       row[m.piece.param * 3 + 1] = s != nullptr ? Fields::step(*s) : 0;
       row[m.piece.param * 3 + 2] = mask;
     }
-    std::vector<at::Tensor> rows = comm_->all_gather(meta.to(comm_->device()));
-    for (auto& r : rows) r = r.to(at::kCPU);
+    const auto rows = detail::all_gather_int64(*comm_, row);
     std::vector<std::int64_t> has(n, 0), step(n, 0), mask(n, 0);
     for (std::size_t j = 0; j < n; ++j)
-      for (const at::Tensor& r : rows) {
-        const auto* v = r.data_ptr<std::int64_t>() + j * 3;
+      for (const auto& r : rows) {
+        const std::int64_t* v = r.data() + j * 3;
         if (v[0] < 0) continue;
         has[j] = v[0];
         step[j] = v[1];
